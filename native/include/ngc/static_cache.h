@@ -1,0 +1,99 @@
+// StaticCache: a read-only, memory-mapped static cache file (format: static_format.h).
+//
+// Opening maps the file and validates its header and section table only, so it costs O(1)
+// in the file size; the page cache holds one copy of the file for every process of a node.
+// Thread-safety: every method is const and safe to call from any number of threads.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "ngc/ngram.h"
+#include "ngc/static_format.h"
+#include "ngc/status.h"
+
+namespace ngc {
+
+struct SectionInfo {
+  uint32_t id = 0;        // format::SectionId
+  uint64_t offset = 0;    // from the start of the file; a multiple of 8
+  uint64_t length = 0;    // in bytes
+  uint64_t checksum = 0;  // checksum64 of the section bytes
+};
+
+// The header fields of a static cache (see static_format.h for each one's meaning).
+struct StaticInfo {
+  uint32_t format_version = 0;
+  uint32_t ngram_size = 0;
+  uint32_t vocab_size = 0;
+  uint8_t fingerprint[format::kFingerprintSize] = {};
+  uint64_t generation = 0;
+  uint64_t n_keys = 0;
+  uint64_t n_followers = 0;
+  uint64_t n_tokens = 0;
+  uint64_t n_overflow = 0;
+  uint32_t token_bits = 0;
+  uint64_t file_size = 0;
+  SectionInfo sections[format::kNumSections];
+};
+
+// The followers of one key. Borrowed from the mapping: valid while the StaticCache lives.
+struct StaticPart {
+  const uint32_t* followers = nullptr;  // packed; [0] is the best follower, [1..size) sorted by token
+  uint32_t size = 0;                    // >= 1 when found
+  uint32_t total = 0;                   // sum of the counts (saturated)
+  uint32_t first = 0;                   // follower index of followers[0], for OVERFLOW look-ups
+};
+
+enum class FindResult { kFound, kNotFound, kCorrupt };
+
+class StaticCache {
+ public:
+  // Maps and validates `path`. On success `*out` owns the mapping.
+  static Status open(const std::string& path, std::unique_ptr<StaticCache>* out);
+  ~StaticCache();
+  StaticCache(const StaticCache&) = delete;
+  StaticCache& operator=(const StaticCache&) = delete;
+
+  const StaticInfo& info() const { return info_; }
+
+  // Finds the key of info().ngram_size tokens at `key`. The caller MUST pass that many
+  // tokens. kCorrupt means the file's bytes point outside their sections.
+  FindResult find(const Token* key, StaticPart* out) const;
+
+  // The count of follower `token` in `part`, or 0 when it is not a follower.
+  uint32_t count_of(const StaticPart& part, Token token) const;
+  // The token and count of follower j (0 <= j < part.size).
+  Token token_at(const StaticPart& part, uint32_t j) const { return static_cast<Token>(part.followers[j] >> count_bits_); }
+  uint32_t count_at(const StaticPart& part, uint32_t j) const;
+
+  // Checks every section checksum and every structural invariant; O(file size).
+  Status verify() const;
+
+  // Reads key i (0 <= i < n_keys) into `key` and its followers into `part`; for export.
+  Status key_at(uint64_t i, NGram* key, StaticPart* part) const;
+
+  // Bytes of the mapping (the file size).
+  size_t mapped_bytes() const { return size_; }
+
+ private:
+  StaticCache() = default;
+  Status validate_header();
+
+  const uint8_t* base_ = nullptr;  // the read-only mapping; owned, unmapped by the destructor
+  size_t size_ = 0;                // bytes mapped (== file size)
+  StaticInfo info_;
+  uint32_t count_bits_ = 0;        // 32 - token_bits
+  uint32_t count_escape_ = 0;      // (1 << count_bits_) - 1: the count lives in OVERFLOW
+  // Section pointers into the mapping; lengths validated at open.
+  const uint32_t* rows_ = nullptr;
+  const uint32_t* keys_ = nullptr;
+  const uint32_t* starts_ = nullptr;
+  const uint32_t* totals_ = nullptr;
+  const uint32_t* followers_ = nullptr;
+  const uint32_t* overflow_ = nullptr;  // pairs (follower_index, count)
+};
+
+}  // namespace ngc

@@ -1,0 +1,72 @@
+// StaticWriter: writes a static cache file (static_format.h) from keys given in order.
+//
+// The file is written to a temporary name beside `path`, fsync'd, then renamed over
+// `path`, so a reader sees either no file or the whole file. Thread-safety: none; one
+// writer per thread.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "ngc/ngram.h"
+#include "ngc/static_format.h"
+#include "ngc/status.h"
+
+namespace ngc {
+
+// What the header of a new static cache says about its contents.
+struct StaticHeader {
+  uint32_t ngram_size = 2;                             // tokens per key, 1..4
+  uint32_t vocab_size = 0;                             // 1..2^24; every token is below it
+  uint8_t fingerprint[format::kFingerprintSize] = {};  // the tokenizer fingerprint
+  uint64_t generation = 0;                             // generation number in the namespace
+  uint64_t n_tokens = 0;                               // tokens counted (informational)
+};
+
+class StaticWriter {
+ public:
+  // Checks `header` and prepares to write `path`.
+  static Status create(const std::string& path, const StaticHeader& header, std::unique_ptr<StaticWriter>* out);
+  ~StaticWriter();  // removes the temporary file unless finish() succeeded
+
+  // Adds one key (header.ngram_size tokens) and its followers. Keys MUST come in strictly
+  // increasing lexicographic order; followers MUST be sorted by token, unique, counts > 0.
+  Status add(const Token* key, const Follower* followers, size_t n_followers);
+
+  // Writes every section and the header, fsyncs, and renames onto `path`.
+  Status finish();
+
+  void set_n_tokens(uint64_t n) { header_.n_tokens = n; }
+  uint64_t n_keys() const { return totals_.size(); }
+
+ private:
+  StaticWriter() = default;
+
+  std::string path_;
+  std::string tmp_path_;       // the temporary file; empty once renamed
+  StaticHeader header_;
+  uint32_t count_bits_ = 0;    // 32 - token_bits
+  uint32_t escape_ = 0;        // the count field value that means "see OVERFLOW"
+  bool has_prev_ = false;
+  NGram prev_;                 // the last key added, for the order check
+  // The sections, built in memory (each a u32 array as on disk).
+  std::vector<uint32_t> rows_;       // counts per first token until finish() prefix-sums them
+  std::vector<uint32_t> keys_;
+  std::vector<uint32_t> starts_;
+  std::vector<uint32_t> totals_;
+  std::vector<uint32_t> followers_;
+  std::vector<uint32_t> overflow_;   // pairs (follower index, count)
+};
+
+// Counts the (k-gram, follower) pairs of each stream (n-grams never span two streams, as
+// llama-lookup-create counts each of its inputs) and writes them as a static cache.
+// Every token MUST be in [0, header.vocab_size); the function checks and refuses others.
+struct TokenStream {
+  const Token* data;  // borrowed; MUST stay alive for the call
+  size_t size;
+};
+Status build_static(const std::vector<TokenStream>& streams, const StaticHeader& header, const std::string& path);
+
+}  // namespace ngc

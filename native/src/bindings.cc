@@ -1,0 +1,588 @@
+// client._core: nanobind glue between Python and the ngc core. No logic lives here beyond
+// argument checks, locking and conversions; raise_status() is the one place a Status
+// becomes a Python exception.
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
+#include <nanobind/stl/vector.h>
+
+#include <algorithm>
+#include <cstring>
+#include <mutex>
+#include <optional>
+#include <shared_mutex>
+#include <string>
+#include <vector>
+
+#include "ngc/count_table.h"
+#include "ngc/drafter.h"
+#include "ngc/sequences.h"
+#include "ngc/static_cache.h"
+#include "ngc/static_writer.h"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+namespace {
+
+using ngc::Status;
+using ngc::StatusCode;
+using ngc::Token;
+
+[[noreturn]] void raise_status(const Status& s) {
+  const char* cls = nullptr;
+  switch (s.code()) {
+    case StatusCode::kFormatError: cls = "CacheFormatError"; break;
+    case StatusCode::kIoError: PyErr_SetString(PyExc_OSError, s.message().c_str()); throw nb::python_error();
+    default: cls = "InvalidArgumentError"; break;
+  }
+  nb::object type = nb::module_::import_("client.errors").attr(cls);
+  PyErr_SetString(type.ptr(), s.message().c_str());
+  throw nb::python_error();
+}
+
+void check(const Status& s) {
+  if (!s.ok()) raise_status(s);
+}
+
+[[noreturn]] void invalid(const std::string& msg) { raise_status(Status::InvalidArgument(msg)); }
+
+using I32Array = nb::ndarray<nb::ro, nb::device::cpu>;
+
+// A borrowed view of a 1-D C-contiguous int32 numpy array (no copy).
+struct TokenView {
+  I32Array array;  // holds a reference to the buffer while the view lives
+  const Token* data = nullptr;
+  size_t size = 0;
+};
+
+TokenView as_tokens(nb::handle h, const char* what) {
+  TokenView v;
+  if (!nb::try_cast(h, v.array, false)) {
+    invalid(std::string(what) + " must be a 1-D numpy array of int32, got " +
+            nb::cast<std::string>(nb::str(nb::handle(reinterpret_cast<PyObject*>(Py_TYPE(h.ptr()))).attr("__name__"))) +
+            "; use numpy.asarray(x, dtype=numpy.int32)");
+  }
+  if (v.array.dtype() != nb::dtype<int32_t>()) {
+    invalid(std::string(what) + " must have dtype int32, got " +
+            nb::cast<std::string>(nb::str(h.attr("dtype"))) + "; use numpy.asarray(x, dtype=numpy.int32)");
+  }
+  if (v.array.ndim() != 1) invalid(std::string(what) + " must be 1-D, got " + std::to_string(v.array.ndim()) + " dimensions");
+  if (v.array.shape(0) > 1 && v.array.stride(0) != 1) invalid(std::string(what) + " must be contiguous");
+  v.data = static_cast<const Token*>(v.array.data());
+  v.size = v.array.shape(0);
+  return v;
+}
+
+template <typename T>
+nb::ndarray<nb::numpy, T> to_numpy(std::vector<T>&& values, std::initializer_list<size_t> shape) {
+  auto* heap = new std::vector<T>(std::move(values));
+  nb::capsule owner(heap, [](void* p) noexcept { delete static_cast<std::vector<T>*>(p); });
+  return nb::ndarray<nb::numpy, T>(heap->data(), shape, owner);
+}
+
+// An n-gram given from Python as a sequence of 1..4 ints >= 0.
+ngc::NGram as_ngram(const std::vector<int64_t>& tokens, uint32_t vocab_limit) {
+  if (tokens.empty() || tokens.size() > ngc::kNgramMax) {
+    invalid("an n-gram has 1..4 tokens, got " + std::to_string(tokens.size()));
+  }
+  ngc::NGram g;
+  for (size_t i = 0; i < tokens.size(); ++i) {
+    if (tokens[i] < 0 || tokens[i] >= static_cast<int64_t>(vocab_limit)) {
+      invalid("token " + std::to_string(tokens[i]) + " is outside the vocabulary [0, " + std::to_string(vocab_limit) + ")");
+    }
+    g.tokens[i] = static_cast<Token>(tokens[i]);
+  }
+  return g;
+}
+
+void check_ngram_range(int ngram_min, int ngram_max) {
+  if (ngram_min < 1 || ngram_max > ngc::kNgramMax || ngram_min > ngram_max) {
+    invalid("need 1 <= ngram_min <= ngram_max <= 4, got ngram_min=" + std::to_string(ngram_min) +
+            ", ngram_max=" + std::to_string(ngram_max));
+  }
+}
+
+void check_tokens(const Token* p, size_t n, uint32_t vocab, const char* what) {
+  for (size_t i = 0; i < n; ++i) {
+    if (p[i] < 0 || static_cast<uint32_t>(p[i]) >= vocab) {
+      invalid(std::string(what) + "[" + std::to_string(i) + "] = " + std::to_string(p[i]) +
+              " is outside the vocabulary [0, " + std::to_string(vocab) + ")");
+    }
+  }
+}
+
+constexpr uint32_t kAnyToken = static_cast<uint32_t>(INT32_MAX);
+
+struct PyStaticCache {
+  std::unique_ptr<ngc::StaticCache> cache;
+  std::string path;
+};
+
+// A CountTable shared with Python; the lock lets drafters read it without the GIL.
+struct PyCountTable {
+  ngc::CountTable table;
+  mutable std::shared_mutex mu;
+};
+
+struct PyDrafter {
+  PyDrafter(int ngram_min, int ngram_max, bool track_deltas) : seqs(ngram_min, ngram_max, track_deltas) {}
+  nb::object static_ref;  // keeps the StaticCache alive while `st` points into it
+  nb::object dynamic_ref;
+  const ngc::StaticCache* st = nullptr;
+  PyCountTable* dyn = nullptr;
+  uint32_t vocab = 0;
+  ngc::DraftParams params;
+  std::mutex mu;  // guards seqs and the static/dynamic pointers
+  ngc::SequenceSet seqs;
+};
+
+nb::tuple part_to_numpy(const ngc::PartView& part) {
+  std::vector<int32_t> toks(part.size);
+  std::vector<int64_t> counts(part.size);
+  for (uint32_t j = 0; j < part.size; ++j) {
+    toks[j] = part.followers[j].token;
+    counts[j] = part.followers[j].count;
+  }
+  return nb::make_tuple(to_numpy(std::move(toks), {part.size}), to_numpy(std::move(counts), {part.size}));
+}
+
+std::vector<int32_t> table_rows(const ngc::CountTable& t) {
+  std::vector<int32_t> rows;
+  rows.reserve(t.n_entries() * 7);
+  t.for_each([&](const ngc::NGram& key, const ngc::PartView& part) {
+    for (uint32_t j = 0; j < part.size; ++j) {
+      rows.push_back(key.size());
+      for (int i = 0; i < ngc::kNgramMax; ++i) rows.push_back(key.tokens[i]);
+      rows.push_back(part.followers[j].token);
+      rows.push_back(static_cast<int32_t>(std::min<uint32_t>(part.followers[j].count, INT32_MAX)));
+    }
+  });
+  return rows;
+}
+
+void set_static(PyDrafter& d, nb::object cache) {
+  if (cache.is_none()) {
+    d.st = nullptr;
+    d.static_ref = nb::none();
+    return;
+  }
+  PyStaticCache& sc = nb::cast<PyStaticCache&>(cache);
+  if (d.vocab != 0 && sc.cache->info().vocab_size != d.vocab) {
+    invalid("static cache vocabulary size " + std::to_string(sc.cache->info().vocab_size) +
+            " differs from the drafter's " + std::to_string(d.vocab));
+  }
+  d.vocab = sc.cache->info().vocab_size;
+  d.st = sc.cache.get();
+  d.static_ref = cache;
+}
+
+}  // namespace
+
+NB_MODULE(_core, m) {
+  m.doc() = "The compiled ngramcache core: count tables, static caches and the drafter.";
+  m.attr("FORMAT_VERSION") = ngc::format::kVersion;
+  m.attr("MAX_DRAFT") = ngc::kMaxDraft;
+  m.attr("NGRAM_MAX") = ngc::kNgramMax;
+
+  nb::class_<PyStaticCache>(m, "StaticCache",
+                            "A read-only, memory-mapped static cache file. Opening costs O(1) in its size.\n"
+                            "Thread-safe: every method may be called from any thread.")
+      .def_static(
+          "open",
+          [](const std::string& path) {
+            auto* c = new PyStaticCache();
+            c->path = path;
+            Status s = ngc::StaticCache::open(path, &c->cache);
+            if (!s.ok()) {
+              delete c;
+              raise_status(s);
+            }
+            return c;
+          },
+          "path"_a, nb::rv_policy::take_ownership,
+          "Maps and validates the header of the static cache at `path`.\n\n"
+          "Raises:\n    CacheFormatError: the file is truncated, corrupt or not a static cache.\n"
+          "    OSError: the file cannot be opened or mapped.")
+      .def_prop_ro("path", [](const PyStaticCache& c) { return c.path; })
+      .def_prop_ro("format_version", [](const PyStaticCache& c) { return c.cache->info().format_version; })
+      .def_prop_ro("ngram_size", [](const PyStaticCache& c) { return c.cache->info().ngram_size; })
+      .def_prop_ro("vocab_size", [](const PyStaticCache& c) { return c.cache->info().vocab_size; })
+      .def_prop_ro("fingerprint", [](const PyStaticCache& c) {
+        return nb::bytes(reinterpret_cast<const char*>(c.cache->info().fingerprint), ngc::format::kFingerprintSize);
+      })
+      .def_prop_ro("generation", [](const PyStaticCache& c) { return c.cache->info().generation; })
+      .def_prop_ro("n_keys", [](const PyStaticCache& c) { return c.cache->info().n_keys; })
+      .def_prop_ro("n_followers", [](const PyStaticCache& c) { return c.cache->info().n_followers; })
+      .def_prop_ro("n_tokens", [](const PyStaticCache& c) { return c.cache->info().n_tokens; })
+      .def_prop_ro("n_overflow", [](const PyStaticCache& c) { return c.cache->info().n_overflow; })
+      .def_prop_ro("file_size", [](const PyStaticCache& c) { return c.cache->info().file_size; })
+      .def_prop_ro(
+          "sections",
+          [](const PyStaticCache& c) {
+            nb::list out;
+            for (const ngc::SectionInfo& s : c.cache->info().sections) {
+              nb::dict d;
+              d["name"] = ngc::format::section_name(s.id);
+              d["offset"] = s.offset;
+              d["length"] = s.length;
+              d["checksum"] = s.checksum;
+              out.append(d);
+            }
+            return out;
+          },
+          "The section table: a list of dicts with name, offset, length and checksum.")
+      .def(
+          "lookup",
+          [](const PyStaticCache& c, const std::vector<int64_t>& ngram) {
+            const auto& info = c.cache->info();
+            if (ngram.size() != info.ngram_size) {
+              invalid("this static cache has keys of " + std::to_string(info.ngram_size) + " tokens, got an n-gram of " +
+                      std::to_string(ngram.size()));
+            }
+            ngc::NGram g = as_ngram(ngram, info.vocab_size);
+            ngc::StaticPart part;
+            const ngc::FindResult r = c.cache->find(g.tokens, &part);
+            if (r == ngc::FindResult::kCorrupt) raise_status(Status::FormatError(c.path + ": key index points outside its section"));
+            std::vector<std::pair<int32_t, int64_t>> items;
+            if (r == ngc::FindResult::kFound) {
+              for (uint32_t j = 0; j < part.size; ++j) items.emplace_back(c.cache->token_at(part, j), c.cache->count_at(part, j));
+              std::sort(items.begin(), items.end());
+            }
+            std::vector<int32_t> toks;
+            std::vector<int64_t> counts;
+            for (auto& [t, n] : items) {
+              toks.push_back(t);
+              counts.push_back(n);
+            }
+            const size_t n = toks.size();
+            return nb::make_tuple(to_numpy(std::move(toks), {n}), to_numpy(std::move(counts), {n}));
+          },
+          "ngram"_a,
+          "The followers of `ngram` (exactly ngram_size tokens) as (tokens int32, counts int64),\n"
+          "sorted by token; empty arrays when the n-gram is absent.")
+      .def(
+          "best",
+          [](const PyStaticCache& c, const std::vector<int64_t>& ngram) -> std::optional<std::tuple<int, int64_t, int64_t>> {
+            const auto& info = c.cache->info();
+            if (ngram.size() != info.ngram_size) {
+              invalid("this static cache has keys of " + std::to_string(info.ngram_size) + " tokens, got an n-gram of " +
+                      std::to_string(ngram.size()));
+            }
+            ngc::NGram g = as_ngram(ngram, info.vocab_size);
+            ngc::StaticPart part;
+            const ngc::FindResult r = c.cache->find(g.tokens, &part);
+            if (r == ngc::FindResult::kCorrupt) raise_status(Status::FormatError(c.path + ": key index points outside its section"));
+            if (r == ngc::FindResult::kNotFound) return std::nullopt;
+            return std::make_tuple(c.cache->token_at(part, 0), int64_t{c.cache->count_at(part, 0)}, int64_t{part.total});
+          },
+          "ngram"_a, "(best token, its count, total count) of `ngram`, or None when absent.")
+      .def(
+          "verify",
+          [](const PyStaticCache& c) {
+            Status s;
+            {
+              nb::gil_scoped_release release;
+              s = c.cache->verify();
+            }
+            if (!s.ok()) raise_status(Status(s.code(), c.path + ": " + s.message()));
+          },
+          "Checks every section checksum and structural invariant (O(file size)).\n\n"
+          "Raises:\n    CacheFormatError: naming the first problem found.")
+      .def(
+          "to_rows",
+          [](const PyStaticCache& c) {
+            const auto& info = c.cache->info();
+            std::vector<int32_t> rows;
+            rows.reserve(info.n_followers * 7);
+            for (uint64_t i = 0; i < info.n_keys; ++i) {
+              ngc::NGram key;
+              ngc::StaticPart part;
+              check(c.cache->key_at(i, &key, &part));
+              std::vector<std::pair<int32_t, uint32_t>> items;
+              for (uint32_t j = 0; j < part.size; ++j) items.emplace_back(c.cache->token_at(part, j), c.cache->count_at(part, j));
+              std::sort(items.begin(), items.end());
+              for (auto& [t, n] : items) {
+                rows.push_back(static_cast<int32_t>(info.ngram_size));
+                for (int k = 0; k < ngc::kNgramMax; ++k) rows.push_back(key.tokens[k]);
+                rows.push_back(t);
+                rows.push_back(static_cast<int32_t>(std::min<uint32_t>(n, INT32_MAX)));
+              }
+            }
+            const size_t m = rows.size() / 7;
+            return to_numpy(std::move(rows), {m, 7});
+          },
+          "Every (key, follower, count) as an int32 array of rows (n, t0, t1, t2, t3, follower, count),\n"
+          "keys in lexicographic order, followers by token.")
+      .def("memory_bytes", [](const PyStaticCache& c) { return c.cache->mapped_bytes(); },
+           "Bytes mapped (the file size); shared with every other process mapping the file.")
+      .def("__repr__", [](const PyStaticCache& c) {
+        const auto& i = c.cache->info();
+        return "StaticCache(path=" + nb::cast<std::string>(nb::repr(nb::str(c.path.c_str()))) + ", generation=" +
+               std::to_string(i.generation) + ", ngram_size=" + std::to_string(i.ngram_size) + ", vocab_size=" +
+               std::to_string(i.vocab_size) + ", n_keys=" + std::to_string(i.n_keys) + ")";
+      });
+
+  nb::class_<PyCountTable>(m, "CountTable",
+                           "n-gram (1..4 tokens) -> follower counts, for context and dynamic tables.\n"
+                           "Thread-safe: writers take an exclusive lock, drafters a shared one.")
+      .def(nb::init<>())
+      .def(
+          "update",
+          [](PyCountTable& t, nb::handle tokens, std::optional<int64_t> n_new, int ngram_min, int ngram_max) {
+            check_ngram_range(ngram_min, ngram_max);
+            TokenView v = as_tokens(tokens, "tokens");
+            const size_t nn = n_new ? static_cast<size_t>(std::max<int64_t>(*n_new, 0)) : v.size;
+            if (n_new && (*n_new < 0 || static_cast<size_t>(*n_new) > v.size)) {
+              invalid("n_new must be in [0, len(tokens)], got " + std::to_string(*n_new));
+            }
+            check_tokens(v.data, v.size, kAnyToken, "tokens");
+            nb::gil_scoped_release release;
+            std::unique_lock lock(t.mu);
+            t.table.update(v.data, v.size, nn, ngram_min, ngram_max);
+          },
+          "tokens"_a, "n_new"_a = nb::none(), "ngram_min"_a = 1, "ngram_max"_a = 4,
+          "llama.cpp's common_ngram_cache_update: counts, for each n-gram size n and each of the last\n"
+          "`n_new` positions i >= n (default: all), follower tokens[i] of key tokens[i-n:i].")
+      .def(
+          "add",
+          [](PyCountTable& t, const std::vector<int64_t>& ngram, int64_t token, int64_t count) {
+            ngc::NGram g = as_ngram(ngram, kAnyToken);
+            if (token < 0 || token > INT32_MAX) invalid("follower token must be in [0, 2^31), got " + std::to_string(token));
+            if (count <= 0 || count > UINT32_MAX) invalid("count must be in [1, 2^32), got " + std::to_string(count));
+            std::unique_lock lock(t.mu);
+            t.table.add(g, static_cast<Token>(token), static_cast<uint32_t>(count));
+          },
+          "ngram"_a, "token"_a, "count"_a = 1, "Adds `count` to follower `token` of `ngram`.")
+      .def(
+          "add_rows",
+          [](PyCountTable& t, nb::handle rows_obj) {
+            nb::ndarray<nb::ro, nb::device::cpu> a;
+            if (!nb::try_cast(rows_obj, a, false) || a.dtype() != nb::dtype<int32_t>() || a.ndim() != 2 || a.shape(1) != 7 ||
+                (a.shape(0) > 0 && (a.stride(1) != 1 || a.stride(0) != 7))) {
+              invalid("rows must be a C-contiguous int32 numpy array of shape (m, 7)");
+            }
+            const int32_t* r = static_cast<const int32_t*>(a.data());
+            const size_t m = a.shape(0);
+            for (size_t i = 0; i < m; ++i) {  // validate everything before changing anything
+              const int32_t* row = r + 7 * i;
+              const int n = row[0];
+              if (n < 1 || n > ngc::kNgramMax) invalid("row " + std::to_string(i) + ": n-gram size " + std::to_string(n) + " is outside 1..4");
+              for (int k = 0; k < ngc::kNgramMax; ++k) {
+                if ((k < n && row[1 + k] < 0) || (k >= n && row[1 + k] != -1)) {
+                  invalid("row " + std::to_string(i) + ": tokens t0..t" + std::to_string(n - 1) +
+                          " must be >= 0 and the unused slots -1");
+                }
+              }
+              if (row[5] < 0) invalid("row " + std::to_string(i) + ": follower token is negative");
+              if (row[6] <= 0) invalid("row " + std::to_string(i) + ": count must be > 0");
+            }
+            nb::gil_scoped_release release;
+            std::unique_lock lock(t.mu);
+            for (size_t i = 0; i < m; ++i) {
+              const int32_t* row = r + 7 * i;
+              t.table.add(ngc::NGram::from(row + 1, row[0]), row[5], static_cast<uint32_t>(row[6]));
+            }
+          },
+          "rows"_a, "Adds rows (n, t0, t1, t2, t3, follower, count); all are checked before any is added.")
+      .def(
+          "to_rows",
+          [](const PyCountTable& t) {
+            std::shared_lock lock(t.mu);
+            std::vector<int32_t> rows = table_rows(t.table);
+            const size_t m = rows.size() / 7;
+            return to_numpy(std::move(rows), {m, 7});
+          },
+          "Every count as rows (n, t0, t1, t2, t3, follower, count), int32, shape (m, 7).")
+      .def(
+          "lookup",
+          [](const PyCountTable& t, const std::vector<int64_t>& ngram) {
+            ngc::NGram g = as_ngram(ngram, kAnyToken);
+            std::shared_lock lock(t.mu);
+            ngc::PartView part;
+            if (!t.table.find(g, &part)) part = ngc::PartView{};
+            return part_to_numpy(part);
+          },
+          "ngram"_a, "The followers of `ngram` as (tokens int32, counts int64), sorted by token.")
+      .def(
+          "merge",
+          [](PyCountTable& t, const PyCountTable& other) {
+            if (&t == &other) invalid("cannot merge a table into itself");
+            nb::gil_scoped_release release;
+            std::scoped_lock lock(t.mu, other.mu);
+            t.table.merge(other.table);
+          },
+          "other"_a, "Adds every count of `other` to this table.")
+      .def("clear", [](PyCountTable& t) {
+        std::unique_lock lock(t.mu);
+        t.table.clear();
+      })
+      .def_prop_ro("n_keys", [](const PyCountTable& t) { return t.table.n_keys(); }, "Distinct n-grams.")
+      .def_prop_ro("n_entries", [](const PyCountTable& t) { return t.table.n_entries(); }, "Distinct (n-gram, follower) pairs.")
+      .def("__len__", [](const PyCountTable& t) { return t.table.n_keys(); })
+      .def("memory_bytes", [](const PyCountTable& t) { return t.table.memory_bytes(); }, "Heap bytes held by the table.")
+      .def(
+          "check_integrity",
+          [](const PyCountTable& t) {
+            std::shared_lock lock(t.mu);
+            check(t.table.check_integrity());
+          },
+          "Checks every invariant of the table; raises CacheFormatError naming the first broken one.");
+
+  nb::class_<PyDrafter>(m, "Drafter",
+                        "llama.cpp-compatible n-gram drafter over per-sequence context tables, an optional\n"
+                        "dynamic CountTable and an optional StaticCache. Drafting never touches the network.\n"
+                        "Thread-safe: calls on one drafter are serialized by its lock; draft() and accept()\n"
+                        "release the GIL.")
+      .def(
+          "__init__",
+          [](PyDrafter* d, nb::object static_cache, nb::object dynamic, std::optional<int64_t> vocab_size, int ngram_min,
+             int ngram_max, bool track_deltas) {
+            check_ngram_range(ngram_min, ngram_max);
+            if (vocab_size && (*vocab_size < 1 || *vocab_size > ngc::format::kMaxVocab)) {
+              invalid("vocab_size must be in 1..2^24, got " + std::to_string(*vocab_size));
+            }
+            new (d) PyDrafter(ngram_min, ngram_max, track_deltas);
+            d->params.ngram_min = ngram_min;
+            d->params.ngram_max = ngram_max;
+            d->vocab = vocab_size ? static_cast<uint32_t>(*vocab_size) : 0;
+            set_static(*d, static_cache);
+            if (d->vocab == 0) invalid("Drafter needs vocab_size, or a static cache that gives it");
+            if (!dynamic.is_none()) {
+              d->dyn = &nb::cast<PyCountTable&>(dynamic);
+              d->dynamic_ref = dynamic;
+            }
+          },
+          "static"_a = nb::none(), "dynamic"_a = nb::none(), "vocab_size"_a = nb::none(), "ngram_min"_a = 1,
+          "ngram_max"_a = 4, "track_deltas"_a = false,
+          "Args:\n    static: a StaticCache, or None.\n    dynamic: a CountTable (the dynamic table), or None.\n"
+          "    vocab_size: token ids must be below it; taken from `static` when omitted.\n"
+          "    ngram_min, ngram_max: the context/dynamic n-gram sizes tried (llama.cpp: 1 and 4).\n"
+          "    track_deltas: keep the counts accepted since the last drain_deltas().")
+      .def(
+          "draft",
+          [](PyDrafter& d, int64_t seq, nb::handle tokens, int n_draft) {
+            if (n_draft < 1 || n_draft > ngc::kMaxDraft) {
+              invalid("n_draft must be in 1.." + std::to_string(ngc::kMaxDraft) + ", got " + std::to_string(n_draft));
+            }
+            TokenView v = as_tokens(tokens, "tokens");
+            std::vector<int32_t> out(static_cast<size_t>(n_draft));
+            int n = 0;
+            {
+              // Only the tail is read: check just that (the whole sequence may be long).
+              const size_t window = std::min<size_t>(v.size, ngc::kNgramMax);
+              check_tokens(v.data + v.size - window, window, d.vocab, "tokens[-window:]");
+              nb::gil_scoped_release release;
+              std::lock_guard lock(d.mu);
+              ngc::DraftParams p = d.params;
+              p.n_draft = n_draft;
+              std::shared_lock<std::shared_mutex> dyn_lock;
+              if (d.dyn) dyn_lock = std::shared_lock(d.dyn->mu);
+              n = ngc::draft(v.data, v.size, d.seqs.context(seq), d.dyn ? &d.dyn->table : nullptr, d.st, p, out.data());
+            }
+            out.resize(static_cast<size_t>(n));
+            return to_numpy(std::move(out), {static_cast<size_t>(n)});
+          },
+          "seq"_a, "tokens"_a, "n_draft"_a = 8,
+          "Drafts up to `n_draft` tokens to follow `tokens` (the whole sequence so far, int32) of\n"
+          "sequence `seq`. Returns an int32 array, empty when nothing passes the thresholds.")
+      .def(
+          "accept",
+          [](PyDrafter& d, int64_t seq, nb::handle tokens) {
+            TokenView v = as_tokens(tokens, "tokens");
+            Status s;
+            {
+              nb::gil_scoped_release release;
+              std::lock_guard lock(d.mu);
+              const size_t done = d.seqs.n_counted(seq);
+              const size_t from = done >= ngc::kNgramMax ? done - ngc::kNgramMax : 0;
+              for (size_t i = from; i < v.size; ++i) {
+                if (v.data[i] < 0 || static_cast<uint32_t>(v.data[i]) >= d.vocab) {
+                  s = Status::InvalidArgument("tokens[" + std::to_string(i) + "] = " + std::to_string(v.data[i]) +
+                                              " is outside the vocabulary [0, " + std::to_string(d.vocab) + ")");
+                  break;
+                }
+              }
+              if (s.ok()) s = d.seqs.accept(seq, v.data, v.size);
+            }
+            check(s);
+          },
+          "seq"_a, "tokens"_a,
+          "Counts the tokens of `tokens` (the whole sequence so far) not yet accepted for `seq` into its\n"
+          "context table (and the pending deltas).")
+      .def(
+          "reset",
+          [](PyDrafter& d, int64_t seq) {
+            std::lock_guard lock(d.mu);
+            return d.seqs.reset(seq);
+          },
+          "seq"_a, "Forgets sequence `seq`; returns whether it was known.")
+      .def(
+          "set_static",
+          [](PyDrafter& d, nb::object cache) {
+            std::lock_guard lock(d.mu);
+            set_static(d, cache);
+          },
+          "static"_a, "Swaps in another static cache (a new generation) between two drafts.")
+      .def_prop_ro("static", [](PyDrafter& d) { return d.static_ref; })
+      .def_prop_ro("vocab_size", [](PyDrafter& d) { return d.vocab; })
+      .def_prop_ro("n_sequences", [](PyDrafter& d) {
+        std::lock_guard lock(d.mu);
+        return d.seqs.size();
+      })
+      .def(
+          "context_rows",
+          [](PyDrafter& d, int64_t seq) {
+            std::lock_guard lock(d.mu);
+            const ngc::CountTable* t = d.seqs.context(seq);
+            std::vector<int32_t> rows = t ? table_rows(*t) : std::vector<int32_t>{};
+            const size_t m = rows.size() / 7;
+            return to_numpy(std::move(rows), {m, 7});
+          },
+          "seq"_a, "The context table of `seq` as rows (n, t0, t1, t2, t3, follower, count).")
+      .def(
+          "drain_deltas",
+          [](PyDrafter& d) {
+            std::vector<int32_t> rows;
+            {
+              std::lock_guard lock(d.mu);
+              d.seqs.drain_deltas(&rows);
+            }
+            const size_t m = rows.size() / 7;
+            return to_numpy(std::move(rows), {m, 7});
+          },
+          "The counts accepted since the last call, as rows (n, t0, t1, t2, t3, follower, count).");
+
+  m.def(
+      "build_static_from_tokens",
+      [](nb::list streams, const std::string& path, int64_t vocab_size, int ngram_size, nb::bytes fingerprint,
+         uint64_t generation) {
+        if (vocab_size < 1 || vocab_size > ngc::format::kMaxVocab) {
+          invalid("vocab_size must be in 1..2^24, got " + std::to_string(vocab_size));
+        }
+        if (fingerprint.size() != ngc::format::kFingerprintSize) {
+          invalid("fingerprint must be 32 bytes, got " + std::to_string(fingerprint.size()));
+        }
+        std::vector<TokenView> views;
+        std::vector<ngc::TokenStream> refs;
+        for (size_t i = 0; i < streams.size(); ++i) views.push_back(as_tokens(streams[i], "streams[i]"));
+        for (const TokenView& v : views) refs.push_back({v.data, v.size});
+        ngc::StaticHeader h;
+        h.ngram_size = static_cast<uint32_t>(ngram_size);
+        h.vocab_size = static_cast<uint32_t>(vocab_size);
+        std::memcpy(h.fingerprint, fingerprint.c_str(), ngc::format::kFingerprintSize);
+        h.generation = generation;
+        Status s;
+        {
+          nb::gil_scoped_release release;
+          s = ngc::build_static(refs, h, path);
+        }
+        check(s);
+      },
+      "streams"_a, "path"_a, "vocab_size"_a, "ngram_size"_a = 2, "fingerprint"_a = nb::bytes("\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0", 32),
+      "generation"_a = 0,
+      "Counts the (ngram_size-gram, follower) pairs of each int32 token stream (n-grams never span\n"
+      "two streams) and writes a static cache to `path` atomically (temporary file, fsync, rename).");
+}

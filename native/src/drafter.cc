@@ -1,0 +1,95 @@
+#include "ngc/drafter.h"
+
+#include <algorithm>
+
+namespace ngc {
+namespace {
+
+using u128 = unsigned __int128;
+
+// The static followers of the current step's static key (or none).
+struct StaticLookup {
+  const StaticCache* cache = nullptr;
+  StaticPart part;
+  bool found = false;
+
+  uint64_t weight(Token t) const {  // 100 x static count, or 1 when absent
+    if (!found) return 1;
+    const uint32_t c = cache->count_of(part, t);
+    return c == 0 ? 1 : uint64_t{100} * c;
+  }
+};
+
+// One primary (context or dynamic) try over n-gram sizes ngram_max..ngram_min. `tail`
+// points one past the last token of sequence + draft, with `avail` tokens before it.
+Token try_primary(const CountTable& table, const Token* tail, size_t avail, const DraftParams& p,
+                  const StaticLookup& st, const DraftThresholds& th) {
+  for (int n = p.ngram_max; n >= p.ngram_min; --n) {
+    if (static_cast<size_t>(n) > avail) continue;
+    PartView part;
+    if (!table.find(NGram::from(tail - n, n), &part)) continue;
+    const uint64_t min_samples = static_cast<uint64_t>(th.min_samples[n - 1]);
+    const uint64_t min_percent = static_cast<uint64_t>(th.min_percent[n - 1]);
+    // Precheck: the winner's count is at most max_count, so if even max_count fails the
+    // percentage (or the total is too small) no follower can pass; skip the scan.
+    if (part.total < min_samples || uint64_t{100} * part.max_count < min_percent * part.total) continue;
+    Token best = -1;
+    uint64_t best_count = 0, best_weight = 0;
+    for (uint32_t j = 0; j < part.size; ++j) {
+      const Follower& f = part.followers[j];
+      const uint64_t w = st.weight(f.token);
+      // Strictly greater: followers are in token order, so ties keep the lowest token.
+      if (u128(f.count) * w > u128(best_count) * best_weight) {
+        best = f.token;
+        best_count = f.count;
+        best_weight = w;
+      }
+    }
+    if (uint64_t{100} * best_count < min_percent * part.total) continue;
+    return best;
+  }
+  return -1;
+}
+
+Token try_static(const StaticLookup& st) {
+  if (!st.found) return -1;
+  const uint64_t total = st.part.total;
+  const uint64_t best = st.cache->count_at(st.part, 0);
+  if (total < static_cast<uint64_t>(kLax.min_samples[1])) return -1;
+  if (uint64_t{100} * best < static_cast<uint64_t>(kLax.min_percent[1]) * total) return -1;
+  const Token t = st.cache->token_at(st.part, 0);
+  return static_cast<uint32_t>(t) < st.cache->info().vocab_size ? t : -1;  // damaged file: no draft
+}
+
+}  // namespace
+
+int draft(const Token* seq, size_t n_seq, const CountTable* context, const CountTable* dynamic,
+          const StaticCache* static_cache, const DraftParams& params, Token* out) {
+  if (n_seq < 2) return 0;  // llama.cpp drafts nothing before LLAMA_NGRAM_STATIC tokens
+  const int k_static = static_cache ? static_cast<int>(static_cache->info().ngram_size) : 0;
+  const size_t window = static_cast<size_t>(std::max(params.ngram_max, k_static));
+  // The tail of the sequence followed by the draft so far, contiguous.
+  Token buf[kNgramMax + kMaxDraft];
+  const size_t n_head = std::min(window, n_seq);
+  std::copy(seq + n_seq - n_head, seq + n_seq, buf);
+  int n_out = 0;
+  while (n_out < params.n_draft) {
+    const size_t avail = n_seq + static_cast<size_t>(n_out);  // tokens of sequence + draft
+    const Token* tail = buf + n_head + n_out;
+    StaticLookup st;
+    st.cache = static_cache;
+    if (static_cache && avail >= static_cast<size_t>(k_static)) {
+      st.found = static_cache->find(tail - k_static, &st.part) == FindResult::kFound;
+    }
+    Token t = -1;
+    if (context) t = try_primary(*context, tail, avail, params, st, kLax);
+    if (t < 0 && dynamic) t = try_primary(*dynamic, tail, avail, params, st, kStrict);
+    if (t < 0) t = try_static(st);
+    if (t < 0) break;
+    buf[n_head + n_out] = t;
+    out[n_out++] = t;
+  }
+  return n_out;
+}
+
+}  // namespace ngc

@@ -1,0 +1,263 @@
+#include "ngc/static_writer.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <random>
+
+#include "ngc/checksum.h"
+
+namespace ngc {
+namespace {
+
+std::string str(uint64_t v) { return std::to_string(v); }
+
+template <typename T>
+void put_le(uint8_t* p, T v) {
+  std::memcpy(p, &v, sizeof(T));
+}
+
+Status write_all(int fd, const void* data, size_t n, const std::string& path) {
+  const auto* p = static_cast<const uint8_t*>(data);
+  while (n > 0) {
+    const ssize_t w = ::write(fd, p, n);
+    if (w < 0) {
+      if (errno == EINTR) continue;
+      return Status::IoError("cannot write " + path + ": " + std::strerror(errno));
+    }
+    p += w;
+    n -= static_cast<size_t>(w);
+  }
+  return Status::Ok();
+}
+
+std::string dir_of(const std::string& path) {
+  const size_t slash = path.rfind('/');
+  if (slash == std::string::npos) return ".";
+  if (slash == 0) return "/";
+  return path.substr(0, slash);
+}
+
+}  // namespace
+
+Status StaticWriter::create(const std::string& path, const StaticHeader& header, std::unique_ptr<StaticWriter>* out) {
+  if (header.ngram_size < 1 || header.ngram_size > kNgramMax) {
+    return Status::InvalidArgument("ngram_size must be in 1..4, got " + str(header.ngram_size));
+  }
+  if (header.vocab_size < 1 || header.vocab_size > format::kMaxVocab) {
+    return Status::InvalidArgument("vocab_size must be in 1..2^24, got " + str(header.vocab_size));
+  }
+  std::unique_ptr<StaticWriter> w(new StaticWriter());
+  w->path_ = path;
+  w->header_ = header;
+  w->count_bits_ = 32 - format::token_bits_for(header.vocab_size);
+  w->escape_ = (1u << w->count_bits_) - 1;
+  w->rows_.assign(uint64_t{header.vocab_size} + 1, 0);
+  w->starts_.push_back(0);
+  *out = std::move(w);
+  return Status::Ok();
+}
+
+StaticWriter::~StaticWriter() {
+  if (!tmp_path_.empty()) ::unlink(tmp_path_.c_str());
+}
+
+Status StaticWriter::add(const Token* key, const Follower* followers, size_t n) {
+  const uint32_t k = header_.ngram_size, V = header_.vocab_size;
+  NGram g = NGram::from(key, static_cast<int>(k));
+  for (uint32_t i = 0; i < k; ++i) {
+    if (key[i] < 0 || static_cast<uint32_t>(key[i]) >= V) {
+      return Status::InvalidArgument("key token " + str(static_cast<uint32_t>(key[i])) + " is outside the vocabulary (size " + str(V) + ")");
+    }
+  }
+  if (has_prev_ && !std::lexicographical_compare(prev_.tokens, prev_.tokens + k, g.tokens, g.tokens + k)) {
+    return Status::InvalidArgument("keys must be added in strictly increasing order");
+  }
+  if (n == 0) return Status::InvalidArgument("a key needs at least one follower");
+  if (followers_.size() + n >= UINT32_MAX || totals_.size() + 1 >= UINT32_MAX) {
+    return Status::OutOfRange("more than 2^32-1 keys or followers do not fit format version 1");
+  }
+  size_t best = 0;
+  uint64_t total = 0;
+  for (size_t j = 0; j < n; ++j) {
+    const Follower& f = followers[j];
+    if (f.token < 0 || static_cast<uint32_t>(f.token) >= V) {
+      return Status::InvalidArgument("follower token " + str(static_cast<uint32_t>(f.token)) + " is outside the vocabulary (size " + str(V) + ")");
+    }
+    if (f.count == 0) return Status::InvalidArgument("follower counts must be > 0");
+    if (j > 0 && followers[j - 1].token >= f.token) return Status::InvalidArgument("followers must be sorted by token and unique");
+    if (f.count > followers[best].count) best = j;  // strict: the lowest token wins ties
+    total += f.count;
+  }
+  auto push = [&](const Follower& f) {
+    const uint32_t field = f.count >= escape_ ? escape_ : f.count;
+    if (field == escape_) {
+      overflow_.push_back(static_cast<uint32_t>(followers_.size()));
+      overflow_.push_back(f.count);
+    }
+    followers_.push_back((static_cast<uint32_t>(f.token) << count_bits_) | field);
+  };
+  push(followers[best]);
+  for (size_t j = 0; j < n; ++j) {
+    if (j != best) push(followers[j]);
+  }
+  rows_[static_cast<uint32_t>(key[0])] += 1;
+  for (uint32_t i = 1; i < k; ++i) keys_.push_back(static_cast<uint32_t>(key[i]));
+  totals_.push_back(static_cast<uint32_t>(std::min<uint64_t>(total, UINT32_MAX)));
+  starts_.push_back(static_cast<uint32_t>(followers_.size()));
+  prev_ = g;
+  has_prev_ = true;
+  return Status::Ok();
+}
+
+Status StaticWriter::finish() {
+  // ROWS holds counts per first token; turn them into start offsets.
+  uint32_t acc = 0;
+  for (uint32_t& r : rows_) {
+    const uint32_t c = r;
+    r = acc;
+    acc += c;
+  }
+  const std::vector<uint32_t>* sections[format::kNumSections] = {&rows_, &keys_, &starts_, &totals_, &followers_, &overflow_};
+
+  const uint64_t table_end = uint64_t{format::kHeaderSize} + format::kNumSections * format::kSectionEntrySize;
+  uint8_t head[format::kHeaderSize + format::kNumSections * format::kSectionEntrySize] = {};
+  uint64_t offsets[format::kNumSections];
+  uint64_t pos = table_end;
+  for (uint32_t i = 0; i < format::kNumSections; ++i) {
+    pos = (pos + 7) & ~uint64_t{7};
+    offsets[i] = pos;
+    pos += sections[i]->size() * 4;
+  }
+  const uint64_t file_size = pos;
+
+  std::memcpy(head + format::off::kMagic, format::kMagic, 8);
+  put_le<uint32_t>(head + format::off::kVersion, format::kVersion);
+  put_le<uint32_t>(head + format::off::kEndian, format::kEndianMarker);
+  put_le<uint32_t>(head + format::off::kHeaderSize, format::kHeaderSize);
+  put_le<uint32_t>(head + format::off::kNgramSize, header_.ngram_size);
+  put_le<uint32_t>(head + format::off::kVocabSize, header_.vocab_size);
+  put_le<uint32_t>(head + format::off::kNumSections, format::kNumSections);
+  std::memcpy(head + format::off::kFingerprint, header_.fingerprint, format::kFingerprintSize);
+  put_le<uint64_t>(head + format::off::kGeneration, header_.generation);
+  put_le<uint64_t>(head + format::off::kNumKeys, totals_.size());
+  put_le<uint64_t>(head + format::off::kNumFollowers, followers_.size());
+  put_le<uint64_t>(head + format::off::kNumTokens, header_.n_tokens);
+  put_le<uint64_t>(head + format::off::kNumOverflow, overflow_.size() / 2);
+  put_le<uint32_t>(head + format::off::kTokenBits, 32 - count_bits_);
+  put_le<uint32_t>(head + format::off::kFlags, 0);
+  put_le<uint64_t>(head + format::off::kFileSize, file_size);
+  for (uint32_t i = 0; i < format::kNumSections; ++i) {
+    uint8_t* e = head + format::kHeaderSize + i * format::kSectionEntrySize;
+    put_le<uint32_t>(e, i + 1);
+    put_le<uint64_t>(e + 8, offsets[i]);
+    put_le<uint64_t>(e + 16, sections[i]->size() * 4);
+    put_le<uint64_t>(e + 24, checksum64(sections[i]->data(), sections[i]->size() * 4));
+  }
+  put_le<uint64_t>(head + format::off::kHeaderChecksum, checksum64(head, table_end));
+
+  std::random_device rd;
+  char suffix[32];
+  std::snprintf(suffix, sizeof suffix, ".tmp.%d.%08x", static_cast<int>(::getpid()), rd());
+  tmp_path_ = path_ + suffix;
+  const int fd = ::open(tmp_path_.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+  if (fd < 0) {
+    const std::string msg = "cannot create " + tmp_path_ + ": " + std::strerror(errno);
+    tmp_path_.clear();
+    return Status::IoError(msg);
+  }
+  Status s = write_all(fd, head, table_end, tmp_path_);
+  uint64_t written = table_end;
+  static const uint8_t zeros[8] = {};
+  for (uint32_t i = 0; s.ok() && i < format::kNumSections; ++i) {
+    if (offsets[i] > written) s = write_all(fd, zeros, offsets[i] - written, tmp_path_);
+    if (s.ok()) s = write_all(fd, sections[i]->data(), sections[i]->size() * 4, tmp_path_);
+    written = offsets[i] + sections[i]->size() * 4;
+  }
+  if (s.ok() && ::fsync(fd) != 0) s = Status::IoError("cannot fsync " + tmp_path_ + ": " + std::strerror(errno));
+  ::close(fd);
+  if (!s.ok()) return s;
+  if (::rename(tmp_path_.c_str(), path_.c_str()) != 0) {
+    return Status::IoError("cannot rename " + tmp_path_ + " to " + path_ + ": " + std::strerror(errno));
+  }
+  tmp_path_.clear();
+  // Make the rename itself durable.
+  const int dfd = ::open(dir_of(path_).c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (dfd >= 0) {
+    ::fsync(dfd);
+    ::close(dfd);
+  }
+  return Status::Ok();
+}
+
+namespace {
+
+// Counts (k-gram, follower) pairs by packing each into one integer of (k+1) token fields,
+// sorting, and reading runs; Word is uint64_t when (k+1) * token_bits <= 64.
+template <typename Word>
+Status build_packed(const std::vector<TokenStream>& streams, const StaticHeader& header, uint32_t bits,
+                    const std::string& path) {
+  const uint32_t k = header.ngram_size;
+  std::vector<Word> packed;
+  uint64_t n_tokens = 0;
+  for (const TokenStream& s : streams) {
+    n_tokens += s.size;
+    if (s.size > k) packed.reserve(packed.size() + (s.size - k));
+  }
+  for (const TokenStream& s : streams) {
+    for (size_t i = 0; i < s.size; ++i) {
+      if (s.data[i] < 0 || static_cast<uint32_t>(s.data[i]) >= header.vocab_size) {
+        return Status::InvalidArgument("token " + str(static_cast<uint32_t>(s.data[i])) + " at position " + str(i) +
+                                       " is outside the vocabulary (size " + str(header.vocab_size) + ")");
+      }
+    }
+    for (size_t i = k; i < s.size; ++i) {
+      Word w = 0;
+      for (size_t j = i - k; j <= i; ++j) w = (w << bits) | static_cast<Word>(static_cast<uint32_t>(s.data[j]));
+      packed.push_back(w);
+    }
+  }
+  std::sort(packed.begin(), packed.end());
+
+  std::unique_ptr<StaticWriter> writer;
+  NGC_RETURN_IF_ERROR(StaticWriter::create(path, header, &writer));
+  writer->set_n_tokens(n_tokens);
+  const Word token_mask = (Word{1} << bits) - 1;
+  std::vector<Follower> followers;
+  Token key[kNgramMax];
+  size_t i = 0;
+  while (i < packed.size()) {
+    const Word key_bits = packed[i] >> bits;
+    followers.clear();
+    while (i < packed.size() && (packed[i] >> bits) == key_bits) {
+      const Token tok = static_cast<Token>(packed[i] & token_mask);
+      size_t j = i;
+      while (j < packed.size() && packed[j] == packed[i]) ++j;
+      followers.push_back(Follower{tok, static_cast<uint32_t>(std::min<size_t>(j - i, UINT32_MAX))});
+      i = j;
+    }
+    for (uint32_t t = 0; t < k; ++t) key[t] = static_cast<Token>((key_bits >> (bits * (k - 1 - t))) & token_mask);
+    NGC_RETURN_IF_ERROR(writer->add(key, followers.data(), followers.size()));
+  }
+  return writer->finish();
+}
+
+}  // namespace
+
+Status build_static(const std::vector<TokenStream>& streams, const StaticHeader& header, const std::string& path) {
+  if (header.ngram_size < 1 || header.ngram_size > kNgramMax) {
+    return Status::InvalidArgument("ngram_size must be in 1..4, got " + str(header.ngram_size));
+  }
+  if (header.vocab_size < 1 || header.vocab_size > format::kMaxVocab) {
+    return Status::InvalidArgument("vocab_size must be in 1..2^24, got " + str(header.vocab_size));
+  }
+  const uint32_t bits = format::token_bits_for(header.vocab_size);
+  if ((header.ngram_size + 1) * bits <= 64) return build_packed<uint64_t>(streams, header, bits, path);
+  return build_packed<unsigned __int128>(streams, header, bits, path);
+}
+
+}  // namespace ngc
