@@ -58,16 +58,25 @@ struct TokenView {
   size_t size = 0;
 };
 
+std::string type_str(nb::handle obj) {
+  nb::object s = nb::steal(PyObject_Str(obj.ptr()));
+  if (!s.is_valid()) {
+    PyErr_Clear();
+    return "?";
+  }
+  return nb::cast<std::string>(s);
+}
+
 TokenView as_tokens(nb::handle h, const char* what) {
   TokenView v;
   if (!nb::try_cast(h, v.array, false)) {
     invalid(std::string(what) + " must be a 1-D numpy array of int32, got " +
-            nb::cast<std::string>(nb::str(nb::handle(reinterpret_cast<PyObject*>(Py_TYPE(h.ptr()))).attr("__name__"))) +
+            std::string(Py_TYPE(h.ptr())->tp_name) +
             "; use numpy.asarray(x, dtype=numpy.int32)");
   }
   if (v.array.dtype() != nb::dtype<int32_t>()) {
     invalid(std::string(what) + " must have dtype int32, got " +
-            nb::cast<std::string>(nb::str(h.attr("dtype"))) + "; use numpy.asarray(x, dtype=numpy.int32)");
+            type_str(h.attr("dtype")) + "; use numpy.asarray(x, dtype=numpy.int32)");
   }
   if (v.array.ndim() != 1) invalid(std::string(what) + " must be 1-D, got " + std::to_string(v.array.ndim()) + " dimensions");
   if (v.array.shape(0) > 1 && v.array.stride(0) != 1) invalid(std::string(what) + " must be contiguous");
@@ -320,7 +329,7 @@ NB_MODULE(_core, m) {
            "Bytes mapped (the file size); shared with every other process mapping the file.")
       .def("__repr__", [](const PyStaticCache& c) {
         const auto& i = c.cache->info();
-        return "StaticCache(path=" + nb::cast<std::string>(nb::repr(nb::str(c.path.c_str()))) + ", generation=" +
+        return "StaticCache(path=" + std::string(nb::repr(nb::str(c.path.c_str())).c_str()) + ", generation=" +
                std::to_string(i.generation) + ", ngram_size=" + std::to_string(i.ngram_size) + ", vocab_size=" +
                std::to_string(i.vocab_size) + ", n_keys=" + std::to_string(i.n_keys) + ")";
       });

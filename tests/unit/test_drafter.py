@@ -1,0 +1,187 @@
+"""The native drafter against the pure-Python reference (tests/reference.py)."""
+
+from __future__ import annotations
+
+import os
+import sysconfig
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import reference
+from client import CountTable, Drafter, InvalidArgumentError, StaticCache, build_static_from_tokens
+
+SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def arr(tokens) -> np.ndarray:
+    return np.asarray(tokens, dtype=np.int32)
+
+
+def build_static(streams, vocab: int, k: int = 2):
+    fd, path = tempfile.mkstemp(suffix=".ngc")
+    os.close(fd)
+    build_static_from_tokens([arr(s) for s in streams], path, vocab_size=vocab, ngram_size=k)
+    cache = StaticCache.open(path)
+    os.unlink(path)  # the mapping keeps the file alive
+    return cache
+
+
+def check_replay(seq, vocab, n_draft, static_streams, dynamic_streams, ngram_min=1, ngram_max=4, k=2):
+    """Accepts `seq` token by token and compares every draft with the reference."""
+    static = build_static(static_streams, vocab, k) if static_streams is not None else None
+    ref_static = reference.count_static(static_streams, k) if static_streams is not None else None
+    dynamic, ref_dynamic = None, None
+    if dynamic_streams is not None:
+        dynamic, ref_dynamic = CountTable(), reference.new_table()
+        for s in dynamic_streams:
+            dynamic.update(arr(s), ngram_min=ngram_min, ngram_max=ngram_max)
+            reference.update(ref_dynamic, s, len(s), ngram_min, ngram_max)
+    drafter = Drafter(static=static, dynamic=dynamic, vocab_size=vocab, ngram_min=ngram_min, ngram_max=ngram_max)
+    ref_context = reference.new_table()
+    tokens = arr(seq)
+    n_drafted = 0
+    for i in range(len(seq) + 1):
+        prefix = tokens[:i]
+        drafter.accept(7, prefix)
+        reference.update(ref_context, seq[:i], 1 if i else 0, ngram_min, ngram_max)
+        got = drafter.draft(7, prefix, n_draft).tolist()
+        want = reference.draft(seq[:i], n_draft, ref_context, ref_dynamic, ref_static, k, ngram_min, ngram_max)
+        assert got == want, f"prefix {i}: got {got}, want {want}"
+        n_drafted += len(got)
+    return n_drafted
+
+
+tokens_st = lambda vocab, max_len: st.lists(st.integers(0, vocab - 1), max_size=max_len)  # noqa: E731
+
+
+@st.composite
+def scenario(draw):
+    vocab = draw(st.integers(2, 10))
+    seq = draw(tokens_st(vocab, 80))
+    static = draw(st.none() | st.lists(tokens_st(vocab, 120), max_size=3))
+    dynamic = draw(st.none() | st.lists(tokens_st(vocab, 120), max_size=3))
+    ngram_min = draw(st.integers(1, 4))
+    ngram_max = draw(st.integers(ngram_min, 4))
+    k = draw(st.sampled_from([2, 2, 1, 3]))
+    return vocab, seq, static, dynamic, draw(st.integers(1, 12)), ngram_min, ngram_max, k
+
+
+@SETTINGS
+@given(scenario())
+def test_random_streams_match_reference(case):
+    vocab, seq, static, dynamic, n_draft, ngram_min, ngram_max, k = case
+    check_replay(seq, vocab, n_draft, static, dynamic, ngram_min, ngram_max, k)
+
+
+@SETTINGS
+@given(st.integers(2, 6), st.lists(st.integers(0, 5), max_size=200), st.integers(1, 16))
+def test_context_only_matches_reference(vocab, seq, n_draft):
+    check_replay([t % vocab for t in seq], vocab, n_draft, None, None)
+
+
+def real_streams() -> list[list[int]]:
+    """Real text nobody here wrote: CPython's standard library, as byte tokens (vocab 256)."""
+    lib = Path(sysconfig.get_paths()["stdlib"])
+    names = ["json/decoder.py", "json/encoder.py", "textwrap.py", "string.py", "bisect.py", "heapq.py"]
+    return [list(lib.joinpath(n).read_bytes()) for n in names if lib.joinpath(n).exists()]
+
+
+@pytest.mark.parametrize("with_static", [False, True])
+@pytest.mark.parametrize("with_dynamic", [False, True])
+def test_real_streams_match_reference(with_static, with_dynamic):
+    streams = real_streams()
+    assert len(streams) >= 4
+    test_seq = streams[0][:1500]
+    n_drafted = check_replay(
+        test_seq,
+        256,
+        8,
+        streams[2:] if with_static else None,
+        streams[1:3] if with_dynamic else None,
+    )
+    assert n_drafted > 500  # the comparison covers real drafts, not empty ones
+
+
+def test_short_sequences_get_no_draft():
+    static = build_static([[1, 2, 3, 1, 2, 3, 1, 2, 3]], 5)
+    d = Drafter(static=static)
+    assert d.draft(0, arr([]), 4).tolist() == []
+    assert d.draft(0, arr([1]), 4).tolist() == []
+    assert d.draft(0, arr([1, 2]), 4).tolist() == [3, 1, 2, 3]
+
+
+def test_static_swap_changes_drafts():
+    a = build_static([[1, 2, 3] * 5], 8)
+    b = build_static([[1, 2, 4] * 5], 8)
+    d = Drafter(static=a)
+    assert d.draft(0, arr([1, 2]), 1).tolist() == [3]
+    d.set_static(b)
+    assert d.draft(0, arr([1, 2]), 1).tolist() == [4]
+    with pytest.raises(InvalidArgumentError, match="vocabulary size"):
+        d.set_static(build_static([[1, 2, 3]], 9))
+
+
+def test_bad_arguments_raise_value_error():
+    d = Drafter(vocab_size=10)
+    with pytest.raises(ValueError, match="dtype int32"):
+        d.draft(0, np.array([1, 2, 3], dtype=np.int64), 4)
+    with pytest.raises(ValueError, match="numpy array of int32"):
+        d.draft(0, [1, 2, 3], 4)
+    with pytest.raises(ValueError, match="1-D"):
+        d.draft(0, np.zeros((2, 2), dtype=np.int32), 4)
+    with pytest.raises(ValueError, match="contiguous"):
+        d.draft(0, np.arange(10, dtype=np.int32)[::2], 4)
+    with pytest.raises(ValueError, match="n_draft"):
+        d.draft(0, arr([1, 2]), 0)
+    with pytest.raises(ValueError, match="n_draft"):
+        d.draft(0, arr([1, 2]), 100000)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        d.draft(0, arr([1, 10]), 4)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        d.accept(0, arr([1, -1]))
+    with pytest.raises(ValueError, match="vocab_size"):
+        Drafter()
+    with pytest.raises(ValueError, match="ngram_min"):
+        Drafter(vocab_size=10, ngram_min=3, ngram_max=2)
+
+
+def test_accept_is_incremental_and_refuses_a_shrunk_sequence():
+    d = Drafter(vocab_size=10)
+    seq = arr([1, 2, 3, 1, 2, 3, 1, 2])
+    d.accept(1, seq[:4])
+    d.accept(1, seq)
+    d.accept(1, seq)  # nothing new: no double counting
+    ref = reference.new_table()
+    reference.update(ref, seq.tolist(), len(seq))
+    assert reference.rows_to_table(d.context_rows(1)) == ref
+    with pytest.raises(ValueError, match="already accepted"):
+        d.accept(1, seq[:3])
+    assert d.reset(1) and not d.reset(1)
+    d.accept(1, seq[:3])
+
+
+def test_drain_deltas_returns_accepted_counts_once():
+    d = Drafter(vocab_size=10, track_deltas=True)
+    d.accept(1, arr([1, 2, 3, 1, 2]))
+    d.accept(2, arr([4, 5, 4, 5]))
+    rows = d.drain_deltas()
+    assert rows.dtype == np.int32 and rows.shape[1] == 7
+    want = reference.new_table()
+    reference.update(want, [1, 2, 3, 1, 2], 5)
+    reference.update(want, [4, 5, 4, 5], 4)
+    assert reference.rows_to_table(rows) == want
+    assert d.drain_deltas().shape == (0, 7)
+
+
+def test_draft_does_not_copy_or_keep_the_input():
+    d = Drafter(vocab_size=10)
+    seq = arr([1, 2, 1, 2, 1, 2])
+    d.accept(0, seq)
+    before = seq.copy()
+    assert d.draft(0, seq, 4).tolist() == [1, 2, 1, 2]
+    assert (seq == before).all()
