@@ -16,8 +16,10 @@
 #include <string>
 #include <vector>
 
+#include "ngc/checksum.h"
 #include "ngc/count_table.h"
 #include "ngc/drafter.h"
+#include "ngc/replay.h"
 #include "ngc/sequences.h"
 #include "ngc/static_cache.h"
 #include "ngc/static_writer.h"
@@ -242,6 +244,7 @@ NB_MODULE(_core, m) {
             }
             return out;
           },
+          nb::sig("def sections(self) -> list[dict[str, int | str]]"),
           "The section table: a list of dicts with name, offset, length and checksum.")
       .def(
           "lookup",
@@ -269,7 +272,7 @@ NB_MODULE(_core, m) {
             const size_t n = toks.size();
             return nb::make_tuple(to_numpy(std::move(toks), {n}), to_numpy(std::move(counts), {n}));
           },
-          "ngram"_a,
+          nb::sig("def lookup(self, ngram: Sequence[int]) -> tuple[NDArray[numpy.int32], NDArray[numpy.int64]]"), "ngram"_a,
           "The followers of `ngram` (exactly ngram_size tokens) as (tokens int32, counts int64),\n"
           "sorted by token; empty arrays when the n-gram is absent.")
       .def(
@@ -352,7 +355,7 @@ NB_MODULE(_core, m) {
             std::unique_lock lock(t.mu);
             t.table.update(v.data, v.size, nn, ngram_min, ngram_max);
           },
-          "tokens"_a, "n_new"_a = nb::none(), "ngram_min"_a = 1, "ngram_max"_a = 4,
+          nb::sig("def update(self, tokens: NDArray[numpy.int32], n_new: int | None = None, ngram_min: int = 1, ngram_max: int = 4) -> None"), "tokens"_a, "n_new"_a = nb::none(), "ngram_min"_a = 1, "ngram_max"_a = 4,
           "llama.cpp's common_ngram_cache_update: counts, for each n-gram size n and each of the last\n"
           "`n_new` positions i >= n (default: all), follower tokens[i] of key tokens[i-n:i].")
       .def(
@@ -395,7 +398,7 @@ NB_MODULE(_core, m) {
               t.table.add(ngc::NGram::from(row + 1, row[0]), row[5], static_cast<uint32_t>(row[6]));
             }
           },
-          "rows"_a, "Adds rows (n, t0, t1, t2, t3, follower, count); all are checked before any is added.")
+          nb::sig("def add_rows(self, rows: NDArray[numpy.int32]) -> None"), "rows"_a, "Adds rows (n, t0, t1, t2, t3, follower, count); all are checked before any is added.")
       .def(
           "to_rows",
           [](const PyCountTable& t) {
@@ -414,7 +417,7 @@ NB_MODULE(_core, m) {
             if (!t.table.find(g, &part)) part = ngc::PartView{};
             return part_to_numpy(part);
           },
-          "ngram"_a, "The followers of `ngram` as (tokens int32, counts int64), sorted by token.")
+          nb::sig("def lookup(self, ngram: Sequence[int]) -> tuple[NDArray[numpy.int32], NDArray[numpy.int64]]"), "ngram"_a, "The followers of `ngram` as (tokens int32, counts int64), sorted by token.")
       .def(
           "merge",
           [](PyCountTable& t, const PyCountTable& other) {
@@ -464,7 +467,7 @@ NB_MODULE(_core, m) {
               d->dynamic_ref = dynamic;
             }
           },
-          "static"_a = nb::none(), "dynamic"_a = nb::none(), "vocab_size"_a = nb::none(), "ngram_min"_a = 1,
+          nb::sig("def __init__(self, static: StaticCache | None = None, dynamic: CountTable | None = None, vocab_size: int | None = None, ngram_min: int = 1, ngram_max: int = 4, track_deltas: bool = False) -> None"), "static"_a = nb::none(), "dynamic"_a = nb::none(), "vocab_size"_a = nb::none(), "ngram_min"_a = 1,
           "ngram_max"_a = 4, "track_deltas"_a = false,
           "Args:\n    static: a StaticCache, or None.\n    dynamic: a CountTable (the dynamic table), or None.\n"
           "    vocab_size: token ids must be below it; taken from `static` when omitted.\n"
@@ -494,7 +497,7 @@ NB_MODULE(_core, m) {
             out.resize(static_cast<size_t>(n));
             return to_numpy(std::move(out), {static_cast<size_t>(n)});
           },
-          "seq"_a, "tokens"_a, "n_draft"_a = 8,
+          nb::sig("def draft(self, seq: int, tokens: NDArray[numpy.int32], n_draft: int = 8) -> NDArray[numpy.int32]"), "seq"_a, "tokens"_a, "n_draft"_a = 8,
           "Drafts up to `n_draft` tokens to follow `tokens` (the whole sequence so far, int32) of\n"
           "sequence `seq`. Returns an int32 array, empty when nothing passes the thresholds.")
       .def(
@@ -518,7 +521,7 @@ NB_MODULE(_core, m) {
             }
             check(s);
           },
-          "seq"_a, "tokens"_a,
+          nb::sig("def accept(self, seq: int, tokens: NDArray[numpy.int32]) -> None"), "seq"_a, "tokens"_a,
           "Counts the tokens of `tokens` (the whole sequence so far) not yet accepted for `seq` into its\n"
           "context table (and the pending deltas).")
       .def(
@@ -534,8 +537,8 @@ NB_MODULE(_core, m) {
             std::lock_guard lock(d.mu);
             set_static(d, cache);
           },
-          "static"_a, "Swaps in another static cache (a new generation) between two drafts.")
-      .def_prop_ro("static", [](PyDrafter& d) { return d.static_ref; })
+          nb::sig("def set_static(self, static: StaticCache | None) -> None"), "static"_a.none(), "Swaps in another static cache (a new generation) between two drafts.")
+      .def_prop_ro("static", [](PyDrafter& d) { return d.static_ref; }, nb::sig("def static(self) -> StaticCache | None"))
       .def_prop_ro("vocab_size", [](PyDrafter& d) { return d.vocab; })
       .def_prop_ro("n_sequences", [](PyDrafter& d) {
         std::lock_guard lock(d.mu);
@@ -565,6 +568,62 @@ NB_MODULE(_core, m) {
           "The counts accepted since the last call, as rows (n, t0, t1, t2, t3, follower, count).");
 
   m.def(
+      "replay",
+      [](nb::handle tokens, int64_t n_ctx, int n_draft, int ngram_min, int ngram_max, nb::object static_cache,
+         PyCountTable& dynamic, bool dump_drafts) {
+        check_ngram_range(ngram_min, ngram_max);
+        if (n_draft < 1 || n_draft > ngc::kMaxDraft) {
+          invalid("n_draft must be in 1.." + std::to_string(ngc::kMaxDraft) + ", got " + std::to_string(n_draft));
+        }
+        if (n_ctx < 2) invalid("n_ctx must be >= 2, got " + std::to_string(n_ctx));
+        TokenView v = as_tokens(tokens, "tokens");
+        const ngc::StaticCache* st = nullptr;
+        if (!static_cache.is_none()) {
+          st = nb::cast<PyStaticCache&>(static_cache).cache.get();
+          check_tokens(v.data, v.size, st->info().vocab_size, "tokens");
+        } else {
+          check_tokens(v.data, v.size, kAnyToken, "tokens");
+        }
+        ngc::DraftParams p;
+        p.n_draft = n_draft;
+        p.ngram_min = ngram_min;
+        p.ngram_max = ngram_max;
+        std::vector<Token> drafts;
+        ngc::ReplayStats r;
+        {
+          nb::gil_scoped_release release;
+          std::unique_lock lock(dynamic.mu);
+          r = ngc::replay(v.data, v.size, static_cast<size_t>(n_ctx), p, st, &dynamic.table, dump_drafts ? &drafts : nullptr);
+        }
+        nb::dict out;
+        out["n_chunks"] = r.n_chunks;
+        out["n_draft_calls"] = r.n_draft_calls;
+        out["n_drafted"] = r.n_drafted;
+        out["n_accept"] = r.n_accept;
+        out["t_draft_ns"] = r.t_draft_ns;
+        out["t_draft_only_ns"] = r.t_draft_only_ns;
+        if (dump_drafts) {
+          const size_t n = drafts.size();
+          out["drafts"] = to_numpy(std::move(drafts), {n});
+        }
+        return out;
+      },
+      nb::sig("def replay(tokens: NDArray[numpy.int32], n_ctx: int, n_draft: int, ngram_min: int, ngram_max: int, "
+              "static: StaticCache | None, dynamic: CountTable, dump_drafts: bool = False) -> dict[str, typing.Any]"),
+      "tokens"_a, "n_ctx"_a, "n_draft"_a, "ngram_min"_a, "ngram_max"_a, "static"_a.none(), "dynamic"_a, "dump_drafts"_a = false,
+      "llama-lookup-stats' replay of `tokens` in chunks of n_ctx; merges each chunk's context\n"
+      "table into `dynamic`. Returns counters and timings (and with dump_drafts, every call's\n"
+      "drafted tokens, each call's followed by -1).");
+
+  m.def(
+      "checksum64",
+      [](nb::bytes data, uint64_t seed) { return ngc::checksum64(data.c_str(), data.size(), seed); },
+      "data"_a, "seed"_a = 0, "The 64-bit checksum used by static cache headers and sections.");
+  m.def(
+      "_ngram_hash", [](const std::vector<int64_t>& ngram) { return as_ngram(ngram, kAnyToken).hash(); }, "ngram"_a,
+      "The hash count tables use for `ngram` (for tests that need colliding keys).");
+
+  m.def(
       "build_static_from_tokens",
       [](nb::list streams, const std::string& path, int64_t vocab_size, int ngram_size, nb::bytes fingerprint,
          uint64_t generation) {
@@ -590,7 +649,7 @@ NB_MODULE(_core, m) {
         }
         check(s);
       },
-      "streams"_a, "path"_a, "vocab_size"_a, "ngram_size"_a = 2, "fingerprint"_a = nb::bytes("\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0", 32),
+      nb::sig("def build_static_from_tokens(streams: list[NDArray[numpy.int32]], path: str, vocab_size: int, ngram_size: int = 2, fingerprint: bytes = bytes(32), generation: int = 0) -> None"), "streams"_a, "path"_a, "vocab_size"_a, "ngram_size"_a = 2, "fingerprint"_a = nb::bytes("\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0", 32),
       "generation"_a = 0,
       "Counts the (ngram_size-gram, follower) pairs of each int32 token stream (n-grams never span\n"
       "two streams) and writes a static cache to `path` atomically (temporary file, fsync, rename).");

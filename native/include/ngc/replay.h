@@ -1,0 +1,33 @@
+// replay: llama-lookup-stats' simulation of drafting over a token stream, in the core so
+// its timings measure the drafter rather than the interpreter around it.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "ngc/count_table.h"
+#include "ngc/drafter.h"
+#include "ngc/static_cache.h"
+
+namespace ngc {
+
+struct ReplayStats {
+  uint64_t n_chunks = 0;          // chunks of n_ctx tokens replayed
+  uint64_t n_draft_calls = 0;     // calls to draft()
+  uint64_t n_drafted = 0;         // tokens drafted
+  uint64_t n_accept = 0;          // drafted tokens equal to the stream's next token
+  uint64_t t_draft_ns = 0;        // time in draft() and context updates (as lookup-stats counts)
+  uint64_t t_draft_only_ns = 0;   // time in draft() alone
+};
+
+// Cuts `tokens` into chunks of n_ctx (a last partial chunk is skipped). In each chunk the
+// output starts with the chunk's first token; until it holds n_ctx tokens: draft up to
+// n_draft tokens after it, walk the draft while each token equals the chunk's next one
+// (appending and counting it), then append the chunk's next token unless the output is
+// full. Every appended token updates the context table. After a chunk, the context table
+// is merged into `dynamic` (which MUST be non-null) and cleared.
+// When `drafts` is non-null, each call's drafted tokens are appended to it followed by -1.
+ReplayStats replay(const Token* tokens, size_t n_tokens, size_t n_ctx, const DraftParams& params,
+                   const StaticCache* static_cache, CountTable* dynamic, std::vector<Token>* drafts);
+
+}  // namespace ngc

@@ -1,0 +1,60 @@
+#include "ngc/replay.h"
+
+#include <chrono>
+
+namespace ngc {
+namespace {
+
+inline uint64_t now_ns() {
+  return static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                   std::chrono::steady_clock::now().time_since_epoch())
+                                   .count());
+}
+
+}  // namespace
+
+ReplayStats replay(const Token* tokens, size_t n_tokens, size_t n_ctx, const DraftParams& params,
+                   const StaticCache* static_cache, CountTable* dynamic, std::vector<Token>* drafts) {
+  ReplayStats st;
+  CountTable context;
+  std::vector<Token> output;
+  output.reserve(n_ctx);
+  Token draft_buf[kMaxDraft];
+  for (size_t start = 0; n_ctx > 0 && start + n_ctx <= n_tokens; start += n_ctx) {
+    const Token* chunk = tokens + start;
+    output.assign(1, chunk[0]);
+    while (output.size() < n_ctx) {
+      uint64_t t0 = now_ns();
+      const int n = draft(output.data(), output.size(), &context, dynamic, static_cache, params, draft_buf);
+      uint64_t dt = now_ns() - t0;
+      st.t_draft_ns += dt;
+      st.t_draft_only_ns += dt;
+      ++st.n_draft_calls;
+      st.n_drafted += static_cast<uint64_t>(n);
+      if (drafts) {
+        drafts->insert(drafts->end(), draft_buf, draft_buf + n);
+        drafts->push_back(-1);
+      }
+      for (int j = 0; j < n && output.size() < n_ctx; ++j) {
+        if (chunk[output.size()] != draft_buf[j]) break;
+        ++st.n_accept;
+        output.push_back(draft_buf[j]);
+        t0 = now_ns();
+        context.update(output.data(), output.size(), 1, params.ngram_min, params.ngram_max);
+        st.t_draft_ns += now_ns() - t0;
+      }
+      if (output.size() < n_ctx) {
+        output.push_back(chunk[output.size()]);
+        t0 = now_ns();
+        context.update(output.data(), output.size(), 1, params.ngram_min, params.ngram_max);
+        st.t_draft_ns += now_ns() - t0;
+      }
+    }
+    dynamic->merge(context);
+    context.clear();
+    ++st.n_chunks;
+  }
+  return st;
+}
+
+}  // namespace ngc

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# The one test command (README, .ci/run): installs what the tests need on a fresh machine
+# (redis-server, a virtualenv with the project and its test dependencies, the compiled
+# core), checks generated files, and runs every test. Extra arguments go to pytest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if ! command -v redis-server >/dev/null 2>&1; then
+  if [ "$(id -u)" -ne 0 ]; then
+    echo "redis-server is missing: run 'sudo apt-get install redis-server' (the tests start their own on loopback)" >&2
+    exit 1
+  fi
+  echo "installing redis-server (Debian package)..."
+  apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends redis-server redis-tools >/dev/null
+fi
+
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+echo "installing ngramcache and its test dependencies into .venv (compiles native/)..."
+.venv/bin/python -m pip install -q --disable-pip-version-check -e '.[test]' \
+  2> >(grep -v 'is ignored: it is neither a file nor a directory' >&2)
+.venv/bin/python native/stubgen.py --check
+exec .venv/bin/python -m pytest "$@"

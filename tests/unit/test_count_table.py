@@ -1,0 +1,166 @@
+"""CountTable: llama.cpp update semantics, growth, heavy collisions, merge, integrity."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import reference
+from client import CountTable, InvalidArgumentError
+from client._core import _ngram_hash
+
+
+def arr(x) -> np.ndarray:
+    return np.asarray(x, dtype=np.int32)
+
+
+def as_table(t: CountTable):
+    return reference.rows_to_table(t.to_rows())
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.integers(0, 8), max_size=120),
+    st.integers(0, 130),
+    st.integers(1, 4),
+    st.integers(0, 3),
+)
+def test_update_matches_llama_semantics(tokens, n_new, ngram_min, extra):
+    ngram_max = min(4, ngram_min + extra)
+    n_new = min(n_new, len(tokens))
+    t = CountTable()
+    t.update(arr(tokens), n_new, ngram_min, ngram_max)
+    t.check_integrity()
+    want = reference.new_table()
+    reference.update(want, tokens, n_new, ngram_min, ngram_max)
+    assert as_table(t) == want
+    assert t.n_keys == len(want)
+    assert t.n_entries == sum(len(v) for v in want.values())
+
+
+def test_incremental_updates_equal_one_update():
+    rng = np.random.default_rng(0)
+    tokens = arr(rng.integers(0, 20, 2000))
+    whole, parts = CountTable(), CountTable()
+    whole.update(tokens)
+    for end in range(0, len(tokens) + 1, 37):
+        parts.update(tokens[:end], min(37, end))
+        parts.check_integrity()
+    parts.update(tokens, len(tokens) % 37)
+    assert as_table(whole) == as_table(parts)
+
+
+def test_growth_keeps_every_key():
+    t = CountTable()
+    rng = np.random.default_rng(1)
+    keys = rng.integers(0, 1 << 30, size=(50_000, 2))
+    sizes = []
+    for i, (a, b) in enumerate(keys.tolist()):
+        t.add([a, b], i % 1000, 1 + i % 3)
+        if i % 5000 == 0:
+            t.check_integrity()
+            sizes.append(t.memory_bytes())
+    t.check_integrity()
+    assert sizes == sorted(sizes)
+    unique = {(a, b) for a, b in keys.tolist()}
+    assert t.n_keys == len(unique)
+    for i, (a, b) in enumerate(keys[:2000].tolist()):
+        toks, counts = t.lookup([a, b])
+        assert i % 1000 in toks.tolist()
+
+
+def test_heavy_collisions():
+    """Keys whose hashes agree in their low 12 bits all start probing at the same slot."""
+    rng = np.random.default_rng(2)
+    colliding = []
+    while len(colliding) < 400:
+        key = rng.integers(0, 1 << 20, 3).tolist()
+        if _ngram_hash(key) & 0xFFF == 0x5A5:
+            colliding.append(key)
+    t = CountTable()
+    for i, key in enumerate(colliding):
+        t.add(key, i, i + 1)
+        if i % 50 == 0:
+            t.check_integrity()
+    t.check_integrity()
+    for i, key in enumerate(colliding):
+        toks, counts = t.lookup(key)
+        assert toks.tolist() == [i] and counts.tolist() == [i + 1]
+    # Absent keys with the same home slot are still reported absent.
+    probe = rng.integers(1 << 21, 1 << 22, 3).tolist()
+    assert t.lookup(probe)[0].size == 0
+
+
+def test_merge_sums_counts():
+    rng = np.random.default_rng(3)
+    a, b = CountTable(), CountTable()
+    sa, sb = rng.integers(0, 9, 800), rng.integers(0, 9, 800)
+    a.update(arr(sa))
+    b.update(arr(sb))
+    want = reference.new_table()
+    reference.update(want, sa.tolist(), len(sa))
+    reference.update(want, sb.tolist(), len(sb))
+    a.merge(b)
+    a.check_integrity()
+    b.check_integrity()
+    assert as_table(a) == want
+    with pytest.raises(InvalidArgumentError, match="itself"):
+        a.merge(a)
+
+
+def test_followers_sorted_and_counts_saturate():
+    t = CountTable()
+    for tok in [9, 3, 7, 3, 1]:
+        t.add([5], tok)
+    toks, counts = t.lookup([5])
+    assert toks.tolist() == [1, 3, 7, 9] and counts.tolist() == [1, 2, 1, 1]
+    t.add([6], 1, 2**32 - 1)
+    t.add([6], 1, 5)
+    assert t.lookup([6])[1].tolist() == [2**32 - 1]
+    t.check_integrity()
+
+
+def test_add_rows_is_all_or_nothing():
+    t = CountTable()
+    good = arr([[2, 1, 2, -1, -1, 3, 4], [1, 7, -1, -1, -1, 8, 1]])
+    t.add_rows(good)
+    assert t.n_entries == 2
+    for bad, message in [
+        ([[2, 1, 2, -1, -1, 3, 4], [5, 1, 2, 3, 4, 5, 1]], "n-gram size 5"),
+        ([[2, 1, 2, -1, -1, 3, 4], [2, 1, 2, 3, -1, 5, 1]], "unused slots -1"),
+        ([[2, 1, 2, -1, -1, 3, 4], [2, 1, -4, -1, -1, 5, 1]], "must be >= 0"),
+        ([[2, 1, 2, -1, -1, 3, 4], [2, 1, 2, -1, -1, 5, 0]], "count must be > 0"),
+        ([[2, 1, 2, -1, -1, 3, 4], [2, 1, 2, -1, -1, -5, 1]], "follower token is negative"),
+    ]:
+        with pytest.raises(InvalidArgumentError, match=message):
+            t.add_rows(arr(bad))
+        assert t.n_entries == 2 and t.lookup([1, 2])[1].tolist() == [4]
+    with pytest.raises(InvalidArgumentError, match="shape"):
+        t.add_rows(arr([1, 2, 3]))
+    t.check_integrity()
+
+
+def test_bad_arguments():
+    t = CountTable()
+    with pytest.raises(ValueError, match="ngram_min"):
+        t.update(arr([1, 2]), ngram_min=0)
+    with pytest.raises(ValueError, match="n_new"):
+        t.update(arr([1, 2]), 3)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        t.update(arr([1, -2]))
+    with pytest.raises(ValueError, match="1..4 tokens"):
+        t.lookup([1, 2, 3, 4, 5])
+    with pytest.raises(ValueError, match="count"):
+        t.add([1], 2, 0)
+    assert t.n_keys == 0
+
+
+def test_clear_and_memory():
+    t = CountTable()
+    t.update(arr(list(range(100)) * 3))
+    assert t.memory_bytes() > 0 and len(t) == t.n_keys > 0
+    t.clear()
+    t.check_integrity()
+    assert t.n_keys == 0 and t.n_entries == 0
