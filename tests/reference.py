@@ -99,3 +99,32 @@ def count_static(streams, k: int = 2) -> Table:
         for i in range(k, len(s)):
             table[tuple(s[i - k : i])][s[i]] += 1
     return table
+
+
+def replay(tokens, n_ctx, n_draft, static=None, static_n=2, dynamic=None, ngram_min=1, ngram_max=4):
+    """llama-lookup-stats' replay. Returns (n_drafted, n_accept, drafts per call, dynamic)."""
+    tokens = [int(t) for t in tokens]
+    dynamic = dynamic if dynamic is not None else new_table()
+    n_drafted = n_accept = 0
+    calls = []
+    for start in range(0, len(tokens) - n_ctx + 1, n_ctx):
+        chunk = tokens[start : start + n_ctx]
+        context = new_table()
+        out = [chunk[0]]
+        while len(out) < n_ctx:
+            d = draft(out, n_draft, context, dynamic, static, static_n, ngram_min, ngram_max)
+            calls.append(d)
+            n_drafted += len(d)
+            for t in d:
+                if len(out) >= n_ctx or chunk[len(out)] != t:
+                    break
+                n_accept += 1
+                out.append(t)
+                update(context, out, 1, ngram_min, ngram_max)
+            if len(out) < n_ctx:
+                out.append(chunk[len(out)])
+                update(context, out, 1, ngram_min, ngram_max)
+        for key, followers in context.items():
+            for t, c in followers.items():
+                dynamic[key][t] += c
+    return n_drafted, n_accept, calls, dynamic
