@@ -1,0 +1,399 @@
+"""The in-process backend of the counts store, for one machine with no Redis configured.
+
+It keeps the same layout and guarantees as the Redis backend (buckets, exactly-once per
+(client_id, seq), versions and bounded change history as roaring bitmaps of bucket ids),
+inside one process. With a path it snapshots itself to that file every
+``snapshot_seconds`` and on `close()`, atomically (write a temporary file, fsync, rename,
+fsync the directory), and reloads the file when opened.
+
+**A crash or kill loses at most the last snapshot interval**: the batches applied since
+the last snapshot are gone, and so are their dedup records, so a sender that retries one
+of them gets it applied again (once). After a reload every version handed out before is
+answered with `ResyncRequiredError`, because the counts behind those versions may be lost.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import os
+import struct
+import threading
+import time
+import urllib.parse
+import zlib
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import pyroaring
+
+from cache_service.counts_store import (
+    ApplyResult,
+    BatchTooOldError,
+    ChangeSet,
+    CountsStore,
+    CountsStoreConfig,
+    NamespaceInfo,
+    NamespaceNotFoundError,
+    check_tokenizer,
+    decode_fields,
+    encode_batch,
+    fields_and_buckets,
+    ngram_bucket,
+    ngram_key,
+    normalize_fingerprint,
+    validate_client_id,
+    validate_deltas,
+    validate_layout,
+    validate_namespace,
+    validate_seq,
+    validate_vocab_size,
+)
+from client.errors import CacheFormatError, InvalidArgumentError, ResyncRequiredError
+
+__all__ = ["EmbeddedCountsStore", "SnapshotFormatError"]
+
+log = logging.getLogger(__name__)
+
+_MAGIC = b"NGCSNAP\x01"
+_FORMAT = 1
+
+
+class SnapshotFormatError(CacheFormatError):
+    """An embedded store snapshot is truncated, corrupt, or not a snapshot at all."""
+
+
+def _now_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+class _Dedup:
+    """Seqs applied for one client: those within ``window`` of the highest, as in the Redis backend."""
+
+    __slots__ = ("seqs", "hwm", "touched")
+
+    def __init__(self, seqs: Iterable[int] = ()) -> None:
+        self.seqs = set(seqs)
+        self.hwm = max(self.seqs, default=-1)
+        self.touched = time.monotonic()
+
+
+class _Namespace:
+    """One namespace's counts and change history; guarded by the store's lock."""
+
+    def __init__(self, info: NamespaceInfo, start: int) -> None:
+        self.info = info
+        self.buckets: dict[int, dict[bytes, int]] = {}
+        self.dedup: dict[str, _Dedup] = {}
+        self.cur = start  # the newest version; the open piece started at it
+        self.opened_ms = start
+        self.epochs: collections.deque[int] = collections.deque([start])  # newest first
+        self.open = pyroaring.BitMap()
+        self.closed: list[tuple[int, pyroaring.BitMap]] = []  # (end version, buckets), oldest first
+
+    @property
+    def floor(self) -> int:
+        return self.epochs[-1]
+
+
+class EmbeddedCountsStore(CountsStore):
+    """Counts in this process, optionally snapshotted to a file. Thread-safe (one lock).
+
+    Args:
+        config: a `CountsStoreConfig` whose url is None/"" (memory only) or
+            ``embedded://PATH`` (snapshot file; ``embedded:///abs/path`` for an absolute one).
+
+    Raises:
+        SnapshotFormatError: the snapshot file exists but is not a valid snapshot.
+    """
+
+    def __init__(self, config: CountsStoreConfig | None = None) -> None:
+        self.config = config or CountsStoreConfig()
+        url = self.config.url or ""
+        path = urllib.parse.unquote(url[len("embedded://"):].split("?", 1)[0]) if url else ""
+        self.path = path or None
+        self._lock = threading.RLock()
+        self._namespaces: dict[str, _Namespace] = {}
+        self._closed = False
+        self._applies = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        if self.path and os.path.exists(self.path):
+            self._load(self.path)
+        if self.path and self.config.snapshot_seconds > 0:
+            self._thread = threading.Thread(target=self._snapshot_loop, name="ngc-snapshot", daemon=True)
+            self._thread.start()
+
+    def __repr__(self) -> str:
+        return f"EmbeddedCountsStore(path={self.path!r})"
+
+    # ----------------------------------------------------------------- namespaces
+
+    def _ns(self, namespace: str) -> _Namespace:
+        validate_namespace(namespace)
+        ns = self._namespaces.get(namespace)
+        if ns is None:
+            raise NamespaceNotFoundError(f"no counts namespace {namespace!r}")
+        return ns
+
+    def create_namespace(self, namespace: str, fingerprint: bytes | str, vocab_size: int, *,
+                         buckets: int | None = None, shards: int | None = None) -> NamespaceInfo:
+        validate_namespace(namespace)
+        fp = normalize_fingerprint(fingerprint)
+        vocab = validate_vocab_size(vocab_size)
+        with self._lock:
+            existing = self._namespaces.get(namespace)
+            if existing is not None:
+                check_tokenizer(existing.info, fp, vocab)
+                return existing.info
+            nbuckets, nshards = validate_layout(buckets or self.config.default_buckets,
+                                                shards or self.config.default_shards or 1)
+            info = NamespaceInfo(namespace, fp, vocab, nbuckets, nshards, os.urandom(4).hex())
+            self._namespaces[namespace] = _Namespace(info, _now_ms())
+            return info
+
+    def namespace_info(self, namespace: str) -> NamespaceInfo:
+        with self._lock:
+            return self._ns(namespace).info
+
+    def drop_namespace(self, namespace: str) -> bool:
+        validate_namespace(namespace)
+        with self._lock:
+            return self._namespaces.pop(namespace, None) is not None
+
+    # ----------------------------------------------------------------- writes
+
+    def apply(self, namespace: str, client_id: str, seq: int, deltas: np.ndarray, *,
+              fingerprint: bytes | str | None = None) -> ApplyResult:
+        validate_client_id(client_id)
+        seq = validate_seq(seq)
+        with self._lock:
+            info = self._ns(namespace).info
+        check_tokenizer(info, fingerprint)
+        validate_deltas(deltas, info.vocab_size, self.config.max_batch_rows)
+        if len(deltas) == 0:
+            return ApplyResult(0, 0, 0, 0)
+        enc = encode_batch(deltas, info)  # outside the lock: the expensive part
+        fields = enc.field_list()
+        with self._lock:
+            ns = self._ns(namespace)
+            if ns.info.instance != info.instance:
+                raise NamespaceNotFoundError(f"namespace {namespace!r} was recreated during apply; retry")
+            window = self.config.dedup_window
+            dedup = ns.dedup.get(client_id)
+            if dedup is None:
+                dedup = ns.dedup[client_id] = _Dedup()
+            dedup.touched = time.monotonic()
+            if seq <= dedup.hwm - window:
+                raise BatchTooOldError(
+                    f"batch seq {seq} is older than the dedup window ({window}) behind seq {dedup.hwm}: "
+                    "whether it was applied is unknown, so it was not applied")
+            if seq in dedup.seqs:
+                return ApplyResult(1, 0, 1, enc.entries)
+            buckets = ns.buckets
+            for bucket, field, count in zip(enc.buckets.tolist(), fields, enc.counts.tolist()):
+                entries = buckets.get(bucket)
+                if entries is None:
+                    entries = buckets[bucket] = {}
+                entries[field] = entries.get(field, 0) + count
+            ns.open.update(enc.buckets.tolist())
+            dedup.seqs.add(seq)
+            dedup.hwm = max(dedup.hwm, seq)
+            if len(dedup.seqs) > window:
+                dedup.seqs = {s for s in dedup.seqs if s > dedup.hwm - window}
+            self._applies += 1
+            if self._applies % 4096 == 0:
+                self._expire_dedup()
+            return ApplyResult(1, 1, 0, enc.entries)
+
+    # ----------------------------------------------------------------- reads
+
+    def lookup(self, namespace: str, ngram: Sequence[int]) -> dict[int, int]:
+        with self._lock:
+            ns = self._ns(namespace)
+            info = ns.info
+            key = ngram_key(ngram, info)
+            entries = ns.buckets.get(ngram_bucket(ngram, info), {})
+            size = len(key) + info.token_width
+            found = {f: c for f, c in entries.items() if len(f) == size and f.startswith(key)}
+        return {int.from_bytes(f[len(key):], "little"): c for f, c in found.items()}
+
+    def _tick(self, ns: _Namespace) -> None:
+        now = _now_ms()
+        if now > ns.opened_ms and now - ns.opened_ms >= self.config.epoch_seconds * 1000:
+            new = max(ns.cur + 1, now)
+            if ns.open:
+                ns.closed.append((new, ns.open))
+                ns.open = pyroaring.BitMap()
+            ns.cur, ns.opened_ms = new, now
+            ns.epochs.appendleft(new)
+            while len(ns.epochs) > self.config.history_epochs + 1:
+                ns.epochs.pop()
+            floor = ns.floor
+            while ns.closed and ns.closed[0][0] <= floor:
+                ns.closed.pop(0)
+
+    def version(self, namespace: str) -> int:
+        with self._lock:
+            ns = self._ns(namespace)
+            self._tick(ns)
+            return ns.cur
+
+    def changes_since(self, namespace: str, version: int) -> ChangeSet:
+        since = int(version)
+        with self._lock:
+            ns = self._ns(namespace)
+            self._tick(ns)
+            if since < ns.floor or since > ns.cur:
+                raise ResyncRequiredError(
+                    f"version {since} of namespace {namespace!r} is outside the history kept "
+                    f"[{ns.floor}, {ns.cur}]; resync from version() + export()")
+            changed = pyroaring.BitMap.union(ns.open, *(bits for end, bits in ns.closed if end > since))
+            rows = self._rows(ns, changed)
+            return ChangeSet(ns.cur, rows, np.array(changed, dtype=np.uint32))
+
+    def _rows(self, ns: _Namespace, buckets: Iterable[int]) -> np.ndarray:
+        fields: list[bytes] = []
+        counts: list[int] = []
+        for bucket in buckets:
+            entries = ns.buckets.get(bucket)
+            if entries:
+                fields.extend(entries)
+                counts.extend(entries.values())
+        return decode_fields(fields, counts, ns.info.token_width)
+
+    def export(self, namespace: str, *, chunk_rows: int = 65536) -> Iterator[np.ndarray]:
+        with self._lock:
+            ns = self._ns(namespace)
+            ids = sorted(ns.buckets)
+        i = 0
+        while i < len(ids):
+            with self._lock:  # a chunk at a time, so writers are not blocked for the whole export
+                picked: list[int] = []
+                rows = 0
+                while i < len(ids) and rows < chunk_rows:
+                    rows += len(ns.buckets.get(ids[i], ()))
+                    picked.append(ids[i])
+                    i += 1
+                chunk = self._rows(ns, picked)
+            if len(chunk):
+                yield chunk
+
+    # ----------------------------------------------------------------- snapshots
+
+    def snapshot(self) -> None:
+        """Write the whole store to the snapshot file atomically (no-op without a path)."""
+        if not self.path:
+            return
+        with self._lock:
+            header: dict[str, Any] = {"format": _FORMAT, "namespaces": []}
+            blobs: list[bytes] = []
+            for name, ns in self._namespaces.items():
+                rows = self._rows(ns, list(ns.buckets))
+                header["namespaces"].append({
+                    "name": name, "fingerprint": ns.info.fingerprint, "vocab_size": ns.info.vocab_size,
+                    "buckets": ns.info.buckets, "shards": ns.info.shards, "instance": ns.info.instance,
+                    "cur": ns.cur, "entries": len(rows),
+                    "dedup": {cid: sorted(d.seqs) for cid, d in ns.dedup.items()},
+                })
+                blobs.append(np.ascontiguousarray(rows[:, :6], dtype="<i4").tobytes())
+                blobs.append(np.ascontiguousarray(rows[:, 6], dtype="<i8").tobytes())
+        head = json.dumps(header, separators=(",", ":")).encode()
+        body = b"".join([_MAGIC, struct.pack("<Q", len(head)), head, *blobs])
+        data = body + struct.pack("<I", zlib.crc32(body))
+        directory = os.path.dirname(os.path.abspath(self.path))
+        tmp = f"{self.path}.tmp.{os.getpid()}.{threading.get_ident()}"
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.path)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+        fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        log.debug("snapshot of %d namespace(s) written to %s", len(header["namespaces"]), self.path)
+
+    def _load(self, path: str) -> None:
+        with open(path, "rb") as f:
+            data = f.read()
+        if len(data) < len(_MAGIC) + 12 or data[:len(_MAGIC)] != _MAGIC:
+            raise SnapshotFormatError(f"{path} is not a counts store snapshot (bad magic or too short)")
+        body, (crc,) = data[:-4], struct.unpack("<I", data[-4:])
+        if zlib.crc32(body) != crc:
+            raise SnapshotFormatError(f"{path} is truncated or corrupt (checksum mismatch)")
+        (head_len,) = struct.unpack_from("<Q", body, len(_MAGIC))
+        pos = len(_MAGIC) + 8
+        try:
+            header = json.loads(body[pos:pos + head_len])
+            if header.get("format") != _FORMAT:
+                raise SnapshotFormatError(f"{path} has snapshot format {header.get('format')}, expected {_FORMAT}")
+            pos += head_len
+            start = _now_ms()
+            for entry in header["namespaces"]:
+                k = int(entry["entries"])
+                keys = np.frombuffer(body, dtype="<i4", count=k * 6, offset=pos).reshape(k, 6)
+                pos += k * 24
+                counts = np.frombuffer(body, dtype="<i8", count=k, offset=pos)
+                pos += k * 8
+                info = NamespaceInfo(validate_namespace(entry["name"]), normalize_fingerprint(entry["fingerprint"]),
+                                     validate_vocab_size(entry["vocab_size"]),
+                                     *validate_layout(entry["buckets"], entry["shards"]), str(entry["instance"]))
+                check = np.empty((k, 7), dtype=np.int32)
+                check[:, :6] = keys
+                check[:, 6] = 1
+                validate_deltas(check, info.vocab_size, max(k, 1))
+                if k and int(counts.min()) <= 0:
+                    raise SnapshotFormatError(f"{path} holds a count <= 0")
+                # Versions handed out before the restart may cover lost writes: start above them.
+                ns = _Namespace(info, max(int(entry["cur"]) + 1, start))
+                matrix, lengths, buckets = fields_and_buckets(check, info)
+                flat = matrix.tobytes()
+                width = matrix.shape[1]
+                for i, (bucket, length, count) in enumerate(zip(buckets.tolist(), lengths.tolist(),
+                                                               counts.tolist())):
+                    ns.buckets.setdefault(bucket, {})[flat[i * width:i * width + length]] = count
+                ns.dedup = {validate_client_id(cid): _Dedup(int(s) for s in seqs)
+                            for cid, seqs in entry["dedup"].items()}
+                self._namespaces[info.name] = ns
+            if pos != len(body):
+                raise SnapshotFormatError(f"{path} has {len(body) - pos} unexpected trailing bytes")
+        except SnapshotFormatError:
+            raise
+        except (ValueError, KeyError, TypeError, InvalidArgumentError) as exc:
+            self._namespaces.clear()
+            raise SnapshotFormatError(f"{path} is not a valid snapshot: {exc}") from None
+        log.debug("loaded %d namespace(s) from %s", len(self._namespaces), path)
+
+    def _snapshot_loop(self) -> None:
+        while not self._stop.wait(self.config.snapshot_seconds):
+            try:
+                self.snapshot()
+                self._expire_dedup()
+            except Exception:  # keep snapshotting; the next interval may succeed (disk full, ...)
+                log.exception("counts store snapshot to %s failed", self.path)
+
+    def _expire_dedup(self) -> None:
+        limit = time.monotonic() - self.config.dedup_ttl_seconds
+        with self._lock:
+            for ns in self._namespaces.values():
+                for cid in [cid for cid, d in ns.dedup.items() if d.touched < limit]:
+                    del ns.dedup[cid]
+
+    def close(self) -> None:
+        """Stop the snapshot thread and write a last snapshot (idempotent)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        self.snapshot()

@@ -1,0 +1,111 @@
+"""The Redis key schema of the counts store: every key name is built here and nowhere else.
+
+``P`` is ``config.prefix`` (default ``ngc``), ``NS`` the namespace, ``I`` its instance id
+(random, new each time the namespace is created), ``S`` its shard count.
+
+Coordinator keys, hash tag ``{NS}`` (one slot per namespace)::
+
+    P:{NS}:meta     HASH    fingerprint, vocab_size, buckets, shards, instance, schema
+    P:{NS}:clock    HASH    instance, cur (newest version), t (ms the current epoch opened), floor
+    P:{NS}:epochs   LIST    epoch numbers, newest first, trimmed to history_epochs + 1;
+                            the last one is the floor: the oldest version changes_since serves
+
+Shard keys, hash tag ``{NS/I/s.k}`` for shard s (k is the smallest integer that puts the tag
+in slot range [s*16384/S, (s+1)*16384/S), so shards spread evenly over the masters of a
+Cluster that owns contiguous, equal slot ranges, as ``redis-cli --cluster create`` makes)::
+
+    P:{T}:s         HASH    instance, e (epoch the open change piece started), f (trim floor)
+    P:{T}:c         STRING  Redis bitmap (SETBIT) of the local ids of the buckets changed
+                            in the open piece
+    P:{T}:h         HASH    closed pieces: "<start>:<end>" -> b"B" + Redis bitmap, or
+                            b"R" + portable roaring bitmap once a reader sealed it
+    P:{T}:i         ZSET    index of h: member "<start>:<end>", score end (for trimming/reads)
+    P:{T}:d:<cid>   ZSET    dedup record of client <cid> in this shard: the seqs applied,
+                            trimmed to the dedup window, expiring after dedup_ttl
+    P:{T}:<b>       HASH    bucket b (global id, decimal): field = n-gram tokens then the
+                            follower, token_width little-endian bytes each; value = count
+
+A bucket holds ~64 entries when ``buckets`` is sized as entries / 64, which keeps it in
+Redis's listpack encoding (hash-max-listpack-entries 128): about 16 bytes an entry for
+3-byte tokens. Every key one apply unit touches (s, c, d:<cid>, its buckets) shares the
+shard's tag, hence its slot: a unit is one EVALSHA, atomic even on a Cluster. Because the
+instance id is in every shard tag, a namespace dropped and recreated never reads the
+leftovers of its previous incarnation.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
+
+SCHEMA_VERSION = 1
+
+
+def meta_key(prefix: str, namespace: str) -> str:
+    return f"{prefix}:{{{namespace}}}:meta"
+
+
+def clock_key(prefix: str, namespace: str) -> str:
+    return f"{prefix}:{{{namespace}}}:clock"
+
+
+def epochs_key(prefix: str, namespace: str) -> str:
+    return f"{prefix}:{{{namespace}}}:epochs"
+
+
+@functools.lru_cache(maxsize=256)
+def shard_tags(namespace: str, instance: str, shards: int) -> tuple[str, ...]:
+    """The hash tag of each shard, chosen so shard s lands in the s-th equal slice of slots."""
+    tags = []
+    for s in range(shards):
+        lo = s * REDIS_CLUSTER_HASH_SLOTS // shards
+        hi = (s + 1) * REDIS_CLUSTER_HASH_SLOTS // shards
+        k = 0
+        while True:
+            tag = f"{namespace}/{instance}/{s}.{k}"
+            if lo <= key_slot(tag.encode()) < hi:
+                break
+            k += 1
+        tags.append(tag)
+    return tuple(tags)
+
+
+class ShardKeys:
+    """Key names of one shard of one namespace incarnation."""
+
+    __slots__ = ("base", "state", "changes", "history", "index")
+
+    def __init__(self, prefix: str, tag: str) -> None:
+        self.base = f"{prefix}:{{{tag}}}:"
+        self.state = self.base + "s"
+        self.changes = self.base + "c"
+        self.history = self.base + "h"
+        self.index = self.base + "i"
+
+    def dedup(self, client_id: str) -> str:
+        return f"{self.base}d:{client_id}"
+
+    def bucket(self, bucket: int) -> str:
+        return f"{self.base}{bucket}"
+
+
+def shard_keys(prefix: str, namespace: str, instance: str, shards: int) -> list[ShardKeys]:
+    return [ShardKeys(prefix, tag) for tag in shard_tags(namespace, instance, shards)]
+
+
+def instance_match(prefix: str, namespace: str, instance: str | None = None) -> str:
+    """SCAN pattern of every shard key of a namespace (one incarnation, or all of them)."""
+    return f"{prefix}:{{{namespace}/{instance}/*" if instance else f"{prefix}:{{{namespace}/*"
+
+
+def bucket_match(prefix: str, namespace: str, instance: str) -> str:
+    """SCAN pattern of the bucket keys of one namespace incarnation."""
+    return f"{prefix}:{{{namespace}/{instance}/*}}:[0-9]*"
+
+
+def bucket_of_key(key: bytes | str) -> int:
+    """The global bucket id at the end of a bucket key."""
+    if isinstance(key, bytes):
+        key = key.decode()
+    return int(key.rsplit(":", 1)[1])

@@ -1,0 +1,814 @@
+"""The Redis backend of the counts store, for a standalone Redis or a Redis Cluster.
+
+Every write is a Lua script over keys of one shard (see `redis_schema`), so it runs
+atomically on the shard's node:
+
+* APPLY adds one unit of a batch (the batch's entries in one shard) and records
+  (client_id, seq) in the shard's dedup set in the same script; a unit already recorded is
+  skipped. A reply lost to a timeout, a dropped connection or a server restart (with
+  ``appendonly yes``, which logs a script's effects as one MULTI/EXEC) is therefore
+  retried safely, and every script here is idempotent, so redis-py's bounded reconnect
+  retries and the NOSCRIPT fallback (load, then run again) are safe as well.
+* TICK advances the namespace's version at most once per ``epoch_seconds``.
+* ROLL closes a shard's open change piece when the version moved, trims history below the
+  floor and returns the pieces a reader needs; SEAL rewrites a closed piece as a roaring
+  bitmap; READ returns bucket contents packed for numpy.
+
+A version is handed out only after every shard's open piece started at or after it, so
+every write after the hand-out lands in a piece ``changes_since`` will read.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import hashlib
+import logging
+import secrets
+import threading
+import urllib.parse
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import pyroaring
+import redis
+import redis.exceptions as rexc
+from redis.backoff import ExponentialBackoff
+from redis.cluster import ClusterNode, RedisCluster
+from redis.retry import Retry
+
+from cache_service import redis_schema as schema
+from cache_service.counts_store import (
+    MAX_N,
+    ApplyResult,
+    BatchTooOldError,
+    ChangeSet,
+    CountsStore,
+    CountsStoreConfig,
+    EncodedBatch,
+    NamespaceInfo,
+    NamespaceNotFoundError,
+    StoreAuthenticationError,
+    check_tokenizer,
+    encode_batch,
+    ngram_bucket,
+    ngram_key,
+    normalize_fingerprint,
+    redact_url,
+    rows_from_matrix,
+    validate_client_id,
+    validate_deltas,
+    validate_layout,
+    validate_namespace,
+    validate_seq,
+    validate_vocab_size,
+)
+from client.errors import BackendUnavailableError, InvalidArgumentError, NgramCacheError, ResyncRequiredError
+
+__all__ = ["RedisCountsStore"]
+
+log = logging.getLogger(__name__)
+
+_CLUSTER_DEFAULT_SHARDS = 64
+_READ_KEYS_PER_CALL = 512  # buckets per READ call: bounds how long one call blocks Redis
+_PIPELINE_ROWS = 1 << 18  # rows per pipelined round trip in apply_many
+
+
+class _Script:
+    """A Lua script run by EVALSHA; `RedisCountsStore._run` loads it on NOSCRIPT and runs it again."""
+
+    def __init__(self, name: str, source: str) -> None:
+        self.name = name
+        self.source = source
+        self.sha = hashlib.sha1(source.encode()).hexdigest()
+
+
+# KEYS: state, changes, dedup, bucket... ARGV: instance, seq, window, ttl_ms, blob.
+# blob: per bucket '<I4I4' (local id, entries), then per entry '<Bc0I8' (field, increment).
+_APPLY = _Script("apply", """
+if redis.call('HGET', KEYS[1], 'instance') ~= ARGV[1] then return {-1} end
+local seq = tonumber(ARGV[2])
+local window = tonumber(ARGV[3])
+local top = redis.call('ZRANGE', KEYS[3], -1, -1, 'WITHSCORES')
+local hwm = -1
+if top[2] then hwm = tonumber(top[2]) end
+if seq <= hwm - window then return {-2, top[2]} end
+if redis.call('ZSCORE', KEYS[3], ARGV[2]) then return {0} end
+local blob = ARGV[5]
+local pos, len, k = 1, #blob, 3
+while pos <= len do
+  local lid, nf
+  lid, nf, pos = struct.unpack('<I4I4', blob, pos)
+  k = k + 1
+  local key = KEYS[k]
+  redis.call('SETBIT', KEYS[2], lid, 1)
+  for _ = 1, nf do
+    local field, inc
+    field, inc, pos = struct.unpack('<Bc0I8', blob, pos)
+    redis.call('HINCRBY', key, field, inc)
+  end
+end
+redis.call('ZADD', KEYS[3], ARGV[2], ARGV[2])
+if seq > hwm then hwm = seq end
+redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', hwm - window)
+redis.call('PEXPIRE', KEYS[3], ARGV[4])
+return {1}
+""")
+
+# KEYS: clock, epochs. ARGV: instance, epoch_ms, history_epochs. Returns {cur, floor}.
+_TICK = _Script("tick", """
+local c = redis.call('HMGET', KEYS[1], 'instance', 'cur', 't', 'floor')
+if c[1] ~= ARGV[1] then return {-1} end
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local opened = tonumber(c[3])
+if now > opened and now - opened >= tonumber(ARGV[2]) then
+  local cur = string.format('%d', math.max(tonumber(c[2]) + 1, now))
+  redis.call('LPUSH', KEYS[2], cur)
+  redis.call('LTRIM', KEYS[2], 0, tonumber(ARGV[3]))
+  local floor = redis.call('LINDEX', KEYS[2], -1)
+  redis.call('HSET', KEYS[1], 'cur', cur, 't', string.format('%d', now), 'floor', floor)
+  return {cur, floor}
+end
+return {c[2], c[4]}
+""")
+
+# KEYS: state, changes, history, index. ARGV: instance, cur, floor, since ('' = no read).
+# Returns {1} or {1, open bitmap, piece, blob, ...}; {-1} wrong instance; {-3} since < trim floor.
+_ROLL = _Script("roll", """
+local st = redis.call('HMGET', KEYS[1], 'instance', 'e', 'f')
+if st[1] ~= ARGV[1] then return {-1} end
+if tonumber(st[2]) < tonumber(ARGV[2]) then
+  local bits = redis.call('GET', KEYS[2])
+  if bits then
+    local piece = st[2] .. ':' .. ARGV[2]
+    redis.call('HSET', KEYS[3], piece, 'B' .. bits)
+    redis.call('ZADD', KEYS[4], ARGV[2], piece)
+    redis.call('DEL', KEYS[2])
+  end
+  redis.call('HSET', KEYS[1], 'e', ARGV[2])
+end
+local f = tonumber(st[3])
+if tonumber(ARGV[3]) > f then
+  local old = redis.call('ZRANGEBYSCORE', KEYS[4], '-inf', ARGV[3])
+  for i = 1, #old do redis.call('HDEL', KEYS[3], old[i]) end
+  redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', ARGV[3])
+  redis.call('HSET', KEYS[1], 'f', ARGV[3])
+  f = tonumber(ARGV[3])
+end
+if ARGV[4] == '' then return {1} end
+if tonumber(ARGV[4]) < f then return {-3} end
+local out = {1, redis.call('GET', KEYS[2]) or ''}
+local pieces = redis.call('ZRANGEBYSCORE', KEYS[4], '(' .. ARGV[4], '+inf')
+for i = 1, #pieces do
+  out[#out + 1] = pieces[i]
+  out[#out + 1] = redis.call('HGET', KEYS[3], pieces[i]) or ''
+end
+return out
+""")
+
+# KEYS: state, history. ARGV: instance, piece, roaring bytes.
+_SEAL = _Script("seal", """
+if redis.call('HGET', KEYS[1], 'instance') ~= ARGV[1] then return -1 end
+local v = redis.call('HGET', KEYS[2], ARGV[2])
+if v and string.sub(v, 1, 1) == 'B' then
+  redis.call('HSET', KEYS[2], ARGV[2], 'R' .. ARGV[3])
+  return 1
+end
+return 0
+""")
+
+# KEYS: state, bucket... ARGV: instance, 5 * token_width.
+# Returns {1, fields, counts}: each field as a length byte plus the field zero-padded to
+# 5 * token_width bytes; counts as decimal text joined by ','.
+_READ = _Script("read", """#!lua flags=no-writes
+if redis.call('HGET', KEYS[1], 'instance') ~= ARGV[1] then return {-1} end
+local size = tonumber(ARGV[2])
+local pad = {}
+for l = 0, size do pad[l] = string.rep('\\0', size - l) end
+local fields, counts = {}, {}
+for k = 2, #KEYS do
+  local h = redis.call('HGETALL', KEYS[k])
+  for i = 1, #h, 2 do
+    local f = h[i]
+    fields[#fields + 1] = string.char(#f) .. f .. pad[#f]
+    counts[#counts + 1] = h[i + 1]
+  end
+end
+return {1, table.concat(fields), table.concat(counts, ',')}
+""")
+
+# KEYS: meta, clock, epochs. ARGV: instance, fingerprint, vocab_size, buckets, shards, schema.
+# Returns {} when created, else the existing meta as a flat field/value list.
+_CREATE = _Script("create", """
+if redis.call('EXISTS', KEYS[1]) == 1 then return redis.call('HGETALL', KEYS[1]) end
+local t = redis.call('TIME')
+local now = string.format('%d', tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000))
+redis.call('HSET', KEYS[1], 'instance', ARGV[1], 'fingerprint', ARGV[2], 'vocab_size', ARGV[3],
+           'buckets', ARGV[4], 'shards', ARGV[5], 'schema', ARGV[6])
+redis.call('DEL', KEYS[3])
+redis.call('RPUSH', KEYS[3], now)
+redis.call('HSET', KEYS[2], 'instance', ARGV[1], 'cur', now, 't', now, 'floor', now)
+return {}
+""")
+
+_SCRIPTS = (_APPLY, _TICK, _ROLL, _SEAL, _READ, _CREATE)
+
+_UNAVAILABLE_PREFIXES = ("OOM", "BUSY", "LOADING", "TRYAGAIN", "CLUSTERDOWN", "MASTERDOWN", "READONLY",
+                         "MOVED", "ASK")
+
+
+class _Handle:
+    """A namespace's immutable record and its key names (cached; dropped on a stale instance)."""
+
+    __slots__ = ("info", "shards", "meta", "clock", "epochs")
+
+    def __init__(self, prefix: str, info: NamespaceInfo) -> None:
+        self.info = info
+        self.shards = schema.shard_keys(prefix, info.name, info.instance, info.shards)
+        self.meta = schema.meta_key(prefix, info.name)
+        self.clock = schema.clock_key(prefix, info.name)
+        self.epochs = schema.epochs_key(prefix, info.name)
+
+
+class _StaleHandle(Exception):
+    """A script saw another instance id: the namespace was dropped or recreated meanwhile."""
+
+
+def _parse_url(url: str) -> dict[str, Any]:
+    """Split a redis://, rediss://, redis+cluster:// or rediss+cluster:// URL (credentials percent-decoded)."""
+    scheme, _, rest = url.partition("://")
+    scheme = scheme.lower()
+    netloc = rest.split("/", 1)[0].split("?", 1)[0]
+    path = rest[len(netloc):].split("?", 1)[0].lstrip("/")
+    userinfo, at, hostlist = netloc.rpartition("@")
+    username = password = None
+    if at:
+        if ":" in userinfo:
+            user, _, pw = userinfo.partition(":")
+            username = urllib.parse.unquote(user) or None
+            password = urllib.parse.unquote(pw)
+        else:
+            password = urllib.parse.unquote(userinfo)
+    hosts = []
+    for item in hostlist.split(","):
+        if not item:
+            continue
+        host, sep, port = item.rpartition(":")
+        if not sep:
+            host, port = item, "6379"
+        host = host.strip("[]")
+        try:
+            hosts.append((host, int(port)))
+        except ValueError:
+            raise InvalidArgumentError(f"bad port in counts store URL {redact_url(url)!r}") from None
+    if not hosts:
+        raise InvalidArgumentError(f"no host in counts store URL {redact_url(url)!r}")
+    cluster = scheme.endswith("+cluster")
+    db = 0
+    if path and not cluster:
+        try:
+            db = int(path)
+        except ValueError:
+            raise InvalidArgumentError(f"bad database number in {redact_url(url)!r}") from None
+    if not cluster and len(hosts) != 1:
+        raise InvalidArgumentError("a standalone redis:// URL names one host; use redis+cluster:// for several")
+    return {"cluster": cluster, "ssl": scheme.startswith("rediss"), "hosts": hosts, "db": db,
+            "username": username, "password": password}
+
+
+class RedisCountsStore(CountsStore):
+    """Counts in a standalone Redis or a Redis Cluster. Thread-safe; share one per process.
+
+    Args:
+        config: a `CountsStoreConfig` whose url is redis://, rediss://, redis+cluster:// or
+            rediss+cluster://.
+
+    Raises:
+        BackendUnavailableError: Redis could not be reached.
+        StoreAuthenticationError: Redis refused the credentials.
+    """
+
+    def __init__(self, config: CountsStoreConfig) -> None:
+        if not config.url:
+            raise InvalidArgumentError("RedisCountsStore needs a redis URL")
+        self.config = config
+        parts = _parse_url(config.url)
+        self._secret = parts["password"] or ""
+        self._cluster = parts["cluster"]
+        self._where = redact_url(config.url.split("?", 1)[0])
+        retry = Retry(ExponentialBackoff(cap=1.0, base=0.05), config.retries)
+        common = dict(username=parts["username"], password=parts["password"],
+                      socket_timeout=config.socket_timeout or None,
+                      socket_connect_timeout=config.connect_timeout or None, ssl=parts["ssl"])
+        self._handles: dict[str, _Handle] = {}
+        self._lock = threading.Lock()
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        with self._errors():
+            if self._cluster:
+                nodes = [ClusterNode(host, port) for host, port in parts["hosts"]]
+                self._client: Any = RedisCluster(startup_nodes=nodes, retry=retry, **common)
+            else:
+                (host, port), = parts["hosts"]
+                self._client = redis.Redis(host=host, port=port, db=parts["db"], retry=retry,
+                                           retry_on_error=[rexc.ConnectionError, rexc.TimeoutError], **common)
+                self._client.ping()
+        log.debug("counts store connected to %s", self._where)
+
+    def __repr__(self) -> str:
+        return f"RedisCountsStore({self._where!r}, cluster={self._cluster})"
+
+    # ----------------------------------------------------------------- plumbing
+
+    @contextlib.contextmanager
+    def _errors(self) -> Iterator[None]:
+        """Translate redis-py errors into the store's errors, without credentials in the message."""
+        try:
+            yield
+        except NgramCacheError:
+            raise
+        except (rexc.AuthenticationError, rexc.AuthenticationWrongNumberOfArgsError) as exc:
+            raise StoreAuthenticationError(f"{self._where} refused the credentials ({self._scrub(exc)})") from None
+        except rexc.ResponseError as exc:
+            message = self._scrub(exc)
+            if message.startswith(("NOAUTH", "WRONGPASS", "NOPERM")):
+                raise StoreAuthenticationError(f"{self._where} refused the credentials ({message})") from None
+            if message.startswith(_UNAVAILABLE_PREFIXES):
+                raise BackendUnavailableError(f"{self._where} is unavailable: {message}") from None
+            raise NgramCacheError(f"{self._where} answered an error: {message}") from None
+        except (rexc.RedisError, OSError) as exc:
+            raise BackendUnavailableError(
+                f"{self._where} is unavailable: {type(exc).__name__}: {self._scrub(exc)}") from None
+
+    def _scrub(self, exc: BaseException) -> str:
+        message = str(exc)
+        return message.replace(self._secret, "***") if self._secret else message
+
+    def _load_scripts(self, scripts: Iterable[_Script]) -> None:
+        for script in scripts:
+            log.debug("loading Lua script %s (%s)", script.name, script.sha)
+            if self._cluster:
+                for node in self._client.get_primaries():
+                    self._client.get_redis_connection(node).script_load(script.source)
+            else:
+                self._client.script_load(script.source)
+
+    def _run(self, calls: Sequence[tuple[_Script, Sequence[Any], Sequence[Any]]]) -> list[Any]:
+        """Run scripts pipelined (one round trip per node); NOSCRIPT loads and runs those again.
+
+        Raises the first error other than NOSCRIPT, after every call was attempted.
+        """
+        results: list[Any] = [None] * len(calls)
+        pending = list(range(len(calls)))
+        for attempt in range(2):
+            with self._errors():
+                pipe = self._client.pipeline(transaction=False)
+                for i in pending:
+                    script, keys, args = calls[i]
+                    pipe.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
+                replies = pipe.execute(raise_on_error=False)
+            missing = []
+            for i, reply in zip(pending, replies):
+                results[i] = reply
+                if isinstance(reply, rexc.NoScriptError):
+                    missing.append(i)
+            if not missing:
+                break
+            with self._errors():
+                self._load_scripts({calls[i][0] for i in missing})
+            pending = missing
+        for reply in results:
+            if isinstance(reply, BaseException):
+                with self._errors():
+                    raise reply
+        return results
+
+    def _run_one(self, script: _Script, keys: Sequence[Any], args: Sequence[Any]) -> Any:
+        return self._run([(script, keys, args)])[0]
+
+    def _handle(self, namespace: str, *, refresh: bool = False) -> _Handle:
+        validate_namespace(namespace)
+        if not refresh:
+            with self._lock:
+                handle = self._handles.get(namespace)
+            if handle is not None:
+                return handle
+        with self._errors():
+            raw = self._client.hgetall(schema.meta_key(self.config.prefix, namespace))
+        if not raw:
+            with self._lock:
+                self._handles.pop(namespace, None)
+            raise NamespaceNotFoundError(f"no counts namespace {namespace!r}")
+        handle = _Handle(self.config.prefix, self._info_from_meta(namespace, raw))
+        with self._lock:
+            self._handles[namespace] = handle
+        return handle
+
+    @staticmethod
+    def _info_from_meta(namespace: str, raw: dict[Any, Any]) -> NamespaceInfo:
+        meta = {(k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v)
+                for k, v in raw.items()}
+        if int(meta.get("schema", 0)) != schema.SCHEMA_VERSION:
+            raise NgramCacheError(f"namespace {namespace!r} uses key schema {meta.get('schema')}, "
+                                  f"this code reads schema {schema.SCHEMA_VERSION}")
+        return NamespaceInfo(namespace, meta["fingerprint"], int(meta["vocab_size"]), int(meta["buckets"]),
+                             int(meta["shards"]), meta["instance"])
+
+    def _with_handle(self, namespace: str, action: Any) -> Any:
+        """Run ``action(handle)``; when a script saw another instance, refresh the handle once and rerun."""
+        handle = self._handle(namespace)
+        try:
+            return action(handle)
+        except _StaleHandle:
+            log.debug("namespace %s changed instance; reloading its record", namespace)
+            fresh = self._handle(namespace, refresh=True)
+            if fresh.info.instance == handle.info.instance:
+                raise NamespaceNotFoundError(
+                    f"namespace {namespace!r} lost its shard state (a Redis node restarted without "
+                    "persistence?); drop and recreate it") from None
+            try:
+                return action(fresh)
+            except _StaleHandle:
+                raise NamespaceNotFoundError(f"namespace {namespace!r} is being dropped or recreated") from None
+
+    # ----------------------------------------------------------------- namespaces
+
+    def create_namespace(self, namespace: str, fingerprint: bytes | str, vocab_size: int, *,
+                         buckets: int | None = None, shards: int | None = None) -> NamespaceInfo:
+        validate_namespace(namespace)
+        fp = normalize_fingerprint(fingerprint)
+        vocab = validate_vocab_size(vocab_size)
+        try:
+            info = self._handle(namespace, refresh=True).info
+        except NamespaceNotFoundError:
+            pass
+        else:
+            check_tokenizer(info, fp, vocab)
+            return info
+        default_shards = self.config.default_shards or (_CLUSTER_DEFAULT_SHARDS if self._cluster else 1)
+        nbuckets, nshards = validate_layout(buckets or self.config.default_buckets, shards or default_shards)
+        instance = secrets.token_hex(4)
+        info = NamespaceInfo(namespace, fp, vocab, nbuckets, nshards, instance)
+        handle = _Handle(self.config.prefix, info)
+        # Shard state first: the namespace becomes visible (meta) only once every shard can take writes.
+        with self._errors():
+            pipe = self._client.pipeline(transaction=False)
+            for sk in handle.shards:
+                pipe.hset(sk.state, mapping={"instance": instance, "e": 0, "f": 0})
+            pipe.execute()
+        existing = self._run_one(_CREATE, [handle.meta, handle.clock, handle.epochs],
+                                 [instance, fp, vocab, nbuckets, nshards, schema.SCHEMA_VERSION])
+        if existing:  # lost a creation race: forget our shard state, bind to the winner
+            with self._errors():
+                pipe = self._client.pipeline(transaction=False)
+                for sk in handle.shards:
+                    pipe.delete(sk.state)
+                pipe.execute()
+            info = self._handle(namespace, refresh=True).info
+            check_tokenizer(info, fp, vocab)
+            return info
+        with self._lock:
+            self._handles[namespace] = handle
+        log.debug("created counts namespace %s (%d buckets, %d shards)", namespace, nbuckets, nshards)
+        return info
+
+    def namespace_info(self, namespace: str) -> NamespaceInfo:
+        return self._handle(namespace, refresh=True).info
+
+    def drop_namespace(self, namespace: str) -> bool:
+        validate_namespace(namespace)
+        prefix = self.config.prefix
+        try:
+            handle: _Handle | None = self._handle(namespace, refresh=True)
+        except NamespaceNotFoundError:
+            handle = None
+        with self._errors():
+            if handle is not None:
+                # Shard state first: from here on no APPLY of this instance succeeds.
+                pipe = self._client.pipeline(transaction=False)
+                for sk in handle.shards:
+                    pipe.delete(sk.state)
+                pipe.execute()
+                self._client.delete(handle.meta, handle.clock, handle.epochs)
+            with self._lock:
+                self._handles.pop(namespace, None)
+            pattern = schema.instance_match(prefix, namespace)
+            for node_client in self._node_clients():
+                batch: list[bytes] = []
+                for key in node_client.scan_iter(match=pattern, count=1000):
+                    batch.append(key)
+                    if len(batch) >= 1000:
+                        self._unlink(node_client, batch)
+                        batch = []
+                self._unlink(node_client, batch)
+        return handle is not None
+
+    @staticmethod
+    def _unlink(node_client: Any, keys: list[bytes]) -> None:
+        if keys:
+            pipe = node_client.pipeline(transaction=False)
+            for key in keys:
+                pipe.unlink(key)
+            pipe.execute()
+
+    def _node_clients(self) -> list[Any]:
+        if self._cluster:
+            return [self._client.get_redis_connection(node) for node in self._client.get_primaries()]
+        return [self._client]
+
+    # ----------------------------------------------------------------- writes
+
+    def apply(self, namespace: str, client_id: str, seq: int, deltas: np.ndarray, *,
+              fingerprint: bytes | str | None = None) -> ApplyResult:
+        return self.apply_many(namespace, client_id, [(seq, deltas)], fingerprint=fingerprint)[0]
+
+    def apply_many(self, namespace: str, client_id: str, batches: Iterable[tuple[int, np.ndarray]], *,
+                   fingerprint: bytes | str | None = None) -> list[ApplyResult]:
+        """Apply batches pipelined: encoding the next round trip overlaps the current one.
+
+        Every batch is validated before anything is sent; on an error, batches already sent
+        may be applied, and retrying the whole call is safe.
+        """
+        validate_client_id(client_id)
+        batches = [(validate_seq(seq), deltas) for seq, deltas in batches]
+
+        def run(handle: _Handle) -> list[ApplyResult]:
+            check_tokenizer(handle.info, fingerprint)
+            for _, deltas in batches:
+                validate_deltas(deltas, handle.info.vocab_size, self.config.max_batch_rows)
+            return self._apply_pipelined(handle, client_id, batches)
+
+        return self._with_handle(namespace, run)
+
+    def _apply_pipelined(self, handle: _Handle, client_id: str,
+                         batches: list[tuple[int, np.ndarray]]) -> list[ApplyResult]:
+        results: list[ApplyResult] = []
+        group: list[tuple[int, EncodedBatch]] = []
+        rows = 0
+        future: concurrent.futures.Future[list[ApplyResult]] | None = None
+        for seq, deltas in batches:
+            group.append((seq, encode_batch(deltas, handle.info)))
+            rows += len(deltas)
+            if rows >= _PIPELINE_ROWS:
+                calls = self._apply_calls(handle, client_id, group)
+                if future is not None:
+                    results.extend(future.result())
+                future = self._executor_submit(self._finish_apply, calls, group)
+                group, rows = [], 0
+        if future is not None:
+            results.extend(future.result())
+        if group:
+            results.extend(self._finish_apply(self._apply_calls(handle, client_id, group), group))
+        return results
+
+    def _executor_submit(self, fn: Any, *args: Any) -> concurrent.futures.Future[Any]:
+        with self._lock:
+            if self._executor is None:
+                self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ngc-redis")
+            executor = self._executor
+        return executor.submit(fn, *args)
+
+    def _apply_calls(self, handle: _Handle, client_id: str,
+                     group: list[tuple[int, EncodedBatch]]) -> list[tuple[_Script, list[str], list[Any]]]:
+        info = handle.info
+        window = self.config.dedup_window
+        ttl_ms = max(1, int(self.config.dedup_ttl_seconds * 1000))
+        calls = []
+        for seq, enc in group:
+            bounds = enc.shard_bounds.tolist()
+            for s in range(info.shards):
+                lo, hi = bounds[s], bounds[s + 1]
+                if lo == hi:
+                    continue
+                sk = handle.shards[s]
+                unit_buckets, blob = _unit_blob(enc, lo, hi, info.shards)
+                base = sk.base
+                keys = [sk.state, sk.changes, sk.dedup(client_id)]
+                keys.extend([base + str(b) for b in unit_buckets])
+                calls.append((_APPLY, keys, [info.instance, seq, window, ttl_ms, blob]))
+        return calls
+
+    def _finish_apply(self, calls: list[Any], group: list[tuple[int, EncodedBatch]]) -> list[ApplyResult]:
+        replies = self._run(calls)
+        results = []
+        position = 0
+        too_old = None
+        for seq, enc in group:
+            units = int(np.count_nonzero(np.diff(enc.shard_bounds)))
+            applied = duplicates = 0
+            for reply in replies[position:position + units]:
+                code = int(reply[0])
+                if code == 1:
+                    applied += 1
+                elif code == 0:
+                    duplicates += 1
+                elif code == -1:
+                    raise _StaleHandle()
+                elif code == -2:
+                    too_old = (seq, int(float(reply[1])))
+            position += units
+            results.append(ApplyResult(units, applied, duplicates, enc.entries))
+        if too_old is not None:
+            raise BatchTooOldError(
+                f"batch seq {too_old[0]} is older than the dedup window ({self.config.dedup_window}) "
+                f"behind seq {too_old[1]}: whether it was applied is unknown, so it was not applied")
+        return results
+
+    # ----------------------------------------------------------------- reads
+
+    def lookup(self, namespace: str, ngram: Sequence[int]) -> dict[int, int]:
+        def run(handle: _Handle) -> dict[int, int]:
+            info = handle.info
+            bucket = ngram_bucket(ngram, info)
+            rows = self._read_buckets(handle, [bucket])
+            key = ngram_key(ngram, info)
+            n = len(key) // info.token_width
+            tokens = np.array(list(ngram), dtype=np.int64)
+            hit = (rows[:, 0] == n) & (rows[:, 1:1 + n] == tokens[None, :]).all(axis=1)
+            return {int(f): int(c) for f, c in zip(rows[hit, 5].tolist(), rows[hit, 6].tolist())}
+
+        return self._with_handle(namespace, run)
+
+    def _read_buckets(self, handle: _Handle, buckets: Iterable[int]) -> np.ndarray:
+        """Rows of the given buckets, read atomically bucket by bucket (one READ call per shard slice)."""
+        info = handle.info
+        by_shard: dict[int, list[int]] = {}
+        for b in buckets:
+            by_shard.setdefault(b % info.shards, []).append(b)
+        calls = []
+        for s, ids in by_shard.items():
+            sk = handle.shards[s]
+            for i in range(0, len(ids), _READ_KEYS_PER_CALL):
+                keys = [sk.state] + [sk.base + str(b) for b in ids[i:i + _READ_KEYS_PER_CALL]]
+                calls.append((_READ, keys, [info.instance, (MAX_N + 1) * info.token_width]))
+        parts = []
+        for reply in self._run(calls):
+            if int(reply[0]) == -1:
+                raise _StaleHandle()
+            parts.append(_rows_from_read(reply, info.token_width))
+        return np.concatenate(parts) if parts else np.zeros((0, 7), dtype=np.int64)
+
+    def _tick(self, handle: _Handle) -> tuple[int, int]:
+        reply = self._run_one(_TICK, [handle.clock, handle.epochs],
+                              [handle.info.instance, int(self.config.epoch_seconds * 1000),
+                               self.config.history_epochs])
+        if int(reply[0]) == -1:
+            raise _StaleHandle()
+        return int(reply[0]), int(reply[1])
+
+    def _roll(self, handle: _Handle, cur: int, floor: int, since: int | None) -> list[Any]:
+        calls = [(_ROLL, [sk.state, sk.changes, sk.history, sk.index],
+                  [handle.info.instance, cur, floor, "" if since is None else since])
+                 for sk in handle.shards]
+        replies = self._run(calls)
+        for reply in replies:
+            if int(reply[0]) == -1:
+                raise _StaleHandle()
+        return replies
+
+    def version(self, namespace: str) -> int:
+        def run(handle: _Handle) -> int:
+            cur, floor = self._tick(handle)
+            self._roll(handle, cur, floor, None)
+            return cur
+
+        return self._with_handle(namespace, run)
+
+    def changes_since(self, namespace: str, version: int) -> ChangeSet:
+        since = int(version)
+
+        def run(handle: _Handle) -> ChangeSet:
+            info = handle.info
+            cur, floor = self._tick(handle)
+            if since < floor or since > cur:
+                raise ResyncRequiredError(
+                    f"version {since} of namespace {namespace!r} is outside the history kept "
+                    f"[{floor}, {cur}]; resync from version() + export()")
+            replies = self._roll(handle, cur, floor, since)
+            changed = pyroaring.BitMap()
+            seals = []
+            for s, reply in enumerate(replies):
+                if int(reply[0]) == -3:
+                    raise ResyncRequiredError(
+                        f"version {since} of namespace {namespace!r} fell out of the history kept; resync")
+                local = _bitmap_from_redis(reply[1])
+                for i in range(2, len(reply), 2):
+                    piece, blob = reply[i], reply[i + 1]
+                    if blob[:1] == b"R":
+                        local |= pyroaring.BitMap.deserialize(blob[1:])
+                    elif blob[:1] == b"B":
+                        bits = _bitmap_from_redis(blob[1:])
+                        local |= bits
+                        sealed = bits.serialize()
+                        if len(sealed) < len(blob) - 1:
+                            sk = handle.shards[s]
+                            seals.append((_SEAL, [sk.state, sk.history], [info.instance, piece, sealed]))
+                if local:
+                    ids = np.fromiter(local, dtype=np.int64, count=len(local))
+                    changed.update((ids * info.shards + s).tolist())
+            if seals:
+                self._run(seals)
+            buckets = np.array(changed, dtype=np.uint32) if changed else np.zeros(0, dtype=np.uint32)
+            rows = self._read_buckets(handle, buckets.tolist())
+            return ChangeSet(cur, rows, buckets)
+
+        return self._with_handle(namespace, run)
+
+    def export(self, namespace: str, *, chunk_rows: int = 65536) -> Iterator[np.ndarray]:
+        handle = self._handle(namespace, refresh=True)
+        info = handle.info
+        pattern = schema.bucket_match(self.config.prefix, namespace, info.instance)
+        seen = pyroaring.BitMap()
+        per_read = max(1, min(_READ_KEYS_PER_CALL, chunk_rows // 16))  # ~16+ entries a bucket
+        pending: list[int] = []
+        out: list[np.ndarray] = []
+        out_rows = 0
+        for node_client in self._node_clients():
+            with self._errors():
+                keys = node_client.scan_iter(match=pattern, count=1000)
+                while True:
+                    try:
+                        key = next(keys)
+                    except StopIteration:
+                        break
+                    bucket = schema.bucket_of_key(key)
+                    if bucket in seen:  # SCAN may return a key twice
+                        continue
+                    seen.add(bucket)
+                    pending.append(bucket)
+                    if len(pending) >= per_read:
+                        rows = self._read_export(handle, pending)
+                        pending = []
+                        out.append(rows)
+                        out_rows += len(rows)
+                        if out_rows >= chunk_rows:
+                            yield np.concatenate(out)
+                            out, out_rows = [], 0
+        if pending:
+            out.append(self._read_export(handle, pending))
+        if out:
+            rows = np.concatenate(out)
+            if len(rows):
+                yield rows
+
+    def _read_export(self, handle: _Handle, buckets: list[int]) -> np.ndarray:
+        try:
+            return self._read_buckets(handle, buckets)
+        except _StaleHandle:
+            raise NamespaceNotFoundError(f"namespace {handle.info.name!r} was dropped during export") from None
+
+    def close(self) -> None:
+        with self._lock:
+            executor, self._executor = self._executor, None
+        if executor is not None:
+            executor.shutdown(wait=True)
+        with contextlib.suppress(Exception):
+            self._client.close()
+
+
+def _unit_blob(enc: EncodedBatch, lo: int, hi: int, shards: int) -> tuple[list[int], bytes]:
+    """The APPLY blob of entries lo:hi (one shard, sorted by bucket) and its bucket ids in order."""
+    buckets = enc.buckets[lo:hi]
+    lengths = enc.lengths[lo:hi]
+    k = hi - lo
+    first = np.ones(k, dtype=bool)
+    first[1:] = buckets[1:] != buckets[:-1]
+    group_starts = np.flatnonzero(first)
+    group_of = np.cumsum(first) - 1
+    record = 1 + lengths + 8
+    offsets = np.zeros(k, dtype=np.int64)
+    np.cumsum(record[:-1], out=offsets[1:])
+    offsets += 8 * (group_of + 1)
+    out = np.zeros(int(record.sum()) + 8 * len(group_starts), dtype=np.uint8)
+    header = np.empty((len(group_starts), 2), dtype="<u4")
+    header[:, 0] = buckets[group_starts] // shards
+    header[:, 1] = np.diff(np.append(group_starts, k))
+    out[(offsets[group_starts] - 8)[:, None] + np.arange(8)] = header.view(np.uint8).reshape(-1, 8)
+    out[offsets] = lengths
+    matrix = enc.field_matrix[lo:hi]
+    for length in np.unique(lengths).tolist():
+        idx = np.flatnonzero(lengths == length)
+        out[(offsets[idx] + 1)[:, None] + np.arange(length)] = matrix[idx, :length]
+    counts = enc.counts[lo:hi].astype("<u8").view(np.uint8).reshape(k, 8)
+    out[(offsets + 1 + lengths)[:, None] + np.arange(8)] = counts
+    return buckets[group_starts].tolist(), out.tobytes()
+
+
+def _rows_from_read(reply: Sequence[Any], width: int) -> np.ndarray:
+    fields, counts = reply[1], reply[2]
+    record = 1 + (MAX_N + 1) * width
+    k = len(fields) // record
+    if k == 0:
+        return np.zeros((0, 7), dtype=np.int64)
+    raw = np.frombuffer(fields, dtype=np.uint8).reshape(k, record)
+    values = np.fromstring(counts, dtype=np.int64, sep=",")  # text mode: not the deprecated binary one
+    return rows_from_matrix(raw[:, 0].astype(np.int64), raw[:, 1:], values, width)
+
+
+def _bitmap_from_redis(bits: bytes) -> pyroaring.BitMap:
+    """The set bits of a Redis bitmap (SETBIT offset 0 is the high bit of byte 0)."""
+    if not bits:
+        return pyroaring.BitMap()
+    ids = np.flatnonzero(np.unpackbits(np.frombuffer(bits, dtype=np.uint8)))
+    return pyroaring.BitMap(ids.astype(np.uint32))

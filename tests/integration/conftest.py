@@ -1,0 +1,72 @@
+"""Fixtures of the integration tests: real redis-server processes (standalone and a 3-master Cluster) and counts stores over them."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from redis_servers import RedisClusterProcesses, RedisServer  # tests/ is on sys.path (tests/conftest.py)
+
+from cache_service.counts_store import CountsStore, open_counts_store
+
+BACKENDS = ("embedded", "standalone", "cluster")
+
+# Fast, test-sized defaults: versions advance on every read (at most once a millisecond).
+TEST_OPTIONS: dict[str, Any] = {"epoch_seconds": 0, "default_buckets": 256, "socket_timeout": 10}
+
+
+@pytest.fixture(scope="session")
+def redis_standalone() -> Iterator[RedisServer]:
+    with RedisServer() as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def redis_cluster() -> Iterator[RedisClusterProcesses]:
+    with RedisClusterProcesses(masters=3) as cluster:
+        yield cluster
+
+
+def backend_url(request: pytest.FixtureRequest, backend: str) -> str | None:
+    if backend == "embedded":
+        return None
+    if backend == "standalone":
+        return request.getfixturevalue("redis_standalone").url
+    return request.getfixturevalue("redis_cluster").url
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+@pytest.fixture
+def make_store(request: pytest.FixtureRequest, backend: str) -> Iterator[Callable[..., CountsStore]]:
+    """``make_store(**options)`` opens a store on the parametrized backend; closed after the test."""
+    opened: list[CountsStore] = []
+    url = backend_url(request, backend)
+
+    def make(**options: Any) -> CountsStore:
+        store = open_counts_store(url, **{**TEST_OPTIONS, **options})
+        opened.append(store)
+        return store
+
+    yield make
+    for store in opened:
+        store.close()
+
+
+@pytest.fixture
+def store(make_store: Callable[..., CountsStore]) -> CountsStore:
+    return make_store()
+
+
+@pytest.fixture
+def namespace(store: CountsStore) -> Iterator[str]:
+    """A fresh namespace name, dropped after the test."""
+    name = "t-" + uuid.uuid4().hex[:12]
+    yield name
+    store.drop_namespace(name)

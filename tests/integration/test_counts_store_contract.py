@@ -1,0 +1,308 @@
+"""One contract for every counts store backend: embedded, a real standalone redis-server, a real 3-master Redis Cluster."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+
+from cache_service.counts_store import (
+    BatchTooOldError,
+    CountsStore,
+    NamespaceNotFoundError,
+)
+from client.errors import InvalidArgumentError, ResyncRequiredError, TokenizerMismatchError
+
+pytestmark = pytest.mark.integration
+
+FP = bytes(range(32))
+OTHER_FP = bytes(range(1, 33))
+VOCAB = 70_000  # 3-byte tokens
+
+
+def row(ngram: list[int], follower: int, count: int = 1) -> list[int]:
+    return [len(ngram), *ngram, *([-1] * (4 - len(ngram))), follower, count]
+
+
+def batch(rows: list[list[int]]) -> np.ndarray:
+    return np.array(rows, dtype=np.int32).reshape(-1, 7)
+
+
+def random_batch(rng: np.random.Generator, m: int, vocab: int = VOCAB, hot: int = 40) -> np.ndarray:
+    """m rows over a small token range (``hot``) so keys repeat within and across batches."""
+    n = rng.integers(1, 5, m)
+    toks = rng.integers(0, hot, (m, 4))
+    toks[np.arange(4)[None, :] >= n[:, None]] = -1
+    toks[rng.random((m, 4)) < 0.02] = vocab - 1  # the largest id survives the round trip
+    toks[np.arange(4)[None, :] >= n[:, None]] = -1
+    out = np.empty((m, 7), dtype=np.int32)
+    out[:, 0] = n
+    out[:, 1:5] = toks
+    out[:, 5] = rng.integers(0, hot, m)
+    out[:, 6] = rng.integers(1, 5, m)
+    return out
+
+
+def as_counter(rows: np.ndarray) -> Counter:
+    total: Counter = Counter()
+    for r in rows.tolist():
+        total[tuple(r[:6])] += r[6]
+    return total
+
+
+def exported(store: CountsStore, namespace: str, **kwargs: int) -> Counter:
+    result: Counter = Counter()
+    for chunk in store.export(namespace, **kwargs):
+        assert chunk.dtype == np.int64 and chunk.shape[1] == 7
+        for r in chunk.tolist():
+            key = tuple(r[:6])
+            assert key not in result, f"export returned {key} twice"
+            result[key] = r[6]
+    return result
+
+
+# --------------------------------------------------------------------------- namespaces
+
+
+def test_create_namespace_is_idempotent_and_bound_to_its_tokenizer(store: CountsStore, namespace: str) -> None:
+    info = store.create_namespace(namespace, FP, VOCAB)
+    assert info.name == namespace and info.fingerprint == FP.hex() and info.vocab_size == VOCAB
+    assert info.token_width == 3
+    assert store.create_namespace(namespace, FP.hex().upper(), VOCAB) == info
+    assert store.namespace_info(namespace) == info
+    with pytest.raises(TokenizerMismatchError):
+        store.create_namespace(namespace, OTHER_FP, VOCAB)
+    with pytest.raises(TokenizerMismatchError):
+        store.create_namespace(namespace, FP, VOCAB + 1)
+    with pytest.raises(TokenizerMismatchError):
+        store.apply(namespace, "c", 1, batch([row([1], 2)]), fingerprint=OTHER_FP)
+    assert exported(store, namespace) == Counter()
+
+
+def test_unknown_namespace_and_bad_names(store: CountsStore, namespace: str) -> None:
+    with pytest.raises(NamespaceNotFoundError):
+        store.namespace_info(namespace)
+    with pytest.raises(NamespaceNotFoundError):
+        store.apply(namespace, "c", 1, batch([row([1], 2)]))
+    with pytest.raises(NamespaceNotFoundError):
+        store.lookup(namespace, [1])
+    for bad in ("", "a b", "x{y}", "a/b", "*", "n" * 65):
+        with pytest.raises(InvalidArgumentError):
+            store.create_namespace(bad, FP, VOCAB)
+    with pytest.raises(InvalidArgumentError):
+        store.create_namespace(namespace, b"short", VOCAB)
+    with pytest.raises(InvalidArgumentError):
+        store.create_namespace(namespace, FP, 0)
+
+
+def test_drop_and_recreate_starts_empty_and_invalidates_versions(store: CountsStore, namespace: str) -> None:
+    store.create_namespace(namespace, FP, VOCAB)
+    store.apply(namespace, "c", 1, batch([row([1, 2], 3, 5)]))
+    version = store.version(namespace)
+    assert store.drop_namespace(namespace) is True
+    assert store.drop_namespace(namespace) is False
+    with pytest.raises(NamespaceNotFoundError):
+        store.lookup(namespace, [1, 2])
+    time.sleep(0.002)
+    store.create_namespace(namespace, OTHER_FP, 1000)
+    assert store.lookup(namespace, [1, 2]) == {}
+    assert exported(store, namespace) == Counter()
+    with pytest.raises(ResyncRequiredError):
+        store.changes_since(namespace, version)
+    # (client, seq) of the old incarnation is new to this one
+    assert store.apply(namespace, "c", 1, batch([row([1, 2], 3, 5)])).applied == 1
+
+
+# --------------------------------------------------------------------------- apply / lookup
+
+
+def test_apply_sums_repeats_and_lookup_reads_followers(store: CountsStore, namespace: str) -> None:
+    store.create_namespace(namespace, FP, VOCAB)
+    result = store.apply(namespace, "c", 1, batch([
+        row([5, 7], 9, 3), row([5, 7], 9, 2), row([5, 7], 11), row([5], 8),
+        row([1, 2, 3, 4], 5, 10), row([VOCAB - 1], VOCAB - 1, 7), row([5, 7, 1], 9),
+    ]))
+    assert (result.applied, result.duplicates, result.entries) == (result.units, 0, 6)
+    assert store.lookup(namespace, [5, 7]) == {9: 5, 11: 1}
+    assert store.lookup(namespace, [5]) == {8: 1}
+    assert store.lookup(namespace, [5, 7, 1]) == {9: 1}
+    assert store.lookup(namespace, [1, 2, 3, 4]) == {5: 10}
+    assert store.lookup(namespace, [VOCAB - 1]) == {VOCAB - 1: 7}
+    assert store.lookup(namespace, [7]) == {}
+    store.apply(namespace, "c", 2, batch([row([5, 7], 9, 1)]))
+    assert store.lookup(namespace, [5, 7]) == {9: 6, 11: 1}
+    for bad in ([], [1, 2, 3, 4, 5], [VOCAB], [-1]):
+        with pytest.raises(InvalidArgumentError):
+            store.lookup(namespace, bad)
+
+
+def test_export_equals_the_sum_of_random_batches(store: CountsStore, namespace: str) -> None:
+    store.create_namespace(namespace, FP, VOCAB)
+    rng = np.random.default_rng(7)
+    expected: Counter = Counter()
+    for seq in range(12):
+        deltas = random_batch(rng, 400)
+        expected.update(as_counter(deltas))
+        store.apply(namespace, "writer", seq, deltas)
+    assert exported(store, namespace) == expected
+    assert exported(store, namespace, chunk_rows=50) == expected
+    chunks = list(store.export(namespace, chunk_rows=50))
+    assert len(chunks) > 1
+    key = next(iter(expected))
+    n = key[0]
+    followers = {k[5]: c for k, c in expected.items() if k[:1 + n] == key[:1 + n] and k[0] == n}
+    assert store.lookup(namespace, list(key[1:1 + n])) == followers
+
+
+def test_same_batch_twice_counts_once(store: CountsStore, namespace: str) -> None:
+    store.create_namespace(namespace, FP, VOCAB)
+    deltas = random_batch(np.random.default_rng(1), 500)
+    first = store.apply(namespace, "c", 42, deltas)
+    again = store.apply(namespace, "c", 42, deltas)
+    assert first.applied == first.units >= 1 and first.duplicates == 0
+    assert again.duplicate and again.applied == 0
+    assert store.apply(namespace, "other-client", 42, deltas).applied == first.units
+    expected = as_counter(deltas)
+    assert exported(store, namespace) == Counter({k: 2 * v for k, v in expected.items()})
+
+
+def test_out_of_order_seqs_within_the_window_and_too_old(make_store: Callable[..., CountsStore],
+                                                        namespace: str) -> None:
+    store = make_store(dedup_window=8)
+    store.create_namespace(namespace, FP, VOCAB)
+    one = batch([row([1], 2)])
+    for seq in (5, 3, 9, 4):
+        assert store.apply(namespace, "c", seq, one).applied == 1
+    assert store.apply(namespace, "c", 3, one).duplicate
+    assert store.apply(namespace, "c", 2, one).applied == 1  # 2 > 9 - 8
+    with pytest.raises(BatchTooOldError):
+        store.apply(namespace, "c", 1, one)  # 1 <= 9 - 8: cannot tell, refused
+    assert store.lookup(namespace, [1]) == {2: 5}
+    assert store.apply(namespace, "c", 20, one).applied == 1
+    with pytest.raises(BatchTooOldError):
+        store.apply(namespace, "c", 9, one)
+    assert store.lookup(namespace, [1]) == {2: 6}
+
+
+def test_empty_batch_is_a_no_op(store: CountsStore, namespace: str) -> None:
+    store.create_namespace(namespace, FP, VOCAB)
+    result = store.apply(namespace, "c", 1, np.zeros((0, 7), dtype=np.int32))
+    assert (result.units, result.applied, result.entries) == (0, 0, 0)
+    assert exported(store, namespace) == Counter()
+
+
+BAD_BATCHES = {
+    "n=0": [0, -1, -1, -1, -1, 1, 1],
+    "n=5": [5, 1, 2, 3, 4, 1, 1],
+    "token >= vocab": [2, 1, VOCAB, -1, -1, 1, 1],
+    "negative token": [2, -1, 3, -1, -1, 1, 1],
+    "unused slot not -1": [1, 1, 0, -1, -1, 1, 1],
+    "follower >= vocab": [1, 1, -1, -1, -1, VOCAB, 1],
+    "negative follower": [1, 1, -1, -1, -1, -5, 1],
+    "count 0": [1, 1, -1, -1, -1, 1, 0],
+    "negative count": [1, 1, -1, -1, -1, 1, -3],
+}
+
+
+@pytest.mark.parametrize("bad", list(BAD_BATCHES), ids=list(BAD_BATCHES))
+def test_a_bad_batch_is_refused_whole_and_changes_nothing(store: CountsStore, namespace: str, bad: str) -> None:
+    store.create_namespace(namespace, FP, VOCAB)
+    good = random_batch(np.random.default_rng(3), 300)
+    store.apply(namespace, "c", 1, good)
+    before = exported(store, namespace)
+    version = store.version(namespace)
+    changes_before = store.changes_since(namespace, version).buckets.tolist()
+    mixed = np.concatenate([random_batch(np.random.default_rng(4), 300), batch([BAD_BATCHES[bad]])])
+    with pytest.raises(InvalidArgumentError, match="row 300"):
+        store.apply(namespace, "c", 2, mixed)
+    assert exported(store, namespace) == before
+    assert store.changes_since(namespace, version).buckets.tolist() == changes_before
+    # the refused seq was not consumed: a good batch with it applies
+    assert store.apply(namespace, "c", 2, good).applied >= 1
+
+
+def test_malformed_arrays_and_arguments_are_refused(make_store: Callable[..., CountsStore], namespace: str) -> None:
+    store = make_store(max_batch_rows=10)
+    store.create_namespace(namespace, FP, VOCAB)
+    ok = batch([row([1], 2)])
+    for deltas in (ok.astype(np.int64), ok[:, :6].copy(), ok.tolist(), np.asfortranarray(np.repeat(ok, 3, 0)),
+                   np.repeat(ok, 11, axis=0), ok.reshape(-1)):
+        with pytest.raises(InvalidArgumentError):
+            store.apply(namespace, "c", 1, deltas)  # type: ignore[arg-type]
+    for client_id, seq in (("", 1), ("has space", 1), ("c", -1), ("c", 2**53), ("c", 1.5), ("c", True)):
+        with pytest.raises(InvalidArgumentError):
+            store.apply(namespace, client_id, seq, ok)  # type: ignore[arg-type]
+    assert exported(store, namespace) == Counter()
+    assert store.apply(namespace, "c", 1, ok).applied == 1
+
+
+# --------------------------------------------------------------------------- changes_since
+
+
+def test_changes_since_mirror_applied_to_an_older_copy_equals_a_full_export(store: CountsStore,
+                                                                           namespace: str) -> None:
+    store.create_namespace(namespace, FP, VOCAB, buckets=1024)
+    rng = np.random.default_rng(11)
+    for seq in range(5):
+        store.apply(namespace, "a", seq, random_batch(rng, 300, hot=200))
+    version = store.version(namespace)  # version first, then export: the resync procedure
+    mirror = exported(store, namespace)
+    for round_ in range(4):
+        for seq in range(3):
+            store.apply(namespace, f"w{round_}", seq, random_batch(rng, 50, hot=200))
+        if round_ % 2:
+            time.sleep(0.002)  # let the epoch advance between some rounds
+        change = store.changes_since(namespace, version)
+        assert change.rows.dtype == np.int64
+        assert 0 < len(change.buckets) < 1024
+        assert np.all(np.diff(change.buckets.astype(np.int64)) > 0)
+        for r in change.rows.tolist():
+            mirror[tuple(r[:6])] = r[6]  # upsert absolute counts
+        assert mirror == exported(store, namespace)
+        assert change.version >= version
+        version = change.version
+    # Nothing written since: a later version sees no changed bucket.
+    time.sleep(0.002)
+    quiet = store.changes_since(namespace, store.version(namespace))
+    assert len(quiet.buckets) == 0 and len(quiet.rows) == 0
+
+
+def test_changes_since_only_returns_changed_buckets(store: CountsStore, namespace: str) -> None:
+    store.create_namespace(namespace, FP, VOCAB, buckets=4096)
+    rng = np.random.default_rng(5)
+    store.apply(namespace, "a", 1, random_batch(rng, 2000, hot=3000))
+    version = store.version(namespace)
+    store.apply(namespace, "a", 2, batch([row([1, 2], 3), row([4], 5)]))
+    change = store.changes_since(namespace, version)
+    assert 1 <= len(change.buckets) <= 2
+    keys = {tuple(r[:6]) for r in change.rows.tolist()}
+    assert (2, 1, 2, -1, -1, 3) in keys and (1, 4, -1, -1, -1, 5) in keys
+
+
+def test_changes_since_too_old_or_from_the_future_asks_for_resync(make_store: Callable[..., CountsStore],
+                                                                  namespace: str) -> None:
+    store = make_store(history_epochs=3)
+    store.create_namespace(namespace, FP, VOCAB)
+    old = store.version(namespace)
+    for seq in range(6):
+        time.sleep(0.002)
+        store.apply(namespace, "c", seq, batch([row([seq], 1)]))
+        latest = store.changes_since(namespace, store.version(namespace)).version
+    with pytest.raises(ResyncRequiredError):
+        store.changes_since(namespace, old)
+    with pytest.raises(ResyncRequiredError):
+        store.changes_since(namespace, latest + 10**9)
+    store.changes_since(namespace, latest)  # still within history
+
+
+def test_versions_advance_at_most_once_per_epoch(make_store: Callable[..., CountsStore], namespace: str) -> None:
+    store = make_store(epoch_seconds=3600)
+    store.create_namespace(namespace, FP, VOCAB)
+    first = store.version(namespace)
+    store.apply(namespace, "c", 1, batch([row([1], 2)]))
+    assert store.version(namespace) == first
+    change = store.changes_since(namespace, first)  # the open epoch is included
+    assert change.version == first and len(change.rows) == 1
