@@ -20,11 +20,24 @@ inline uint64_t load64(const unsigned char* p) {
   return v;
 }
 
-inline uint64_t lane_step(uint64_t lane, uint64_t word) {
-  return rotl(lane ^ (word * kMulB), 29) * kMulA;
+inline uint64_t lane_step(uint64_t lane, uint64_t word) { return rotl(lane ^ (word * kMulB), 29) * kMulA; }
+
+inline void block(uint64_t* lanes, const unsigned char* p) {
+  lanes[0] = lane_step(lanes[0], load64(p));
+  lanes[1] = lane_step(lanes[1], load64(p + 8));
+  lanes[2] = lane_step(lanes[2], load64(p + 16));
+  lanes[3] = lane_step(lanes[3], load64(p + 24));
 }
 
-inline uint64_t finalize(uint64_t h) {
+uint64_t finish(const uint64_t* lanes, const unsigned char* tail, size_t n_tail, uint64_t length) {
+  uint64_t h = rotl(lanes[0], 1) + rotl(lanes[1], 7) + rotl(lanes[2], 12) + rotl(lanes[3], 18) + length * kMulC;
+  const unsigned char* p = tail;
+  const unsigned char* end = tail + n_tail;
+  while (end - p >= 8) {
+    h = lane_step(h, load64(p));
+    p += 8;
+  }
+  while (p < end) h = rotl(h ^ (*p++ * kMulC), 11) * kMulA;
   h ^= h >> 31;
   h *= kMulC;
   h ^= h >> 27;
@@ -35,26 +48,36 @@ inline uint64_t finalize(uint64_t h) {
 
 }  // namespace
 
-uint64_t checksum64(const void* data, size_t n, uint64_t seed) {
+Checksum64::Checksum64(uint64_t seed) : lanes_{seed + kMulA, seed ^ kMulB, seed - kMulC, ~seed} {}
+
+void Checksum64::update(const void* data, size_t n) {
   const auto* p = static_cast<const unsigned char*>(data);
-  const unsigned char* end = p + n;
-  uint64_t a = seed + kMulA, b = seed ^ kMulB, c = seed - kMulC, d = ~seed;
-  while (end - p >= 32) {
-    a = lane_step(a, load64(p));
-    b = lane_step(b, load64(p + 8));
-    c = lane_step(c, load64(p + 16));
-    d = lane_step(d, load64(p + 24));
+  length_ += n;
+  if (n_pending_ > 0) {
+    const size_t take = n < 32 - n_pending_ ? n : 32 - n_pending_;
+    std::memcpy(pending_ + n_pending_, p, take);
+    n_pending_ += take;
+    p += take;
+    n -= take;
+    if (n_pending_ < 32) return;
+    block(lanes_, pending_);
+    n_pending_ = 0;
+  }
+  while (n >= 32) {
+    block(lanes_, p);
     p += 32;
+    n -= 32;
   }
-  uint64_t h = rotl(a, 1) + rotl(b, 7) + rotl(c, 12) + rotl(d, 18) + static_cast<uint64_t>(n) * kMulC;
-  while (end - p >= 8) {
-    h = lane_step(h, load64(p));
-    p += 8;
-  }
-  while (p < end) {
-    h = rotl(h ^ (*p++ * kMulC), 11) * kMulA;
-  }
-  return finalize(h);
+  std::memcpy(pending_, p, n);
+  n_pending_ = n;
+}
+
+uint64_t Checksum64::digest() const { return finish(lanes_, pending_, n_pending_, length_); }
+
+uint64_t checksum64(const void* data, size_t n, uint64_t seed) {
+  Checksum64 c(seed);
+  c.update(data, n);
+  return c.digest();
 }
 
 }  // namespace ngc

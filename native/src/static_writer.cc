@@ -44,6 +44,28 @@ std::string dir_of(const std::string& path) {
 
 }  // namespace
 
+Status StaticWriter::Spill::open(const std::string& dir) {
+  std::string tmpl = dir + "/.ngramcache-section-XXXXXX";
+  fd = ::mkstemp(tmpl.data());
+  if (fd < 0) return Status::IoError("cannot create a scratch file in " + dir + ": " + std::strerror(errno));
+  ::unlink(tmpl.c_str());  // removed by the system when closed, even after a crash
+  buf.reserve(kFlushBytes + 8);
+  return Status::Ok();
+}
+
+Status StaticWriter::Spill::flush() {
+  if (buf.empty()) return Status::Ok();
+  sum.update(buf.data(), buf.size());
+  bytes += buf.size();
+  Status s = write_all(fd, buf.data(), buf.size(), "a scratch file");
+  buf.clear();
+  return s;
+}
+
+StaticWriter::Spill::~Spill() {
+  if (fd >= 0) ::close(fd);
+}
+
 Status StaticWriter::create(const std::string& path, const StaticHeader& header, std::unique_ptr<StaticWriter>* out) {
   if (header.ngram_size < 1 || header.ngram_size > kNgramMax) {
     return Status::InvalidArgument("ngram_size must be in 1..4, got " + str(header.ngram_size));
@@ -57,7 +79,8 @@ Status StaticWriter::create(const std::string& path, const StaticHeader& header,
   w->count_bits_ = 32 - format::token_bits_for(header.vocab_size);
   w->escape_ = (1u << w->count_bits_) - 1;
   w->rows_.assign(uint64_t{header.vocab_size} + 1, 0);
-  w->starts_.push_back(0);
+  for (Spill& s : w->spills_) NGC_RETURN_IF_ERROR(s.open(dir_of(path)));
+  NGC_RETURN_IF_ERROR(w->spills_[1].append_u32(0));  // STARTS[0]
   *out = std::move(w);
   return Status::Ok();
 }
@@ -78,7 +101,7 @@ Status StaticWriter::add(const Token* key, const Follower* followers, size_t n) 
     return Status::InvalidArgument("keys must be added in strictly increasing order");
   }
   if (n == 0) return Status::InvalidArgument("a key needs at least one follower");
-  if (followers_.size() + n >= UINT32_MAX || totals_.size() + 1 >= UINT32_MAX) {
+  if (n_followers_ + n >= UINT32_MAX || n_keys_ + 1 >= UINT32_MAX) {
     return Status::OutOfRange("more than 2^32-1 keys or followers do not fit format version 1");
   }
   size_t best = 0;
@@ -93,22 +116,30 @@ Status StaticWriter::add(const Token* key, const Follower* followers, size_t n) 
     if (f.count > followers[best].count) best = j;  // strict: the lowest token wins ties
     total += f.count;
   }
-  auto push = [&](const Follower& f) {
+  Spill& keys = spills_[0];
+  Spill& starts = spills_[1];
+  Spill& totals = spills_[2];
+  Spill& fol = spills_[3];
+  Spill& overflow = spills_[4];
+  auto push = [&](const Follower& f) -> Status {
     const uint32_t field = f.count >= escape_ ? escape_ : f.count;
     if (field == escape_) {
-      overflow_.push_back(static_cast<uint32_t>(followers_.size()));
-      overflow_.push_back(f.count);
+      NGC_RETURN_IF_ERROR(overflow.append_u32(static_cast<uint32_t>(n_followers_)));
+      NGC_RETURN_IF_ERROR(overflow.append_u32(f.count));
+      ++n_overflow_;
     }
-    followers_.push_back((static_cast<uint32_t>(f.token) << count_bits_) | field);
+    ++n_followers_;
+    return fol.append_u32((static_cast<uint32_t>(f.token) << count_bits_) | field);
   };
-  push(followers[best]);
+  NGC_RETURN_IF_ERROR(push(followers[best]));
   for (size_t j = 0; j < n; ++j) {
-    if (j != best) push(followers[j]);
+    if (j != best) NGC_RETURN_IF_ERROR(push(followers[j]));
   }
   rows_[static_cast<uint32_t>(key[0])] += 1;
-  for (uint32_t i = 1; i < k; ++i) keys_.push_back(static_cast<uint32_t>(key[i]));
-  totals_.push_back(static_cast<uint32_t>(std::min<uint64_t>(total, UINT32_MAX)));
-  starts_.push_back(static_cast<uint32_t>(followers_.size()));
+  for (uint32_t i = 1; i < k; ++i) NGC_RETURN_IF_ERROR(keys.append_u32(static_cast<uint32_t>(key[i])));
+  NGC_RETURN_IF_ERROR(totals.append_u32(static_cast<uint32_t>(std::min<uint64_t>(total, UINT32_MAX))));
+  NGC_RETURN_IF_ERROR(starts.append_u32(static_cast<uint32_t>(n_followers_)));
+  ++n_keys_;
   prev_ = g;
   has_prev_ = true;
   return Status::Ok();
@@ -122,7 +153,13 @@ Status StaticWriter::finish() {
     r = acc;
     acc += c;
   }
-  const std::vector<uint32_t>* sections[format::kNumSections] = {&rows_, &keys_, &starts_, &totals_, &followers_, &overflow_};
+  for (Spill& s : spills_) NGC_RETURN_IF_ERROR(s.flush());
+  uint64_t lengths[format::kNumSections] = {rows_.size() * 4ull};
+  uint64_t sums[format::kNumSections] = {checksum64(rows_.data(), rows_.size() * 4)};
+  for (uint32_t i = 1; i < format::kNumSections; ++i) {
+    lengths[i] = spills_[i - 1].bytes;
+    sums[i] = spills_[i - 1].sum.digest();
+  }
 
   const uint64_t table_end = uint64_t{format::kHeaderSize} + format::kNumSections * format::kSectionEntrySize;
   uint8_t head[format::kHeaderSize + format::kNumSections * format::kSectionEntrySize] = {};
@@ -131,7 +168,7 @@ Status StaticWriter::finish() {
   for (uint32_t i = 0; i < format::kNumSections; ++i) {
     pos = (pos + 7) & ~uint64_t{7};
     offsets[i] = pos;
-    pos += sections[i]->size() * 4;
+    pos += lengths[i];
   }
   const uint64_t file_size = pos;
 
@@ -144,10 +181,10 @@ Status StaticWriter::finish() {
   put_le<uint32_t>(head + format::off::kNumSections, format::kNumSections);
   std::memcpy(head + format::off::kFingerprint, header_.fingerprint, format::kFingerprintSize);
   put_le<uint64_t>(head + format::off::kGeneration, header_.generation);
-  put_le<uint64_t>(head + format::off::kNumKeys, totals_.size());
-  put_le<uint64_t>(head + format::off::kNumFollowers, followers_.size());
+  put_le<uint64_t>(head + format::off::kNumKeys, n_keys_);
+  put_le<uint64_t>(head + format::off::kNumFollowers, n_followers_);
   put_le<uint64_t>(head + format::off::kNumTokens, header_.n_tokens);
-  put_le<uint64_t>(head + format::off::kNumOverflow, overflow_.size() / 2);
+  put_le<uint64_t>(head + format::off::kNumOverflow, n_overflow_);
   put_le<uint32_t>(head + format::off::kTokenBits, 32 - count_bits_);
   put_le<uint32_t>(head + format::off::kFlags, 0);
   put_le<uint64_t>(head + format::off::kFileSize, file_size);
@@ -155,8 +192,8 @@ Status StaticWriter::finish() {
     uint8_t* e = head + format::kHeaderSize + i * format::kSectionEntrySize;
     put_le<uint32_t>(e, i + 1);
     put_le<uint64_t>(e + 8, offsets[i]);
-    put_le<uint64_t>(e + 16, sections[i]->size() * 4);
-    put_le<uint64_t>(e + 24, checksum64(sections[i]->data(), sections[i]->size() * 4));
+    put_le<uint64_t>(e + 16, lengths[i]);
+    put_le<uint64_t>(e + 24, sums[i]);
   }
   put_le<uint64_t>(head + format::off::kHeaderChecksum, checksum64(head, table_end));
 
@@ -173,10 +210,28 @@ Status StaticWriter::finish() {
   Status s = write_all(fd, head, table_end, tmp_path_);
   uint64_t written = table_end;
   static const uint8_t zeros[8] = {};
+  std::vector<uint8_t> chunk(4 << 20);
   for (uint32_t i = 0; s.ok() && i < format::kNumSections; ++i) {
     if (offsets[i] > written) s = write_all(fd, zeros, offsets[i] - written, tmp_path_);
-    if (s.ok()) s = write_all(fd, sections[i]->data(), sections[i]->size() * 4, tmp_path_);
-    written = offsets[i] + sections[i]->size() * 4;
+    if (!s.ok()) break;
+    if (i == 0) {
+      s = write_all(fd, rows_.data(), lengths[0], tmp_path_);
+    } else {
+      const int in = spills_[i - 1].fd;
+      uint64_t left = lengths[i];
+      if (::lseek(in, 0, SEEK_SET) != 0) s = Status::IoError(std::string("cannot rewind a scratch file: ") + std::strerror(errno));
+      while (s.ok() && left > 0) {
+        const ssize_t r = ::read(in, chunk.data(), std::min<uint64_t>(chunk.size(), left));
+        if (r < 0 && errno == EINTR) continue;
+        if (r <= 0) {
+          s = Status::IoError(std::string("cannot read back a scratch file: ") + (r < 0 ? std::strerror(errno) : "short read"));
+          break;
+        }
+        s = write_all(fd, chunk.data(), static_cast<size_t>(r), tmp_path_);
+        left -= static_cast<uint64_t>(r);
+      }
+    }
+    written = offsets[i] + lengths[i];
   }
   if (s.ok() && ::fsync(fd) != 0) s = Status::IoError("cannot fsync " + tmp_path_ + ": " + std::strerror(errno));
   ::close(fd);

@@ -1,15 +1,18 @@
 // StaticWriter: writes a static cache file (static_format.h) from keys given in order.
 //
 // The file is written to a temporary name beside `path`, fsync'd, then renamed over
-// `path`, so a reader sees either no file or the whole file. Thread-safety: none; one
-// writer per thread.
+// `path`, so a reader sees either no file or the whole file. Sections other than ROWS are
+// streamed to unlinked scratch files beside `path` while keys are added, so memory stays
+// O(vocab_size) whatever the number of keys. Thread-safety: none; one writer per thread.
 #pragma once
 
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <string>
 #include <vector>
 
+#include "ngc/checksum.h"
 #include "ngc/ngram.h"
 #include "ngc/static_format.h"
 #include "ngc/status.h"
@@ -39,10 +42,28 @@ class StaticWriter {
   Status finish();
 
   void set_n_tokens(uint64_t n) { header_.n_tokens = n; }
-  uint64_t n_keys() const { return totals_.size(); }
+  uint64_t n_keys() const { return n_keys_; }
 
  private:
   StaticWriter() = default;
+
+  // An append-only section in an unlinked scratch file, checksummed as it is written.
+  struct Spill {
+    int fd = -1;                  // owned; closed by the destructor
+    std::vector<uint8_t> buf;     // bytes not yet written to fd
+    Checksum64 sum;               // of every byte appended
+    uint64_t bytes = 0;           // appended in all
+    Status open(const std::string& dir);
+    Status append_u32(uint32_t v) {
+      const size_t n = buf.size();
+      buf.resize(n + 4);
+      std::memcpy(buf.data() + n, &v, 4);
+      return buf.size() >= kFlushBytes ? flush() : Status::Ok();
+    }
+    Status flush();
+    ~Spill();
+    static constexpr size_t kFlushBytes = 1 << 20;
+  };
 
   std::string path_;
   std::string tmp_path_;       // the temporary file; empty once renamed
@@ -51,13 +72,11 @@ class StaticWriter {
   uint32_t escape_ = 0;        // the count field value that means "see OVERFLOW"
   bool has_prev_ = false;
   NGram prev_;                 // the last key added, for the order check
-  // The sections, built in memory (each a u32 array as on disk).
-  std::vector<uint32_t> rows_;       // counts per first token until finish() prefix-sums them
-  std::vector<uint32_t> keys_;
-  std::vector<uint32_t> starts_;
-  std::vector<uint32_t> totals_;
-  std::vector<uint32_t> followers_;
-  std::vector<uint32_t> overflow_;   // pairs (follower index, count)
+  uint64_t n_keys_ = 0;
+  uint64_t n_followers_ = 0;
+  uint64_t n_overflow_ = 0;
+  std::vector<uint32_t> rows_;   // keys per first token until finish() prefix-sums them
+  Spill spills_[format::kNumSections - 1];  // KEYS, STARTS, TOTALS, FOLLOWERS, OVERFLOW
 };
 
 // Counts the (k-gram, follower) pairs of each stream (n-grams never span two streams, as
