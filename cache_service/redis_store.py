@@ -215,6 +215,10 @@ return {}
 
 _SCRIPTS = (_APPLY, _TICK, _ROLL, _SEAL, _READ, _CREATE)
 
+# Server states that pass (failover, loading, resharding, memory pressure): retrying can help.
+_UNAVAILABLE_ERRORS = (rexc.ClusterDownError, rexc.ClusterError, rexc.TryAgainError, rexc.MasterDownError,
+                       rexc.MovedError, rexc.AskError, rexc.SlotNotCoveredError, rexc.ReadOnlyError,
+                       rexc.BusyLoadingError, rexc.OutOfMemoryError)
 _UNAVAILABLE_PREFIXES = ("OOM", "BUSY", "LOADING", "TRYAGAIN", "CLUSTERDOWN", "MASTERDOWN", "READONLY",
                          "MOVED", "ASK")
 
@@ -330,6 +334,9 @@ class RedisCountsStore(CountsStore):
             raise
         except (rexc.AuthenticationError, rexc.AuthenticationWrongNumberOfArgsError) as exc:
             raise StoreAuthenticationError(f"{self._where} refused the credentials ({self._scrub(exc)})") from None
+        except _UNAVAILABLE_ERRORS as exc:
+            raise BackendUnavailableError(
+                f"{self._where} is unavailable: {type(exc).__name__}: {self._scrub(exc)}") from None
         except rexc.ResponseError as exc:
             message = self._scrub(exc)
             if message.startswith(("NOAUTH", "WRONGPASS", "NOPERM")):
@@ -337,7 +344,7 @@ class RedisCountsStore(CountsStore):
             if message.startswith(_UNAVAILABLE_PREFIXES):
                 raise BackendUnavailableError(f"{self._where} is unavailable: {message}") from None
             raise NgramCacheError(f"{self._where} answered an error: {message}") from None
-        except (rexc.RedisError, OSError) as exc:
+        except (rexc.RedisError, rexc.RedisClusterException, OSError) as exc:
             raise BackendUnavailableError(
                 f"{self._where} is unavailable: {type(exc).__name__}: {self._scrub(exc)}") from None
 

@@ -1,0 +1,287 @@
+"""Fault tests with real servers: retries after timeouts and SIGKILL restarts count once, concurrent writers are exact, credentials never leak."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+from redis_servers import RedisClusterProcesses, RedisServer
+from test_counts_store_contract import FP, VOCAB, as_counter, batch, exported, random_batch, row
+
+from cache_service.counts_store import CountsStore, CountsStoreConfig, StoreAuthenticationError, open_counts_store
+from client.errors import BackendUnavailableError, TokenizerMismatchError
+
+pytestmark = pytest.mark.integration
+
+DURABLE = ["--appendonly", "yes", "--appendfsync", "always"]
+
+
+def apply_until_acknowledged(store: CountsStore, namespace: str, client_id: str, seq: int,
+                             deltas: np.ndarray, deadline: float) -> int:
+    """What a sender does: retry the same (client_id, seq, deltas) until acknowledged; return the failed attempts."""
+    failures = 0
+    while True:
+        try:
+            store.apply(namespace, client_id, seq, deltas)
+            return failures
+        except BackendUnavailableError:
+            failures += 1
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
+def ingest_with_a_sigkill(store: CountsStore, namespace: str, kill_and_restart: Callable[[], None],
+                          batches: int = 40) -> Counter:
+    """Ingest ``batches`` batches from a thread, SIGKILL + restart a server mid-way, return the expected totals."""
+    rng = np.random.default_rng(99)
+    data = [random_batch(rng, 1500, hot=60) for _ in range(batches)]
+    progress = {"done": 0, "failures": 0}
+    errors: list[BaseException] = []
+
+    def writer() -> None:
+        try:
+            deadline = time.monotonic() + 60
+            for seq, deltas in enumerate(data):
+                progress["failures"] += apply_until_acknowledged(store, namespace, "writer", seq, deltas, deadline)
+                progress["done"] = seq + 1
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    while progress["done"] < batches // 3 and thread.is_alive():
+        time.sleep(0.005)
+    kill_and_restart()
+    thread.join(90)
+    assert not errors, errors
+    assert progress["done"] == batches
+    assert progress["failures"] > 0, "the kill did not interrupt ingestion"
+    expected: Counter = Counter()
+    for deltas in data:
+        expected.update(as_counter(deltas))
+    return expected
+
+
+# --------------------------------------------------------------------------- lost replies and restarts
+
+
+def test_retry_after_a_timeout_counts_once(tmp_path: object) -> None:
+    """The script reaches the server, the reply is lost to a timeout; the retry is a duplicate."""
+    with RedisServer(args=DURABLE) as server:
+        store = open_counts_store(server.url, socket_timeout=0.3, retries=0)
+        ns = "faults"
+        store.create_namespace(ns, FP, VOCAB)
+        warm_up = batch([row([1], 1)])
+        store.apply(ns, "c", 6, warm_up)  # loads the script: the next call really runs it
+        deltas = random_batch(np.random.default_rng(2), 2000)
+        server.signal(signal.SIGSTOP)
+        try:
+            with pytest.raises(BackendUnavailableError) as caught:
+                store.apply(ns, "c", 7, deltas)
+            assert caught.value.retriable
+        finally:
+            server.signal(signal.SIGCONT)
+        deadline = time.monotonic() + 10
+        while True:  # the server now runs the script it had buffered; our retry must not add it again
+            try:
+                again = store.apply(ns, "c", 7, deltas)
+                break
+            except BackendUnavailableError:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+        assert again.duplicate
+        assert exported(store, ns) == as_counter(deltas) + as_counter(warm_up)
+        store.close()
+
+
+def test_batches_retried_across_a_sigkill_restart_count_once_standalone() -> None:
+    with RedisServer(args=DURABLE) as server:
+        store = open_counts_store(server.url, socket_timeout=2, retries=1)
+        ns = "faults"
+        store.create_namespace(ns, FP, VOCAB, buckets=512)
+
+        def kill_and_restart() -> None:
+            server.kill()
+            time.sleep(0.2)
+            server.start()
+
+        expected = ingest_with_a_sigkill(store, ns, kill_and_restart)
+        assert exported(store, ns) == expected
+        store.close()
+
+
+def test_batches_retried_across_a_sigkill_restart_count_once_cluster() -> None:
+    with RedisClusterProcesses(masters=3, args=DURABLE) as cluster:
+        store = open_counts_store(cluster.url, socket_timeout=2, retries=1)
+        ns = "faults"
+        info = store.create_namespace(ns, FP, VOCAB, buckets=512)
+        assert info.shards == 64  # a batch spans shards on all three masters
+
+        def kill_and_restart() -> None:
+            victim = cluster.nodes[1]
+            victim.kill()
+            time.sleep(0.2)
+            victim.start()
+            cluster.wait_ok()
+
+        expected = ingest_with_a_sigkill(store, ns, kill_and_restart)
+        assert exported(store, ns) == expected
+        store.close()
+
+
+def test_scripts_flushed_from_the_server_are_reloaded(redis_standalone: RedisServer) -> None:
+    store = open_counts_store(redis_standalone.url, epoch_seconds=0)
+    ns = "t-" + uuid.uuid4().hex[:12]
+    try:
+        store.create_namespace(ns, FP, VOCAB)
+        admin = redis_standalone.client()
+        admin.script_flush()
+        admin.close()
+        store.apply(ns, "c", 1, batch([row([1, 2], 3, 4)]))
+        assert store.lookup(ns, [1, 2]) == {3: 4}
+        assert store.changes_since(ns, store.version(ns)).version > 0
+    finally:
+        store.drop_namespace(ns)
+        store.close()
+
+
+# --------------------------------------------------------------------------- concurrency
+
+
+def test_eight_concurrent_writers_with_overlapping_keys_give_exact_totals(
+        make_store: Callable[..., CountsStore], namespace: str, backend: str) -> None:
+    # Threads share a store; on Redis, two stores (two connection pools) share the server too.
+    stores = [make_store()] * 2 if backend == "embedded" else [make_store(), make_store()]
+    stores[0].create_namespace(namespace, FP, VOCAB, buckets=64)
+    per_writer = 10
+    data = {w: [random_batch(np.random.default_rng(1000 * w + i), 300, hot=12) for i in range(per_writer)]
+            for w in range(8)}
+    barrier = threading.Barrier(8)
+    errors: list[BaseException] = []
+
+    def writer(w: int) -> None:
+        try:
+            store = stores[w % 2]
+            barrier.wait()
+            for seq, deltas in enumerate(data[w]):
+                store.apply(namespace, f"writer-{w}", seq, deltas)
+                if seq % 4 == 0:  # and a retry now and then, which must not count
+                    assert store.apply(namespace, f"writer-{w}", seq, deltas).duplicate
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=writer, args=(w,)) for w in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+    expected: Counter = Counter()
+    for batches in data.values():
+        for deltas in batches:
+            expected.update(as_counter(deltas))
+    assert exported(stores[1], namespace) == expected
+
+
+def test_concurrent_readers_and_writers_keep_mirrors_exact(make_store: Callable[..., CountsStore],
+                                                           namespace: str) -> None:
+    store = make_store()
+    store.create_namespace(namespace, FP, VOCAB, buckets=256)
+    version = store.version(namespace)
+    mirror: Counter = Counter()
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def writer(w: int) -> None:
+        try:
+            rng = np.random.default_rng(w)
+            for seq in range(12):
+                store.apply(namespace, f"w{w}", seq, random_batch(rng, 200, hot=100))
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=writer, args=(w,)) for w in range(4)]
+    for t in threads:
+        t.start()
+    while any(t.is_alive() for t in threads):  # a reader polling while writers write
+        change = store.changes_since(namespace, version)
+        for r in change.rows.tolist():
+            mirror[tuple(r[:6])] = r[6]
+        version = change.version
+        time.sleep(0.001)
+    stop.set()
+    assert not errors, errors
+    change = store.changes_since(namespace, version)
+    for r in change.rows.tolist():
+        mirror[tuple(r[:6])] = r[6]
+    assert mirror == exported(store, namespace)
+
+
+def test_namespace_recreated_under_a_cached_handle(make_store: Callable[..., CountsStore], namespace: str,
+                                                   backend: str) -> None:
+    if backend == "embedded":
+        pytest.skip("one embedded store per process: no other store can recreate the namespace underneath")
+    a, b = make_store(), make_store()
+    a.create_namespace(namespace, FP, VOCAB)
+    a.apply(namespace, "c", 1, batch([row([1], 2)]))
+    b.drop_namespace(namespace)
+    b.create_namespace(namespace, bytes(32), 1000)
+    with pytest.raises(TokenizerMismatchError):
+        a.apply(namespace, "c", 2, batch([row([1], 2)]), fingerprint=FP)
+    a.apply(namespace, "c", 3, batch([row([1], 2)]))  # valid for the new vocabulary too
+    assert b.lookup(namespace, [1]) == {2: 1}
+    assert a.namespace_info(namespace).vocab_size == 1000
+
+
+# --------------------------------------------------------------------------- credentials
+
+
+SECRET = "s3cr3t-Pa55word-" + uuid.uuid4().hex[:8]
+
+
+def test_credentials_never_appear_in_errors_reprs_or_logs(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG)
+    with RedisServer(args=["--requirepass", SECRET]) as server:
+        good_url = f"redis://:{SECRET}@127.0.0.1:{server.port}/0"
+        seen: list[str] = []
+
+        store = open_counts_store(good_url)
+        store.create_namespace("auth", FP, VOCAB)
+        store.apply("auth", "c", 1, batch([row([1], 2)]))
+        assert store.lookup("auth", [1]) == {2: 1}
+        seen += [repr(store), str(store), repr(store.config), str(CountsStoreConfig.from_url(good_url))]
+        store.close()
+
+        for url in (f"redis://:wrong-{SECRET}@127.0.0.1:{server.port}/0",
+                    f"redis://default:wrong-{SECRET}@127.0.0.1:{server.port}/0"):
+            with pytest.raises(StoreAuthenticationError) as caught:
+                open_counts_store(url)
+            assert not caught.value.retriable
+            seen += [str(caught.value), repr(caught.value), repr(caught.value.__cause__),
+                     repr(caught.value.__context__)]
+
+        with pytest.raises(StoreAuthenticationError) as caught:  # no password at all
+            open_counts_store(server.url)
+        seen.append(str(caught.value))
+
+    dead = f"redis://user:{SECRET}@127.0.0.1:{server.port}/0"  # the server is gone now
+    with pytest.raises(BackendUnavailableError) as unreachable:
+        open_counts_store(dead, retries=0, connect_timeout=0.5)
+    assert unreachable.value.retriable
+    seen += [str(unreachable.value), repr(unreachable.value)]
+    with pytest.raises(BackendUnavailableError) as unreachable_cluster:
+        open_counts_store(f"redis+cluster://user:{SECRET}@127.0.0.1:{server.port}", retries=0, connect_timeout=0.5)
+    seen += [str(unreachable_cluster.value), repr(unreachable_cluster.value)]
+    seen += [record.getMessage() for record in caplog.records]
+    seen.append(caplog.text)
+    assert any("***" in text for text in seen)
+    for text in seen:
+        assert SECRET not in text, text
