@@ -211,6 +211,66 @@ class Drafter:
         The counts accepted since the last call, as rows (n, t0, t1, t2, t3, follower, count).
         """
 
+class StaticBuilder:
+    """
+    Counts (ngram_size-gram, follower) pairs of token streams within a memory budget
+    (sorted runs spill to scratch files) and writes a static cache atomically.
+    Not thread-safe: use one builder from one thread; it sorts on `threads` threads.
+    """
+
+    def __init__(self, path: str, vocab_size: int, ngram_size: int = 2, fingerprint: bytes = bytes(32), generation: int = 0, memory_budget: int = 1 << 30, scratch_dir: str = '', threads: int = 0, max_fan_in: int = 64) -> None:
+        """
+        Args:
+            path: the static cache to write (atomically, at finish()).
+            vocab_size: every token must be below it (1..2^24).
+            ngram_size: tokens per key (1..4).
+            fingerprint: the tokenizer fingerprint, 32 bytes.
+            generation: the generation number.
+            memory_budget: bytes of buffers at most (>= 16 MiB); beyond it, sorted runs go to disk.
+            scratch_dir: where runs go (default: beside `path`).
+            threads: sorting threads (0: all cores).
+            max_fan_in: runs merged at once; more runs are merged in passes.
+        """
+
+    def begin_stream(self) -> None:
+        """Starts a new stream (an input file): n-grams never span two streams."""
+
+    def add_tokens(self, tokens: NDArray[numpy.int32]) -> None:
+        """
+        Appends int32 tokens to the current stream (all are checked before any is counted).
+        """
+
+    def add_rows(self, rows: NDArray[numpy.int32]) -> None:
+        """
+        Adds weighted rows (n, t0, t1, t2, t3, follower, count) whose n is the builder's ngram_size.
+        """
+
+    def finish(self) -> dict[str, int]:
+        """
+        Merges the runs and writes the file (temporary name, fsync, rename); returns counters.
+        """
+
+    @property
+    def stats(self) -> dict[str, int]:
+        """Counters so far: tokens, streams, pairs, runs."""
+
+def import_llama(path: str, builder: StaticBuilder) -> None:
+    """
+    Adds every entry of llama.cpp cache file `path` to `builder` (whose ngram_size every key must
+    have). Raises CacheFormatError naming the byte offset of a malformed record.
+    """
+
+def load_llama_counts(path: str, vocab_size: int, table: CountTable) -> None:
+    """
+    Adds every entry of llama.cpp cache file `path` (any n-gram sizes, e.g. a dynamic cache) to
+    `table`; nothing is added when the file is malformed.
+    """
+
+def export_llama(cache: StaticCache, path: str) -> None:
+    """
+    Writes `cache` in llama.cpp's format (loadable with llama-lookup's -lcs), atomically.
+    """
+
 def replay(tokens: NDArray[numpy.int32], n_ctx: int, n_draft: int, ngram_min: int, ngram_max: int, static: StaticCache | None, dynamic: CountTable, dump_drafts: bool = False) -> dict[str, Any]:
     """
     llama-lookup-stats' replay of `tokens` in chunks of n_ctx; merges each chunk's context

@@ -16,9 +16,11 @@
 #include <string>
 #include <vector>
 
+#include "ngc/builder.h"
 #include "ngc/checksum.h"
 #include "ngc/count_table.h"
 #include "ngc/drafter.h"
+#include "ngc/llama_format.h"
 #include "ngc/replay.h"
 #include "ngc/sequences.h"
 #include "ngc/static_cache.h"
@@ -126,6 +128,64 @@ void check_tokens(const Token* p, size_t n, uint32_t vocab, const char* what) {
 }
 
 constexpr uint32_t kAnyToken = static_cast<uint32_t>(INT32_MAX);
+
+struct PyStaticBuilder {
+  std::unique_ptr<ngc::Builder> builder;
+  bool finished = false;  // finish() ran (successfully or not); the builder is spent
+  int ngram_size = 2;     // tokens per key
+  uint32_t vocab_size = 0;
+
+  ngc::Builder& get() {
+    if (finished) invalid("this StaticBuilder has finished; create a new one");
+    return *builder;
+  }
+};
+
+nb::dict build_stats(const ngc::BuildStats& st) {
+  nb::dict d;
+  d["n_tokens"] = st.n_tokens;
+  d["n_streams"] = st.n_streams;
+  d["n_pairs"] = st.n_pairs;
+  d["n_runs"] = st.n_runs;
+  d["bytes_spilled"] = st.bytes_spilled;
+  d["n_keys"] = st.n_keys;
+  d["n_merge_passes"] = st.n_merge_passes;
+  return d;
+}
+
+ngc::StaticHeader make_header(int64_t vocab_size, int ngram_size, nb::bytes fingerprint, uint64_t generation) {
+  if (vocab_size < 1 || vocab_size > ngc::format::kMaxVocab) {
+    invalid("vocab_size must be in 1..2^24, got " + std::to_string(vocab_size));
+  }
+  if (ngram_size < 1 || ngram_size > ngc::kNgramMax) invalid("ngram_size must be in 1..4, got " + std::to_string(ngram_size));
+  if (fingerprint.size() != ngc::format::kFingerprintSize) {
+    invalid("fingerprint must be 32 bytes, got " + std::to_string(fingerprint.size()));
+  }
+  ngc::StaticHeader h;
+  h.ngram_size = static_cast<uint32_t>(ngram_size);
+  h.vocab_size = static_cast<uint32_t>(vocab_size);
+  std::memcpy(h.fingerprint, fingerprint.c_str(), ngc::format::kFingerprintSize);
+  h.generation = generation;
+  return h;
+}
+
+// Rows (n, t0, t1, t2, t3, follower, count) as a checked view.
+struct RowsView {
+  nb::ndarray<nb::ro, nb::device::cpu> array;
+  const int32_t* data = nullptr;
+  size_t n = 0;
+};
+
+RowsView as_rows(nb::handle h) {
+  RowsView v;
+  if (!nb::try_cast(h, v.array, false) || v.array.dtype() != nb::dtype<int32_t>() || v.array.ndim() != 2 ||
+      v.array.shape(1) != 7 || (v.array.shape(0) > 0 && (v.array.stride(1) != 1 || v.array.stride(0) != 7))) {
+    invalid("rows must be a C-contiguous int32 numpy array of shape (m, 7)");
+  }
+  v.data = static_cast<const int32_t*>(v.array.data());
+  v.n = v.array.shape(0);
+  return v;
+}
 
 struct PyStaticCache {
   std::unique_ptr<ngc::StaticCache> cache;
@@ -567,6 +627,151 @@ NB_MODULE(_core, m) {
           },
           "The counts accepted since the last call, as rows (n, t0, t1, t2, t3, follower, count).");
 
+  nb::class_<PyStaticBuilder>(m, "StaticBuilder",
+                              "Counts (ngram_size-gram, follower) pairs of token streams within a memory budget\n"
+                              "(sorted runs spill to scratch files) and writes a static cache atomically.\n"
+                              "Not thread-safe: use one builder from one thread; it sorts on `threads` threads.")
+      .def(
+          "__init__",
+          [](PyStaticBuilder* self, const std::string& path, int64_t vocab_size, int ngram_size, nb::bytes fingerprint,
+             uint64_t generation, uint64_t memory_budget, const std::string& scratch_dir, int threads, int max_fan_in) {
+            ngc::BuilderOptions o;
+            o.header = make_header(vocab_size, ngram_size, fingerprint, generation);
+            o.memory_budget = memory_budget;
+            o.scratch_dir = scratch_dir;
+            o.threads = threads;
+            o.max_fan_in = max_fan_in;
+            std::unique_ptr<ngc::Builder> b;
+            check(ngc::Builder::create(o, path, &b));
+            new (self) PyStaticBuilder{std::move(b), false, ngram_size, static_cast<uint32_t>(vocab_size)};
+          },
+          nb::sig("def __init__(self, path: str, vocab_size: int, ngram_size: int = 2, fingerprint: bytes = bytes(32), "
+                  "generation: int = 0, memory_budget: int = 1 << 30, scratch_dir: str = '', threads: int = 0, "
+                  "max_fan_in: int = 64) -> None"),
+          "path"_a, "vocab_size"_a, "ngram_size"_a = 2,
+          "fingerprint"_a = nb::bytes("\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0", 32),
+          "generation"_a = 0, "memory_budget"_a = uint64_t{1} << 30, "scratch_dir"_a = "", "threads"_a = 0, "max_fan_in"_a = 64,
+          "Args:\n    path: the static cache to write (atomically, at finish()).\n"
+          "    vocab_size: every token must be below it (1..2^24).\n    ngram_size: tokens per key (1..4).\n"
+          "    fingerprint: the tokenizer fingerprint, 32 bytes.\n    generation: the generation number.\n"
+          "    memory_budget: bytes of buffers at most (>= 16 MiB); beyond it, sorted runs go to disk.\n"
+          "    scratch_dir: where runs go (default: beside `path`).\n    threads: sorting threads (0: all cores).\n"
+          "    max_fan_in: runs merged at once; more runs are merged in passes.")
+      .def("begin_stream", [](PyStaticBuilder& b) { b.get().begin_stream(); },
+           "Starts a new stream (an input file): n-grams never span two streams.")
+      .def(
+          "add_tokens",
+          [](PyStaticBuilder& b, nb::handle tokens) {
+            ngc::Builder& builder = b.get();
+            TokenView v = as_tokens(tokens, "tokens");
+            Status s;
+            {
+              nb::gil_scoped_release release;
+              s = builder.add_tokens(v.data, v.size);
+            }
+            check(s);
+          },
+          nb::sig("def add_tokens(self, tokens: NDArray[numpy.int32]) -> None"), "tokens"_a,
+          "Appends int32 tokens to the current stream (all are checked before any is counted).")
+      .def(
+          "add_rows",
+          [](PyStaticBuilder& b, nb::handle rows) {
+            ngc::Builder& builder = b.get();
+            RowsView v = as_rows(rows);
+            const int k = b.ngram_size;
+            Status s;
+            {
+              nb::gil_scoped_release release;
+              for (size_t i = 0; i < v.n && s.ok(); ++i) {
+                const int32_t* r = v.data + 7 * i;
+                if (r[0] != k) {
+                  s = Status::InvalidArgument("row " + std::to_string(i) + " has an n-gram of " + std::to_string(r[0]) +
+                                              " tokens; this builder's keys have " + std::to_string(k));
+                  break;
+                }
+                if (r[6] <= 0) {
+                  s = Status::InvalidArgument("row " + std::to_string(i) + ": count must be > 0");
+                  break;
+                }
+                s = builder.add_count(r + 1, r[5], static_cast<uint64_t>(r[6]));
+              }
+            }
+            check(s);
+          },
+          nb::sig("def add_rows(self, rows: NDArray[numpy.int32]) -> None"), "rows"_a,
+          "Adds weighted rows (n, t0, t1, t2, t3, follower, count) whose n is the builder's ngram_size.")
+      .def(
+          "finish",
+          [](PyStaticBuilder& b) {
+            ngc::Builder& builder = b.get();
+            b.finished = true;
+            Status s;
+            {
+              nb::gil_scoped_release release;
+              s = builder.finish();
+            }
+            check(s);
+            return build_stats(builder.stats());
+          },
+          nb::sig("def finish(self) -> dict[str, int]"),
+          "Merges the runs and writes the file (temporary name, fsync, rename); returns counters.")
+      .def_prop_ro("stats", [](PyStaticBuilder& b) { return build_stats(b.builder->stats()); },
+                   nb::sig("def stats(self) -> dict[str, int]"), "Counters so far: tokens, streams, pairs, runs.");
+
+  m.def(
+      "import_llama",
+      [](const std::string& in_path, PyStaticBuilder& b) {
+        ngc::Builder& builder = b.get();
+        const int k = b.ngram_size;
+        const uint32_t vocab = b.vocab_size;
+        Status s;
+        {
+          nb::gil_scoped_release release;
+          s = ngc::read_llama_file(in_path, vocab, [&](const ngc::NGram& key, Token follower, uint32_t count) -> Status {
+            if (key.size() != k) {
+              return Status::FormatError("an n-gram of " + std::to_string(key.size()) + " tokens; this import builds keys of " +
+                                         std::to_string(k) + " (a static cache has one n-gram size)");
+            }
+            return builder.add_count(key.tokens, follower, count);
+          });
+        }
+        check(s);
+      },
+      "path"_a, "builder"_a,
+      "Adds every entry of llama.cpp cache file `path` to `builder` (whose ngram_size every key must\n"
+      "have). Raises CacheFormatError naming the byte offset of a malformed record.");
+  m.def(
+      "load_llama_counts",
+      [](const std::string& in_path, int64_t vocab_size, PyCountTable& table) {
+        if (vocab_size < 1 || vocab_size > ngc::format::kMaxVocab) invalid("vocab_size must be in 1..2^24");
+        Status s;
+        {
+          nb::gil_scoped_release release;
+          std::unique_lock lock(table.mu);
+          ngc::CountTable staged;  // all or nothing: the table changes only if the whole file is good
+          s = ngc::read_llama_file(in_path, static_cast<uint32_t>(vocab_size), [&](const ngc::NGram& key, Token follower, uint32_t count) {
+            staged.add(key, follower, count);
+            return Status::Ok();
+          });
+          if (s.ok()) table.table.merge(staged);
+        }
+        check(s);
+      },
+      "path"_a, "vocab_size"_a, "table"_a,
+      "Adds every entry of llama.cpp cache file `path` (any n-gram sizes, e.g. a dynamic cache) to\n"
+      "`table`; nothing is added when the file is malformed.");
+  m.def(
+      "export_llama",
+      [](const PyStaticCache& c, const std::string& out_path) {
+        Status s;
+        {
+          nb::gil_scoped_release release;
+          s = ngc::write_llama_file(*c.cache, out_path);
+        }
+        check(s);
+      },
+      "cache"_a, "path"_a, "Writes `cache` in llama.cpp's format (loadable with llama-lookup's -lcs), atomically.");
+
   m.def(
       "replay",
       [](nb::handle tokens, int64_t n_ctx, int n_draft, int ngram_min, int ngram_max, nb::object static_cache,
@@ -627,21 +832,11 @@ NB_MODULE(_core, m) {
       "build_static_from_tokens",
       [](nb::list streams, const std::string& path, int64_t vocab_size, int ngram_size, nb::bytes fingerprint,
          uint64_t generation) {
-        if (vocab_size < 1 || vocab_size > ngc::format::kMaxVocab) {
-          invalid("vocab_size must be in 1..2^24, got " + std::to_string(vocab_size));
-        }
-        if (fingerprint.size() != ngc::format::kFingerprintSize) {
-          invalid("fingerprint must be 32 bytes, got " + std::to_string(fingerprint.size()));
-        }
+        ngc::StaticHeader h = make_header(vocab_size, ngram_size, fingerprint, generation);
         std::vector<TokenView> views;
         std::vector<ngc::TokenStream> refs;
         for (size_t i = 0; i < streams.size(); ++i) views.push_back(as_tokens(streams[i], "streams[i]"));
         for (const TokenView& v : views) refs.push_back({v.data, v.size});
-        ngc::StaticHeader h;
-        h.ngram_size = static_cast<uint32_t>(ngram_size);
-        h.vocab_size = static_cast<uint32_t>(vocab_size);
-        std::memcpy(h.fingerprint, fingerprint.c_str(), ngc::format::kFingerprintSize);
-        h.generation = generation;
         Status s;
         {
           nb::gil_scoped_release release;

@@ -79,13 +79,4 @@ class StaticWriter {
   Spill spills_[format::kNumSections - 1];  // KEYS, STARTS, TOTALS, FOLLOWERS, OVERFLOW
 };
 
-// Counts the (k-gram, follower) pairs of each stream (n-grams never span two streams, as
-// llama-lookup-create counts each of its inputs) and writes them as a static cache.
-// Every token MUST be in [0, header.vocab_size); the function checks and refuses others.
-struct TokenStream {
-  const Token* data;  // borrowed; MUST stay alive for the call
-  size_t size;
-};
-Status build_static(const std::vector<TokenStream>& streams, const StaticHeader& header, const std::string& path);
-
 }  // namespace ngc

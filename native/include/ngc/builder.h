@@ -1,0 +1,74 @@
+// Builder: counts the (k-gram, follower) pairs of token streams within a memory budget and
+// writes them as a static cache (llama-lookup-create at corpus scale).
+//
+// Each pair is packed into one integer of k+1 token fields (uint64_t when (k+1) x
+// token_bits <= 64, else 128 bits) and appended to a buffer. A full buffer is sorted in
+// parallel parts and written as a run of (pair, count) records to an unlinked scratch
+// file. finish() merges the runs (and what is still in memory) in order, sums the counts
+// of equal pairs and streams the keys to a StaticWriter. Memory stays within the budget
+// whatever the corpus size; disk holds the runs.
+//
+// Thread-safety: none; one builder per thread (it runs its own sorting threads).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "ngc/ngram.h"
+#include "ngc/static_writer.h"
+#include "ngc/status.h"
+
+namespace ngc {
+
+struct BuilderOptions {
+  StaticHeader header;                   // n-gram size, vocabulary, fingerprint, generation
+  uint64_t memory_budget = 1ull << 30;   // bytes for buffers; >= kMinBudget
+  std::string scratch_dir;               // where runs go; empty: the output's directory
+  int threads = 0;                       // sorting threads; 0: all cores
+  int max_fan_in = 64;                   // runs merged at once (>= 2); more merge in passes
+};
+
+struct BuildStats {
+  uint64_t n_tokens = 0;       // tokens added
+  uint64_t n_streams = 0;      // streams begun
+  uint64_t n_pairs = 0;        // (k-gram, follower) occurrences counted
+  uint64_t n_runs = 0;         // sorted runs spilled to disk
+  uint64_t bytes_spilled = 0;  // bytes of those runs
+  uint64_t n_keys = 0;         // keys written (after finish)
+  uint64_t n_merge_passes = 0; // intermediate merges needed because runs exceeded max_fan_in
+};
+
+class Builder {
+ public:
+  static constexpr uint64_t kMinBudget = 16ull << 20;
+
+  // Prepares to build the static cache `path`.
+  static Status create(const BuilderOptions& options, const std::string& path, std::unique_ptr<Builder>* out);
+  virtual ~Builder() = default;
+
+  // Starts a new stream: n-grams never span two streams (llama-lookup-create counts each
+  // input on its own).
+  virtual void begin_stream() = 0;
+  // Appends tokens to the current stream; every token MUST be below the vocabulary size
+  // (checked: a bad token fails the call and adds nothing of it).
+  virtual Status add_tokens(const Token* data, size_t n) = 0;
+  // Adds `count` occurrences of follower `follower` after the k tokens at `key`.
+  virtual Status add_count(const Token* key, Token follower, uint64_t count) = 0;
+  // Merges everything and writes the file (temporary name, fsync, rename).
+  virtual Status finish() = 0;
+  virtual const BuildStats& stats() const = 0;
+};
+
+// Counts the (k-gram, follower) pairs of each stream (n-grams never span two streams, as
+// llama-lookup-create counts each of its inputs) and writes them as a static cache.
+// Every token MUST be in [0, header.vocab_size); the function checks and refuses others.
+struct TokenStream {
+  const Token* data;  // borrowed; MUST stay alive for the call
+  size_t size;
+};
+// (An in-memory convenience over Builder with the default budget.)
+Status build_static(const std::vector<TokenStream>& streams, const StaticHeader& header, const std::string& path);
+
+}  // namespace ngc

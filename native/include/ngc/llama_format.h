@@ -1,0 +1,33 @@
+// llama.cpp's n-gram cache file format (common_ngram_cache_save / _load), read and written.
+//
+// No header: records to the end of the file, each
+//   int32 ngram[4]      the key, unused slots -1 (LLAMA_NGRAM_MAX = 4)
+//   int32 n_followers   > 0
+//   n_followers x (int32 token, int32 count)   count > 0
+// all little-endian. A file from another model loads silently in llama.cpp; here every
+// token is checked against the vocabulary and every problem names its byte offset.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <string>
+
+#include "ngc/ngram.h"
+#include "ngc/static_cache.h"
+#include "ngc/status.h"
+
+namespace ngc {
+
+// Called once per (key, follower, count) of a llama.cpp file, in file order.
+using LlamaEntryFn = std::function<Status(const NGram& key, Token follower, uint32_t count)>;
+
+// Reads `path`, checking tokens against [0, vocab_size), and calls `fn` for every entry.
+// A truncated record, a count <= 0, a key with a token after an unused slot, or a token
+// outside the vocabulary fails with the byte offset of the problem.
+Status read_llama_file(const std::string& path, uint32_t vocab_size, const LlamaEntryFn& fn);
+
+// Writes every key of `cache` as llama.cpp records (counts above INT32_MAX are capped),
+// atomically (temporary file, fsync, rename).
+Status write_llama_file(const StaticCache& cache, const std::string& path);
+
+}  // namespace ngc

@@ -1,0 +1,139 @@
+#include "ngc/llama_format.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <random>
+#include <vector>
+
+namespace ngc {
+namespace {
+
+std::string str(uint64_t v) { return std::to_string(v); }
+
+// Sequential reads through a buffer, tracking the byte offset.
+class Reader {
+ public:
+  explicit Reader(int fd) : fd_(fd), buf_(1 << 20) {}
+  // Reads exactly n bytes; returns 1, 0 at a clean end of file, -1 on a short read, -2 on error.
+  int read(void* out, size_t n) {
+    auto* p = static_cast<uint8_t*>(out);
+    size_t got = 0;
+    while (got < n) {
+      if (pos_ == len_) {
+        const ssize_t r = ::read(fd_, buf_.data(), buf_.size());
+        if (r < 0 && errno == EINTR) continue;
+        if (r < 0) return -2;
+        if (r == 0) return got == 0 ? 0 : -1;
+        len_ = static_cast<size_t>(r);
+        pos_ = 0;
+      }
+      const size_t take = std::min(n - got, len_ - pos_);
+      std::memcpy(p + got, buf_.data() + pos_, take);
+      pos_ += take;
+      got += take;
+      offset_ += take;
+    }
+    return 1;
+  }
+  uint64_t offset() const { return offset_; }
+
+ private:
+  int fd_;
+  std::vector<uint8_t> buf_;
+  size_t pos_ = 0, len_ = 0;
+  uint64_t offset_ = 0;
+};
+
+}  // namespace
+
+Status read_llama_file(const std::string& path, uint32_t vocab_size, const LlamaEntryFn& fn) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return Status::IoError("cannot open " + path + ": " + std::strerror(errno));
+  Reader in(fd);
+  Status s;
+  auto fail = [&](uint64_t at, const std::string& what) {
+    return Status::FormatError(path + ": byte " + str(at) + ": " + what);
+  };
+  auto token_ok = [&](int32_t t) { return t >= 0 && static_cast<uint32_t>(t) < vocab_size; };
+  for (;;) {
+    const uint64_t rec_at = in.offset();
+    int32_t head[5];
+    const int r = in.read(head, sizeof head);
+    if (r == 0) break;
+    if (r == -2) { s = Status::IoError("cannot read " + path + ": " + std::strerror(errno)); break; }
+    if (r == -1) { s = fail(rec_at, "truncated record (the file ends inside an n-gram header)"); break; }
+    NGram key;
+    int n = 0;
+    while (n < kNgramMax && head[n] != -1) ++n;
+    if (n == 0) { s = fail(rec_at, "empty n-gram (all four slots are -1)"); break; }
+    bool bad = false;
+    for (int i = 0; i < kNgramMax && !bad; ++i) {
+      if (i < n && !token_ok(head[i])) {
+        s = fail(rec_at + 4 * i, "n-gram token " + std::to_string(head[i]) + " is outside the vocabulary [0, " + str(vocab_size) + ")");
+        bad = true;
+      } else if (i >= n && head[i] != -1) {
+        s = fail(rec_at + 4 * i, "n-gram slot after an unused (-1) slot holds " + std::to_string(head[i]));
+        bad = true;
+      }
+      key.tokens[i] = head[i];
+    }
+    if (bad) break;
+    if (head[4] <= 0) { s = fail(rec_at + 16, "follower count " + std::to_string(head[4]) + " must be > 0"); break; }
+    for (int32_t j = 0; j < head[4] && !bad; ++j) {
+      const uint64_t at = in.offset();
+      int32_t pair[2];
+      const int rr = in.read(pair, sizeof pair);
+      if (rr == -2) { s = Status::IoError("cannot read " + path + ": " + std::strerror(errno)); bad = true; break; }
+      if (rr != 1) { s = fail(at, "truncated record (follower " + std::to_string(j) + " of " + std::to_string(head[4]) + " is missing)"); bad = true; break; }
+      if (!token_ok(pair[0])) { s = fail(at, "follower token " + std::to_string(pair[0]) + " is outside the vocabulary [0, " + str(vocab_size) + ")"); bad = true; break; }
+      if (pair[1] <= 0) { s = fail(at + 4, "count " + std::to_string(pair[1]) + " must be > 0"); bad = true; break; }
+      s = fn(key, pair[0], static_cast<uint32_t>(pair[1]));
+      if (!s.ok()) {
+        s = Status(s.code(), path + ": byte " + str(rec_at) + ": " + s.message());
+        bad = true;
+      }
+    }
+    if (bad) break;
+  }
+  ::close(fd);
+  return s;
+}
+
+Status write_llama_file(const StaticCache& cache, const std::string& path) {
+  std::random_device rd;
+  char suffix[32];
+  std::snprintf(suffix, sizeof suffix, ".tmp.%d.%08x", static_cast<int>(::getpid()), rd());
+  const std::string tmp = path + suffix;
+  std::FILE* f = std::fopen(tmp.c_str(), "wbx");
+  if (!f) return Status::IoError("cannot create " + tmp + ": " + std::strerror(errno));
+  std::vector<char> iobuf(1 << 20);
+  std::setvbuf(f, iobuf.data(), _IOFBF, iobuf.size());
+  Status s;
+  std::vector<int32_t> rec;
+  for (uint64_t i = 0; i < cache.info().n_keys && s.ok(); ++i) {
+    NGram key;
+    StaticPart part;
+    s = cache.key_at(i, &key, &part);
+    if (!s.ok()) break;
+    rec.assign(key.tokens, key.tokens + kNgramMax);
+    rec.push_back(static_cast<int32_t>(part.size));
+    for (uint32_t j = 0; j < part.size; ++j) {
+      rec.push_back(cache.token_at(part, j));
+      rec.push_back(static_cast<int32_t>(std::min<uint32_t>(cache.count_at(part, j), INT32_MAX)));
+    }
+    if (std::fwrite(rec.data(), 4, rec.size(), f) != rec.size()) s = Status::IoError("cannot write " + tmp + ": " + std::strerror(errno));
+  }
+  if (s.ok() && std::fflush(f) != 0) s = Status::IoError("cannot write " + tmp + ": " + std::strerror(errno));
+  if (s.ok() && ::fsync(fileno(f)) != 0) s = Status::IoError("cannot fsync " + tmp + ": " + std::strerror(errno));
+  std::fclose(f);
+  if (s.ok() && std::rename(tmp.c_str(), path.c_str()) != 0) s = Status::IoError("cannot rename " + tmp + " to " + path + ": " + std::strerror(errno));
+  if (!s.ok()) ::unlink(tmp.c_str());
+  return s;
+}
+
+}  // namespace ngc
