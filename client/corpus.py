@@ -1,0 +1,179 @@
+"""Build inputs: text files and folders (tokenized), and token files (.bin/.tokens/.npy).
+
+Every input file is one or more *streams*; n-grams never span two streams, as
+llama-lookup-create counts each input on its own. Token files are read in bounded chunks so
+a corpus larger than memory streams through.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from client.errors import InvalidArgumentError
+
+if TYPE_CHECKING:
+    from client.tokenizer import Tokenizer
+
+TOKEN_SUFFIXES = (".bin", ".tokens")  # raw little-endian int32
+NPY_SUFFIX = ".npy"                   # numpy int32, 1-D; optional sibling <stem>.offsets.npy
+OFFSETS_SUFFIX = ".offsets.npy"       # int64 start of each stream, first element 0
+CHUNK_TOKENS = 4 << 20                # tokens read per chunk (16 MiB)
+TEXT_BATCH_BYTES = 8 << 20            # text tokenized per batch
+
+
+@dataclass(frozen=True)
+class InputFile:
+    path: Path
+    kind: str  # "text", "raw" or "npy"
+    size: int  # bytes on disk
+
+
+def is_token_file(path: Path) -> bool:
+    return path.suffix in TOKEN_SUFFIXES or (path.suffix == NPY_SUFFIX and not path.name.endswith(OFFSETS_SUFFIX))
+
+
+def collect_inputs(paths: list[str]) -> list[InputFile]:
+    """Expands folders (recursively, sorted, hidden entries skipped) into input files."""
+    out: list[InputFile] = []
+    for raw in paths:
+        p = Path(raw)
+        if p.is_dir():
+            files = sorted(
+                f for f in p.rglob("*")
+                if f.is_file() and not any(part.startswith(".") for part in f.relative_to(p).parts)
+            )
+        elif p.is_file():
+            files = [p]
+        else:
+            raise InvalidArgumentError(f"input {raw} does not exist")
+        for f in files:
+            if f.name.endswith(OFFSETS_SUFFIX):
+                continue  # read together with its .npy
+            kind = "raw" if f.suffix in TOKEN_SUFFIXES else "npy" if f.suffix == NPY_SUFFIX else "text"
+            out.append(InputFile(f, kind, f.stat().st_size))
+    if not out:
+        raise InvalidArgumentError("no input files found in " + ", ".join(paths))
+    return out
+
+
+def _npy_layout(path: Path) -> tuple[int, int]:
+    """(data offset, n tokens) of a 1-D int32 .npy file, checked."""
+    with open(path, "rb") as f:
+        try:
+            version = np.lib.format.read_magic(f)
+            if version == (1, 0):
+                shape, fortran, dtype = np.lib.format.read_array_header_1_0(f)
+            else:
+                shape, fortran, dtype = np.lib.format.read_array_header_2_0(f)
+        except ValueError as e:
+            raise InvalidArgumentError(f"{path}: not a valid .npy file ({e})") from None
+        offset = f.tell()
+    if dtype != np.dtype("<i4") or len(shape) != 1:
+        raise InvalidArgumentError(f"{path}: token .npy files must be 1-D little-endian int32, got {dtype} of shape {shape}")
+    n = int(shape[0])
+    if offset + 4 * n > path.stat().st_size:
+        raise InvalidArgumentError(f"{path}: truncated: the header promises {n} tokens")
+    return offset, n
+
+
+def _read_range(path: Path, offset: int, start: int, end: int) -> Iterator[np.ndarray]:
+    """Tokens [start, end) of a raw int32 file whose data starts at byte `offset`, in chunks."""
+    with open(path, "rb") as f:
+        f.seek(offset + 4 * start)
+        pos = start
+        while pos < end:
+            n = min(CHUNK_TOKENS, end - pos)
+            chunk = np.fromfile(f, dtype="<i4", count=n)
+            if len(chunk) != n:
+                raise InvalidArgumentError(f"{path}: file ended early at token {pos + len(chunk)}")
+            yield chunk.astype(np.int32, copy=False)
+            pos += n
+
+
+def token_streams(item: InputFile) -> Iterator[Iterator[np.ndarray]]:
+    """The streams of a token file, each an iterator of int32 chunks."""
+    if item.kind == "raw":
+        if item.size % 4:
+            raise InvalidArgumentError(f"{item.path}: {item.size} bytes is not a whole number of int32 tokens")
+        yield _read_range(item.path, 0, 0, item.size // 4)
+        return
+    offset, n = _npy_layout(item.path)
+    sidecar = item.path.with_name(item.path.name[: -len(NPY_SUFFIX)] + OFFSETS_SUFFIX)
+    if not sidecar.exists():
+        yield _read_range(item.path, offset, 0, n)
+        return
+    starts = np.load(sidecar)
+    if starts.ndim != 1 or not np.issubdtype(starts.dtype, np.integer) or (len(starts) and starts[0] != 0) \
+            or np.any(np.diff(starts) < 0) or (len(starts) and starts[-1] > n):
+        raise InvalidArgumentError(f"{sidecar}: stream offsets must be 1-D, ascending, start at 0 and stay within {n}")
+    bounds = [int(x) for x in starts] + [n]
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        yield _read_range(item.path, offset, a, b)
+
+
+def read_text(path: Path) -> str:
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise InvalidArgumentError(
+            f"{path}: not UTF-8 text (byte {e.start}); token files must end in .bin, .tokens or .npy"
+        ) from None
+
+
+def text_batches(items: list[InputFile]) -> Iterator[list[InputFile]]:
+    """Groups text files into batches of about TEXT_BATCH_BYTES for batch tokenization."""
+    batch: list[InputFile] = []
+    size = 0
+    for item in items:
+        batch.append(item)
+        size += item.size
+        if size >= TEXT_BATCH_BYTES:
+            yield batch
+            batch, size = [], 0
+    if batch:
+        yield batch
+
+
+def load_tokens(path: str, tokenizer: Tokenizer | None) -> np.ndarray:
+    """A whole test input as one int32 array: a token file, or text tokenized with `tokenizer`."""
+    items = collect_inputs([path])
+    parts: list[np.ndarray] = []
+    for item in items:
+        if item.kind == "text":
+            if tokenizer is None:
+                raise InvalidArgumentError(f"{item.path} is text: pass --tokenizer to tokenize it")
+            parts.append(tokenizer.encode(read_text(item.path)))
+        else:
+            for stream in token_streams(item):
+                parts.extend(stream)
+    return np.ascontiguousarray(np.concatenate(parts) if parts else np.zeros(0, np.int32), dtype=np.int32)
+
+
+def parse_size(text: str) -> int:
+    """'1GiB', '256MiB', '512M', '1000000' -> bytes."""
+    units = {"": 1, "K": 1000, "M": 1000**2, "G": 1000**3, "KB": 1000, "MB": 1000**2, "GB": 1000**3,
+             "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "B": 1}
+    s = text.strip().upper()
+    num = s.rstrip("KMGIB")
+    unit = s[len(num):]
+    try:
+        value = float(num)
+    except ValueError:
+        raise InvalidArgumentError(f"cannot read size {text!r}: use e.g. 1GiB, 256MiB or a byte count") from None
+    if unit not in units or value <= 0:
+        raise InvalidArgumentError(f"cannot read size {text!r}: use e.g. 1GiB, 256MiB or a byte count")
+    return int(value * units[unit])
+
+
+def cpu_count() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
