@@ -15,10 +15,11 @@ in slot range [s*16384/S, (s+1)*16384/S), so shards spread evenly over the maste
 Cluster that owns contiguous, equal slot ranges, as ``redis-cli --cluster create`` makes)::
 
     P:{T}:s         HASH    instance, e (epoch the open change piece started), f (trim floor)
-    P:{T}:c         STRING  Redis bitmap (SETBIT) of the local ids of the buckets changed
-                            in the open piece
-    P:{T}:h         HASH    closed pieces: "<start>:<end>" -> b"B" + Redis bitmap, or
-                            b"R" + portable roaring bitmap once a reader sealed it
+    P:{T}:c         LIST    the open change piece: one portable roaring bitmap per applied
+                            unit, of the local ids (bucket // S) of the buckets it changed
+    P:{T}:h         HASH    closed pieces: "<start>:<end>" -> b"L" + the unit bitmaps, each
+                            prefixed by its '<I4' length, or b"R" + their union (one
+                            portable roaring bitmap) once a reader sealed it
     P:{T}:i         ZSET    index of h: member "<start>:<end>", score end (for trimming/reads)
     P:{T}:d:<cid>   ZSET    dedup record of client <cid> in this shard: the seqs applied,
                             trimmed to the dedup window, expiring after dedup_ttl

@@ -11,8 +11,8 @@ atomically on the shard's node:
   retries and the NOSCRIPT fallback (load, then run again) are safe as well.
 * TICK advances the namespace's version at most once per ``epoch_seconds``.
 * ROLL closes a shard's open change piece when the version moved, trims history below the
-  floor and returns the pieces a reader needs; SEAL rewrites a closed piece as a roaring
-  bitmap; READ returns bucket contents packed for numpy.
+  floor and returns the pieces a reader needs; SEAL rewrites a closed piece as the union of
+  its roaring bitmaps; READ returns bucket contents packed for numpy.
 
 A version is handed out only after every shard's open piece started at or after it, so
 every write after the hand-out lands in a piece ``changes_since`` will read.
@@ -20,11 +20,13 @@ every write after the hand-out lands in a piece ``changes_since`` will read.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import contextlib
 import hashlib
 import logging
 import secrets
+import struct
 import threading
 import urllib.parse
 from collections.abc import Iterable, Iterator, Sequence
@@ -72,7 +74,7 @@ log = logging.getLogger(__name__)
 
 _CLUSTER_DEFAULT_SHARDS = 64
 _READ_KEYS_PER_CALL = 512  # buckets per READ call: bounds how long one call blocks Redis
-_PIPELINE_ROWS = 1 << 18  # rows per pipelined round trip in apply_many
+_PIPELINE_ROWS = 1 << 16  # rows per pipelined round trip in apply_many (encoding overlaps the previous one)
 
 
 class _Script:
@@ -84,8 +86,9 @@ class _Script:
         self.sha = hashlib.sha1(source.encode()).hexdigest()
 
 
-# KEYS: state, changes, dedup, bucket... ARGV: instance, seq, window, ttl_ms, blob.
-# blob: per bucket '<I4I4' (local id, entries), then per entry '<Bc0I8' (field, increment).
+# KEYS: state, changes, dedup, bucket...
+# ARGV: instance, seq, window, ttl_ms, changed (portable roaring bitmap of the unit's local
+# bucket ids), sizes ('<I4' entries per bucket, in KEYS order), then field, increment pairs.
 _APPLY = _Script("apply", """
 if redis.call('HGET', KEYS[1], 'instance') ~= ARGV[1] then return {-1} end
 local seq = tonumber(ARGV[2])
@@ -95,20 +98,17 @@ local hwm = -1
 if top[2] then hwm = tonumber(top[2]) end
 if seq <= hwm - window then return {-2, top[2]} end
 if redis.call('ZSCORE', KEYS[3], ARGV[2]) then return {0} end
-local blob = ARGV[5]
-local pos, len, k = 1, #blob, 3
-while pos <= len do
-  local lid, nf
-  lid, nf, pos = struct.unpack('<I4I4', blob, pos)
-  k = k + 1
-  local key = KEYS[k]
-  redis.call('SETBIT', KEYS[2], lid, 1)
+local sizes = ARGV[6]
+local pos, i = 1, 7
+for k = 4, #KEYS do
+  local key, nf = KEYS[k]
+  nf, pos = struct.unpack('<I4', sizes, pos)
   for _ = 1, nf do
-    local field, inc
-    field, inc, pos = struct.unpack('<Bc0I8', blob, pos)
-    redis.call('HINCRBY', key, field, inc)
+    redis.call('HINCRBY', key, ARGV[i], ARGV[i + 1])
+    i = i + 2
   end
 end
+redis.call('RPUSH', KEYS[2], ARGV[5])
 redis.call('ZADD', KEYS[3], ARGV[2], ARGV[2])
 if seq > hwm then hwm = seq end
 redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', hwm - window)
@@ -135,15 +135,21 @@ return {c[2], c[4]}
 """)
 
 # KEYS: state, changes, history, index. ARGV: instance, cur, floor, since ('' = no read).
-# Returns {1} or {1, open bitmap, piece, blob, ...}; {-1} wrong instance; {-3} since < trim floor.
+# Returns {1} or {1, open piece, piece name, piece, ...}; {-1} wrong instance; {-3} since < trim floor.
+# A piece is b"L" + ('<I4' length, roaring bitmap)... or, once sealed, b"R" + one roaring bitmap.
 _ROLL = _Script("roll", """
+local function joined(parts)
+  local out = {'L'}
+  for i = 1, #parts do out[#out + 1] = struct.pack('<I4', #parts[i]) .. parts[i] end
+  return table.concat(out)
+end
 local st = redis.call('HMGET', KEYS[1], 'instance', 'e', 'f')
 if st[1] ~= ARGV[1] then return {-1} end
 if tonumber(st[2]) < tonumber(ARGV[2]) then
-  local bits = redis.call('GET', KEYS[2])
-  if bits then
+  local parts = redis.call('LRANGE', KEYS[2], 0, -1)
+  if #parts > 0 then
     local piece = st[2] .. ':' .. ARGV[2]
-    redis.call('HSET', KEYS[3], piece, 'B' .. bits)
+    redis.call('HSET', KEYS[3], piece, joined(parts))
     redis.call('ZADD', KEYS[4], ARGV[2], piece)
     redis.call('DEL', KEYS[2])
   end
@@ -159,7 +165,7 @@ if tonumber(ARGV[3]) > f then
 end
 if ARGV[4] == '' then return {1} end
 if tonumber(ARGV[4]) < f then return {-3} end
-local out = {1, redis.call('GET', KEYS[2]) or ''}
+local out = {1, joined(redis.call('LRANGE', KEYS[2], 0, -1))}
 local pieces = redis.call('ZRANGEBYSCORE', KEYS[4], '(' .. ARGV[4], '+inf')
 for i = 1, #pieces do
   out[#out + 1] = pieces[i]
@@ -172,7 +178,7 @@ return out
 _SEAL = _Script("seal", """
 if redis.call('HGET', KEYS[1], 'instance') ~= ARGV[1] then return -1 end
 local v = redis.call('HGET', KEYS[2], ARGV[2])
-if v and string.sub(v, 1, 1) == 'B' then
+if v and string.sub(v, 1, 1) == 'L' then
   redis.call('HSET', KEYS[2], ARGV[2], 'R' .. ARGV[3])
   return 1
 end
@@ -550,29 +556,34 @@ class RedisCountsStore(CountsStore):
 
     def _apply_pipelined(self, handle: _Handle, client_id: str,
                          batches: list[tuple[int, np.ndarray]]) -> list[ApplyResult]:
+        """Up to two round trips in flight on two connections, so Redis works while we encode the next."""
         results: list[ApplyResult] = []
+        inflight: collections.deque[concurrent.futures.Future[list[ApplyResult]]] = collections.deque()
         group: list[tuple[int, EncodedBatch]] = []
         rows = 0
-        future: concurrent.futures.Future[list[ApplyResult]] | None = None
-        for seq, deltas in batches:
-            group.append((seq, encode_batch(deltas, handle.info)))
-            rows += len(deltas)
-            if rows >= _PIPELINE_ROWS:
-                calls = self._apply_calls(handle, client_id, group)
-                if future is not None:
-                    results.extend(future.result())
-                future = self._executor_submit(self._finish_apply, calls, group)
-                group, rows = [], 0
-        if future is not None:
-            results.extend(future.result())
-        if group:
-            results.extend(self._finish_apply(self._apply_calls(handle, client_id, group), group))
+        try:
+            for index, (seq, deltas) in enumerate(batches):
+                group.append((seq, encode_batch(deltas, handle.info)))
+                rows += len(deltas)
+                if rows >= _PIPELINE_ROWS or index == len(batches) - 1:
+                    calls = self._apply_calls(handle, client_id, group)
+                    if len(batches) == 1:
+                        return self._finish_apply(calls, group)
+                    if len(inflight) == 2:
+                        results.extend(inflight.popleft().result())
+                    inflight.append(self._executor_submit(self._finish_apply, calls, group))
+                    group, rows = [], 0
+            while inflight:
+                results.extend(inflight.popleft().result())
+        finally:
+            for future in inflight:  # on an error, let the other round trip finish before returning
+                future.cancel() or future.exception()
         return results
 
     def _executor_submit(self, fn: Any, *args: Any) -> concurrent.futures.Future[Any]:
         with self._lock:
             if self._executor is None:
-                self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ngc-redis")
+                self._executor = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="ngc-redis")
             executor = self._executor
         return executor.submit(fn, *args)
 
@@ -584,16 +595,17 @@ class RedisCountsStore(CountsStore):
         calls = []
         for seq, enc in group:
             bounds = enc.shard_bounds.tolist()
+            fields = enc.field_list()
             for s in range(info.shards):
                 lo, hi = bounds[s], bounds[s + 1]
                 if lo == hi:
                     continue
                 sk = handle.shards[s]
-                unit_buckets, blob = _unit_blob(enc, lo, hi, info.shards)
+                unit_buckets, args = _unit_args(enc, fields, lo, hi, info.shards)
                 base = sk.base
                 keys = [sk.state, sk.changes, sk.dedup(client_id)]
                 keys.extend([base + str(b) for b in unit_buckets])
-                calls.append((_APPLY, keys, [info.instance, seq, window, ttl_ms, blob]))
+                calls.append((_APPLY, keys, [info.instance, seq, window, ttl_ms, *args]))
         return calls
 
     def _finish_apply(self, calls: list[Any], group: list[tuple[int, EncodedBatch]]) -> list[ApplyResult]:
@@ -699,18 +711,14 @@ class RedisCountsStore(CountsStore):
                 if int(reply[0]) == -3:
                     raise ResyncRequiredError(
                         f"version {since} of namespace {namespace!r} fell out of the history kept; resync")
-                local = _bitmap_from_redis(reply[1])
+                local = _piece_buckets(reply[1])
                 for i in range(2, len(reply), 2):
                     piece, blob = reply[i], reply[i + 1]
-                    if blob[:1] == b"R":
-                        local |= pyroaring.BitMap.deserialize(blob[1:])
-                    elif blob[:1] == b"B":
-                        bits = _bitmap_from_redis(blob[1:])
-                        local |= bits
-                        sealed = bits.serialize()
-                        if len(sealed) < len(blob) - 1:
-                            sk = handle.shards[s]
-                            seals.append((_SEAL, [sk.state, sk.history], [info.instance, piece, sealed]))
+                    bits = _piece_buckets(blob)
+                    local |= bits
+                    if blob[:1] == b"L":  # seal it: one compact bitmap instead of one per unit
+                        sk = handle.shards[s]
+                        seals.append((_SEAL, [sk.state, sk.history], [info.instance, piece, bits.serialize()]))
                 if local:
                     ids = np.fromiter(local, dtype=np.int64, count=len(local))
                     changed.update((ids * info.shards + s).tolist())
@@ -774,32 +782,20 @@ class RedisCountsStore(CountsStore):
             self._client.close()
 
 
-def _unit_blob(enc: EncodedBatch, lo: int, hi: int, shards: int) -> tuple[list[int], bytes]:
-    """The APPLY blob of entries lo:hi (one shard, sorted by bucket) and its bucket ids in order."""
+def _unit_args(enc: EncodedBatch, fields: list[bytes], lo: int, hi: int,
+               shards: int) -> tuple[list[int], list[Any]]:
+    """Bucket ids (in order) and the APPLY arguments after ttl_ms for entries lo:hi of one shard."""
     buckets = enc.buckets[lo:hi]
-    lengths = enc.lengths[lo:hi]
-    k = hi - lo
-    first = np.ones(k, dtype=bool)
+    first = np.ones(hi - lo, dtype=bool)
     first[1:] = buckets[1:] != buckets[:-1]
-    group_starts = np.flatnonzero(first)
-    group_of = np.cumsum(first) - 1
-    record = 1 + lengths + 8
-    offsets = np.zeros(k, dtype=np.int64)
-    np.cumsum(record[:-1], out=offsets[1:])
-    offsets += 8 * (group_of + 1)
-    out = np.zeros(int(record.sum()) + 8 * len(group_starts), dtype=np.uint8)
-    header = np.empty((len(group_starts), 2), dtype="<u4")
-    header[:, 0] = buckets[group_starts] // shards
-    header[:, 1] = np.diff(np.append(group_starts, k))
-    out[(offsets[group_starts] - 8)[:, None] + np.arange(8)] = header.view(np.uint8).reshape(-1, 8)
-    out[offsets] = lengths
-    matrix = enc.field_matrix[lo:hi]
-    for length in np.unique(lengths).tolist():
-        idx = np.flatnonzero(lengths == length)
-        out[(offsets[idx] + 1)[:, None] + np.arange(length)] = matrix[idx, :length]
-    counts = enc.counts[lo:hi].astype("<u8").view(np.uint8).reshape(k, 8)
-    out[(offsets + 1 + lengths)[:, None] + np.arange(8)] = counts
-    return buckets[group_starts].tolist(), out.tobytes()
+    starts = np.flatnonzero(first)
+    unique = buckets[starts]
+    changed = pyroaring.BitMap((unique // shards).astype(np.uint32))
+    sizes = np.diff(np.append(starts, hi - lo)).astype("<u4").tobytes()
+    pairs: list[Any] = [None] * (2 * (hi - lo))
+    pairs[0::2] = fields[lo:hi]
+    pairs[1::2] = enc.counts[lo:hi].tolist()
+    return unique.tolist(), [changed.serialize(), sizes, *pairs]
 
 
 def _rows_from_read(reply: Sequence[Any], width: int) -> np.ndarray:
@@ -813,9 +809,15 @@ def _rows_from_read(reply: Sequence[Any], width: int) -> np.ndarray:
     return rows_from_matrix(raw[:, 0].astype(np.int64), raw[:, 1:], values, width)
 
 
-def _bitmap_from_redis(bits: bytes) -> pyroaring.BitMap:
-    """The set bits of a Redis bitmap (SETBIT offset 0 is the high bit of byte 0)."""
-    if not bits:
-        return pyroaring.BitMap()
-    ids = np.flatnonzero(np.unpackbits(np.frombuffer(bits, dtype=np.uint8)))
-    return pyroaring.BitMap(ids.astype(np.uint32))
+def _piece_buckets(blob: bytes) -> pyroaring.BitMap:
+    """The local bucket ids of a change piece: b"R" + roaring, or b"L" + ('<I4' length, roaring)..."""
+    if blob[:1] == b"R":
+        return pyroaring.BitMap.deserialize(blob[1:])
+    parts = []
+    view = memoryview(blob)
+    pos = 1
+    while pos < len(blob):
+        (length,) = struct.unpack_from("<I", blob, pos)
+        parts.append(pyroaring.BitMap.deserialize(bytes(view[pos + 4:pos + 4 + length])))
+        pos += 4 + length
+    return pyroaring.BitMap.union(*parts) if parts else pyroaring.BitMap()

@@ -1,0 +1,191 @@
+"""Benchmark of the Redis counts store against a naive baseline measured in the same run (prints figures; not a test).
+
+    python tests/bench/bench_counts_store.py [--reps 3] [--deltas 1048576] [--entries 4000000]
+
+It starts its own redis-server on 127.0.0.1 (no persistence) and prints, as medians of the
+repetitions:
+
+* deltas/s ingested from one process with `apply_many` (exactly-once Lua units,
+  pipelined), against one HINCRBY round trip per delta (the naive baseline, keys and fields
+  precomputed so it pays for nothing but Redis) and against pipelined plain HINCRBYs
+  (no dedup, no change tracking: the cost of exactly-once);
+* bytes of Redis memory per stored (n-gram, follower) entry after a large load
+  (``used_memory`` from INFO memory, before and after);
+* milliseconds of `changes_since` for a version behind which exactly 1000 buckets changed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/, for redis_servers
+
+from redis_servers import RedisServer  # noqa: E402
+
+from cache_service.counts_store import encode_batch, open_counts_store  # noqa: E402
+from cache_service.redis_store import RedisCountsStore  # noqa: E402
+
+VOCAB = 128_256  # Llama 3: 3-byte tokens
+FP = bytes(range(32))
+BATCH = 16_384
+
+
+def make_deltas(rng: np.random.Generator, m: int, zipf: float = 1.2) -> np.ndarray:
+    """m delta rows: n in 1..4, Zipf-distributed tokens (repeated keys, as real text gives)."""
+    n = rng.integers(1, 5, m)
+    toks = (rng.zipf(zipf, (m, 5)) - 1) % VOCAB
+    out = np.empty((m, 7), dtype=np.int32)
+    out[:, 0] = n
+    out[:, 1:5] = np.where(np.arange(4)[None, :] < n[:, None], toks[:, :4], -1)
+    out[:, 5] = toks[:, 4]
+    out[:, 6] = 1
+    return out
+
+
+def batches_of(deltas: np.ndarray) -> list[tuple[int, np.ndarray]]:
+    return [(seq, np.ascontiguousarray(deltas[i:i + BATCH])) for seq, i in enumerate(range(0, len(deltas), BATCH))]
+
+
+def used_memory(server: RedisServer) -> int:
+    client = server.client()
+    try:
+        client.execute_command("MEMORY", "PURGE")
+        return int(client.info("memory")["used_memory"])
+    finally:
+        client.close()
+
+
+def bench_ingest(store: RedisCountsStore, server: RedisServer, rep: int, deltas: np.ndarray) -> dict[str, float]:
+    ns = f"ingest-{rep}"
+    store.create_namespace(ns, FP, VOCAB, buckets=16_384)
+    batches = batches_of(deltas)
+    store.apply_many(ns, "warm-up", batches[:2])  # loads scripts, warms connections and caches
+    start = time.perf_counter()
+    results = store.apply_many(ns, f"bench-{rep}", batches)
+    pipelined = len(deltas) / (time.perf_counter() - start)
+    assert all(r.applied == r.units for r in results)
+    total = sum(int(chunk[:, 6].sum()) for chunk in store.export(ns))
+    expected = int(deltas[:, 6].sum()) + sum(int(b[:, 6].sum()) for _, b in batches[:2])
+    assert total == expected, (total, expected)
+
+    # Baselines over the same kind of data: keys and fields precomputed outside the clock.
+    info = store.namespace_info(ns)
+    handle = store._handle(ns)
+    sample = deltas[: min(len(deltas), 30_000)]
+    enc = encode_batch(sample, info)
+    keys = [handle.shards[b % info.shards].bucket(b) for b in enc.buckets.tolist()]
+    fields = enc.field_list()
+    counts = enc.counts.tolist()
+    client = server.client()
+    naive_n = min(len(keys), 15_000)
+    start = time.perf_counter()
+    for key, field, count in zip(keys[:naive_n], fields[:naive_n], counts[:naive_n]):
+        client.hincrby("naive:" + key, field, count)
+    naive = naive_n / (time.perf_counter() - start)
+    start = time.perf_counter()
+    pipe = client.pipeline(transaction=False)
+    for i, (key, field, count) in enumerate(zip(keys, fields, counts)):
+        pipe.hincrby("plain:" + key, field, count)
+        if i % 5000 == 4999:
+            pipe.execute()
+    pipe.execute()
+    plain = len(keys) / (time.perf_counter() - start)
+    client.close()
+    store.drop_namespace(ns)
+    flush = server.client()
+    flush.flushall()
+    flush.close()
+    return {"pipelined": pipelined, "naive": naive, "plain_pipelined": plain, "checksum": total}
+
+
+def bench_memory(store: RedisCountsStore, server: RedisServer, entries_target: int, seed: int) -> dict[str, float]:
+    ns = f"memory-{seed}"
+    rng = np.random.default_rng(seed)
+    before = used_memory(server)
+    store.create_namespace(ns, FP, VOCAB, buckets=65_536)
+    deltas = make_deltas(rng, int(entries_target * 1.3), zipf=1.05)  # flatter: mostly distinct entries
+    store.apply_many(ns, "loader", batches_of(deltas))
+    entries = sum(len(chunk) for chunk in store.export(ns))
+    after = used_memory(server)
+    client = server.client()
+    encodings = {client.object("encoding", k) for k in client.scan_iter(match="ngc:*", count=1000, _type="hash")}
+    client.close()
+    store.drop_namespace(ns)
+    return {"bytes_per_entry": (after - before) / entries, "entries": entries,
+            "per_bucket": entries / 65_536, "encodings": sorted(e.decode() for e in encodings)}
+
+
+def bench_changes(store: RedisCountsStore, seed: int) -> dict[str, float]:
+    ns = f"changes-{seed}"
+    info = store.create_namespace(ns, FP, VOCAB, buckets=65_536)
+    rng = np.random.default_rng(seed)
+    store.apply_many(ns, "loader", batches_of(make_deltas(rng, 2_000_000, zipf=1.05)))
+    # A batch that touches exactly 1000 buckets: one new 1-gram row per bucket.
+    candidates = make_deltas(rng, 200_000, zipf=1.05)
+    candidates = candidates[candidates[:, 0] == 1]
+    enc_buckets = encode_batch(np.ascontiguousarray(candidates), info)
+    _, first = np.unique(enc_buckets.buckets, return_index=True)
+    picked = enc_buckets.buckets[first[:1000]]
+    rows = []
+    for b in picked.tolist():
+        i = int(np.flatnonzero(enc_buckets.buckets == b)[0])
+        field = enc_buckets.field_matrix[i, :enc_buckets.lengths[i]].tobytes()
+        t0, f = int.from_bytes(field[:3], "little"), int.from_bytes(field[3:6], "little")
+        rows.append([1, t0, -1, -1, -1, f, 1])
+    store.changes_since(ns, store.version(ns))  # load the scripts
+    time.sleep(0.01)
+    version = store.version(ns)
+    store.apply(ns, "changer", 0, np.array(rows, dtype=np.int32))
+    start = time.perf_counter()
+    change = store.changes_since(ns, version)
+    elapsed = time.perf_counter() - start
+    assert len(change.buckets) == 1000, len(change.buckets)
+    store.drop_namespace(ns)
+    return {"ms": elapsed * 1000, "rows": len(change.rows)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--deltas", type=int, default=1 << 20, help="deltas ingested per repetition")
+    parser.add_argument("--entries", type=int, default=4_000_000, help="entries loaded for the memory figure")
+    args = parser.parse_args()
+    rng = np.random.default_rng(20240601)
+    deltas = make_deltas(rng, args.deltas)
+    with RedisServer() as server:
+        store = open_counts_store(server.url, socket_timeout=60)
+        assert isinstance(store, RedisCountsStore)
+        ingest, memory, changes = [], [], []
+        for rep in range(args.reps):
+            ingest.append(bench_ingest(store, server, rep, deltas))
+            memory.append(bench_memory(store, server, args.entries, seed=rep))
+            changes.append(bench_changes(store, seed=100 + rep))
+            print(f"rep {rep}: {ingest[-1]['pipelined']:,.0f} deltas/s pipelined, "
+                  f"{ingest[-1]['naive']:,.0f} naive, {memory[-1]['bytes_per_entry']:.1f} B/entry, "
+                  f"changes_since {changes[-1]['ms']:.1f} ms", flush=True)
+        store.close()
+    med = statistics.median
+    pipelined, naive = med(r["pipelined"] for r in ingest), med(r["naive"] for r in ingest)
+    print()
+    print(f"redis-server {server.server_bin}, {args.reps} repetitions, medians:")
+    print(f"  ingest, apply_many (exactly-once, pipelined): {pipelined:12,.0f} deltas/s "
+          f"({len(deltas):,} deltas in batches of {BATCH:,})")
+    print(f"  naive, one HINCRBY round trip per delta:      {naive:12,.0f} deltas/s   ratio {pipelined / naive:.1f}x")
+    print(f"  plain HINCRBY pipelined (no dedup, no change tracking): "
+          f"{med(r['plain_pipelined'] for r in ingest):,.0f} deltas/s")
+    print(f"  memory: {med(r['bytes_per_entry'] for r in memory):.1f} bytes per stored entry "
+          f"({med(r['entries'] for r in memory):,.0f} entries, {med(r['per_bucket'] for r in memory):.0f} a bucket, "
+          f"encodings {memory[0]['encodings']})")
+    print(f"  changes_since with 1000 changed buckets: {med(r['ms'] for r in changes):.1f} ms "
+          f"({med(r['rows'] for r in changes):,.0f} rows)")
+    print(f"  checksum (sum of counts ingested per rep): {ingest[0]['checksum']}")
+
+
+if __name__ == "__main__":
+    main()
