@@ -225,10 +225,11 @@ def test_concurrent_readers_and_writers_keep_mirrors_exact(make_store: Callable[
     assert mirror == exported(store, namespace)
 
 
+# Shared stores only: an embedded store is one per process, so nothing else can recreate a
+# namespace underneath it.
+@pytest.mark.parametrize("backend", ["standalone", "cluster"], indirect=True)
 def test_namespace_recreated_under_a_cached_handle(make_store: Callable[..., CountsStore], namespace: str,
                                                    backend: str) -> None:
-    if backend == "embedded":
-        pytest.skip("one embedded store per process: no other store can recreate the namespace underneath")
     a, b = make_store(), make_store()
     a.create_namespace(namespace, FP, VOCAB)
     a.apply(namespace, "c", 1, batch([row([1], 2)]))
