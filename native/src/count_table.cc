@@ -26,8 +26,8 @@ int64_t CountTable::find_index(const NGram& key, uint64_t hash) const {
   }
 }
 
-bool CountTable::find(const NGram& key, PartView* out) const {
-  const int64_t idx = find_index(key, key.hash());
+bool CountTable::find(const NGram& key, uint64_t hash, PartView* out) const {
+  const int64_t idx = find_index(key, hash);
   if (idx < 0) return false;
   *out = view(entries_[idx]);
   return true;

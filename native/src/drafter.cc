@@ -20,14 +20,19 @@ struct StaticLookup {
   }
 };
 
-// One primary (context or dynamic) try over n-gram sizes ngram_max..ngram_min. `tail`
-// points one past the last token of sequence + draft, with `avail` tokens before it.
-Token try_primary(const CountTable& table, const Token* tail, size_t avail, const DraftParams& p,
-                  const StaticLookup& st, const DraftThresholds& th) {
-  for (int n = p.ngram_max; n >= p.ngram_min; --n) {
-    if (static_cast<size_t>(n) > avail) continue;
+// The n-grams at the tail of sequence + draft, with their hashes, computed once per step
+// and shared by the context and dynamic tries.
+struct TailGrams {
+  NGram gram[kNgramMax + 1];    // indexed by size; valid for sizes in [lo, hi]
+  uint64_t hash[kNgramMax + 1];
+  int lo = 1, hi = 0;           // sizes available (hi < lo: none)
+};
+
+// One primary (context or dynamic) try over n-gram sizes ngram_max..ngram_min.
+Token try_primary(const CountTable& table, const TailGrams& g, const StaticLookup& st, const DraftThresholds& th) {
+  for (int n = g.hi; n >= g.lo; --n) {
     PartView part;
-    if (!table.find(NGram::from(tail - n, n), &part)) continue;
+    if (!table.find(g.gram[n], g.hash[n], &part)) continue;
     const uint64_t min_samples = static_cast<uint64_t>(th.min_samples[n - 1]);
     const uint64_t min_percent = static_cast<uint64_t>(th.min_percent[n - 1]);
     // Precheck: the winner's count is at most max_count, so if even max_count fails the
@@ -76,14 +81,24 @@ int draft(const Token* seq, size_t n_seq, const CountTable* context, const Count
   while (n_out < params.n_draft) {
     const size_t avail = n_seq + static_cast<size_t>(n_out);  // tokens of sequence + draft
     const Token* tail = buf + n_head + n_out;
+    const bool use_static = static_cache && avail >= static_cast<size_t>(k_static);
+    if (use_static) static_cache->prefetch(tail - k_static);
+    // Hash every size first and prefetch the dynamic table's slots, so their cache misses
+    // overlap instead of following one another.
+    TailGrams g;
+    g.lo = params.ngram_min;
+    g.hi = static_cast<int>(std::min<size_t>(static_cast<size_t>(params.ngram_max), avail));
+    for (int n = g.lo; n <= g.hi; ++n) {
+      g.gram[n] = NGram::from(tail - n, n);
+      g.hash[n] = g.gram[n].hash();
+      if (dynamic) dynamic->prefetch(g.hash[n]);
+    }
     StaticLookup st;
     st.cache = static_cache;
-    if (static_cache && avail >= static_cast<size_t>(k_static)) {
-      st.found = static_cache->find(tail - k_static, &st.part) == FindResult::kFound;
-    }
+    if (use_static) st.found = static_cache->find(tail - k_static, &st.part) == FindResult::kFound;
     Token t = -1;
-    if (context) t = try_primary(*context, tail, avail, params, st, kLax);
-    if (t < 0 && dynamic) t = try_primary(*dynamic, tail, avail, params, st, kStrict);
+    if (context) t = try_primary(*context, g, st, kLax);
+    if (t < 0 && dynamic) t = try_primary(*dynamic, g, st, kStrict);
     if (t < 0) t = try_static(st);
     if (t < 0) break;
     buf[n_head + n_out] = t;

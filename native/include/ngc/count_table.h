@@ -33,7 +33,14 @@ class CountTable {
   CountTable() = default;
 
   // Finds `key`; returns false (and leaves `out` alone) when it has never been counted.
-  bool find(const NGram& key, PartView* out) const;
+  bool find(const NGram& key, PartView* out) const { return find(key, key.hash(), out); }
+  // The same with the key's hash computed by the caller (key.hash()).
+  bool find(const NGram& key, uint64_t hash, PartView* out) const;
+  // Hints the CPU to load the index slot `hash` probes first, so several look-ups can
+  // overlap their cache misses.
+  void prefetch(uint64_t hash) const {
+    if (!slots_.empty()) __builtin_prefetch(&slots_[hash & (slots_.size() - 1)]);
+  }
 
   // Adds `count` (> 0) to follower `token` of `key`.
   void add(const NGram& key, Token token, uint32_t count);
