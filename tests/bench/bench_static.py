@@ -208,9 +208,9 @@ def main() -> int:
               f"{r['llama_mb']:.1f} | {r['file_vs_llama']:.2f} | {r['open_ms']:.4f} | "
               f"{r['heap_load_s']:.2f} / {r['heap_rss_mb']:.0f} | {r['us_per_drafted']:.3f} | "
               f"{r['us_per_drafted_draft_only']:.3f} | {r['accept_pct']:.1f} | {r['peak_rss_mb']:.0f} |")
-    print(f"\nsharing ({share_row['processes']:.0f} processes, {largest.name}): sum of PSS {share_row['pss_sum_mb']:.1f} MB "
-          f"for a {share_row['file_mb']:.1f} MB file ({share_row['pss_sum_mb'] / share_row['file_mb']:.2f}x); "
-          f"sum of RSS {share_row['rss_sum_mb']:.1f} MB")
+    print(f"\nsharing ({share_row['processes']:.0f} processes, {largest.name}): sum of PSS {share_row['pss_sum_mb']:.1f} MiB "
+          f"for a {share_row['file_mb']:.1f} MiB file ({share_row['pss_sum_mb'] / share_row['file_mb']:.2f}x); "
+          f"sum of RSS {share_row['rss_sum_mb']:.1f} MiB")
     print(f"tokenization (reported apart from builds): {manifest['tokenization']['tokens_per_second']:,} tokens/s")
     print(f"256 MiB builds identical to default builds: {all(r.get('same_file_256', True) for r in rows)}; "
           f"result checksum (sha256 of the largest file): {checksum}; medians of {args.reps} runs")
