@@ -210,6 +210,19 @@ struct PyDrafter {
   ngc::SequenceSet seqs;
 };
 
+// Looks `ngram` up in `c` (it MUST have the file's n-gram size); false when absent.
+bool find_static(const PyStaticCache& c, const std::vector<int64_t>& ngram, ngc::StaticPart* part) {
+  const auto& info = c.cache->info();
+  if (ngram.size() != info.ngram_size) {
+    invalid("this static cache has keys of " + std::to_string(info.ngram_size) + " tokens, got an n-gram of " +
+            std::to_string(ngram.size()));
+  }
+  const ngc::NGram g = as_ngram(ngram, info.vocab_size);
+  const ngc::FindResult r = c.cache->find(g.tokens, part);
+  if (r == ngc::FindResult::kCorrupt) raise_status(Status::FormatError(c.path + ": key index points outside its section"));
+  return r == ngc::FindResult::kFound;
+}
+
 nb::tuple part_to_numpy(const ngc::PartView& part) {
   std::vector<int32_t> toks(part.size);
   std::vector<int64_t> counts(part.size);
@@ -309,17 +322,9 @@ NB_MODULE(_core, m) {
       .def(
           "lookup",
           [](const PyStaticCache& c, const std::vector<int64_t>& ngram) {
-            const auto& info = c.cache->info();
-            if (ngram.size() != info.ngram_size) {
-              invalid("this static cache has keys of " + std::to_string(info.ngram_size) + " tokens, got an n-gram of " +
-                      std::to_string(ngram.size()));
-            }
-            ngc::NGram g = as_ngram(ngram, info.vocab_size);
             ngc::StaticPart part;
-            const ngc::FindResult r = c.cache->find(g.tokens, &part);
-            if (r == ngc::FindResult::kCorrupt) raise_status(Status::FormatError(c.path + ": key index points outside its section"));
             std::vector<std::pair<int32_t, int64_t>> items;
-            if (r == ngc::FindResult::kFound) {
+            if (find_static(c, ngram, &part)) {
               for (uint32_t j = 0; j < part.size; ++j) items.emplace_back(c.cache->token_at(part, j), c.cache->count_at(part, j));
               std::sort(items.begin(), items.end());
             }
@@ -338,16 +343,8 @@ NB_MODULE(_core, m) {
       .def(
           "best",
           [](const PyStaticCache& c, const std::vector<int64_t>& ngram) -> std::optional<std::tuple<int, int64_t, int64_t>> {
-            const auto& info = c.cache->info();
-            if (ngram.size() != info.ngram_size) {
-              invalid("this static cache has keys of " + std::to_string(info.ngram_size) + " tokens, got an n-gram of " +
-                      std::to_string(ngram.size()));
-            }
-            ngc::NGram g = as_ngram(ngram, info.vocab_size);
             ngc::StaticPart part;
-            const ngc::FindResult r = c.cache->find(g.tokens, &part);
-            if (r == ngc::FindResult::kCorrupt) raise_status(Status::FormatError(c.path + ": key index points outside its section"));
-            if (r == ngc::FindResult::kNotFound) return std::nullopt;
+            if (!find_static(c, ngram, &part)) return std::nullopt;
             return std::make_tuple(c.cache->token_at(part, 0), int64_t{c.cache->count_at(part, 0)}, int64_t{part.total});
           },
           "ngram"_a, "(best token, its count, total count) of `ngram`, or None when absent.")
