@@ -107,6 +107,18 @@ def test_real_streams_match_reference(with_static, with_dynamic):
     assert n_drafted > 500  # the comparison covers real drafts, not empty ones
 
 
+@pytest.mark.parametrize("with_static", [False, True])
+def test_real_tokenizer_streams_match_reference(with_static):
+    """The same text tokenized with Qwen's tokenizer (vocabulary 151,851), as a worker sees it."""
+    from client.tokenizer import load_tokenizer
+
+    tok = load_tokenizer("tiktoken:qwen")
+    texts = [bytes(s).decode() for s in real_streams()]
+    streams = [tok.encode(t).tolist() for t in texts]
+    n_drafted = check_replay(streams[0][:1200], tok.vocab_size, 6, streams[1:] if with_static else None, streams[2:4])
+    assert n_drafted > 200
+
+
 def test_short_sequences_get_no_draft():
     static = build_static([[1, 2, 3, 1, 2, 3, 1, 2, 3]], 5)
     d = Drafter(static=static)
