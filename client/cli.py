@@ -358,7 +358,8 @@ def build_parser() -> argparse.ArgumentParser:
     stats = sub.add_parser(
         "stats",
         help="replay a test set through the drafter as llama-lookup-stats does",
-        description="Cuts TEST into chunks of --n-ctx tokens (a last partial chunk is skipped) and simulates "
+        description="Cuts TEST into chunks of --n-ctx tokens (a last partial chunk is skipped; like llama-lookup-stats, "
+        "so is a last full chunk that ends exactly at the end of TEST) and simulates "
         "generation: draft up to --n-draft tokens, accept the prefix that matches the text, append the true next "
         "token, update the context table; after each chunk the context table is merged into the dynamic one. "
         "Reports drafted and accepted tokens and the drafting cost.",

@@ -107,7 +107,7 @@ def replay(tokens, n_ctx, n_draft, static=None, static_n=2, dynamic=None, ngram_
     dynamic = dynamic if dynamic is not None else new_table()
     n_drafted = n_accept = 0
     calls = []
-    for start in range(0, len(tokens) - n_ctx + 1, n_ctx):
+    for start in range(0, len(tokens) - n_ctx, n_ctx):  # strict, as llama-lookup-stats' loop
         chunk = tokens[start : start + n_ctx]
         context = new_table()
         out = [chunk[0]]

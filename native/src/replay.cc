@@ -20,7 +20,9 @@ ReplayStats replay(const Token* tokens, size_t n_tokens, size_t n_ctx, const Dra
   std::vector<Token> output;
   output.reserve(n_ctx);
   Token draft_buf[kMaxDraft];
-  for (size_t start = 0; n_ctx > 0 && start + n_ctx <= n_tokens; start += n_ctx) {
+  // llama-lookup-stats' loop condition is strict: a chunk that ends exactly at the end of
+  // the input is skipped too. Kept, so the figures match its own.
+  for (size_t start = 0; n_ctx > 0 && start + n_ctx < n_tokens; start += n_ctx) {
     const Token* chunk = tokens + start;
     output.assign(1, chunk[0]);
     while (output.size() < n_ctx) {

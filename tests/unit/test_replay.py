@@ -28,12 +28,16 @@ def test_hand_checked_replay():
     # the context knows 1 -> 2 (lax thresholds need 2 samples for 1-grams... so none at all
     # from context); with no static cache and an empty dynamic table nothing is drafted,
     # 5 draft calls are made (one per appended token).
-    r = replay(np.array([1, 2, 3, 1, 2, 3], dtype=np.int32), 6, 4, 1, 4, None, CountTable(), True)
+    r = replay(np.array([1, 2, 3, 1, 2, 3, 0], dtype=np.int32), 6, 4, 1, 4, None, CountTable(), True)
     assert (r["n_chunks"], r["n_draft_calls"], r["n_drafted"], r["n_accept"]) == (1, 5, 0, 0)
+    # llama-lookup-stats' loop is `i_start + n_ctx < n_input`: a chunk ending exactly at the
+    # end of the input is not replayed.
+    r = replay(np.array([1, 2, 3, 1, 2, 3], dtype=np.int32), 6, 4, 1, 4, None, CountTable(), True)
+    assert r["n_chunks"] == 0
     # The second chunk sees the first one through the dynamic table, but its strict
     # thresholds need 2..4 samples: [1,2,3]*2 gives each n-gram one count, still no draft.
     dyn = CountTable()
-    r = replay(np.array([1, 2, 3] * 4, dtype=np.int32), 6, 4, 1, 4, None, dyn, True)
+    r = replay(np.array([1, 2, 3] * 4 + [0], dtype=np.int32), 6, 4, 1, 4, None, dyn, True)
     assert r["n_chunks"] == 2 and r["n_drafted"] == 0
     # After merging, 1-gram (1,) has follower 2 with count 2*2 = 4 (two chunks, twice each).
     assert dyn.lookup([1])[1].tolist() == [4]
@@ -42,7 +46,7 @@ def test_hand_checked_replay():
     # sees [1, 2]: 2-gram (1,2) -> 3 has 4 counts (>= 3 strict samples, 100%); then
     # (1,2,3) -> 1 has 2 (>= 2); then 4-grams (1,2,3,1) -> 2 and (2,3,1,2) -> 3 have 2 each.
     # All four match the chunk and fill it.
-    r = replay(np.array([1, 2, 3] * 2, dtype=np.int32), 6, 4, 1, 4, None, dyn, True)
+    r = replay(np.array([1, 2, 3] * 2 + [0], dtype=np.int32), 6, 4, 1, 4, None, dyn, True)
     assert split_calls(r["drafts"]) == [[], [3, 1, 2, 3]]
     assert (r["n_draft_calls"], r["n_drafted"], r["n_accept"]) == (2, 4, 4)
 

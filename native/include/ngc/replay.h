@@ -20,7 +20,8 @@ struct ReplayStats {
   uint64_t t_draft_only_ns = 0;   // time in draft() alone
 };
 
-// Cuts `tokens` into chunks of n_ctx (a last partial chunk is skipped). In each chunk the
+// Cuts `tokens` into chunks of n_ctx (a last partial chunk is skipped, and so is a last
+// full chunk that ends exactly at the end, as llama-lookup-stats does). In each chunk the
 // output starts with the chunk's first token; until it holds n_ctx tokens: draft up to
 // n_draft tokens after it, walk the draft while each token equals the chunk's next one
 // (appending and counting it), then append the chunk's next token unless the output is
