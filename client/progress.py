@@ -35,7 +35,7 @@ class Progress:
             parts[0] += f"/{_human(self.total)}{self.unit} ({pct:.0f}%)"
         if self.tokens:
             parts.append(f"{_human(self.tokens)} tokens, {_human(self.tokens / elapsed)} tokens/s")
-        if self.total and self.done > 0:
+        if self.total and self.done >= 0.02 * self.total:  # too early, an ETA is noise
             eta = elapsed * (self.total - self.done) / self.done
             parts.append(f"ETA {eta:.0f} s")
         sys.stderr.write("\r" + ", ".join(parts) + "\033[K")
