@@ -227,6 +227,11 @@ FindResult StaticCache::find(const Token* key, StaticPart* out) const {
     uint32_t base = lo;
     while (n > 1) {
       const uint32_t half = n / 2;
+      // Both candidates of the next step, fetched while this comparison waits on memory:
+      // long rows (most look-ups land in rows of hundreds of keys) then cost about half
+      // the sequential misses.
+      __builtin_prefetch(rec + static_cast<uint64_t>(base + half / 2) * w);
+      __builtin_prefetch(rec + static_cast<uint64_t>(base + half + half / 2) * w);
       base = less(base + half) ? base + half : base;
       n -= half;
     }
