@@ -38,15 +38,18 @@ def test_hostile_input_tests_pass_under_asan_and_ubsan(tmp_path):
     asan, ubsan = runtime("libasan.so"), runtime("libubsan.so")
     assert os.path.exists(asan) and os.path.exists(ubsan), "g++ ships libasan and libubsan"
     build = tmp_path / "build"
-    cmake = shutil.which("cmake")
-    assert cmake
+    # The test extras install cmake and ninja into the environment running the tests.
+    tools = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+    cmake = shutil.which("cmake", path=tools)
+    assert cmake, "cmake is needed (pip install cmake)"
     configure = [
         cmake, "-S", str(ROOT / "native"), "-B", str(build), "-DNGC_BUILD_PYTHON=ON", "-DCMAKE_BUILD_TYPE=Debug",
         "-DCMAKE_CXX_FLAGS=-fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined",
         f"-Dnanobind_DIR={nanobind.cmake_dir()}", f"-DPython_EXECUTABLE={sys.executable}",
     ]
-    if shutil.which("ninja"):
-        configure += ["-G", "Ninja"]
+    ninja = shutil.which("ninja", path=tools)
+    if ninja:
+        configure += ["-G", "Ninja", f"-DCMAKE_MAKE_PROGRAM={ninja}"]
     subprocess.run(configure, check=True, capture_output=True)
     subprocess.run([cmake, "--build", str(build), "-j", "2"], check=True, capture_output=True)
     (tmp_path / "asan_core.py").write_text(PLUGIN.format(build=build))
