@@ -88,7 +88,10 @@ class _Script:
 
 # KEYS: state, changes, dedup, bucket...
 # ARGV: instance, seq, window, ttl_ms, changed (portable roaring bitmap of the unit's local
-# bucket ids), sizes ('<I4' entries per bucket, in KEYS order), then field, increment pairs.
+# bucket ids), sizes ('<I4' entries per bucket, in KEYS order), entries (one packed string of
+# fixed-size records: u8 field length, the field zero-padded to `width` bytes, '<i8'
+# increment), width. One string instead of two arguments a delta keeps argument parsing
+# (in Redis) and command packing (in the client) off the per-delta path.
 _APPLY = _Script("apply", """
 if redis.call('HGET', KEYS[1], 'instance') ~= ARGV[1] then return {-1} end
 local seq = tonumber(ARGV[2])
@@ -98,14 +101,19 @@ local hwm = -1
 if top[2] then hwm = tonumber(top[2]) end
 if seq <= hwm - window then return {-2, top[2]} end
 if redis.call('ZSCORE', KEYS[3], ARGV[2]) then return {0} end
-local sizes = ARGV[6]
-local pos, i = 1, 7
+local sizes, entries = ARGV[6], ARGV[7]
+local width = tonumber(ARGV[8])
+local record = width + 9
+local pos, p = 1, 1
 for k = 4, #KEYS do
   local key, nf = KEYS[k]
   nf, pos = struct.unpack('<I4', sizes, pos)
   for _ = 1, nf do
-    redis.call('HINCRBY', key, ARGV[i], ARGV[i + 1])
-    i = i + 2
+    local field = string.sub(entries, p + 1, p + string.byte(entries, p))
+    local inc = struct.unpack('<l', entries, p + 1 + width)
+    if inc >= 1e13 then inc = string.format('%d', inc) end  -- beyond %.14g's exact integers
+    redis.call('HINCRBY', key, field, inc)
+    p = p + record
   end
 end
 redis.call('RPUSH', KEYS[2], ARGV[5])
@@ -595,13 +603,12 @@ class RedisCountsStore(CountsStore):
         calls = []
         for seq, enc in group:
             bounds = enc.shard_bounds.tolist()
-            fields = enc.field_list()
             for s in range(info.shards):
                 lo, hi = bounds[s], bounds[s + 1]
                 if lo == hi:
                     continue
                 sk = handle.shards[s]
-                unit_buckets, args = _unit_args(enc, fields, lo, hi, info.shards)
+                unit_buckets, args = _unit_args(enc, lo, hi, info.shards)
                 base = sk.base
                 keys = [sk.state, sk.changes, sk.dedup(client_id)]
                 keys.extend([base + str(b) for b in unit_buckets])
@@ -782,8 +789,7 @@ class RedisCountsStore(CountsStore):
             self._client.close()
 
 
-def _unit_args(enc: EncodedBatch, fields: list[bytes], lo: int, hi: int,
-               shards: int) -> tuple[list[int], list[Any]]:
+def _unit_args(enc: EncodedBatch, lo: int, hi: int, shards: int) -> tuple[list[int], list[Any]]:
     """Bucket ids (in order) and the APPLY arguments after ttl_ms for entries lo:hi of one shard."""
     buckets = enc.buckets[lo:hi]
     first = np.ones(hi - lo, dtype=bool)
@@ -792,10 +798,12 @@ def _unit_args(enc: EncodedBatch, fields: list[bytes], lo: int, hi: int,
     unique = buckets[starts]
     changed = pyroaring.BitMap((unique // shards).astype(np.uint32))
     sizes = np.diff(np.append(starts, hi - lo)).astype("<u4").tobytes()
-    pairs: list[Any] = [None] * (2 * (hi - lo))
-    pairs[0::2] = fields[lo:hi]
-    pairs[1::2] = enc.counts[lo:hi].tolist()
-    return unique.tolist(), [changed.serialize(), sizes, *pairs]
+    width = enc.field_matrix.shape[1]
+    records = np.zeros((hi - lo, width + 9), dtype=np.uint8)
+    records[:, 0] = enc.lengths[lo:hi]
+    records[:, 1:width + 1] = enc.field_matrix[lo:hi]  # zero past each field's length
+    records[:, width + 1:] = enc.counts[lo:hi].astype("<i8").view(np.uint8).reshape(-1, 8)
+    return unique.tolist(), [changed.serialize(), sizes, records.tobytes(), width]
 
 
 def _rows_from_read(reply: Sequence[Any], width: int) -> np.ndarray:
