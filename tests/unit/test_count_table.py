@@ -164,3 +164,29 @@ def test_clear_and_memory():
     t.clear()
     t.check_integrity()
     assert t.n_keys == 0 and t.n_entries == 0
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["add", "update", "merge", "clear"]),
+                          st.lists(st.integers(0, 6), min_size=1, max_size=12)), max_size=60))
+def test_integrity_after_every_change(ops):
+    """Random sequences of every mutation, with check_integrity() after each one."""
+    t, want = CountTable(), reference.new_table()
+    for op, tokens in ops:
+        if op == "add":
+            key, follower = tokens[: 1 + len(tokens) % 4], tokens[-1]
+            t.add(key, follower, len(tokens))
+            want[tuple(key)][follower] += len(tokens)
+        elif op == "update":
+            t.update(arr(tokens))
+            reference.update(want, tokens, len(tokens))
+        elif op == "merge":
+            other = CountTable()
+            other.update(arr(tokens), ngram_min=2, ngram_max=3)
+            t.merge(other)
+            reference.update(want, tokens, len(tokens), 2, 3)
+        else:
+            t.clear()
+            want = reference.new_table()
+        t.check_integrity()
+    assert as_table(t) == {k: dict(v) for k, v in want.items() if v}
