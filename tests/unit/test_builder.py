@@ -70,7 +70,6 @@ def test_weighted_rows_equal_token_counts(tmp_path):
     b.add_rows(rows[:half])
     b.add_rows(np.ascontiguousarray(rows[half:]))
     b.finish()
-    assert (tmp_path / "a.ngc").read_bytes().replace(b"", b"") != b""
     ca, cb = StaticCache.open(str(tmp_path / "a.ngc")), StaticCache.open(str(tmp_path / "b.ngc"))
     assert (ca.to_rows() == cb.to_rows()).all()
 

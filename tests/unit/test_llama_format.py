@@ -6,6 +6,8 @@ import struct
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import reference
 from client import CacheFormatError, CountTable, StaticCache, build_static_from_tokens
@@ -98,3 +100,27 @@ def test_mixed_ngram_sizes_are_refused_for_a_static_import(tmp_path):
     (tmp_path / "m.bin").write_bytes(rec)
     with pytest.raises(CacheFormatError, match="byte 28: an n-gram of 3 tokens; this import builds keys of 2"):
         import_llama(str(tmp_path / "m.bin"), StaticBuilder(str(tmp_path / "o.ngc"), 40))
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.binary(max_size=400), st.integers(0, 3))
+def test_random_bytes_never_crash_the_importers(tmp_path, data, prefix_records):
+    """Arbitrary bytes (after some good records) are imported or refused cleanly, all or nothing."""
+    good = (struct.pack("<4ii", 1, 2, -1, -1, 1) + struct.pack("<ii", 3, 1)) * prefix_records
+    path = tmp_path / "fuzz.bin"
+    path.write_bytes(good + data)
+    t = CountTable()
+    try:
+        load_llama_counts(str(path), 40, t)
+    except CacheFormatError as e:
+        assert "byte " in str(e)
+        assert t.n_keys == 0
+    else:
+        t.check_integrity()
+    b = StaticBuilder(str(tmp_path / "fuzz.ngc"), 40)
+    try:
+        import_llama(str(path), b)
+    except CacheFormatError:
+        return
+    b.finish()
+    StaticCache.open(str(tmp_path / "fuzz.ngc")).verify()
