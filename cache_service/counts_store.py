@@ -53,7 +53,6 @@ import numpy as np
 from client.errors import (
     BackendUnavailableError,
     InvalidArgumentError,
-    ResyncRequiredError,
     TokenizerMismatchError,
 )
 

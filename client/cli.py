@@ -15,7 +15,6 @@ import numpy as np
 
 from client import (
     CountTable,
-    Drafter,
     InvalidArgumentError,
     NgramCacheError,
     StaticCache,
@@ -68,11 +67,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         us = r["t_draft_ns"] / 1e3 / max(r["n_drafted"], 1)
         print(f"  {label:<26}{r['n_drafted']:>10,}{r['n_accept']:>10,}{pct:>10.1f}{us:>12.3f}")
 
-    drafter = Drafter(static=cache)
-    prompt = b"    def __init__(self"
-    tokens = np.frombuffer(prompt, dtype=np.uint8).astype(np.int32)
-    drafted = drafter.draft(0, tokens, 16)
-    print(f"draft after {prompt.decode()!r}: {bytes(drafted.astype(np.uint8).tolist()).decode(errors='replace')!r}")
+    print(f"the cache stays at {out}; try: ngramcache inspect {out}")
     return 0
 
 
