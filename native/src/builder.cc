@@ -10,17 +10,12 @@
 #include <thread>
 #include <vector>
 
+#include "ngc/file_util.h"
+
 namespace ngc {
 namespace {
 
 std::string str(uint64_t v) { return std::to_string(v); }
-
-std::string dir_of(const std::string& path) {
-  const size_t slash = path.rfind('/');
-  if (slash == std::string::npos) return ".";
-  if (slash == 0) return "/";
-  return path.substr(0, slash);
-}
 
 constexpr size_t kIoBuffer = 1 << 20;  // bytes buffered per run file, reading or writing
 
@@ -36,23 +31,10 @@ class ScratchFile {
   ~ScratchFile() {
     if (fd_ >= 0) ::close(fd_);
   }
-  Status open(const std::string& dir) {
-    std::string tmpl = dir + "/.ngramcache-run-XXXXXX";
-    fd_ = ::mkstemp(tmpl.data());
-    if (fd_ < 0) return Status::IoError("cannot create a scratch file in " + dir + ": " + std::strerror(errno));
-    ::unlink(tmpl.c_str());
-    return Status::Ok();
-  }
+  Status open(const std::string& dir) { return open_scratch_file(dir, &fd_); }
   Status write(const void* data, size_t n) {
-    const auto* p = static_cast<const uint8_t*>(data);
-    while (n > 0) {
-      const ssize_t w = ::write(fd_, p, n);
-      if (w < 0 && errno == EINTR) continue;
-      if (w < 0) return Status::IoError(std::string("cannot write a run to scratch space: ") + std::strerror(errno));
-      p += w;
-      n -= static_cast<size_t>(w);
-      bytes_ += static_cast<uint64_t>(w);
-    }
+    NGC_RETURN_IF_ERROR(write_all(fd_, data, n, "a sorted run to scratch space"));
+    bytes_ += n;
     return Status::Ok();
   }
   // Reads up to n bytes from `offset`; returns bytes read (0 at the end) or -1.

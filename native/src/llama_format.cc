@@ -7,8 +7,9 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
-#include <random>
 #include <vector>
+
+#include "ngc/file_util.h"
 
 namespace ngc {
 namespace {
@@ -105,10 +106,7 @@ Status read_llama_file(const std::string& path, uint32_t vocab_size, const Llama
 }
 
 Status write_llama_file(const StaticCache& cache, const std::string& path) {
-  std::random_device rd;
-  char suffix[32];
-  std::snprintf(suffix, sizeof suffix, ".tmp.%d.%08x", static_cast<int>(::getpid()), rd());
-  const std::string tmp = path + suffix;
+  const std::string tmp = temporary_name_for(path);
   std::FILE* f = std::fopen(tmp.c_str(), "wbx");
   if (!f) return Status::IoError("cannot create " + tmp + ": " + std::strerror(errno));
   std::vector<char> iobuf(1 << 20);
@@ -132,7 +130,11 @@ Status write_llama_file(const StaticCache& cache, const std::string& path) {
   if (s.ok() && ::fsync(fileno(f)) != 0) s = Status::IoError("cannot fsync " + tmp + ": " + std::strerror(errno));
   std::fclose(f);
   if (s.ok() && std::rename(tmp.c_str(), path.c_str()) != 0) s = Status::IoError("cannot rename " + tmp + " to " + path + ": " + std::strerror(errno));
-  if (!s.ok()) ::unlink(tmp.c_str());
+  if (!s.ok()) {
+    ::unlink(tmp.c_str());
+    return s;
+  }
+  sync_directory_of(path);
   return s;
 }
 

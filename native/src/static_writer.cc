@@ -7,9 +7,9 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
-#include <random>
 
 #include "ngc/checksum.h"
+#include "ngc/file_util.h"
 
 namespace ngc {
 namespace {
@@ -21,34 +21,10 @@ void put_le(uint8_t* p, T v) {
   std::memcpy(p, &v, sizeof(T));
 }
 
-Status write_all(int fd, const void* data, size_t n, const std::string& path) {
-  const auto* p = static_cast<const uint8_t*>(data);
-  while (n > 0) {
-    const ssize_t w = ::write(fd, p, n);
-    if (w < 0) {
-      if (errno == EINTR) continue;
-      return Status::IoError("cannot write " + path + ": " + std::strerror(errno));
-    }
-    p += w;
-    n -= static_cast<size_t>(w);
-  }
-  return Status::Ok();
-}
-
-std::string dir_of(const std::string& path) {
-  const size_t slash = path.rfind('/');
-  if (slash == std::string::npos) return ".";
-  if (slash == 0) return "/";
-  return path.substr(0, slash);
-}
-
 }  // namespace
 
 Status StaticWriter::Spill::open(const std::string& dir) {
-  std::string tmpl = dir + "/.ngramcache-section-XXXXXX";
-  fd = ::mkstemp(tmpl.data());
-  if (fd < 0) return Status::IoError("cannot create a scratch file in " + dir + ": " + std::strerror(errno));
-  ::unlink(tmpl.c_str());  // removed by the system when closed, even after a crash
+  NGC_RETURN_IF_ERROR(open_scratch_file(dir, &fd));
   buf.reserve(kFlushBytes + 8);
   return Status::Ok();
 }
@@ -197,10 +173,7 @@ Status StaticWriter::finish() {
   }
   put_le<uint64_t>(head + format::off::kHeaderChecksum, checksum64(head, table_end));
 
-  std::random_device rd;
-  char suffix[32];
-  std::snprintf(suffix, sizeof suffix, ".tmp.%d.%08x", static_cast<int>(::getpid()), rd());
-  tmp_path_ = path_ + suffix;
+  tmp_path_ = temporary_name_for(path_);
   const int fd = ::open(tmp_path_.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
   if (fd < 0) {
     const std::string msg = "cannot create " + tmp_path_ + ": " + std::strerror(errno);
@@ -240,12 +213,7 @@ Status StaticWriter::finish() {
     return Status::IoError("cannot rename " + tmp_path_ + " to " + path_ + ": " + std::strerror(errno));
   }
   tmp_path_.clear();
-  // Make the rename itself durable.
-  const int dfd = ::open(dir_of(path_).c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (dfd >= 0) {
-    ::fsync(dfd);
-    ::close(dfd);
-  }
+  sync_directory_of(path_);  // make the rename itself durable
   return Status::Ok();
 }
 
