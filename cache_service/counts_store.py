@@ -50,7 +50,7 @@ from typing import Any
 import mmh3
 import numpy as np
 
-from client.errors import (
+from ngramcache.client.errors import (
     BackendUnavailableError,
     InvalidArgumentError,
     TokenizerMismatchError,
@@ -770,10 +770,10 @@ def open_counts_store(url_or_config: str | CountsStoreConfig | None = None, **op
         config = CountsStoreConfig.from_url(url_or_config, **options)
     url = config.url or ""
     if url == "" or url.lower().startswith("embedded://"):
-        from cache_service.embedded_store import EmbeddedCountsStore
+        from ngramcache.cache_service.embedded_store import EmbeddedCountsStore
 
         return EmbeddedCountsStore(config)
-    from cache_service.redis_store import RedisCountsStore
+    from ngramcache.cache_service.redis_store import RedisCountsStore
 
     return RedisCountsStore(config)
 

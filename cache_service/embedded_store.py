@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import pyroaring
 
-from cache_service.counts_store import (
+from ngramcache.cache_service.counts_store import (
     ApplyResult,
     BatchTooOldError,
     ChangeSet,
@@ -51,7 +51,7 @@ from cache_service.counts_store import (
     validate_seq,
     validate_vocab_size,
 )
-from client.errors import CacheFormatError, InvalidArgumentError, ResyncRequiredError
+from ngramcache.client.errors import CacheFormatError, InvalidArgumentError, ResyncRequiredError
 
 __all__ = ["EmbeddedCountsStore", "SnapshotFormatError"]
 

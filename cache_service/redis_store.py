@@ -40,8 +40,8 @@ from redis.backoff import ExponentialBackoff
 from redis.cluster import ClusterNode, RedisCluster
 from redis.retry import Retry
 
-from cache_service import redis_schema as schema
-from cache_service.counts_store import (
+from ngramcache.cache_service import redis_schema as schema
+from ngramcache.cache_service.counts_store import (
     MAX_N,
     ApplyResult,
     BatchTooOldError,
@@ -66,7 +66,7 @@ from cache_service.counts_store import (
     validate_seq,
     validate_vocab_size,
 )
-from client.errors import BackendUnavailableError, InvalidArgumentError, NgramCacheError, ResyncRequiredError
+from ngramcache.client.errors import BackendUnavailableError, InvalidArgumentError, NgramCacheError, ResyncRequiredError
 
 __all__ = ["RedisCountsStore"]
 

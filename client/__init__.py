@@ -1,7 +1,11 @@
-"""ngramcache client library: the compiled drafting core and static caches for inference workers."""
+"""ngramcache.client: the compiled drafting core, static caches and tools for inference workers."""
 
-from client._core import CountTable, Drafter, StaticCache, build_static_from_tokens
-from client.errors import (
+from importlib import metadata as _metadata
+
+from ngramcache.client._core import CountTable, Drafter, StaticBuilder, StaticCache, build_static_from_tokens
+from ngramcache.client._core import MAX_DRAFT, MAX_VOCAB, NGRAM_MAX, checksum64, ngram_hash
+from ngramcache.client._core import export_llama, import_llama, load_llama_counts, replay
+from ngramcache.client.errors import (
     BackendUnavailableError,
     CacheFormatError,
     InvalidArgumentError,
@@ -9,8 +13,17 @@ from client.errors import (
     ResyncRequiredError,
     TokenizerMismatchError,
 )
+from ngramcache.client.tokenizer import Tokenizer, load_tokenizer
+
+try:
+    __version__ = _metadata.version("ngramcache")
+except _metadata.PackageNotFoundError:  # running from a source tree that was never installed
+    __version__ = "0+unknown"
 
 __all__ = [
+    "MAX_DRAFT",
+    "MAX_VOCAB",
+    "NGRAM_MAX",
     "BackendUnavailableError",
     "CacheFormatError",
     "CountTable",
@@ -18,7 +31,16 @@ __all__ = [
     "InvalidArgumentError",
     "NgramCacheError",
     "ResyncRequiredError",
+    "StaticBuilder",
     "StaticCache",
+    "Tokenizer",
     "TokenizerMismatchError",
     "build_static_from_tokens",
+    "checksum64",
+    "export_llama",
+    "import_llama",
+    "load_llama_counts",
+    "load_tokenizer",
+    "ngram_hash",
+    "replay",
 ]

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from client import (
+from ngramcache.client import (
     CountTable,
     InvalidArgumentError,
     NgramCacheError,
@@ -21,9 +21,9 @@ from client import (
     TokenizerMismatchError,
     build_static_from_tokens,
 )
-from client import corpus
-from client._core import StaticBuilder, export_llama, import_llama, load_llama_counts, replay
-from client.progress import Progress
+from ngramcache.client import corpus
+from ngramcache import StaticBuilder, export_llama, import_llama, load_llama_counts, replay
+from ngramcache.client.progress import Progress
 
 ZERO_FINGERPRINT = bytes(32)
 
@@ -78,7 +78,7 @@ def _peak_rss_mb() -> float:
 def _load_tokenizer(spec: str | None):
     if spec is None:
         return None
-    from client.tokenizer import load_tokenizer
+    from ngramcache.client.tokenizer import load_tokenizer
 
     return load_tokenizer(spec)
 

@@ -15,10 +15,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from client.errors import InvalidArgumentError
+from ngramcache.client.errors import InvalidArgumentError
 
 if TYPE_CHECKING:
-    from client.tokenizer import Tokenizer
+    from ngramcache.client.tokenizer import Tokenizer
 
 TOKEN_SUFFIXES = (".bin", ".tokens")  # raw little-endian int32
 NPY_SUFFIX = ".npy"                   # numpy int32, 1-D; optional sibling <stem>.offsets.npy

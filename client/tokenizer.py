@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from client.errors import InvalidArgumentError
+from ngramcache.client.errors import InvalidArgumentError
 
 __all__ = ["Tokenizer", "load_tokenizer", "tiktoken_encoding_names"]
 

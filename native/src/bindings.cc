@@ -1,4 +1,4 @@
-// client._core: nanobind glue between Python and the ngc core. No logic lives here beyond
+// ngramcache.client._core: nanobind glue between Python and the ngc core. No logic lives here beyond
 // argument checks, locking and conversions; raise_status() is the one place a Status
 // becomes a Python exception.
 #include <nanobind/nanobind.h>
@@ -42,7 +42,7 @@ using ngc::Token;
     case StatusCode::kIoError: PyErr_SetString(PyExc_OSError, s.message().c_str()); throw nb::python_error();
     default: cls = "InvalidArgumentError"; break;
   }
-  nb::object type = nb::module_::import_("client.errors").attr(cls);
+  nb::object type = nb::module_::import_("ngramcache.client.errors").attr(cls);
   PyErr_SetString(type.ptr(), s.message().c_str());
   throw nb::python_error();
 }
@@ -270,6 +270,7 @@ NB_MODULE(_core, m) {
   m.attr("FORMAT_VERSION") = ngc::format::kVersion;
   m.attr("MAX_DRAFT") = ngc::kMaxDraft;
   m.attr("NGRAM_MAX") = ngc::kNgramMax;
+  m.attr("MAX_VOCAB") = ngc::format::kMaxVocab;
 
   nb::class_<PyStaticCache>(m, "StaticCache",
                             "A read-only, memory-mapped static cache file. Opening costs O(1) in its size.\n"
@@ -867,7 +868,7 @@ NB_MODULE(_core, m) {
       [](nb::bytes data, uint64_t seed) { return ngc::checksum64(data.c_str(), data.size(), seed); },
       "data"_a, "seed"_a = 0, "The 64-bit checksum used by static cache headers and sections.");
   m.def(
-      "_ngram_hash", [](const std::vector<int64_t>& ngram) { return as_ngram(ngram, kAnyToken).hash(); }, "ngram"_a,
+      "ngram_hash", [](const std::vector<int64_t>& ngram) { return as_ngram(ngram, kAnyToken).hash(); }, "ngram"_a,
       "The hash count tables use for `ngram` (for tests that need colliding keys).");
 
   m.def(

@@ -28,8 +28,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 from redis_servers import RedisServer  # noqa: E402
 
-from cache_service.counts_store import encode_batch, open_counts_store  # noqa: E402
-from cache_service.redis_store import RedisCountsStore  # noqa: E402
+from ngramcache.cache_service.counts_store import encode_batch, open_counts_store  # noqa: E402
+from ngramcache.cache_service.redis_store import RedisCountsStore  # noqa: E402
 
 VOCAB = 128_256  # Llama 3: 3-byte tokens
 FP = bytes(range(32))

@@ -30,7 +30,7 @@ SIZES = ["25mb", "100mb", "300mb"]
 
 
 def cli(*args: str) -> dict:
-    r = subprocess.run([sys.executable, "-m", "client.cli", *args], capture_output=True, text=True)
+    r = subprocess.run([sys.executable, "-m", "ngramcache.client.cli", *args], capture_output=True, text=True)
     if r.returncode != 0:
         raise SystemExit(f"ngramcache {' '.join(args)} failed:\n{r.stderr}")
     return json.loads(r.stdout)
@@ -41,7 +41,7 @@ def median(xs):
 
 
 def open_ms(path: Path, n: int = 200) -> float:
-    from client import StaticCache
+    from ngramcache.client import StaticCache
 
     StaticCache.open(str(path))  # warm the page cache for the header
     times = []
@@ -56,7 +56,7 @@ def heap_load(path: Path, vocab: int) -> dict:
     """llama.cpp-style baseline: parse a llama.cpp cache file into a heap table, in a fresh process."""
     code = (
         "import json,resource,sys,time\n"
-        "from client import CountTable\nfrom client._core import load_llama_counts\n"
+        "from ngramcache.client import CountTable\nfrom ngramcache import load_llama_counts\n"
         "t=CountTable();t0=time.perf_counter();load_llama_counts(sys.argv[1],int(sys.argv[2]),t)\n"
         "print(json.dumps({'seconds':time.perf_counter()-t0,'peak_rss_mb':resource.getrusage(resource.RUSAGE_SELF).ru_maxrss/1024,"
         "'table_mb':t.memory_bytes()/1e6}))"
@@ -67,8 +67,8 @@ def heap_load(path: Path, vocab: int) -> dict:
 
 WORKER = """
 import sys, numpy as np
-from client import CountTable, StaticCache
-from client._core import replay
+from ngramcache import CountTable, StaticCache
+from ngramcache import replay
 c = StaticCache.open(sys.argv[1])
 c.verify()  # reads every page of the file
 tokens = np.load(sys.argv[2])
@@ -158,7 +158,7 @@ def main() -> int:
                      "--json", "--quiet") for _ in range(args.reps)]
         same = (work / f"{size}.256.ngc").read_bytes() == out.read_bytes()
         (work / f"{size}.256.ngc").unlink()
-        cli_export = subprocess.run([sys.executable, "-m", "client.cli", "export-llama", str(out), "-o",
+        cli_export = subprocess.run([sys.executable, "-m", "ngramcache.client.cli", "export-llama", str(out), "-o",
                                      str(work / f"{size}.lcs"), "--quiet"], check=True)
         del cli_export
         llama_bytes = (work / f"{size}.lcs").stat().st_size

@@ -107,7 +107,7 @@ def lookup_stats(bin_dir: Path, model: Path, text: Path, n_ctx: int, n_draft: in
 
 
 def cli(*args: str) -> dict:
-    r = sh([sys.executable, "-m", "client.cli", *args])
+    r = sh([sys.executable, "-m", "ngramcache.client.cli", *args])
     return json.loads(r.stdout) if r.stdout.strip().startswith("{") else {}
 
 
@@ -154,7 +154,7 @@ def main() -> int:
     ident = ["--vocab-size", str(vocab), "--fingerprint", "00" * 32]
     cli("build", str(work / "corpus.bin"), "-o", str(work / "ours.ngc"), *ident, "--quiet")
     cli("import-llama", str(work / "llama.lcs"), "-o", str(work / "theirs.ngc"), *ident, "--quiet")
-    from client import StaticCache
+    from ngramcache.client import StaticCache
 
     ours, theirs = StaticCache.open(str(work / "ours.ngc")), StaticCache.open(str(work / "theirs.ngc"))
     counts_equal = bool(ours.n_keys == theirs.n_keys and (ours.to_rows() == theirs.to_rows()).all())

@@ -323,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
         print_summary(manifest)
         return 0
 
-    from client.tokenizer import load_tokenizer
+    from ngramcache.client.tokenizer import load_tokenizer
 
     data_dir.mkdir(parents=True, exist_ok=True)
     deb = download_deb(data_dir)

@@ -10,7 +10,7 @@ import pytest
 
 from redis_servers import RedisClusterProcesses, RedisServer  # tests/ is on sys.path (tests/conftest.py)
 
-from cache_service.counts_store import CountsStore, open_counts_store
+from ngramcache.cache_service.counts_store import CountsStore, open_counts_store
 
 BACKENDS = ("embedded", "standalone", "cluster")
 

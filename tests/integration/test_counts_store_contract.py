@@ -9,12 +9,12 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 
-from cache_service.counts_store import (
+from ngramcache.cache_service.counts_store import (
     BatchTooOldError,
     CountsStore,
     NamespaceNotFoundError,
 )
-from client.errors import InvalidArgumentError, ResyncRequiredError, TokenizerMismatchError
+from ngramcache.client.errors import InvalidArgumentError, ResyncRequiredError, TokenizerMismatchError
 
 pytestmark = pytest.mark.integration
 

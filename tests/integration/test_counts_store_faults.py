@@ -15,8 +15,8 @@ import pytest
 from redis_servers import RedisClusterProcesses, RedisServer
 from test_counts_store_contract import FP, VOCAB, as_counter, batch, exported, random_batch, row
 
-from cache_service.counts_store import CountsStore, CountsStoreConfig, StoreAuthenticationError, open_counts_store
-from client.errors import BackendUnavailableError, TokenizerMismatchError
+from ngramcache.cache_service.counts_store import CountsStore, CountsStoreConfig, StoreAuthenticationError, open_counts_store
+from ngramcache.client.errors import BackendUnavailableError, TokenizerMismatchError
 
 pytestmark = pytest.mark.integration
 

@@ -8,8 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import reference
-from client import InvalidArgumentError, StaticCache
-from client._core import StaticBuilder
+from ngramcache import InvalidArgumentError, StaticCache
+from ngramcache import StaticBuilder
 
 MiB = 1 << 20
 

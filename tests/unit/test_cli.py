@@ -13,14 +13,14 @@ import numpy as np
 import pytest
 
 import reference
-from client import StaticCache
-from client.tokenizer import load_tokenizer
+from ngramcache import StaticCache
+from ngramcache.client.tokenizer import load_tokenizer
 
 TOKENIZER = "tiktoken:qwen"
 
 
 def run(*args: str, ok: bool = True) -> subprocess.CompletedProcess:
-    result = subprocess.run([sys.executable, "-m", "client.cli", *args], capture_output=True, text=True)
+    result = subprocess.run([sys.executable, "-m", "ngramcache.client.cli", *args], capture_output=True, text=True)
     if ok:
         assert result.returncode == 0, result.stderr
     return result

@@ -8,8 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import reference
-from client import CountTable, InvalidArgumentError
-from client._core import _ngram_hash
+from ngramcache import CountTable, InvalidArgumentError
+from ngramcache import ngram_hash
 
 
 def arr(x) -> np.ndarray:
@@ -77,7 +77,7 @@ def test_heavy_collisions():
     colliding = []
     while len(colliding) < 400:
         key = rng.integers(0, 1 << 20, 3).tolist()
-        if _ngram_hash(key) & 0xFFF == 0x5A5:
+        if ngram_hash(key) & 0xFFF == 0x5A5:
             colliding.append(key)
     t = CountTable()
     for i, key in enumerate(colliding):

@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cache_service import redis_schema
-from cache_service.counts_store import (
+from ngramcache.cache_service import redis_schema
+from ngramcache.cache_service.counts_store import (
     HASH_SEED,
     CountsStoreConfig,
     NamespaceInfo,
@@ -22,8 +22,8 @@ from cache_service.counts_store import (
     token_width,
     validate_deltas,
 )
-from cache_service.redis_store import _parse_url
-from client.errors import InvalidArgumentError
+from ngramcache.cache_service.redis_store import _parse_url
+from ngramcache.client.errors import InvalidArgumentError
 
 INFO = NamespaceInfo("ns", "ab" * 32, 70_000, 1024, 4, "0123abcd")
 GOLDEN = [54, 39, 149, 672, 391]  # buckets of the n-grams in test_bucket_hash_is_pinned

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import reference
-from client import CountTable, Drafter, InvalidArgumentError, StaticCache, build_static_from_tokens
+from ngramcache import CountTable, Drafter, InvalidArgumentError, StaticCache, build_static_from_tokens
 
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -110,7 +110,7 @@ def test_real_streams_match_reference(with_static, with_dynamic):
 @pytest.mark.parametrize("with_static", [False, True])
 def test_real_tokenizer_streams_match_reference(with_static):
     """The same text tokenized with Qwen's tokenizer (vocabulary 151,851), as a worker sees it."""
-    from client.tokenizer import load_tokenizer
+    from ngramcache.client.tokenizer import load_tokenizer
 
     tok = load_tokenizer("tiktoken:qwen")
     texts = [bytes(s).decode() for s in real_streams()]

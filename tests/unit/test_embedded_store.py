@@ -9,9 +9,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cache_service.counts_store import open_counts_store
-from cache_service.embedded_store import EmbeddedCountsStore, SnapshotFormatError
-from client.errors import CacheFormatError, ResyncRequiredError
+from ngramcache.cache_service.counts_store import open_counts_store
+from ngramcache.cache_service.embedded_store import EmbeddedCountsStore, SnapshotFormatError
+from ngramcache.client.errors import CacheFormatError, ResyncRequiredError
 
 FP = bytes(range(32))
 

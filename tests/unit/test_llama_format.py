@@ -10,8 +10,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import reference
-from client import CacheFormatError, CountTable, StaticCache, build_static_from_tokens
-from client._core import StaticBuilder, export_llama, import_llama, load_llama_counts
+from ngramcache import CacheFormatError, CountTable, StaticCache, build_static_from_tokens
+from ngramcache import StaticBuilder, export_llama, import_llama, load_llama_counts
 
 
 def records(path) -> dict:

@@ -8,8 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import reference
-from client import CountTable, InvalidArgumentError, StaticCache, build_static_from_tokens
-from client._core import replay
+from ngramcache import CountTable, InvalidArgumentError, StaticCache, build_static_from_tokens
+from ngramcache import replay
 
 
 def split_calls(flat: np.ndarray) -> list[list[int]]:

@@ -20,9 +20,9 @@ ROOT = Path(__file__).resolve().parents[2]
 PLUGIN = '''
 import glob, importlib.util, sys
 path = glob.glob("{build}/_core*.so")[0]
-spec = importlib.util.spec_from_file_location("client._core", path)
+spec = importlib.util.spec_from_file_location("ngramcache.client._core", path)
 module = importlib.util.module_from_spec(spec)
-sys.modules["client._core"] = module
+sys.modules["ngramcache.client._core"] = module
 spec.loader.exec_module(module)
 '''
 

@@ -11,8 +11,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import reference
-from client import CacheFormatError, Drafter, InvalidArgumentError, StaticCache, build_static_from_tokens
-from client._core import checksum64
+from ngramcache import CacheFormatError, Drafter, InvalidArgumentError, StaticCache, build_static_from_tokens
+from ngramcache import checksum64
 
 HEADER = 128
 ENTRY = 32
