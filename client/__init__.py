@@ -3,7 +3,7 @@
 from importlib import metadata as _metadata
 
 from ngramcache.client._core import CountTable, Drafter, StaticBuilder, StaticCache, build_static_from_tokens
-from ngramcache.client._core import MAX_DRAFT, MAX_VOCAB, NGRAM_MAX, checksum64, ngram_hash
+from ngramcache.client._core import MAX_DRAFT, MAX_VOCAB, NGRAM_MAX, UNTAGGED, checksum64, ngram_hash
 from ngramcache.client._core import export_llama, import_llama, load_llama_counts, replay
 from ngramcache.client.errors import (
     BackendUnavailableError,
@@ -35,6 +35,7 @@ __all__ = [
     "StaticCache",
     "Tokenizer",
     "TokenizerMismatchError",
+    "UNTAGGED",
     "build_static_from_tokens",
     "checksum64",
     "export_llama",

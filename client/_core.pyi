@@ -4,6 +4,7 @@ The compiled ngramcache core: count tables, static caches and the drafter.
 """
 
 from collections.abc import Sequence
+import os
 from typing import Any
 
 import numpy
@@ -18,6 +19,12 @@ NGRAM_MAX: int = 4
 
 MAX_VOCAB: int = 16777216
 
+ROW_WIDTH: int = 7
+
+FINGERPRINT_SIZE: int = 32
+
+UNTAGGED: bytes = ...
+
 class StaticCache:
     """
     A read-only, memory-mapped static cache file. Opening costs O(1) in its size.
@@ -25,7 +32,7 @@ class StaticCache:
     """
 
     @staticmethod
-    def open(path: str) -> StaticCache:
+    def open(path: str | os.PathLike[str]) -> StaticCache:
         """
         Maps and validates the header of the static cache at `path`.
 
@@ -110,8 +117,9 @@ class StaticCache:
 
 class CountTable:
     """
-    n-gram (1..4 tokens) -> follower counts, for context and dynamic tables.
-    Thread-safe: writers take an exclusive lock, drafters a shared one.
+    n-gram (1..4 tokens) -> follower counts, for context and dynamic tables; tokens are
+    below MAX_VOCAB. Thread-safe: drafts read it from any thread while writers change it
+    (change sets are applied in short chunks, so a draft waits microseconds at most).
     """
 
     def __init__(self) -> None: ...
@@ -127,12 +135,20 @@ class CountTable:
 
     def add_rows(self, rows: NDArray[numpy.int32]) -> None:
         """
-        Adds rows (n, t0, t1, t2, t3, follower, count); all are checked before any is added.
+        Adds int32 count rows (n, t0, t1, t2, t3, follower, count); all are checked before any is added.
+        """
+
+    def assign_rows(self, rows: NDArray[numpy.int64]) -> None:
+        """
+        Sets absolute counts from int64 rows (n, t0, t1, t2, t3, follower, count), as a counts store
+        returns them: each (n-gram, follower) is inserted or overwritten (an upsert); counts above
+        2^32-1 saturate. All rows are checked before any is applied; drafts running meanwhile see
+        a valid table with part of the rows applied.
         """
 
     def to_rows(self) -> NDArray[numpy.int32]:
         """
-        Every count as rows (n, t0, t1, t2, t3, follower, count), int32, shape (m, 7).
+        Every count as int32 rows (n, t0, t1, t2, t3, follower, count), shape (m, 7).
         """
 
     def lookup(self, ngram: Sequence[int]) -> tuple[NDArray[numpy.int32], NDArray[numpy.int64]]:
@@ -166,19 +182,28 @@ class CountTable:
 class Drafter:
     """
     llama.cpp-compatible n-gram drafter over per-sequence context tables, an optional
-    dynamic CountTable and an optional StaticCache. Drafting never touches the network.
-    Thread-safe: calls on one drafter are serialized by its lock; draft() and accept()
-    release the GIL.
+    dynamic CountTable and an optional StaticCache, bound to one tokenizer. Drafting never
+    touches the network.
+    Thread-safe: drafts and accepts for different sequences run in parallel from several
+    threads (the GIL is released); calls for one sequence are serialized.
     """
 
-    def __init__(self, static: StaticCache | None = None, dynamic: CountTable | None = None, vocab_size: int | None = None, ngram_min: int = 1, ngram_max: int = 4, track_deltas: bool = False) -> None:
+    def __init__(self, static: StaticCache | None = None, dynamic: CountTable | None = None, *, fingerprint: bytes | None = None, vocab_size: int | None = None, ngram_min: int = 1, ngram_max: int = 4, track_deltas: bool = False, max_sequences: int = 0, idle_ttl: float = 0.0, max_memory: int = 0) -> None:
         """
         Args:
             static: a StaticCache, or None.
             dynamic: a CountTable (the dynamic table), or None.
+            fingerprint: the tokenizer's fingerprint (32 bytes; UNTAGGED for raw tokens); taken from
+                `static` when omitted, and checked against it when given.
             vocab_size: token ids must be below it; taken from `static` when omitted.
             ngram_min, ngram_max: the context/dynamic n-gram sizes tried (llama.cpp: 1 and 4).
             track_deltas: keep the counts accepted since the last drain_deltas().
+            max_sequences: most sequences kept (0: unlimited); beyond, the least recently used is evicted.
+            idle_ttl: seconds after which an unused sequence is evicted by evict_idle() (0: never).
+            max_memory: most bytes of context tables (0: unlimited); beyond, least recently used go.
+
+        Raises:
+            TokenizerMismatchError: `fingerprint` or `vocab_size` differs from the static cache's.
         """
 
     def draft(self, seq: int, tokens: NDArray[numpy.int32], n_draft: int = 8) -> NDArray[numpy.int32]:
@@ -194,28 +219,64 @@ class Drafter:
         """
 
     def reset(self, seq: int) -> bool:
-        """Forgets sequence `seq`; returns whether it was known."""
+        """
+        Forgets sequence `seq` and frees its context table; returns whether it was known.
+        """
+
+    def evict_idle(self) -> int:
+        """
+        Evicts the sequences unused for longer than idle_ttl; returns how many (call it periodically).
+        """
 
     def set_static(self, static: StaticCache | None) -> None:
-        """Swaps in another static cache (a new generation) between two drafts."""
+        """
+        Swaps in another static cache (a newer generation) between two drafts; drafts in flight
+        finish on the old one.
+
+        Raises:
+            TokenizerMismatchError: it was built for another tokenizer or vocabulary.
+            InvalidArgumentError: its generation is older than the attached one's.
+        """
+
+    def set_dynamic(self, dynamic: CountTable | None) -> None:
+        """Attaches another dynamic table (or None)."""
 
     @property
     def static(self) -> StaticCache | None: ...
 
     @property
+    def dynamic(self) -> CountTable | None: ...
+
+    @property
     def vocab_size(self) -> int: ...
+
+    @property
+    def fingerprint(self) -> bytes:
+        """
+        The tokenizer fingerprint this drafter is bound to (UNTAGGED for raw tokens).
+        """
 
     @property
     def n_sequences(self) -> int: ...
 
+    @property
+    def n_evicted(self) -> int:
+        """Sequences evicted by max_sequences, idle_ttl or max_memory so far."""
+
+    def memory_bytes(self) -> int:
+        """
+        Heap bytes of this drafter's context tables (the static cache is mapped and shared; the
+        dynamic table is counted by its owner).
+        """
+
     def context_rows(self, seq: int) -> NDArray[numpy.int32]:
         """
-        The context table of `seq` as rows (n, t0, t1, t2, t3, follower, count).
+        The context table of `seq` as count rows (n, t0, t1, t2, t3, follower, count).
         """
 
     def drain_deltas(self) -> NDArray[numpy.int32]:
         """
-        The counts accepted since the last call, as rows (n, t0, t1, t2, t3, follower, count).
+        The counts accepted since the last call, as count rows (n, t0, t1, t2, t3, follower, count).
         """
 
 class StaticBuilder:
@@ -225,14 +286,14 @@ class StaticBuilder:
     Not thread-safe: use one builder from one thread; it sorts on `threads` threads.
     """
 
-    def __init__(self, path: str, vocab_size: int, ngram_size: int = 2, fingerprint: bytes = bytes(32), generation: int = 0, memory_budget: int = 1 << 30, scratch_dir: str = '', threads: int = 0, max_fan_in: int = 64) -> None:
+    def __init__(self, path: str | os.PathLike[str], vocab_size: int, ngram_size: int = 2, *, fingerprint: bytes, generation: int = 0, memory_budget: int = 1 << 30, scratch_dir: str | os.PathLike[str] = '', threads: int = 0, max_fan_in: int = 64) -> None:
         """
         Args:
             path: the static cache to write (atomically, at finish()).
             vocab_size: every token must be below it (1..2^24).
             ngram_size: tokens per key (1..4).
-            fingerprint: the tokenizer fingerprint, 32 bytes.
-            generation: the generation number.
+            fingerprint: the tokenizer's fingerprint (32 bytes), or UNTAGGED for raw tokens.
+            generation: the generation number (>= 0).
             memory_budget: bytes of buffers at most (>= 16 MiB); beyond it, sorted runs go to disk.
             scratch_dir: where runs go (default: beside `path`).
             threads: sorting threads (0: all cores).
@@ -254,7 +315,8 @@ class StaticBuilder:
 
     def add_static(self, cache: StaticCache) -> None:
         """
-        Adds every count of static cache `cache` (same n-gram size) to the build.
+        Adds every count of static cache `cache` (same n-gram size) to the build, and its
+        n_tokens to the header's.
         """
 
     def finish(self) -> dict[str, int]:
@@ -266,19 +328,19 @@ class StaticBuilder:
     def stats(self) -> dict[str, int]:
         """Counters so far: tokens, streams, pairs, runs."""
 
-def import_llama(path: str, builder: StaticBuilder) -> None:
+def import_llama(path: str | os.PathLike, builder: StaticBuilder) -> None:
     """
     Adds every entry of llama.cpp cache file `path` to `builder` (whose ngram_size every key must
     have). Raises CacheFormatError naming the byte offset of a malformed record.
     """
 
-def load_llama_counts(path: str, vocab_size: int, table: CountTable) -> None:
+def load_llama_counts(path: str | os.PathLike, vocab_size: int, table: CountTable) -> None:
     """
     Adds every entry of llama.cpp cache file `path` (any n-gram sizes, e.g. a dynamic cache) to
     `table`; nothing is added when the file is malformed.
     """
 
-def export_llama(cache: StaticCache, path: str) -> None:
+def export_llama(cache: StaticCache, path: str | os.PathLike) -> None:
     """
     Writes `cache` in llama.cpp's format (loadable with llama-lookup's -lcs), atomically.
     """
@@ -298,8 +360,9 @@ def ngram_hash(ngram: Sequence[int]) -> int:
     The hash count tables use for `ngram` (for tests that need colliding keys).
     """
 
-def build_static_from_tokens(streams: list[NDArray[numpy.int32]], path: str, vocab_size: int, ngram_size: int = 2, fingerprint: bytes = bytes(32), generation: int = 0) -> None:
+def build_static_from_tokens(streams: list[NDArray[numpy.int32]], path: str | os.PathLike[str], vocab_size: int, ngram_size: int = 2, *, fingerprint: bytes, generation: int = 0) -> None:
     """
     Counts the (ngram_size-gram, follower) pairs of each int32 token stream (n-grams never span
     two streams) and writes a static cache to `path` atomically (temporary file, fsync, rename).
+    `fingerprint` is the tokenizer's (32 bytes), or UNTAGGED for raw tokens.
     """

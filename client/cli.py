@@ -18,6 +18,7 @@ from ngramcache.client import (
     InvalidArgumentError,
     NgramCacheError,
     StaticCache,
+    UNTAGGED,
     TokenizerMismatchError,
     build_static_from_tokens,
 )
@@ -48,7 +49,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     print(f"corpus: {len(corpus)} files of CPython's standard library ({lib}), byte tokens (vocabulary 256)")
     t0 = time.perf_counter()
     streams = [_byte_tokens(p) for p in corpus]
-    build_static_from_tokens(streams, str(out), vocab_size=256, ngram_size=2)
+    build_static_from_tokens(streams, str(out), vocab_size=256, ngram_size=2, fingerprint=UNTAGGED)
     t_build = time.perf_counter() - t0
     t0 = time.perf_counter()
     cache = StaticCache.open(str(out))

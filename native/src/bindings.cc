@@ -3,10 +3,13 @@
 // becomes a Python exception.
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
+#include <nanobind/stl/filesystem.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
+
+#include <unistd.h>
 
 #include <algorithm>
 #include <cstring>
@@ -22,7 +25,9 @@
 #include "ngc/drafter.h"
 #include "ngc/llama_format.h"
 #include "ngc/replay.h"
+#include "ngc/rows.h"
 #include "ngc/sequences.h"
+#include "ngc/shared_table.h"
 #include "ngc/static_cache.h"
 #include "ngc/static_writer.h"
 
@@ -34,11 +39,14 @@ namespace {
 using ngc::Status;
 using ngc::StatusCode;
 using ngc::Token;
+namespace rows = ngc::rows;
+using Path = std::filesystem::path;
 
 [[noreturn]] void raise_status(const Status& s) {
   const char* cls = nullptr;
   switch (s.code()) {
     case StatusCode::kFormatError: cls = "CacheFormatError"; break;
+    case StatusCode::kTokenizerMismatch: cls = "TokenizerMismatchError"; break;
     case StatusCode::kIoError: PyErr_SetString(PyExc_OSError, s.message().c_str()); throw nb::python_error();
     default: cls = "InvalidArgumentError"; break;
   }
@@ -127,7 +135,8 @@ void check_tokens(const Token* p, size_t n, uint32_t vocab, const char* what) {
   }
 }
 
-constexpr uint32_t kAnyToken = static_cast<uint32_t>(INT32_MAX);
+// Count tables carry no vocabulary of their own: their tokens are bounded by the one limit.
+constexpr uint32_t kAnyToken = ngc::kMaxVocab;
 
 struct PyStaticBuilder {
   std::unique_ptr<ngc::Builder> builder;
@@ -153,61 +162,74 @@ nb::dict build_stats(const ngc::BuildStats& st) {
   return d;
 }
 
-ngc::StaticHeader make_header(int64_t vocab_size, int ngram_size, nb::bytes fingerprint, uint64_t generation) {
-  if (vocab_size < 1 || vocab_size > ngc::format::kMaxVocab) {
-    invalid("vocab_size must be in 1..2^24, got " + std::to_string(vocab_size));
+void check_vocab_size(int64_t vocab_size) {
+  if (vocab_size < 1 || vocab_size > ngc::kMaxVocab) {
+    invalid("vocab_size must be in 1.." + std::to_string(ngc::kMaxVocab) + " (2^24), got " + std::to_string(vocab_size));
   }
+}
+
+void check_fingerprint(const nb::bytes& fingerprint) {
+  if (fingerprint.size() != ngc::kFingerprintSize) {
+    invalid("fingerprint must be " + std::to_string(ngc::kFingerprintSize) + " bytes (a tokenizer's .fingerprint, or UNTAGGED), got " +
+            std::to_string(fingerprint.size()));
+  }
+}
+
+ngc::StaticHeader make_header(int64_t vocab_size, int ngram_size, nb::bytes fingerprint, int64_t generation) {
+  check_vocab_size(vocab_size);
+  if (generation < 0) invalid("generation must be >= 0, got " + std::to_string(generation));
   if (ngram_size < 1 || ngram_size > ngc::kNgramMax) invalid("ngram_size must be in 1..4, got " + std::to_string(ngram_size));
-  if (fingerprint.size() != ngc::format::kFingerprintSize) {
-    invalid("fingerprint must be 32 bytes, got " + std::to_string(fingerprint.size()));
-  }
+  check_fingerprint(fingerprint);
   ngc::StaticHeader h;
   h.ngram_size = static_cast<uint32_t>(ngram_size);
   h.vocab_size = static_cast<uint32_t>(vocab_size);
   std::memcpy(h.fingerprint, fingerprint.c_str(), ngc::format::kFingerprintSize);
-  h.generation = generation;
+  h.generation = static_cast<uint64_t>(generation);
   return h;
 }
 
-// Rows (n, t0, t1, t2, t3, follower, count) as a checked view.
+// Count rows (rows.h) as a checked, borrowed view.
+template <typename T>
 struct RowsView {
-  nb::ndarray<nb::ro, nb::device::cpu> array;
-  const int32_t* data = nullptr;
+  nb::ndarray<nb::ro, nb::device::cpu> array;  // holds a reference to the buffer
+  const T* data = nullptr;
   size_t n = 0;
 };
 
-RowsView as_rows(nb::handle h) {
-  RowsView v;
-  if (!nb::try_cast(h, v.array, false) || v.array.dtype() != nb::dtype<int32_t>() || v.array.ndim() != 2 ||
-      v.array.shape(1) != 7 || (v.array.shape(0) > 0 && (v.array.stride(1) != 1 || v.array.stride(0) != 7))) {
-    invalid("rows must be a C-contiguous int32 numpy array of shape (m, 7)");
+template <typename T>
+RowsView<T> as_rows(nb::handle h) {
+  RowsView<T> v;
+  const char* type = sizeof(T) == 4 ? "int32" : "int64";
+  if (!nb::try_cast(h, v.array, false) || v.array.dtype() != nb::dtype<T>() || v.array.ndim() != 2 ||
+      v.array.shape(1) != rows::kWidth ||
+      (v.array.shape(0) > 0 && (v.array.stride(1) != 1 || v.array.stride(0) != rows::kWidth))) {
+    invalid(std::string("rows must be a C-contiguous ") + type + " numpy array of shape (m, " + std::to_string(rows::kWidth) +
+            ") (see ngramcache.client.rows)");
   }
-  v.data = static_cast<const int32_t*>(v.array.data());
+  v.data = static_cast<const T*>(v.array.data());
   v.n = v.array.shape(0);
   return v;
 }
 
+nb::ndarray<nb::numpy, int32_t> rows_to_numpy(std::vector<int32_t>&& rows) {
+  const size_t m = rows.size() / rows::kWidth;
+  return to_numpy(std::move(rows), {m, static_cast<size_t>(rows::kWidth)});
+}
+
 struct PyStaticCache {
-  std::unique_ptr<ngc::StaticCache> cache;
+  std::shared_ptr<const ngc::StaticCache> cache;  // shared with the drafters it is attached to
   std::string path;
 };
 
-// A CountTable shared with Python; the lock lets drafters read it without the GIL.
+// A CountTable shared with Python and with the drafters it is attached to.
 struct PyCountTable {
-  ngc::CountTable table;
-  mutable std::shared_mutex mu;
+  std::shared_ptr<ngc::SharedCountTable> shared = std::make_shared<ngc::SharedCountTable>();
 };
 
 struct PyDrafter {
-  PyDrafter(int ngram_min, int ngram_max, bool track_deltas) : seqs(ngram_min, ngram_max, track_deltas) {}
-  nb::object static_ref;  // keeps the StaticCache alive while `st` points into it
-  nb::object dynamic_ref;
-  const ngc::StaticCache* st = nullptr;
-  PyCountTable* dyn = nullptr;
-  uint32_t vocab = 0;
-  ngc::DraftParams params;
-  std::mutex mu;  // guards seqs and the static/dynamic pointers
-  ngc::SequenceSet seqs;
+  std::unique_ptr<ngc::Drafter> drafter;
+  nb::object static_ref = nb::none();   // the Python objects attached, for the properties
+  nb::object dynamic_ref = nb::none();
 };
 
 // Looks `ngram` up in `c` (it MUST have the file's n-gram size); false when absent.
@@ -234,34 +256,40 @@ nb::tuple part_to_numpy(const ngc::PartView& part) {
 }
 
 std::vector<int32_t> table_rows(const ngc::CountTable& t) {
-  std::vector<int32_t> rows;
-  rows.reserve(t.n_entries() * 7);
+  std::vector<int32_t> out;
+  out.reserve(t.n_entries() * rows::kWidth);
   t.for_each([&](const ngc::NGram& key, const ngc::PartView& part) {
-    for (uint32_t j = 0; j < part.size; ++j) {
-      rows.push_back(key.size());
-      for (int i = 0; i < ngc::kNgramMax; ++i) rows.push_back(key.tokens[i]);
-      rows.push_back(part.followers[j].token);
-      rows.push_back(static_cast<int32_t>(std::min<uint32_t>(part.followers[j].count, INT32_MAX)));
-    }
+    for (uint32_t j = 0; j < part.size; ++j) rows::append(&out, key, part.followers[j].token, part.followers[j].count);
   });
-  return rows;
+  return out;
+}
+
+// `obj` as a StaticCache (or null for None); a clear TypeError for anything else.
+PyStaticCache* as_static_cache(nb::handle obj, const char* what) {
+  if (obj.is_none()) return nullptr;
+  if (!nb::isinstance<PyStaticCache>(obj)) {
+    std::string msg = std::string(what) + " must be a StaticCache or None, got " + Py_TYPE(obj.ptr())->tp_name;
+    if (PyUnicode_Check(obj.ptr()) || PyObject_HasAttrString(obj.ptr(), "__fspath__")) msg += "; open the file first: StaticCache.open(path)";
+    throw nb::type_error(msg.c_str());
+  }
+  return &nb::cast<PyStaticCache&>(obj);
+}
+
+PyCountTable* as_count_table(nb::handle obj, const char* what) {
+  if (obj.is_none()) return nullptr;
+  if (!nb::isinstance<PyCountTable>(obj)) {
+    throw nb::type_error((std::string(what) + " must be a CountTable or None, got " + Py_TYPE(obj.ptr())->tp_name).c_str());
+  }
+  return &nb::cast<PyCountTable&>(obj);
 }
 
 void set_static(PyDrafter& d, nb::object cache) {
-  if (cache.is_none()) {
-    d.st = nullptr;
-    d.static_ref = nb::none();
-    return;
-  }
-  PyStaticCache& sc = nb::cast<PyStaticCache&>(cache);
-  if (d.vocab != 0 && sc.cache->info().vocab_size != d.vocab) {
-    invalid("static cache vocabulary size " + std::to_string(sc.cache->info().vocab_size) +
-            " differs from the drafter's " + std::to_string(d.vocab));
-  }
-  d.vocab = sc.cache->info().vocab_size;
-  d.st = sc.cache.get();
+  PyStaticCache* sc = as_static_cache(cache, "static");
+  check(d.drafter->set_static(sc ? sc->cache : nullptr));
   d.static_ref = cache;
 }
+
+nb::bytes fingerprint_bytes(const uint8_t* fp) { return nb::bytes(reinterpret_cast<const char*>(fp), ngc::kFingerprintSize); }
 
 }  // namespace
 
@@ -270,24 +298,25 @@ NB_MODULE(_core, m) {
   m.attr("FORMAT_VERSION") = ngc::format::kVersion;
   m.attr("MAX_DRAFT") = ngc::kMaxDraft;
   m.attr("NGRAM_MAX") = ngc::kNgramMax;
-  m.attr("MAX_VOCAB") = ngc::format::kMaxVocab;
+  m.attr("MAX_VOCAB") = ngc::kMaxVocab;
+  m.attr("ROW_WIDTH") = rows::kWidth;
+  m.attr("FINGERPRINT_SIZE") = ngc::kFingerprintSize;
+  m.attr("UNTAGGED") = nb::bytes(std::string(ngc::kFingerprintSize, '\0').data(), ngc::kFingerprintSize);
 
   nb::class_<PyStaticCache>(m, "StaticCache",
                             "A read-only, memory-mapped static cache file. Opening costs O(1) in its size.\n"
                             "Thread-safe: every method may be called from any thread.")
       .def_static(
           "open",
-          [](const std::string& path) {
+          [](const Path& path) {
+            std::unique_ptr<ngc::StaticCache> cache;
+            check(ngc::StaticCache::open(path.string(), &cache));
             auto* c = new PyStaticCache();
-            c->path = path;
-            Status s = ngc::StaticCache::open(path, &c->cache);
-            if (!s.ok()) {
-              delete c;
-              raise_status(s);
-            }
+            c->cache = std::move(cache);
+            c->path = path.string();
             return c;
           },
-          "path"_a, nb::rv_policy::take_ownership,
+          nb::sig("def open(path: str | os.PathLike[str]) -> StaticCache"), "path"_a, nb::rv_policy::take_ownership,
           "Maps and validates the header of the static cache at `path`.\n\n"
           "Raises:\n    CacheFormatError: the file is truncated, corrupt or not a static cache.\n"
           "    OSError: the file cannot be opened or mapped.")
@@ -296,7 +325,7 @@ NB_MODULE(_core, m) {
       .def_prop_ro("ngram_size", [](const PyStaticCache& c) { return c.cache->info().ngram_size; })
       .def_prop_ro("vocab_size", [](const PyStaticCache& c) { return c.cache->info().vocab_size; })
       .def_prop_ro("fingerprint", [](const PyStaticCache& c) {
-        return nb::bytes(reinterpret_cast<const char*>(c.cache->info().fingerprint), ngc::format::kFingerprintSize);
+        return fingerprint_bytes(c.cache->info().fingerprint);
       })
       .def_prop_ro("generation", [](const PyStaticCache& c) { return c.cache->info().generation; })
       .def_prop_ro("n_keys", [](const PyStaticCache& c) { return c.cache->info().n_keys; })
@@ -365,8 +394,8 @@ NB_MODULE(_core, m) {
           "to_rows",
           [](const PyStaticCache& c) {
             const auto& info = c.cache->info();
-            std::vector<int32_t> rows;
-            rows.reserve(info.n_followers * 7);
+            std::vector<int32_t> out;
+            out.reserve(info.n_followers * rows::kWidth);
             for (uint64_t i = 0; i < info.n_keys; ++i) {
               ngc::NGram key;
               ngc::StaticPart part;
@@ -374,15 +403,9 @@ NB_MODULE(_core, m) {
               std::vector<std::pair<int32_t, uint32_t>> items;
               for (uint32_t j = 0; j < part.size; ++j) items.emplace_back(c.cache->token_at(part, j), c.cache->count_at(part, j));
               std::sort(items.begin(), items.end());
-              for (auto& [t, n] : items) {
-                rows.push_back(static_cast<int32_t>(info.ngram_size));
-                for (int k = 0; k < ngc::kNgramMax; ++k) rows.push_back(key.tokens[k]);
-                rows.push_back(t);
-                rows.push_back(static_cast<int32_t>(std::min<uint32_t>(n, INT32_MAX)));
-              }
+              for (auto& [t, n] : items) rows::append(&out, key, t, n);
             }
-            const size_t m = rows.size() / 7;
-            return to_numpy(std::move(rows), {m, 7});
+            return rows_to_numpy(std::move(out));
           },
           "Every (key, follower, count) as an int32 array of rows (n, t0, t1, t2, t3, follower, count),\n"
           "keys in lexicographic order, followers by token.")
@@ -413,22 +436,22 @@ NB_MODULE(_core, m) {
       });
 
   nb::class_<PyCountTable>(m, "CountTable",
-                           "n-gram (1..4 tokens) -> follower counts, for context and dynamic tables.\n"
-                           "Thread-safe: writers take an exclusive lock, drafters a shared one.")
+                           "n-gram (1..4 tokens) -> follower counts, for context and dynamic tables; tokens are\n"
+                           "below MAX_VOCAB. Thread-safe: drafts read it from any thread while writers change it\n"
+                           "(change sets are applied in short chunks, so a draft waits microseconds at most).")
       .def(nb::init<>())
       .def(
           "update",
           [](PyCountTable& t, nb::handle tokens, std::optional<int64_t> n_new, int ngram_min, int ngram_max) {
             check_ngram_range(ngram_min, ngram_max);
             TokenView v = as_tokens(tokens, "tokens");
-            const size_t nn = n_new ? static_cast<size_t>(std::max<int64_t>(*n_new, 0)) : v.size;
             if (n_new && (*n_new < 0 || static_cast<size_t>(*n_new) > v.size)) {
               invalid("n_new must be in [0, len(tokens)], got " + std::to_string(*n_new));
             }
+            const size_t nn = n_new ? static_cast<size_t>(*n_new) : v.size;
             check_tokens(v.data, v.size, kAnyToken, "tokens");
             nb::gil_scoped_release release;
-            std::unique_lock lock(t.mu);
-            t.table.update(v.data, v.size, nn, ngram_min, ngram_max);
+            t.shared->write([&](ngc::CountTable& table) { table.update(v.data, v.size, nn, ngram_min, ngram_max); });
           },
           nb::sig("def update(self, tokens: NDArray[numpy.int32], n_new: int | None = None, ngram_min: int = 1, ngram_max: int = 4) -> None"), "tokens"_a, "n_new"_a = nb::none(), "ngram_min"_a = 1, "ngram_max"_a = 4,
           "llama.cpp's common_ngram_cache_update: counts, for each n-gram size n and each of the last\n"
@@ -437,117 +460,157 @@ NB_MODULE(_core, m) {
           "add",
           [](PyCountTable& t, const std::vector<int64_t>& ngram, int64_t token, int64_t count) {
             ngc::NGram g = as_ngram(ngram, kAnyToken);
-            if (token < 0 || token > INT32_MAX) invalid("follower token must be in [0, 2^31), got " + std::to_string(token));
+            if (token < 0 || token >= kAnyToken) {
+              invalid("follower token must be in [0, " + std::to_string(kAnyToken) + "), got " + std::to_string(token));
+            }
             if (count <= 0 || count > UINT32_MAX) invalid("count must be in [1, 2^32), got " + std::to_string(count));
-            std::unique_lock lock(t.mu);
-            t.table.add(g, static_cast<Token>(token), static_cast<uint32_t>(count));
+            t.shared->write([&](ngc::CountTable& table) { table.add(g, static_cast<Token>(token), static_cast<uint32_t>(count)); });
           },
           "ngram"_a, "token"_a, "count"_a = 1, "Adds `count` to follower `token` of `ngram`.")
       .def(
           "add_rows",
           [](PyCountTable& t, nb::handle rows_obj) {
-            nb::ndarray<nb::ro, nb::device::cpu> a;
-            if (!nb::try_cast(rows_obj, a, false) || a.dtype() != nb::dtype<int32_t>() || a.ndim() != 2 || a.shape(1) != 7 ||
-                (a.shape(0) > 0 && (a.stride(1) != 1 || a.stride(0) != 7))) {
-              invalid("rows must be a C-contiguous int32 numpy array of shape (m, 7)");
+            RowsView<int32_t> v = as_rows<int32_t>(rows_obj);
+            Status s;
+            {
+              nb::gil_scoped_release release;
+              s = t.shared->add_rows(v.data, v.n, kAnyToken);
             }
-            const int32_t* r = static_cast<const int32_t*>(a.data());
-            const size_t m = a.shape(0);
-            for (size_t i = 0; i < m; ++i) {  // validate everything before changing anything
-              const int32_t* row = r + 7 * i;
-              const int n = row[0];
-              if (n < 1 || n > ngc::kNgramMax) invalid("row " + std::to_string(i) + ": n-gram size " + std::to_string(n) + " is outside 1..4");
-              for (int k = 0; k < ngc::kNgramMax; ++k) {
-                if ((k < n && row[1 + k] < 0) || (k >= n && row[1 + k] != -1)) {
-                  invalid("row " + std::to_string(i) + ": tokens t0..t" + std::to_string(n - 1) +
-                          " must be >= 0 and the unused slots -1");
-                }
-              }
-              if (row[5] < 0) invalid("row " + std::to_string(i) + ": follower token is negative");
-              if (row[6] <= 0) invalid("row " + std::to_string(i) + ": count must be > 0");
-            }
-            nb::gil_scoped_release release;
-            std::unique_lock lock(t.mu);
-            for (size_t i = 0; i < m; ++i) {
-              const int32_t* row = r + 7 * i;
-              t.table.add(ngc::NGram::from(row + 1, row[0]), row[5], static_cast<uint32_t>(row[6]));
-            }
+            check(s);
           },
-          nb::sig("def add_rows(self, rows: NDArray[numpy.int32]) -> None"), "rows"_a, "Adds rows (n, t0, t1, t2, t3, follower, count); all are checked before any is added.")
+          nb::sig("def add_rows(self, rows: NDArray[numpy.int32]) -> None"), "rows"_a,
+          "Adds int32 count rows (n, t0, t1, t2, t3, follower, count); all are checked before any is added.")
+      .def(
+          "assign_rows",
+          [](PyCountTable& t, nb::handle rows_obj) {
+            RowsView<int64_t> v = as_rows<int64_t>(rows_obj);
+            Status s;
+            {
+              nb::gil_scoped_release release;
+              s = t.shared->assign_rows(v.data, v.n, kAnyToken);
+            }
+            check(s);
+          },
+          nb::sig("def assign_rows(self, rows: NDArray[numpy.int64]) -> None"), "rows"_a,
+          "Sets absolute counts from int64 rows (n, t0, t1, t2, t3, follower, count), as a counts store\n"
+          "returns them: each (n-gram, follower) is inserted or overwritten (an upsert); counts above\n"
+          "2^32-1 saturate. All rows are checked before any is applied; drafts running meanwhile see\n"
+          "a valid table with part of the rows applied.")
       .def(
           "to_rows",
           [](const PyCountTable& t) {
-            std::shared_lock lock(t.mu);
-            std::vector<int32_t> rows = table_rows(t.table);
-            const size_t m = rows.size() / 7;
-            return to_numpy(std::move(rows), {m, 7});
+            auto lock = t.shared->read();
+            return rows_to_numpy(table_rows(t.shared->table()));
           },
-          "Every count as rows (n, t0, t1, t2, t3, follower, count), int32, shape (m, 7).")
+          "Every count as int32 rows (n, t0, t1, t2, t3, follower, count), shape (m, 7).")
       .def(
           "lookup",
           [](const PyCountTable& t, const std::vector<int64_t>& ngram) {
             ngc::NGram g = as_ngram(ngram, kAnyToken);
-            std::shared_lock lock(t.mu);
+            auto lock = t.shared->read();
             ngc::PartView part;
-            if (!t.table.find(g, &part)) part = ngc::PartView{};
+            if (!t.shared->table().find(g, &part)) part = ngc::PartView{};
             return part_to_numpy(part);
           },
           nb::sig("def lookup(self, ngram: Sequence[int]) -> tuple[NDArray[numpy.int32], NDArray[numpy.int64]]"), "ngram"_a, "The followers of `ngram` as (tokens int32, counts int64), sorted by token.")
       .def(
           "merge",
           [](PyCountTable& t, const PyCountTable& other) {
-            if (&t == &other) invalid("cannot merge a table into itself");
+            if (t.shared == other.shared) invalid("cannot merge a table into itself");
             nb::gil_scoped_release release;
-            std::scoped_lock lock(t.mu, other.mu);
-            t.table.merge(other.table);
+            ngc::CountTable copy;  // never hold one table's lock while waiting for another's
+            {
+              auto lock = other.shared->read();
+              copy = other.shared->table();
+            }
+            t.shared->write([&](ngc::CountTable& table) { table.merge(copy); });
           },
           "other"_a, "Adds every count of `other` to this table.")
-      .def("clear", [](PyCountTable& t) {
-        std::unique_lock lock(t.mu);
-        t.table.clear();
-      })
-      .def_prop_ro("n_keys", [](const PyCountTable& t) { return t.table.n_keys(); }, "Distinct n-grams.")
-      .def_prop_ro("n_entries", [](const PyCountTable& t) { return t.table.n_entries(); }, "Distinct (n-gram, follower) pairs.")
-      .def("__len__", [](const PyCountTable& t) { return t.table.n_keys(); })
-      .def("memory_bytes", [](const PyCountTable& t) { return t.table.memory_bytes(); }, "Heap bytes held by the table.")
+      .def("clear", [](PyCountTable& t) { t.shared->write([](ngc::CountTable& table) { table.clear(); }); })
+      .def_prop_ro("n_keys", [](const PyCountTable& t) { auto l = t.shared->read(); return t.shared->table().n_keys(); }, "Distinct n-grams.")
+      .def_prop_ro("n_entries", [](const PyCountTable& t) { auto l = t.shared->read(); return t.shared->table().n_entries(); }, "Distinct (n-gram, follower) pairs.")
+      .def("__len__", [](const PyCountTable& t) { auto l = t.shared->read(); return t.shared->table().n_keys(); })
+      .def("memory_bytes", [](const PyCountTable& t) { auto l = t.shared->read(); return t.shared->table().memory_bytes(); }, "Heap bytes held by the table.")
       .def(
           "check_integrity",
           [](const PyCountTable& t) {
-            std::shared_lock lock(t.mu);
-            check(t.table.check_integrity());
+            auto lock = t.shared->read();
+            check(t.shared->table().check_integrity());
           },
           "Checks every invariant of the table; raises CacheFormatError naming the first broken one.");
 
   nb::class_<PyDrafter>(m, "Drafter",
                         "llama.cpp-compatible n-gram drafter over per-sequence context tables, an optional\n"
-                        "dynamic CountTable and an optional StaticCache. Drafting never touches the network.\n"
-                        "Thread-safe: calls on one drafter are serialized by its lock; draft() and accept()\n"
-                        "release the GIL.")
+                        "dynamic CountTable and an optional StaticCache, bound to one tokenizer. Drafting never\n"
+                        "touches the network.\n"
+                        "Thread-safe: drafts and accepts for different sequences run in parallel from several\n"
+                        "threads (the GIL is released); calls for one sequence are serialized.")
       .def(
           "__init__",
-          [](PyDrafter* d, nb::object static_cache, nb::object dynamic, std::optional<int64_t> vocab_size, int ngram_min,
-             int ngram_max, bool track_deltas) {
+          [](PyDrafter* d, nb::object static_cache, nb::object dynamic, std::optional<nb::bytes> fingerprint,
+             std::optional<int64_t> vocab_size, int ngram_min, int ngram_max, bool track_deltas, int64_t max_sequences,
+             double idle_ttl, int64_t max_memory) {
             check_ngram_range(ngram_min, ngram_max);
-            if (vocab_size && (*vocab_size < 1 || *vocab_size > ngc::format::kMaxVocab)) {
-              invalid("vocab_size must be in 1..2^24, got " + std::to_string(*vocab_size));
+            PyStaticCache* sc = as_static_cache(static_cache, "static");
+            PyCountTable* dyn = as_count_table(dynamic, "dynamic");
+            ngc::DrafterOptions o;
+            if (sc) {
+              const ngc::StaticInfo& info = sc->cache->info();
+              if (vocab_size && *vocab_size != info.vocab_size) {
+                raise_status(Status::TokenizerMismatch("vocab_size " + std::to_string(*vocab_size) + " differs from the static cache's " +
+                                                       std::to_string(info.vocab_size)));
+              }
+              if (fingerprint) {
+                check_fingerprint(*fingerprint);
+                if (std::memcmp(fingerprint->c_str(), info.fingerprint, ngc::kFingerprintSize) != 0) {
+                  raise_status(Status::TokenizerMismatch("fingerprint differs from the static cache's: it was built for another tokenizer"));
+                }
+              }
+              o.vocab_size = info.vocab_size;
+              std::memcpy(o.fingerprint, info.fingerprint, ngc::kFingerprintSize);
+            } else {
+              if (!vocab_size || !fingerprint) {
+                invalid("a Drafter without a static cache needs vocab_size and fingerprint (a tokenizer's .vocab_size and "
+                        ".fingerprint, or UNTAGGED for raw tokens)");
+              }
+              check_vocab_size(*vocab_size);
+              check_fingerprint(*fingerprint);
+              o.vocab_size = static_cast<uint32_t>(*vocab_size);
+              std::memcpy(o.fingerprint, fingerprint->c_str(), ngc::kFingerprintSize);
             }
-            new (d) PyDrafter(ngram_min, ngram_max, track_deltas);
-            d->params.ngram_min = ngram_min;
-            d->params.ngram_max = ngram_max;
-            d->vocab = vocab_size ? static_cast<uint32_t>(*vocab_size) : 0;
+            if (max_sequences < 0) invalid("max_sequences must be >= 0 (0: unlimited), got " + std::to_string(max_sequences));
+            if (!(idle_ttl >= 0) || idle_ttl > 1e9) invalid("idle_ttl must be a number of seconds >= 0 (0: never), got " + std::to_string(idle_ttl));
+            if (max_memory < 0) invalid("max_memory must be >= 0 bytes (0: unlimited), got " + std::to_string(max_memory));
+            o.ngram_min = ngram_min;
+            o.ngram_max = ngram_max;
+            o.track_deltas = track_deltas;
+            o.limits.max_sequences = static_cast<size_t>(max_sequences);
+            o.limits.idle_ttl_ms = static_cast<int64_t>(idle_ttl * 1000.0);
+            if (idle_ttl > 0 && o.limits.idle_ttl_ms == 0) o.limits.idle_ttl_ms = 1;
+            o.limits.max_memory_bytes = static_cast<size_t>(max_memory);
+            new (d) PyDrafter{std::make_unique<ngc::Drafter>(o)};
             set_static(*d, static_cache);
-            if (d->vocab == 0) invalid("Drafter needs vocab_size, or a static cache that gives it");
-            if (!dynamic.is_none()) {
-              d->dyn = &nb::cast<PyCountTable&>(dynamic);
+            if (dyn) {
+              d->drafter->set_dynamic(dyn->shared);
               d->dynamic_ref = dynamic;
             }
           },
-          nb::sig("def __init__(self, static: StaticCache | None = None, dynamic: CountTable | None = None, vocab_size: int | None = None, ngram_min: int = 1, ngram_max: int = 4, track_deltas: bool = False) -> None"), "static"_a = nb::none(), "dynamic"_a = nb::none(), "vocab_size"_a = nb::none(), "ngram_min"_a = 1,
-          "ngram_max"_a = 4, "track_deltas"_a = false,
+          nb::sig("def __init__(self, static: StaticCache | None = None, dynamic: CountTable | None = None, *, "
+                  "fingerprint: bytes | None = None, vocab_size: int | None = None, ngram_min: int = 1, ngram_max: int = 4, "
+                  "track_deltas: bool = False, max_sequences: int = 0, idle_ttl: float = 0.0, max_memory: int = 0) -> None"),
+          "static"_a = nb::none(), "dynamic"_a = nb::none(), nb::kw_only(), "fingerprint"_a = nb::none(), "vocab_size"_a = nb::none(),
+          "ngram_min"_a = 1, "ngram_max"_a = 4, "track_deltas"_a = false, "max_sequences"_a = 0, "idle_ttl"_a = 0.0,
+          "max_memory"_a = 0,
           "Args:\n    static: a StaticCache, or None.\n    dynamic: a CountTable (the dynamic table), or None.\n"
+          "    fingerprint: the tokenizer's fingerprint (32 bytes; UNTAGGED for raw tokens); taken from\n"
+          "        `static` when omitted, and checked against it when given.\n"
           "    vocab_size: token ids must be below it; taken from `static` when omitted.\n"
           "    ngram_min, ngram_max: the context/dynamic n-gram sizes tried (llama.cpp: 1 and 4).\n"
-          "    track_deltas: keep the counts accepted since the last drain_deltas().")
+          "    track_deltas: keep the counts accepted since the last drain_deltas().\n"
+          "    max_sequences: most sequences kept (0: unlimited); beyond, the least recently used is evicted.\n"
+          "    idle_ttl: seconds after which an unused sequence is evicted by evict_idle() (0: never).\n"
+          "    max_memory: most bytes of context tables (0: unlimited); beyond, least recently used go.\n\n"
+          "Raises:\n    TokenizerMismatchError: `fingerprint` or `vocab_size` differs from the static cache's.")
       .def(
           "draft",
           [](PyDrafter& d, int64_t seq, nb::handle tokens, int n_draft) {
@@ -557,18 +620,12 @@ NB_MODULE(_core, m) {
             TokenView v = as_tokens(tokens, "tokens");
             std::vector<int32_t> out(static_cast<size_t>(n_draft));
             int n = 0;
+            Status s;
             {
-              // Only the tail is read: check just that (the whole sequence may be long).
-              const size_t window = std::min<size_t>(v.size, ngc::kNgramMax);
-              check_tokens(v.data + v.size - window, window, d.vocab, "tokens[-window:]");
               nb::gil_scoped_release release;
-              std::lock_guard lock(d.mu);
-              ngc::DraftParams p = d.params;
-              p.n_draft = n_draft;
-              std::shared_lock<std::shared_mutex> dyn_lock;
-              if (d.dyn) dyn_lock = std::shared_lock(d.dyn->mu);
-              n = ngc::draft(v.data, v.size, d.seqs.context(seq), d.dyn ? &d.dyn->table : nullptr, d.st, p, out.data());
+              s = d.drafter->draft(seq, v.data, v.size, n_draft, out.data(), &n);
             }
+            check(s);
             out.resize(static_cast<size_t>(n));
             return to_numpy(std::move(out), {static_cast<size_t>(n)});
           },
@@ -582,17 +639,7 @@ NB_MODULE(_core, m) {
             Status s;
             {
               nb::gil_scoped_release release;
-              std::lock_guard lock(d.mu);
-              const size_t done = d.seqs.n_counted(seq);
-              const size_t from = done >= ngc::kNgramMax ? done - ngc::kNgramMax : 0;
-              for (size_t i = from; i < v.size; ++i) {
-                if (v.data[i] < 0 || static_cast<uint32_t>(v.data[i]) >= d.vocab) {
-                  s = Status::InvalidArgument("tokens[" + std::to_string(i) + "] = " + std::to_string(v.data[i]) +
-                                              " is outside the vocabulary [0, " + std::to_string(d.vocab) + ")");
-                  break;
-                }
-              }
-              if (s.ok()) s = d.seqs.accept(seq, v.data, v.size);
+              s = d.drafter->accept(seq, v.data, v.size);
             }
             check(s);
           },
@@ -602,45 +649,67 @@ NB_MODULE(_core, m) {
       .def(
           "reset",
           [](PyDrafter& d, int64_t seq) {
-            std::lock_guard lock(d.mu);
-            return d.seqs.reset(seq);
+            nb::gil_scoped_release release;
+            return d.drafter->sequences().reset(seq);
           },
-          "seq"_a, "Forgets sequence `seq`; returns whether it was known.")
+          "seq"_a, "Forgets sequence `seq` and frees its context table; returns whether it was known.")
+      .def(
+          "evict_idle",
+          [](PyDrafter& d) {
+            nb::gil_scoped_release release;
+            return d.drafter->sequences().evict_idle();
+          },
+          "Evicts the sequences unused for longer than idle_ttl; returns how many (call it periodically).")
       .def(
           "set_static",
           [](PyDrafter& d, nb::object cache) {
-            std::lock_guard lock(d.mu);
             set_static(d, cache);
           },
-          nb::sig("def set_static(self, static: StaticCache | None) -> None"), "static"_a.none(), "Swaps in another static cache (a new generation) between two drafts.")
+          nb::sig("def set_static(self, static: StaticCache | None) -> None"), "static"_a.none(),
+          "Swaps in another static cache (a newer generation) between two drafts; drafts in flight\n"
+          "finish on the old one.\n\n"
+          "Raises:\n    TokenizerMismatchError: it was built for another tokenizer or vocabulary.\n"
+          "    InvalidArgumentError: its generation is older than the attached one's.")
+      .def(
+          "set_dynamic",
+          [](PyDrafter& d, nb::object table) {
+            PyCountTable* t = as_count_table(table, "dynamic");
+            d.drafter->set_dynamic(t ? t->shared : nullptr);
+            d.dynamic_ref = table;
+          },
+          nb::sig("def set_dynamic(self, dynamic: CountTable | None) -> None"), "dynamic"_a.none(),
+          "Attaches another dynamic table (or None).")
       .def_prop_ro("static", [](PyDrafter& d) { return d.static_ref; }, nb::sig("def static(self) -> StaticCache | None"))
-      .def_prop_ro("vocab_size", [](PyDrafter& d) { return d.vocab; })
-      .def_prop_ro("n_sequences", [](PyDrafter& d) {
-        std::lock_guard lock(d.mu);
-        return d.seqs.size();
-      })
+      .def_prop_ro("dynamic", [](PyDrafter& d) { return d.dynamic_ref; }, nb::sig("def dynamic(self) -> CountTable | None"))
+      .def_prop_ro("vocab_size", [](PyDrafter& d) { return d.drafter->options().vocab_size; })
+      .def_prop_ro("fingerprint", [](PyDrafter& d) { return fingerprint_bytes(d.drafter->options().fingerprint); },
+                   "The tokenizer fingerprint this drafter is bound to (UNTAGGED for raw tokens).")
+      .def_prop_ro("n_sequences", [](PyDrafter& d) { return d.drafter->sequences().size(); })
+      .def_prop_ro("n_evicted", [](PyDrafter& d) { return d.drafter->sequences().n_evicted(); },
+                   "Sequences evicted by max_sequences, idle_ttl or max_memory so far.")
+      .def("memory_bytes", [](PyDrafter& d) { return d.drafter->memory_bytes(); },
+           "Heap bytes of this drafter's context tables (the static cache is mapped and shared; the\n"
+           "dynamic table is counted by its owner).")
       .def(
           "context_rows",
           [](PyDrafter& d, int64_t seq) {
-            std::lock_guard lock(d.mu);
-            const ngc::CountTable* t = d.seqs.context(seq);
-            std::vector<int32_t> rows = t ? table_rows(*t) : std::vector<int32_t>{};
-            const size_t m = rows.size() / 7;
-            return to_numpy(std::move(rows), {m, 7});
+            std::vector<int32_t> out = d.drafter->sequences().with_context(seq, [](const ngc::CountTable* t) {
+              return t ? table_rows(*t) : std::vector<int32_t>{};
+            });
+            return rows_to_numpy(std::move(out));
           },
-          "seq"_a, "The context table of `seq` as rows (n, t0, t1, t2, t3, follower, count).")
+          "seq"_a, "The context table of `seq` as count rows (n, t0, t1, t2, t3, follower, count).")
       .def(
           "drain_deltas",
           [](PyDrafter& d) {
-            std::vector<int32_t> rows;
+            std::vector<int32_t> out;
             {
-              std::lock_guard lock(d.mu);
-              d.seqs.drain_deltas(&rows);
+              nb::gil_scoped_release release;
+              d.drafter->sequences().drain_deltas(&out);
             }
-            const size_t m = rows.size() / 7;
-            return to_numpy(std::move(rows), {m, 7});
+            return rows_to_numpy(std::move(out));
           },
-          "The counts accepted since the last call, as rows (n, t0, t1, t2, t3, follower, count).");
+          "The counts accepted since the last call, as count rows (n, t0, t1, t2, t3, follower, count).");
 
   nb::class_<PyStaticBuilder>(m, "StaticBuilder",
                               "Counts (ngram_size-gram, follower) pairs of token streams within a memory budget\n"
@@ -648,27 +717,32 @@ NB_MODULE(_core, m) {
                               "Not thread-safe: use one builder from one thread; it sorts on `threads` threads.")
       .def(
           "__init__",
-          [](PyStaticBuilder* self, const std::string& path, int64_t vocab_size, int ngram_size, nb::bytes fingerprint,
-             uint64_t generation, uint64_t memory_budget, const std::string& scratch_dir, int threads, int max_fan_in) {
+          [](PyStaticBuilder* self, const Path& path, int64_t vocab_size, int ngram_size, nb::bytes fingerprint,
+             int64_t generation, int64_t memory_budget, const Path& scratch_dir, int threads, int max_fan_in) {
             ngc::BuilderOptions o;
             o.header = make_header(vocab_size, ngram_size, fingerprint, generation);
-            o.memory_budget = memory_budget;
-            o.scratch_dir = scratch_dir;
+            const int64_t physical = static_cast<int64_t>(sysconf(_SC_PHYS_PAGES)) * sysconf(_SC_PAGE_SIZE);
+            if (memory_budget <= 0 || (physical > 0 && memory_budget > physical)) {
+              invalid("memory_budget must be a positive number of bytes within this machine's memory (" +
+                      std::to_string(physical >> 20) + " MiB), got " + std::to_string(memory_budget));
+            }
+            o.memory_budget = static_cast<uint64_t>(memory_budget);
+            o.scratch_dir = scratch_dir.string();
             o.threads = threads;
             o.max_fan_in = max_fan_in;
             std::unique_ptr<ngc::Builder> b;
-            check(ngc::Builder::create(o, path, &b));
+            check(ngc::Builder::create(o, path.string(), &b));
             new (self) PyStaticBuilder{std::move(b), false, ngram_size, static_cast<uint32_t>(vocab_size)};
           },
-          nb::sig("def __init__(self, path: str, vocab_size: int, ngram_size: int = 2, fingerprint: bytes = bytes(32), "
-                  "generation: int = 0, memory_budget: int = 1 << 30, scratch_dir: str = '', threads: int = 0, "
+          nb::sig("def __init__(self, path: str | os.PathLike[str], vocab_size: int, ngram_size: int = 2, *, fingerprint: bytes, "
+                  "generation: int = 0, memory_budget: int = 1 << 30, scratch_dir: str | os.PathLike[str] = '', threads: int = 0, "
                   "max_fan_in: int = 64) -> None"),
-          "path"_a, "vocab_size"_a, "ngram_size"_a = 2,
-          "fingerprint"_a = nb::bytes("\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0", 32),
+          "path"_a, "vocab_size"_a, "ngram_size"_a = 2, nb::kw_only(), "fingerprint"_a,
           "generation"_a = 0, "memory_budget"_a = uint64_t{1} << 30, "scratch_dir"_a = "", "threads"_a = 0, "max_fan_in"_a = 64,
           "Args:\n    path: the static cache to write (atomically, at finish()).\n"
           "    vocab_size: every token must be below it (1..2^24).\n    ngram_size: tokens per key (1..4).\n"
-          "    fingerprint: the tokenizer fingerprint, 32 bytes.\n    generation: the generation number.\n"
+          "    fingerprint: the tokenizer's fingerprint (32 bytes), or UNTAGGED for raw tokens.\n"
+          "    generation: the generation number (>= 0).\n"
           "    memory_budget: bytes of buffers at most (>= 16 MiB); beyond it, sorted runs go to disk.\n"
           "    scratch_dir: where runs go (default: beside `path`).\n    threads: sorting threads (0: all cores).\n"
           "    max_fan_in: runs merged at once; more runs are merged in passes.")
@@ -692,23 +766,21 @@ NB_MODULE(_core, m) {
           "add_rows",
           [](PyStaticBuilder& b, nb::handle rows) {
             ngc::Builder& builder = b.get();
-            RowsView v = as_rows(rows);
+            RowsView<int32_t> v = as_rows<int32_t>(rows);
             const int k = b.ngram_size;
-            Status s;
-            {
+            Status s = rows::validate_all(v.data, v.n, b.vocab_size, INT32_MAX);
+            for (size_t i = 0; i < v.n && s.ok(); ++i) {
+              if (v.data[rows::kWidth * i + rows::kN] != k) {
+                s = Status::InvalidArgument("row " + std::to_string(i) + " has an n-gram of " +
+                                            std::to_string(v.data[rows::kWidth * i + rows::kN]) + " tokens; this builder's keys have " +
+                                            std::to_string(k));
+              }
+            }
+            if (s.ok()) {
               nb::gil_scoped_release release;
               for (size_t i = 0; i < v.n && s.ok(); ++i) {
-                const int32_t* r = v.data + 7 * i;
-                if (r[0] != k) {
-                  s = Status::InvalidArgument("row " + std::to_string(i) + " has an n-gram of " + std::to_string(r[0]) +
-                                              " tokens; this builder's keys have " + std::to_string(k));
-                  break;
-                }
-                if (r[6] <= 0) {
-                  s = Status::InvalidArgument("row " + std::to_string(i) + ": count must be > 0");
-                  break;
-                }
-                s = builder.add_count(r + 1, r[5], static_cast<uint64_t>(r[6]));
+                const int32_t* r = v.data + rows::kWidth * i;
+                s = builder.add_count(r + rows::kT0, r[rows::kFollower], static_cast<uint64_t>(r[rows::kCount]));
               }
             }
             check(s);
@@ -740,9 +812,11 @@ NB_MODULE(_core, m) {
                 }
               }
             }
-            check(s);
+            if (!s.ok()) raise_status(Status(s.code(), c.path + ": " + s.message()));
+            builder.add_observed_tokens(info.n_tokens);
           },
-          "cache"_a, "Adds every count of static cache `cache` (same n-gram size) to the build.")
+          "cache"_a, "Adds every count of static cache `cache` (same n-gram size) to the build, and its\n"
+          "n_tokens to the header's.")
       .def(
           "finish",
           [](PyStaticBuilder& b) {
@@ -763,7 +837,8 @@ NB_MODULE(_core, m) {
 
   m.def(
       "import_llama",
-      [](const std::string& in_path, PyStaticBuilder& b) {
+      [](const Path& in_path_arg, PyStaticBuilder& b) {
+        const std::string in_path = in_path_arg.string();
         ngc::Builder& builder = b.get();
         const int k = b.ngram_size;
         const uint32_t vocab = b.vocab_size;
@@ -785,18 +860,18 @@ NB_MODULE(_core, m) {
       "have). Raises CacheFormatError naming the byte offset of a malformed record.");
   m.def(
       "load_llama_counts",
-      [](const std::string& in_path, int64_t vocab_size, PyCountTable& table) {
-        if (vocab_size < 1 || vocab_size > ngc::format::kMaxVocab) invalid("vocab_size must be in 1..2^24");
+      [](const Path& in_path_arg, int64_t vocab_size, PyCountTable& table) {
+        const std::string in_path = in_path_arg.string();
+        check_vocab_size(vocab_size);
         Status s;
         {
           nb::gil_scoped_release release;
-          std::unique_lock lock(table.mu);
           ngc::CountTable staged;  // all or nothing: the table changes only if the whole file is good
           s = ngc::read_llama_file(in_path, static_cast<uint32_t>(vocab_size), [&](const ngc::NGram& key, Token follower, uint32_t count) {
             staged.add(key, follower, count);
             return Status::Ok();
           });
-          if (s.ok()) table.table.merge(staged);
+          if (s.ok()) table.shared->write([&](ngc::CountTable& t) { t.merge(staged); });
         }
         check(s);
       },
@@ -805,7 +880,8 @@ NB_MODULE(_core, m) {
       "`table`; nothing is added when the file is malformed.");
   m.def(
       "export_llama",
-      [](const PyStaticCache& c, const std::string& out_path) {
+      [](const PyStaticCache& c, const Path& out_path_arg) {
+        const std::string out_path = out_path_arg.string();
         Status s;
         {
           nb::gil_scoped_release release;
@@ -826,8 +902,8 @@ NB_MODULE(_core, m) {
         if (n_ctx < 2) invalid("n_ctx must be >= 2, got " + std::to_string(n_ctx));
         TokenView v = as_tokens(tokens, "tokens");
         const ngc::StaticCache* st = nullptr;
-        if (!static_cache.is_none()) {
-          st = nb::cast<PyStaticCache&>(static_cache).cache.get();
+        if (PyStaticCache* sc = as_static_cache(static_cache, "static")) {
+          st = sc->cache.get();
           check_tokens(v.data, v.size, st->info().vocab_size, "tokens");
         } else {
           check_tokens(v.data, v.size, kAnyToken, "tokens");
@@ -840,8 +916,9 @@ NB_MODULE(_core, m) {
         ngc::ReplayStats r;
         {
           nb::gil_scoped_release release;
-          std::unique_lock lock(dynamic.mu);
-          r = ngc::replay(v.data, v.size, static_cast<size_t>(n_ctx), p, st, &dynamic.table, dump_drafts ? &drafts : nullptr);
+          dynamic.shared->write([&](ngc::CountTable& table) {
+            r = ngc::replay(v.data, v.size, static_cast<size_t>(n_ctx), p, st, &table, dump_drafts ? &drafts : nullptr);
+          });
         }
         nb::dict out;
         out["n_chunks"] = r.n_chunks;
@@ -873,8 +950,7 @@ NB_MODULE(_core, m) {
 
   m.def(
       "build_static_from_tokens",
-      [](nb::list streams, const std::string& path, int64_t vocab_size, int ngram_size, nb::bytes fingerprint,
-         uint64_t generation) {
+      [](nb::list streams, const Path& path, int64_t vocab_size, int ngram_size, nb::bytes fingerprint, int64_t generation) {
         ngc::StaticHeader h = make_header(vocab_size, ngram_size, fingerprint, generation);
         std::vector<TokenView> views;
         std::vector<ngc::TokenStream> refs;
@@ -883,12 +959,14 @@ NB_MODULE(_core, m) {
         Status s;
         {
           nb::gil_scoped_release release;
-          s = ngc::build_static(refs, h, path);
+          s = ngc::build_static(refs, h, path.string());
         }
         check(s);
       },
-      nb::sig("def build_static_from_tokens(streams: list[NDArray[numpy.int32]], path: str, vocab_size: int, ngram_size: int = 2, fingerprint: bytes = bytes(32), generation: int = 0) -> None"), "streams"_a, "path"_a, "vocab_size"_a, "ngram_size"_a = 2, "fingerprint"_a = nb::bytes("\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0", 32),
-      "generation"_a = 0,
+      nb::sig("def build_static_from_tokens(streams: list[NDArray[numpy.int32]], path: str | os.PathLike[str], vocab_size: int, "
+              "ngram_size: int = 2, *, fingerprint: bytes, generation: int = 0) -> None"),
+      "streams"_a, "path"_a, "vocab_size"_a, "ngram_size"_a = 2, nb::kw_only(), "fingerprint"_a, "generation"_a = 0,
       "Counts the (ngram_size-gram, follower) pairs of each int32 token stream (n-grams never span\n"
-      "two streams) and writes a static cache to `path` atomically (temporary file, fsync, rename).");
+      "two streams) and writes a static cache to `path` atomically (temporary file, fsync, rename).\n"
+      "`fingerprint` is the tokenizer's (32 bytes), or UNTAGGED for raw tokens.");
 }

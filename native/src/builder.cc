@@ -309,6 +309,7 @@ class BuilderImpl : public Builder {
   }
 
   const BuildStats& stats() const override { return stats_; }
+  void add_observed_tokens(uint64_t n) override { stats_.n_tokens += n; }
 
  private:
   // Sorts buf_ in `threads_` parts; part boundaries go to parts_.

@@ -46,8 +46,7 @@ void CountTable::grow() {
   slots_.swap(slots);
 }
 
-void CountTable::add(const NGram& key, Token token, uint32_t count) {
-  if (count == 0) return;
+CountTable::Entry& CountTable::find_or_insert(const NGram& key) {
   const uint64_t h = key.hash();
   int64_t idx = find_index(key, h);
   if (idx < 0) {
@@ -59,7 +58,19 @@ void CountTable::add(const NGram& key, Token token, uint32_t count) {
     while (slots_[i] != 0) i = (i + 1) & mask;
     slots_[i] = tag_of(h) | static_cast<uint64_t>(idx + 1);
   }
-  Entry& e = entries_[idx];
+  return entries_[idx];
+}
+
+void CountTable::insert_follower(Entry& e, std::vector<Follower>::iterator it, Follower f) {
+  const size_t before = e.followers.capacity();
+  e.followers.insert(it, f);
+  follower_bytes_ += (e.followers.capacity() - before) * sizeof(Follower);
+  ++n_entries_;
+}
+
+void CountTable::add(const NGram& key, Token token, uint32_t count) {
+  if (count == 0) return;
+  Entry& e = find_or_insert(key);
   auto it = std::lower_bound(e.followers.begin(), e.followers.end(), token,
                              [](const Follower& f, Token t) { return f.token < t; });
   uint32_t now;
@@ -67,12 +78,33 @@ void CountTable::add(const NGram& key, Token token, uint32_t count) {
     it->count = saturating_add(it->count, count);
     now = it->count;
   } else {
-    e.followers.insert(it, Follower{token, count});
-    ++n_entries_;
+    insert_follower(e, it, Follower{token, count});
     now = count;
   }
   e.total += count;
   e.max_count = std::max(e.max_count, now);
+}
+
+void CountTable::set(const NGram& key, Token token, uint32_t count) {
+  if (count == 0) return;
+  Entry& e = find_or_insert(key);
+  auto it = std::lower_bound(e.followers.begin(), e.followers.end(), token,
+                             [](const Follower& f, Token t) { return f.token < t; });
+  if (it != e.followers.end() && it->token == token) {
+    const uint32_t old = it->count;
+    it->count = count;
+    e.total = e.total - old + count;
+    if (count >= e.max_count) {
+      e.max_count = count;
+    } else if (old == e.max_count) {  // the maximum went down: find the new one
+      e.max_count = 0;
+      for (const Follower& f : e.followers) e.max_count = std::max(e.max_count, f.count);
+    }
+  } else {
+    insert_follower(e, it, Follower{token, count});
+    e.total += count;
+    e.max_count = std::max(e.max_count, count);
+  }
 }
 
 void CountTable::update(const Token* tokens, size_t n_tokens, size_t n_new, int ngram_min, int ngram_max) {
@@ -94,12 +126,7 @@ void CountTable::clear() {
   entries_.clear();
   slots_.clear();
   n_entries_ = 0;
-}
-
-size_t CountTable::memory_bytes() const {
-  size_t bytes = slots_.capacity() * sizeof(uint64_t) + entries_.capacity() * sizeof(Entry);
-  for (const Entry& e : entries_) bytes += e.followers.capacity() * sizeof(Follower);
-  return bytes;
+  follower_bytes_ = 0;
 }
 
 Status CountTable::check_integrity() const {
@@ -151,6 +178,9 @@ Status CountTable::check_integrity() const {
     n_entries += e.followers.size();
   }
   if (n_entries != n_entries_) return Status::FormatError("entry count is stale");
+  size_t follower_bytes = 0;
+  for (const Entry& e : entries_) follower_bytes += e.followers.capacity() * sizeof(Follower);
+  if (follower_bytes != follower_bytes_) return Status::FormatError("follower byte count is stale");
   return Status::Ok();
 }
 

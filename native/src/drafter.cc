@@ -1,6 +1,10 @@
 #include "ngc/drafter.h"
 
 #include <algorithm>
+#include <cstring>
+#include <mutex>
+#include <shared_mutex>
+#include <string>
 
 namespace ngc {
 namespace {
@@ -105,6 +109,72 @@ int draft(const Token* seq, size_t n_seq, const CountTable* context, const Count
     out[n_out++] = t;
   }
   return n_out;
+}
+
+Drafter::Drafter(const DrafterOptions& options)
+    : options_(options), seqs_(options.ngram_min, options.ngram_max, options.track_deltas, options.limits) {}
+
+Status Drafter::set_static(std::shared_ptr<const StaticCache> cache) {
+  if (cache) {
+    const StaticInfo& info = cache->info();
+    if (std::memcmp(info.fingerprint, options_.fingerprint, kFingerprintSize) != 0) {
+      return Status::TokenizerMismatch("the static cache was built for another tokenizer (its fingerprint differs from the drafter's)");
+    }
+    if (info.vocab_size != options_.vocab_size) {
+      return Status::TokenizerMismatch("the static cache's vocabulary size " + std::to_string(info.vocab_size) +
+                                       " differs from the drafter's " + std::to_string(options_.vocab_size));
+    }
+  }
+  std::unique_lock lock(tables_mu_);
+  if (cache && static_ && cache->info().generation < static_->info().generation) {
+    return Status::InvalidArgument("generation " + std::to_string(cache->info().generation) + " is older than the attached generation " +
+                                   std::to_string(static_->info().generation));
+  }
+  static_.swap(cache);
+  lock.unlock();
+  return Status::Ok();  // `cache` (the old one) is released here, outside the lock
+}
+
+std::shared_ptr<const StaticCache> Drafter::static_cache() const {
+  std::shared_lock lock(tables_mu_);
+  return static_;
+}
+
+void Drafter::set_dynamic(std::shared_ptr<SharedCountTable> table) {
+  std::unique_lock lock(tables_mu_);
+  dynamic_.swap(table);
+}
+
+std::shared_ptr<SharedCountTable> Drafter::dynamic_table() const {
+  std::shared_lock lock(tables_mu_);
+  return dynamic_;
+}
+
+Status Drafter::draft(int64_t seq, const Token* tokens, size_t n, int n_draft, Token* out, int* n_out) const {
+  *n_out = 0;
+  if (n_draft < 1 || n_draft > kMaxDraft) {
+    return Status::InvalidArgument("n_draft must be in 1.." + std::to_string(kMaxDraft) + ", got " + std::to_string(n_draft));
+  }
+  // Only the tail is read (the whole sequence may be long): check just that.
+  const size_t window = std::min<size_t>(n, kNgramMax);
+  for (size_t i = n - window; i < n; ++i) {
+    if (tokens[i] < 0 || static_cast<uint32_t>(tokens[i]) >= options_.vocab_size) {
+      return Status::InvalidArgument("tokens[" + std::to_string(i) + "] = " + std::to_string(tokens[i]) +
+                                     " is outside the vocabulary [0, " + std::to_string(options_.vocab_size) + ")");
+    }
+  }
+  DraftParams p;
+  p.n_draft = n_draft;
+  p.ngram_min = options_.ngram_min;
+  p.ngram_max = options_.ngram_max;
+  std::shared_lock tables(tables_mu_);
+  std::shared_lock<RwLock> dyn_lock;
+  if (dynamic_) dyn_lock = dynamic_->read();
+  const CountTable* dyn = dynamic_ ? &dynamic_->table() : nullptr;
+  *n_out = seqs_.with_context(seq, [&](const CountTable* context) {
+    return ngc::draft(tokens, n, context, dyn, static_.get(), p, out);
+  });
+  return Status::Ok();
 }
 
 }  // namespace ngc

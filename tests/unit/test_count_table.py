@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 import reference
 from ngramcache import CountTable, InvalidArgumentError
+from ngramcache import MAX_VOCAB
 from ngramcache import ngram_hash
 
 
@@ -55,7 +56,7 @@ def test_incremental_updates_equal_one_update():
 def test_growth_keeps_every_key():
     t = CountTable()
     rng = np.random.default_rng(1)
-    keys = rng.integers(0, 1 << 30, size=(50_000, 2))
+    keys = rng.integers(0, MAX_VOCAB, size=(50_000, 2))
     sizes = []
     for i, (a, b) in enumerate(keys.tolist()):
         t.add([a, b], i % 1000, 1 + i % 3)
@@ -129,10 +130,10 @@ def test_add_rows_is_all_or_nothing():
     assert t.n_entries == 2
     for bad, message in [
         ([[2, 1, 2, -1, -1, 3, 4], [5, 1, 2, 3, 4, 5, 1]], "n-gram size 5"),
-        ([[2, 1, 2, -1, -1, 3, 4], [2, 1, 2, 3, -1, 5, 1]], "unused slots -1"),
-        ([[2, 1, 2, -1, -1, 3, 4], [2, 1, -4, -1, -1, 5, 1]], "must be >= 0"),
-        ([[2, 1, 2, -1, -1, 3, 4], [2, 1, 2, -1, -1, 5, 0]], "count must be > 0"),
-        ([[2, 1, 2, -1, -1, 3, 4], [2, 1, 2, -1, -1, -5, 1]], "follower token is negative"),
+        ([[2, 1, 2, -1, -1, 3, 4], [2, 1, 2, 3, -1, 5, 1]], "past the n-gram must be -1"),
+        ([[2, 1, 2, -1, -1, 3, 4], [2, 1, -4, -1, -1, 5, 1]], "outside the vocabulary"),
+        ([[2, 1, 2, -1, -1, 3, 4], [2, 1, 2, -1, -1, 5, 0]], "count 0 is outside"),
+        ([[2, 1, 2, -1, -1, 3, 4], [2, 1, 2, -1, -1, -5, 1]], "follower -5 is outside the vocabulary"),
     ]:
         with pytest.raises(InvalidArgumentError, match=message):
             t.add_rows(arr(bad))
@@ -190,3 +191,53 @@ def test_integrity_after_every_change(ops):
             want = reference.new_table()
         t.check_integrity()
     assert as_table(t) == {k: dict(v) for k, v in want.items() if v}
+
+
+def test_assign_rows_upserts_absolute_counts():
+    t = CountTable()
+    t.add([1, 2], 3, 5)
+    t.add([1, 2], 4, 9)
+    rows = np.array([[2, 1, 2, -1, -1, 3, 7],      # overwrite 5 -> 7
+                     [2, 1, 2, -1, -1, 4, 2],      # the maximum goes down: 9 -> 2
+                     [1, 6, -1, -1, -1, 0, 1],     # a new key
+                     [3, 1, 2, 3, -1, 5, 1 << 40]],  # saturates
+                    dtype=np.int64)
+    t.assign_rows(rows)
+    assert t.lookup([1, 2])[1].tolist() == [7, 2]
+    assert t.lookup([6])[0].tolist() == [0]
+    assert t.lookup([1, 2, 3])[1].tolist() == [(1 << 32) - 1]
+    t.check_integrity()
+    t.assign_rows(rows)  # idempotent: absolute, not added
+    assert t.lookup([1, 2])[1].tolist() == [7, 2]
+    t.check_integrity()
+
+
+def test_assign_rows_is_all_or_nothing():
+    t = CountTable()
+    t.add([1, 2], 3, 5)
+    bad = np.array([[2, 1, 2, -1, -1, 3, 8], [2, 1, 2, -1, -1, 4, 0]], dtype=np.int64)
+    with pytest.raises(InvalidArgumentError, match="row 1: count 0"):
+        t.assign_rows(bad)
+    assert t.lookup([1, 2])[1].tolist() == [5]
+    with pytest.raises(InvalidArgumentError, match="int64"):
+        t.assign_rows(bad.astype(np.int32))
+
+
+def test_assign_rows_matches_a_reference_upsert():
+    rng = np.random.default_rng(9)
+    t, ref = CountTable(), {}
+    for _ in range(20):
+        m = 300
+        rows = np.full((m, 7), -1, dtype=np.int64)
+        n = rng.integers(1, 5, m)
+        rows[:, 0] = n
+        for i in range(m):
+            rows[i, 1:1 + n[i]] = rng.integers(0, 6, n[i])
+        rows[:, 5] = rng.integers(0, 6, m)
+        rows[:, 6] = rng.integers(1, 50, m)
+        t.assign_rows(rows)
+        for r in rows.tolist():
+            ref[(tuple(r[1:1 + r[0]]), r[5])] = r[6]
+        t.check_integrity()
+    got = {(tuple(r[1:1 + r[0]]), r[5]): r[6] for r in t.to_rows().tolist()}
+    assert got == ref

@@ -14,6 +14,8 @@ from hypothesis import strategies as st
 
 import reference
 from ngramcache import CountTable, Drafter, InvalidArgumentError, StaticCache, build_static_from_tokens
+from ngramcache import TokenizerMismatchError
+from ngramcache import UNTAGGED
 
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -22,10 +24,11 @@ def arr(tokens) -> np.ndarray:
     return np.asarray(tokens, dtype=np.int32)
 
 
-def build_static(streams, vocab: int, k: int = 2):
+def build_static(streams, vocab: int, k: int = 2, fingerprint: bytes = UNTAGGED, generation: int = 0):
     fd, path = tempfile.mkstemp(suffix=".ngc")
     os.close(fd)
-    build_static_from_tokens([arr(s) for s in streams], path, vocab_size=vocab, ngram_size=k)
+    build_static_from_tokens([arr(s) for s in streams], path, vocab_size=vocab, ngram_size=k, fingerprint=fingerprint,
+                             generation=generation)
     cache = StaticCache.open(path)
     os.unlink(path)  # the mapping keeps the file alive
     return cache
@@ -41,7 +44,7 @@ def check_replay(seq, vocab, n_draft, static_streams, dynamic_streams, ngram_min
         for s in dynamic_streams:
             dynamic.update(arr(s), ngram_min=ngram_min, ngram_max=ngram_max)
             reference.update(ref_dynamic, s, len(s), ngram_min, ngram_max)
-    drafter = Drafter(static=static, dynamic=dynamic, vocab_size=vocab, ngram_min=ngram_min, ngram_max=ngram_max)
+    drafter = Drafter(static=static, dynamic=dynamic, vocab_size=vocab, fingerprint=UNTAGGED, ngram_min=ngram_min, ngram_max=ngram_max)
     ref_context = reference.new_table()
     tokens = arr(seq)
     n_drafted = 0
@@ -134,12 +137,12 @@ def test_static_swap_changes_drafts():
     assert d.draft(0, arr([1, 2]), 1).tolist() == [3]
     d.set_static(b)
     assert d.draft(0, arr([1, 2]), 1).tolist() == [4]
-    with pytest.raises(InvalidArgumentError, match="vocabulary size"):
+    with pytest.raises(TokenizerMismatchError, match="vocabulary size"):
         d.set_static(build_static([[1, 2, 3]], 9))
 
 
 def test_bad_arguments_raise_value_error():
-    d = Drafter(vocab_size=10)
+    d = Drafter(vocab_size=10, fingerprint=UNTAGGED)
     with pytest.raises(ValueError, match="dtype int32"):
         d.draft(0, np.array([1, 2, 3], dtype=np.int64), 4)
     with pytest.raises(ValueError, match="numpy array of int32"):
@@ -159,11 +162,11 @@ def test_bad_arguments_raise_value_error():
     with pytest.raises(ValueError, match="vocab_size"):
         Drafter()
     with pytest.raises(ValueError, match="ngram_min"):
-        Drafter(vocab_size=10, ngram_min=3, ngram_max=2)
+        Drafter(vocab_size=10, fingerprint=UNTAGGED, ngram_min=3, ngram_max=2)
 
 
 def test_accept_is_incremental_and_refuses_a_shrunk_sequence():
-    d = Drafter(vocab_size=10)
+    d = Drafter(vocab_size=10, fingerprint=UNTAGGED)
     seq = arr([1, 2, 3, 1, 2, 3, 1, 2])
     d.accept(1, seq[:4])
     d.accept(1, seq)
@@ -178,7 +181,7 @@ def test_accept_is_incremental_and_refuses_a_shrunk_sequence():
 
 
 def test_drain_deltas_returns_accepted_counts_once():
-    d = Drafter(vocab_size=10, track_deltas=True)
+    d = Drafter(vocab_size=10, fingerprint=UNTAGGED, track_deltas=True)
     d.accept(1, arr([1, 2, 3, 1, 2]))
     d.accept(2, arr([4, 5, 4, 5]))
     rows = d.drain_deltas()
@@ -191,9 +194,185 @@ def test_drain_deltas_returns_accepted_counts_once():
 
 
 def test_draft_does_not_copy_or_keep_the_input():
-    d = Drafter(vocab_size=10)
+    d = Drafter(vocab_size=10, fingerprint=UNTAGGED)
     seq = arr([1, 2, 1, 2, 1, 2])
     d.accept(0, seq)
     before = seq.copy()
     assert d.draft(0, seq, 4).tolist() == [1, 2, 1, 2]
     assert (seq == before).all()
+
+
+# --- Tokenizer binding -------------------------------------------------------------------
+
+FP_A, FP_B = b"\xaa" * 32, b"\xbb" * 32
+
+
+def test_drafter_is_bound_to_its_static_caches_tokenizer():
+    d = Drafter(static=build_static([[1, 2, 3] * 5], 8, fingerprint=FP_A))
+    assert d.fingerprint == FP_A and d.vocab_size == 8
+    with pytest.raises(TokenizerMismatchError, match="another tokenizer"):
+        d.set_static(build_static([[1, 2, 3] * 5], 8, fingerprint=FP_B))
+    with pytest.raises(TokenizerMismatchError, match="another tokenizer"):
+        d.set_static(build_static([[1, 2, 3] * 5], 8, fingerprint=UNTAGGED))
+    with pytest.raises(TokenizerMismatchError, match="fingerprint differs"):
+        Drafter(static=build_static([[1, 2, 3]], 8, fingerprint=FP_A), fingerprint=FP_B)
+    with pytest.raises(TokenizerMismatchError, match="vocab_size 9"):
+        Drafter(static=build_static([[1, 2, 3]], 8, fingerprint=FP_A), vocab_size=9)
+    assert d.draft(0, arr([1, 2]), 1).tolist() == [3]  # the refused swaps changed nothing
+
+
+def test_drafter_without_static_needs_an_explicit_tokenizer():
+    with pytest.raises(InvalidArgumentError, match="needs vocab_size and fingerprint"):
+        Drafter(vocab_size=10)
+    with pytest.raises(InvalidArgumentError, match="32 bytes"):
+        Drafter(vocab_size=10, fingerprint=b"short")
+    d = Drafter(vocab_size=8, fingerprint=FP_A)
+    d.set_static(build_static([[1, 2, 3] * 5], 8, fingerprint=FP_A))
+    assert d.draft(0, arr([1, 2]), 1).tolist() == [3]
+
+
+def test_older_generation_is_refused_newer_and_equal_accepted():
+    d = Drafter(static=build_static([[1, 2, 3] * 5], 8, generation=5))
+    with pytest.raises(InvalidArgumentError, match="generation 4 is older than the attached generation 5"):
+        d.set_static(build_static([[1, 2, 4] * 5], 8, generation=4))
+    assert d.draft(0, arr([1, 2]), 1).tolist() == [3]
+    d.set_static(build_static([[1, 2, 4] * 5], 8, generation=5))
+    d.set_static(build_static([[1, 2, 5] * 5], 8, generation=6))
+    assert d.static.generation == 6 and d.draft(0, arr([1, 2]), 1).tolist() == [5]
+    d.set_static(None)
+    assert d.draft(0, arr([1, 2]), 1).tolist() == []
+
+
+def test_wrong_types_give_type_errors_not_internal_ones(tmp_path):
+    with pytest.raises(TypeError, match=r"StaticCache.open\(path\)"):
+        Drafter(static="x.ngc")
+    with pytest.raises(TypeError, match=r"StaticCache.open\(path\)"):
+        Drafter(static=tmp_path / "x.ngc")
+    with pytest.raises(TypeError, match="must be a CountTable"):
+        Drafter(vocab_size=8, fingerprint=UNTAGGED, dynamic={})
+
+
+def test_paths_may_be_pathlike(tmp_path):
+    path = tmp_path / "p.ngc"
+    build_static_from_tokens([arr([1, 2, 3] * 4)], path, vocab_size=8, fingerprint=UNTAGGED)
+    assert StaticCache.open(path).n_keys == 3
+
+
+# --- Bounded sequences ---------------------------------------------------------------------
+
+
+def test_max_sequences_evicts_the_least_recently_used():
+    d = Drafter(vocab_size=10, fingerprint=UNTAGGED, max_sequences=3)
+    for s in range(3):
+        d.accept(s, arr([1, 2, 3, 1, 2]))
+    d.draft(0, arr([1, 2]), 2)  # sequence 0 is now the most recently used
+    d.accept(3, arr([4, 5, 4, 5]))
+    assert d.n_sequences == 3 and d.n_evicted == 1
+    assert d.context_rows(1).shape[0] == 0  # 1 was the least recently used
+    assert d.context_rows(0).shape[0] > 0 and d.context_rows(3).shape[0] > 0
+    d.accept(1, arr([1, 2, 3]))  # an evicted sequence starts again from nothing
+    assert d.n_sequences == 3
+
+
+def test_memory_cap_bounds_context_tables_and_reset_frees():
+    rng = np.random.default_rng(3)
+    d = Drafter(vocab_size=1000, fingerprint=UNTAGGED, max_memory=200_000)
+    for s in range(50):
+        d.accept(s, arr(rng.integers(0, 1000, 400)))
+        assert d.memory_bytes() <= 200_000 + 100_000  # at most the sequence just accepted over the cap
+    assert d.n_evicted > 0 and d.memory_bytes() <= 200_000
+    before = d.memory_bytes()
+    assert d.reset(49) and d.memory_bytes() < before
+    for s in range(50):
+        d.reset(s)
+    assert d.memory_bytes() == 0 and d.n_sequences == 0
+
+
+def test_idle_ttl_evicts_unused_sequences():
+    import time
+
+    d = Drafter(vocab_size=10, fingerprint=UNTAGGED, idle_ttl=0.05)
+    d.accept(1, arr([1, 2, 3]))
+    d.accept(2, arr([1, 2, 3]))
+    time.sleep(0.12)
+    d.accept(2, arr([1, 2, 3, 4]))
+    assert d.evict_idle() == 1 and d.n_sequences == 1 and d.context_rows(2).shape[0] > 0
+
+
+def test_bad_limits_are_refused():
+    for kw, msg in [({"max_sequences": -1}, "max_sequences"), ({"idle_ttl": float("nan")}, "idle_ttl"),
+                    ({"idle_ttl": -1.0}, "idle_ttl"), ({"max_memory": -5}, "max_memory")]:
+        with pytest.raises(InvalidArgumentError, match=msg):
+            Drafter(vocab_size=10, fingerprint=UNTAGGED, **kw)
+
+
+# --- Concurrency ---------------------------------------------------------------------------
+
+
+def test_parallel_drafts_equal_serial_drafts_while_the_mirror_and_static_change():
+    """Threads drafting different sequences, a writer applying change sets to the dynamic
+    table and a static swap: no error, and drafts on a quiet table equal the serial ones."""
+    import threading
+
+    rng = np.random.default_rng(5)
+    vocab = 50
+    seqs = [arr(rng.integers(0, vocab, 600) % 7) for _ in range(8)]
+    dynamic = CountTable()
+    d = Drafter(static=build_static([s.tolist() for s in seqs[:4]], vocab), dynamic=dynamic)
+    for i, s in enumerate(seqs):
+        d.accept(i, s[:300])
+    serial = {(i, n): d.draft(i, s[:n], 8).tolist() for i, s in enumerate(seqs) for n in range(2, 300, 7)}
+    errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def drafter_thread(ids):
+        try:
+            while not stop.is_set():
+                for i in ids:
+                    for n in range(2, 300, 7):
+                        d.draft(i, seqs[i][:n], 8)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    def writer_thread():
+        try:
+            for _ in range(20):
+                rows = np.zeros((2000, 7), dtype=np.int64)
+                rows[:, 0] = 2
+                rows[:, 1:3] = rng.integers(0, vocab, (2000, 2))
+                rows[:, 3:5] = -1
+                rows[:, 5] = rng.integers(0, vocab, 2000)
+                rows[:, 6] = rng.integers(1, 100, 2000)
+                dynamic.assign_rows(rows)
+            d.set_static(build_static([s.tolist() for s in seqs[4:]], vocab))
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=drafter_thread, args=(ids,)) for ids in ([0, 1, 2, 3], [4, 5, 6, 7])]
+    w = threading.Thread(target=writer_thread)
+    for t in threads:
+        t.start()
+    w.start()
+    w.join()
+    stop.set()
+    for t in threads:
+        t.join()
+    assert not errors
+    dynamic.check_integrity()
+    # Quiet again: the same tables drafted from two threads give the serial answers.
+    d2 = Drafter(static=build_static([s.tolist() for s in seqs[:4]], vocab))
+    for i, s in enumerate(seqs):
+        d2.accept(i, s[:300])
+    results: dict = {}
+
+    def collect(ids):
+        for i in ids:
+            for n in range(2, 300, 7):
+                results[(i, n)] = d2.draft(i, seqs[i][:n], 8).tolist()
+
+    ts = [threading.Thread(target=collect, args=(ids,)) for ids in ([0, 2, 4, 6], [1, 3, 5, 7])]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert results == serial

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 import reference
 from ngramcache import CacheFormatError, CountTable, StaticCache, build_static_from_tokens
+from ngramcache import UNTAGGED
 from ngramcache import StaticBuilder, export_llama, import_llama, load_llama_counts
 
 
@@ -84,7 +85,7 @@ def hostile_cases():
 @pytest.mark.parametrize("data,offset,message", hostile_cases())
 def test_hostile_files_are_refused_with_the_offset(tmp_path, data, offset, message):
     (tmp_path / "bad.bin").write_bytes(data)
-    b = StaticBuilder(str(tmp_path / "out.ngc"), 40)
+    b = StaticBuilder(str(tmp_path / "out.ngc"), 40, fingerprint=UNTAGGED)
     with pytest.raises(CacheFormatError, match=f"byte {offset}: .*{message}"):
         import_llama(str(tmp_path / "bad.bin"), b)
     t = CountTable()
@@ -99,7 +100,7 @@ def test_mixed_ngram_sizes_are_refused_for_a_static_import(tmp_path):
     rec += struct.pack("<4ii", 1, 2, 3, -1, 1) + struct.pack("<ii", 3, 1)
     (tmp_path / "m.bin").write_bytes(rec)
     with pytest.raises(CacheFormatError, match="byte 28: an n-gram of 3 tokens; this import builds keys of 2"):
-        import_llama(str(tmp_path / "m.bin"), StaticBuilder(str(tmp_path / "o.ngc"), 40))
+        import_llama(str(tmp_path / "m.bin"), StaticBuilder(str(tmp_path / "o.ngc"), 40, fingerprint=UNTAGGED))
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -117,7 +118,7 @@ def test_random_bytes_never_crash_the_importers(tmp_path, data, prefix_records):
         assert t.n_keys == 0
     else:
         t.check_integrity()
-    b = StaticBuilder(str(tmp_path / "fuzz.ngc"), 40)
+    b = StaticBuilder(str(tmp_path / "fuzz.ngc"), 40, fingerprint=UNTAGGED)
     try:
         import_llama(str(path), b)
     except CacheFormatError:

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 import reference
 from ngramcache import CountTable, InvalidArgumentError, StaticCache, build_static_from_tokens
+from ngramcache import UNTAGGED
 from ngramcache import replay
 
 
@@ -69,7 +70,7 @@ def test_replay_matches_reference(vocab, tokens, n_ctx, n_draft, with_static):
         fd, path = tempfile.mkstemp()
         os.close(fd)
         corpus = [(t * 7 + 3) % vocab for t in tokens[::-1]]
-        build_static_from_tokens([np.asarray(corpus, dtype=np.int32)], path, vocab_size=vocab)
+        build_static_from_tokens([np.asarray(corpus, dtype=np.int32)], path, vocab_size=vocab, fingerprint=UNTAGGED)
         static = StaticCache.open(path)
         os.unlink(path)
         ref_static = reference.count_static([corpus])

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 import reference
 from ngramcache import CacheFormatError, Drafter, InvalidArgumentError, StaticCache, build_static_from_tokens
+from ngramcache import UNTAGGED
 from ngramcache import checksum64
 
 HEADER = 128
@@ -270,7 +271,7 @@ def test_write_is_atomic_and_leaves_no_temporary(tmp_path, good):
     # A failed build (token outside the vocabulary) leaves the old file untouched.
     before = (tmp_path / "good.ngc").read_bytes()
     with pytest.raises(InvalidArgumentError, match="outside the vocabulary"):
-        build_static_from_tokens([np.array([1, 2, 99], dtype=np.int32)], str(tmp_path / "good.ngc"), vocab_size=50)
+        build_static_from_tokens([np.array([1, 2, 99], dtype=np.int32)], str(tmp_path / "good.ngc"), vocab_size=50, fingerprint=UNTAGGED)
     assert (tmp_path / "good.ngc").read_bytes() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["good.ngc"]
 
@@ -278,13 +279,13 @@ def test_write_is_atomic_and_leaves_no_temporary(tmp_path, good):
 def test_build_arguments(tmp_path):
     s = [np.array([1, 2, 3], dtype=np.int32)]
     with pytest.raises(InvalidArgumentError, match="ngram_size"):
-        build_static_from_tokens(s, str(tmp_path / "a"), vocab_size=5, ngram_size=5)
+        build_static_from_tokens(s, str(tmp_path / "a"), vocab_size=5, ngram_size=5, fingerprint=UNTAGGED)
     with pytest.raises(InvalidArgumentError, match="vocab_size"):
-        build_static_from_tokens(s, str(tmp_path / "a"), vocab_size=0)
+        build_static_from_tokens(s, str(tmp_path / "a"), vocab_size=0, fingerprint=UNTAGGED)
     with pytest.raises(InvalidArgumentError, match="fingerprint must be 32 bytes"):
         build_static_from_tokens(s, str(tmp_path / "a"), vocab_size=5, fingerprint=b"x")
     with pytest.raises(OSError, match="cannot create"):
-        build_static_from_tokens(s, str(tmp_path / "no" / "dir" / "a"), vocab_size=5)
+        build_static_from_tokens(s, str(tmp_path / "no" / "dir" / "a"), vocab_size=5, fingerprint=UNTAGGED)
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

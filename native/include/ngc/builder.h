@@ -56,6 +56,9 @@ class Builder {
   virtual Status add_tokens(const Token* data, size_t n) = 0;
   // Adds `count` occurrences of follower `follower` after the k tokens at `key`.
   virtual Status add_count(const Token* key, Token follower, uint64_t count) = 0;
+  // Adds n to the informational token count the header records (tokens observed by
+  // counts that arrive already counted: a merged cache).
+  virtual void add_observed_tokens(uint64_t n) = 0;
   // Merges everything and writes the file (temporary name, fsync, rename).
   virtual Status finish() = 0;
   virtual const BuildStats& stats() const = 0;

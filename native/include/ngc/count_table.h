@@ -44,6 +44,9 @@ class CountTable {
 
   // Adds `count` (> 0) to follower `token` of `key`.
   void add(const NGram& key, Token token, uint32_t count);
+  // Sets follower `token` of `key` to `count` (> 0), inserting it when absent: how a mirror
+  // applies the absolute counts a store returns.
+  void set(const NGram& key, Token token, uint32_t count);
 
   // llama.cpp's common_ngram_cache_update: for each n in [ngram_min, ngram_max] and each
   // position i in [max(n_tokens - n_new, n), n_tokens), the key tokens[i-n..i-1] gains one
@@ -59,8 +62,10 @@ class CountTable {
   size_t n_keys() const { return entries_.size(); }
   // The number of (n-gram, follower) pairs.
   size_t n_entries() const { return n_entries_; }
-  // Bytes held on the heap by the table (index, entries and follower arrays).
-  size_t memory_bytes() const;
+  // Bytes held on the heap by the table (index, entries and follower arrays); O(1).
+  size_t memory_bytes() const {
+    return slots_.capacity() * sizeof(uint64_t) + entries_.capacity() * sizeof(Entry) + follower_bytes_;
+  }
   // Checks every invariant (index <-> entries, sorted followers, totals); O(size).
   Status check_integrity() const;
 
@@ -83,11 +88,16 @@ class CountTable {
   }
   // The entry index of `key`, or -1.
   int64_t find_index(const NGram& key, uint64_t hash) const;
+  // The entry of `key`, inserted (without followers) when absent.
+  Entry& find_or_insert(const NGram& key);
   void grow();
 
   std::vector<Entry> entries_;   // dense, insertion order
   std::vector<uint64_t> slots_;  // (hash >> 32) << 32 | (entry index + 1); 0 = empty
   size_t n_entries_ = 0;         // sum of followers.size() over entries_
+  size_t follower_bytes_ = 0;    // sum of followers.capacity() * sizeof(Follower) over entries_
+  // Inserts follower `f` at `it` in `e`, keeping n_entries_ and follower_bytes_ exact.
+  void insert_follower(Entry& e, std::vector<Follower>::iterator it, Follower f);
 };
 
 }  // namespace ngc

@@ -14,15 +14,17 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 
 #include "ngc/count_table.h"
 #include "ngc/ngram.h"
+#include "ngc/rwlock.h"
+#include "ngc/sequences.h"
+#include "ngc/shared_table.h"
 #include "ngc/static_cache.h"
+#include "ngc/status.h"
 
 namespace ngc {
-
-// The largest n_draft a call may ask for.
-constexpr int kMaxDraft = 256;
 
 struct DraftThresholds {
   int min_samples[kNgramMax];  // indexed by n-gram size - 1
@@ -46,5 +48,57 @@ struct DraftParams {
 // `seq`. Never allocates.
 int draft(const Token* seq, size_t n_seq, const CountTable* context, const CountTable* dynamic,
           const StaticCache* static_cache, const DraftParams& params, Token* out);
+
+struct DrafterOptions {
+  uint32_t vocab_size = 0;                       // token ids are < it; 1..kMaxVocab
+  uint8_t fingerprint[kFingerprintSize] = {};    // the tokenizer; all zero = untagged
+  int ngram_min = 1;                             // context/dynamic n-gram sizes tried
+  int ngram_max = 4;
+  bool track_deltas = false;                     // keep accepted counts for drain_deltas
+  SequenceLimits limits;                         // bounds on the per-sequence tables
+};
+
+// Drafter: one worker's (or one service replica's) drafting state: the per-sequence context
+// tables, a shared dynamic table and a static cache, bound to one tokenizer. A static cache
+// of another tokenizer or vocabulary, or of an older generation than the one attached, is
+// refused. Swapping the static cache or dynamic table waits only for drafts in flight
+// (microseconds) and never fails one.
+//
+// Thread-safety: every method may be called from any thread; drafts and accepts for
+// different sequences run in parallel.
+class Drafter {
+ public:
+  // The caller MUST pass valid options (the bindings check them).
+  explicit Drafter(const DrafterOptions& options);
+
+  // Attaches `cache` (null detaches). Fails with kTokenizerMismatch when its fingerprint or
+  // vocabulary differs from the drafter's, kInvalidArgument when its generation is older
+  // than the attached one's.
+  Status set_static(std::shared_ptr<const StaticCache> cache);
+  std::shared_ptr<const StaticCache> static_cache() const;
+  // Attaches `table` as the dynamic table (null detaches); its owner may keep writing it.
+  void set_dynamic(std::shared_ptr<SharedCountTable> table);
+  std::shared_ptr<SharedCountTable> dynamic_table() const;
+
+  // Drafts up to n_draft (1..kMaxDraft) tokens after tokens[0..n) of sequence `seq` into
+  // `out` (room for n_draft); `*n_out` is how many. Checks the tail tokens it reads.
+  Status draft(int64_t seq, const Token* tokens, size_t n, int n_draft, Token* out, int* n_out) const;
+  // See SequenceSet::accept.
+  Status accept(int64_t seq, const Token* tokens, size_t n) { return seqs_.accept(seq, tokens, n, options_.vocab_size); }
+
+  SequenceSet& sequences() { return seqs_; }
+  const SequenceSet& sequences() const { return seqs_; }
+  const DrafterOptions& options() const { return options_; }
+  // Heap bytes of this drafter's own tables (context tables); the static cache is mapped
+  // and shared, the dynamic table belongs to its owner.
+  size_t memory_bytes() const { return seqs_.memory_bytes(); }
+
+ private:
+  const DrafterOptions options_;
+  SequenceSet seqs_;
+  mutable RwLock tables_mu_;                   // guards the two pointers below
+  std::shared_ptr<const StaticCache> static_;  // may be null
+  std::shared_ptr<SharedCountTable> dynamic_;  // may be null
+};
 
 }  // namespace ngc

@@ -5,10 +5,9 @@
 #include <cstdint>
 #include <cstring>
 
-namespace ngc {
+#include "ngc/limits.h"
 
-// The longest n-gram a key can hold (llama.cpp's LLAMA_NGRAM_MAX).
-constexpr int kNgramMax = 4;
+namespace ngc {
 
 // A token id. Valid ids are 0 <= id < vocab_size; -1 marks an unused key slot.
 using Token = int32_t;

@@ -1,11 +1,21 @@
-// SequenceSet: the per-sequence context tables of one drafter, and the n-gram counts
-// accepted since the last drain (the deltas a client pushes to the fleet's dynamic table).
+// SequenceSet: the per-sequence context tables of one drafter, bounded, and the n-gram
+// counts accepted since the last drain (the deltas a client pushes to the fleet).
 //
-// Thread-safety: none; the owner serializes every call (the bindings hold a mutex).
+// Bounds (SequenceLimits, each 0 = none): at most max_sequences sequences, each evicted
+// after idle_ttl_ms without a draft or accept, and at most max_memory_bytes of context
+// tables; over a bound the least recently used sequences are evicted (never the one being
+// accepted). An evicted sequence starts again empty, as a reset() one does.
+//
+// Thread-safety: every method may be called from any thread. Calls for different sequences
+// run in parallel (a map lock is held only to find a sequence; each sequence has its own
+// lock); calls for one sequence are serialized.
 #pragma once
 
+#include <atomic>
+#include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <unordered_map>
 #include <vector>
 
@@ -14,40 +24,76 @@
 
 namespace ngc {
 
+struct SequenceLimits {
+  size_t max_sequences = 0;     // most sequences kept; 0 = unlimited
+  int64_t idle_ttl_ms = 0;      // evict a sequence unused this long; 0 = never
+  size_t max_memory_bytes = 0;  // most heap bytes of context tables; 0 = unlimited
+};
+
 class SequenceSet {
  public:
-  SequenceSet(int ngram_min, int ngram_max, bool track_deltas)
-      : ngram_min_(ngram_min), ngram_max_(ngram_max), track_deltas_(track_deltas) {}
+  SequenceSet(int ngram_min, int ngram_max, bool track_deltas, SequenceLimits limits);
 
   // Counts the tokens of sequence `seq` that are new since its last accept: `tokens` is the
   // whole sequence so far, of which the first n_counted were counted before. Fails (and
-  // changes nothing) when the sequence is shorter than what was counted.
-  Status accept(int64_t seq, const Token* tokens, size_t n_tokens);
+  // changes nothing) when the sequence is shorter than what was counted, or when a token
+  // that would be counted is outside [0, vocab).
+  Status accept(int64_t seq, const Token* tokens, size_t n_tokens, uint32_t vocab);
 
-  // The context table of `seq`, or null when it has accepted nothing.
-  const CountTable* context(int64_t seq) const;
+  // Calls fn(const CountTable* context) with the context table of `seq` (null when the
+  // sequence is unknown) held stable, and marks the sequence used. Returns fn's result.
+  template <typename Fn>
+  auto with_context(int64_t seq, Fn&& fn) const {
+    std::shared_ptr<Seq> s = find(seq);
+    if (!s) return fn(static_cast<const CountTable*>(nullptr));
+    std::lock_guard lock(s->mu);
+    s->last_used_ns.store(now_ns(), std::memory_order_relaxed);
+    return fn(static_cast<const CountTable*>(&s->context));
+  }
+
   // How many tokens of `seq` have been counted (0 for an unknown sequence).
   size_t n_counted(int64_t seq) const;
-
   // Forgets `seq` (its context table and position); returns whether it existed.
   bool reset(int64_t seq);
-  size_t size() const { return seqs_.size(); }
+  // Evicts every sequence idle longer than the TTL; returns how many were evicted.
+  size_t evict_idle();
 
-  // Moves the pending deltas out as rows (n, t0, t1, t2, t3, follower, count) appended to
-  // `rows`, and clears them. Counts above INT32_MAX are split over several rows.
+  size_t size() const;
+  // Heap bytes of the context tables (tracked as they grow: O(1)).
+  size_t memory_bytes() const { return bytes_.load(std::memory_order_relaxed); }
+  // Sequences evicted by a bound since creation.
+  uint64_t n_evicted() const { return n_evicted_.load(std::memory_order_relaxed); }
+  const SequenceLimits& limits() const { return limits_; }
+
+  // Moves the pending deltas out as count rows (rows.h) appended to `rows`, and clears them.
   void drain_deltas(std::vector<int32_t>* rows);
-  size_t pending_entries() const { return pending_.n_entries(); }
+  size_t pending_entries() const;
 
  private:
   struct Seq {
-    CountTable context;    // n-grams of this sequence's accepted tokens
-    size_t n_counted = 0;  // tokens of the sequence already counted
+    std::mutex mu;                         // guards context and n_counted
+    CountTable context;                    // n-grams of this sequence's accepted tokens
+    size_t n_counted = 0;                  // tokens of the sequence already counted
+    size_t bytes = 0;                      // context.memory_bytes() at the last accept
+    bool evicted = false;                  // erased from the set; an accept must start anew
+    std::atomic<int64_t> last_used_ns{0};  // for LRU and TTL eviction
   };
-  int ngram_min_;
-  int ngram_max_;
-  bool track_deltas_;
-  std::unordered_map<int64_t, std::unique_ptr<Seq>> seqs_;
-  CountTable pending_;  // counts accepted since the last drain (when track_deltas_)
+  static int64_t now_ns();
+  std::shared_ptr<Seq> find(int64_t seq) const;
+  // Evicts sequences (never `keep`) until the bounds hold; the caller holds map_mu_.
+  void enforce_bounds_locked(int64_t keep);
+  void erase_locked(std::unordered_map<int64_t, std::shared_ptr<Seq>>::iterator it);
+
+  const int ngram_min_;
+  const int ngram_max_;
+  const bool track_deltas_;
+  const SequenceLimits limits_;
+  mutable std::mutex map_mu_;  // guards seqs_ (not the sequences' contents)
+  std::unordered_map<int64_t, std::shared_ptr<Seq>> seqs_;
+  std::atomic<size_t> bytes_{0};
+  std::atomic<uint64_t> n_evicted_{0};
+  mutable std::mutex pending_mu_;  // guards pending_
+  CountTable pending_;             // counts accepted since the last drain (when track_deltas_)
 };
 
 }  // namespace ngc

@@ -56,6 +56,8 @@
 
 #include <cstdint>
 
+#include "ngc/limits.h"
+
 namespace ngc::format {
 
 constexpr char kMagic[8] = {'N', 'G', 'C', 'S', 'T', 'A', 'T', '\0'};
@@ -64,8 +66,8 @@ constexpr uint32_t kEndianMarker = 0x01020304;
 constexpr uint32_t kHeaderSize = 128;
 constexpr uint32_t kSectionEntrySize = 32;
 constexpr uint32_t kNumSections = 6;
-constexpr uint32_t kMaxVocab = 1u << 24;
-constexpr uint32_t kFingerprintSize = 32;
+constexpr uint32_t kMaxVocab = ::ngc::kMaxVocab;
+constexpr uint32_t kFingerprintSize = ::ngc::kFingerprintSize;
 
 enum SectionId : uint32_t {
   kRows = 1,

@@ -13,6 +13,7 @@ enum class StatusCode {
   kFormatError,       // a static cache file is truncated, corrupt or hostile
   kIoError,           // the operating system refused a read, write, map or rename
   kOutOfRange,        // a count or size does not fit the file format's fields
+  kTokenizerMismatch, // data of one tokenizer offered to a drafter or cache of another
 };
 
 class Status {
@@ -25,6 +26,7 @@ class Status {
   static Status FormatError(std::string m) { return {StatusCode::kFormatError, std::move(m)}; }
   static Status IoError(std::string m) { return {StatusCode::kIoError, std::move(m)}; }
   static Status OutOfRange(std::string m) { return {StatusCode::kOutOfRange, std::move(m)}; }
+  static Status TokenizerMismatch(std::string m) { return {StatusCode::kTokenizerMismatch, std::move(m)}; }
 
   bool ok() const { return code_ == StatusCode::kOk; }
   StatusCode code() const { return code_; }
