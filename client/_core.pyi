@@ -212,6 +212,14 @@ class Drafter:
         sequence `seq`. Returns an int32 array, empty when nothing passes the thresholds.
         """
 
+    def draft_batch(self, seqs: Sequence[int], tokens: Sequence[NDArray[numpy.int32]], n_draft: int = 8) -> tuple[NDArray[numpy.int32], NDArray[numpy.int32]]:
+        """
+        Drafts for several sequences in one call (as a batching engine does each step), with the
+        GIL released for the whole batch. Returns (drafts, lengths): row i of the int32 array
+        drafts (shape (m, n_draft)) holds lengths[i] drafted tokens of draft(seqs[i], tokens[i],
+        n_draft), then padding.
+        """
+
     def accept(self, seq: int, tokens: NDArray[numpy.int32]) -> None:
         """
         Counts the tokens of `tokens` (the whole sequence so far) not yet accepted for `seq` into its

@@ -633,6 +633,41 @@ NB_MODULE(_core, m) {
           "Drafts up to `n_draft` tokens to follow `tokens` (the whole sequence so far, int32) of\n"
           "sequence `seq`. Returns an int32 array, empty when nothing passes the thresholds.")
       .def(
+          "draft_batch",
+          [](PyDrafter& d, const std::vector<int64_t>& seqs, nb::sequence token_arrays, int n_draft) {
+            if (n_draft < 1 || n_draft > ngc::kMaxDraft) {
+              invalid("n_draft must be in 1.." + std::to_string(ngc::kMaxDraft) + ", got " + std::to_string(n_draft));
+            }
+            const size_t m = seqs.size();
+            if (nb::len(token_arrays) != m) {
+              invalid("seqs and tokens must have the same length, got " + std::to_string(m) + " and " +
+                      std::to_string(nb::len(token_arrays)));
+            }
+            std::vector<TokenView> views;
+            views.reserve(m);
+            for (size_t i = 0; i < m; ++i) views.push_back(as_tokens(token_arrays[i], "tokens[i]"));
+            std::vector<int32_t> out(m * static_cast<size_t>(n_draft));
+            std::vector<int32_t> lengths(m, 0);
+            Status s;
+            {
+              nb::gil_scoped_release release;
+              for (size_t i = 0; i < m && s.ok(); ++i) {
+                s = d.drafter->draft(seqs[i], views[i].data, views[i].size, n_draft, out.data() + i * n_draft, &lengths[i]);
+                if (!s.ok()) s = Status(s.code(), "sequence " + std::to_string(i) + ": " + s.message());
+              }
+            }
+            check(s);
+            return nb::make_tuple(to_numpy(std::move(out), {m, static_cast<size_t>(n_draft)}),
+                                  to_numpy(std::move(lengths), {m}));
+          },
+          nb::sig("def draft_batch(self, seqs: Sequence[int], tokens: Sequence[NDArray[numpy.int32]], n_draft: int = 8) -> "
+                  "tuple[NDArray[numpy.int32], NDArray[numpy.int32]]"),
+          "seqs"_a, "tokens"_a, "n_draft"_a = 8,
+          "Drafts for several sequences in one call (as a batching engine does each step), with the\n"
+          "GIL released for the whole batch. Returns (drafts, lengths): row i of the int32 array\n"
+          "drafts (shape (m, n_draft)) holds lengths[i] drafted tokens of draft(seqs[i], tokens[i],\n"
+          "n_draft), then padding.")
+      .def(
           "accept",
           [](PyDrafter& d, int64_t seq, nb::handle tokens) {
             TokenView v = as_tokens(tokens, "tokens");

@@ -16,9 +16,10 @@ int64_t SequenceSet::now_ns() {
 }
 
 std::shared_ptr<SequenceSet::Seq> SequenceSet::find(int64_t seq) const {
-  std::lock_guard lock(map_mu_);
-  auto it = seqs_.find(seq);
-  return it == seqs_.end() ? nullptr : it->second;
+  Shard& sh = shard_of(seq);
+  std::lock_guard lock(sh.mu);
+  auto it = sh.map.find(seq);
+  return it == sh.map.end() ? nullptr : it->second;
 }
 
 Status SequenceSet::accept(int64_t seq, const Token* tokens, size_t n_tokens, uint32_t vocab) {
@@ -33,14 +34,20 @@ Status SequenceSet::accept(int64_t seq, const Token* tokens, size_t n_tokens, ui
         }
       }
       if (n_tokens == 0) return Status::Ok();
-      std::lock_guard lock(map_mu_);
-      auto [it, inserted] = seqs_.try_emplace(seq, nullptr);
-      if (inserted) {
-        it->second = std::make_shared<Seq>();
-        it->second->last_used_ns.store(now_ns(), std::memory_order_relaxed);
+      bool inserted;
+      {
+        Shard& sh = shard_of(seq);
+        std::lock_guard lock(sh.mu);
+        auto it = sh.map.try_emplace(seq, nullptr).first;
+        inserted = it->second == nullptr;
+        if (inserted) {
+          it->second = std::make_shared<Seq>();
+          it->second->last_used_ns.store(now_ns(), std::memory_order_relaxed);
+          n_seqs_.fetch_add(1, std::memory_order_relaxed);
+        }
+        s = it->second;
       }
-      s = it->second;
-      if (inserted) enforce_bounds_locked(seq);
+      if (inserted && over_bounds()) enforce_bounds(seq);
     }
     size_t grew = 0;
     {
@@ -75,15 +82,12 @@ Status SequenceSet::accept(int64_t seq, const Token* tokens, size_t n_tokens, ui
         pending_.update(tokens, n_tokens, n_new, ngram_min_, ngram_max_);
       }
     }
-    if (limits_.max_memory_bytes != 0 && memory_bytes() > limits_.max_memory_bytes) {
-      std::lock_guard lock(map_mu_);
-      enforce_bounds_locked(seq);
-    }
+    if (over_bounds()) enforce_bounds(seq);
     return Status::Ok();
   }
 }
 
-void SequenceSet::erase_locked(std::unordered_map<int64_t, std::shared_ptr<Seq>>::iterator it) {
+void SequenceSet::erase_locked(Shard& shard, Map::iterator it) {
   size_t b;
   {
     std::lock_guard lock(it->second->mu);  // waits for a call in flight on it
@@ -92,25 +96,32 @@ void SequenceSet::erase_locked(std::unordered_map<int64_t, std::shared_ptr<Seq>>
     it->second->evicted = true;
   }
   bytes_.fetch_sub(b, std::memory_order_relaxed);
-  seqs_.erase(it);
+  n_seqs_.fetch_sub(1, std::memory_order_relaxed);
+  shard.map.erase(it);
 }
 
-void SequenceSet::enforce_bounds_locked(int64_t keep) {
-  const bool over_count = limits_.max_sequences != 0 && seqs_.size() > limits_.max_sequences;
-  const bool over_bytes = limits_.max_memory_bytes != 0 && memory_bytes() > limits_.max_memory_bytes;
-  if (!over_count && !over_bytes) return;
+bool SequenceSet::over_bounds() const {
+  return (limits_.max_sequences != 0 && n_seqs_.load(std::memory_order_relaxed) > limits_.max_sequences) ||
+         (limits_.max_memory_bytes != 0 && memory_bytes() > limits_.max_memory_bytes);
+}
+
+void SequenceSet::enforce_bounds(int64_t keep) {
+  std::unique_lock<std::mutex> locks[kShards];
+  for (size_t i = 0; i < kShards; ++i) locks[i] = std::unique_lock(shards_[i].mu);
+  if (!over_bounds()) return;
   // Least recently used first; one sort for however many evictions are needed.
   std::vector<std::pair<int64_t, int64_t>> order;  // (last used, sequence id)
-  order.reserve(seqs_.size());
-  for (const auto& [id, s] : seqs_) {
-    if (id != keep) order.emplace_back(s->last_used_ns.load(std::memory_order_relaxed), id);
+  order.reserve(n_seqs_.load(std::memory_order_relaxed));
+  for (const Shard& sh : shards_) {
+    for (const auto& [id, s] : sh.map) {
+      if (id != keep) order.emplace_back(s->last_used_ns.load(std::memory_order_relaxed), id);
+    }
   }
   std::sort(order.begin(), order.end());
   for (const auto& [used, id] : order) {
-    const bool count_ok = limits_.max_sequences == 0 || seqs_.size() <= limits_.max_sequences;
-    const bool bytes_ok = limits_.max_memory_bytes == 0 || memory_bytes() <= limits_.max_memory_bytes;
-    if (count_ok && bytes_ok) break;
-    erase_locked(seqs_.find(id));
+    if (!over_bounds()) break;
+    Shard& sh = shard_of(id);
+    erase_locked(sh, sh.map.find(id));
     n_evicted_.fetch_add(1, std::memory_order_relaxed);
   }
 }
@@ -118,15 +129,17 @@ void SequenceSet::enforce_bounds_locked(int64_t keep) {
 size_t SequenceSet::evict_idle() {
   if (limits_.idle_ttl_ms <= 0) return 0;
   const int64_t cutoff = now_ns() - limits_.idle_ttl_ms * 1'000'000;
-  std::lock_guard lock(map_mu_);
   size_t n = 0;
-  for (auto it = seqs_.begin(); it != seqs_.end();) {
-    auto next = std::next(it);
-    if (it->second->last_used_ns.load(std::memory_order_relaxed) < cutoff) {
-      erase_locked(it);
-      ++n;
+  for (Shard& sh : shards_) {
+    std::lock_guard lock(sh.mu);
+    for (auto it = sh.map.begin(); it != sh.map.end();) {
+      auto next = std::next(it);
+      if (it->second->last_used_ns.load(std::memory_order_relaxed) < cutoff) {
+        erase_locked(sh, it);
+        ++n;
+      }
+      it = next;
     }
-    it = next;
   }
   n_evicted_.fetch_add(n, std::memory_order_relaxed);
   return n;
@@ -140,17 +153,15 @@ size_t SequenceSet::n_counted(int64_t seq) const {
 }
 
 bool SequenceSet::reset(int64_t seq) {
-  std::lock_guard lock(map_mu_);
-  auto it = seqs_.find(seq);
-  if (it == seqs_.end()) return false;
-  erase_locked(it);
+  Shard& sh = shard_of(seq);
+  std::lock_guard lock(sh.mu);
+  auto it = sh.map.find(seq);
+  if (it == sh.map.end()) return false;
+  erase_locked(sh, it);
   return true;
 }
 
-size_t SequenceSet::size() const {
-  std::lock_guard lock(map_mu_);
-  return seqs_.size();
-}
+size_t SequenceSet::size() const { return n_seqs_.load(std::memory_order_relaxed); }
 
 void SequenceSet::drain_deltas(std::vector<int32_t>* out) {
   CountTable drained;

@@ -12,11 +12,14 @@ Status SharedCountTable::apply_rows(const T* rows, size_t n, uint32_t vocab_limi
   std::lock_guard writer(write_mu_);
   for (size_t begin = 0; begin < n; begin += kApplyChunk) {
     const size_t end = std::min(n, begin + kApplyChunk);
-    std::unique_lock lock(mu_);
-    for (size_t i = begin; i < end; ++i) {
-      const T* r = rows + rows::kWidth * i;
-      apply(rows::key_of(r), static_cast<Token>(r[rows::kFollower]), r[rows::kCount]);
+    {
+      std::unique_lock lock(mu_);
+      for (size_t i = begin; i < end; ++i) {
+        const T* r = rows + rows::kWidth * i;
+        apply(rows::key_of(r), static_cast<Token>(r[rows::kFollower]), r[rows::kCount]);
+      }
     }
+    mu_.yield_to_readers();
   }
   return Status::Ok();
 }

@@ -7,8 +7,9 @@
 // accepted). An evicted sequence starts again empty, as a reset() one does.
 //
 // Thread-safety: every method may be called from any thread. Calls for different sequences
-// run in parallel (a map lock is held only to find a sequence; each sequence has its own
-// lock); calls for one sequence are serialized.
+// run in parallel: the sequences are spread over kShards maps, each with its own lock held
+// only to find a sequence, and each sequence has its own lock. Calls for one sequence are
+// serialized. Lock order: shard locks (in index order) before a sequence's lock.
 #pragma once
 
 #include <atomic>
@@ -80,16 +81,28 @@ class SequenceSet {
   };
   static int64_t now_ns();
   std::shared_ptr<Seq> find(int64_t seq) const;
-  // Evicts sequences (never `keep`) until the bounds hold; the caller holds map_mu_.
-  void enforce_bounds_locked(int64_t keep);
-  void erase_locked(std::unordered_map<int64_t, std::shared_ptr<Seq>>::iterator it);
+  using Map = std::unordered_map<int64_t, std::shared_ptr<Seq>>;
+  static constexpr size_t kShards = 64;
+  struct alignas(64) Shard {
+    mutable std::mutex mu;  // guards map (not the sequences' contents)
+    Map map;
+  };
+  Shard& shard_of(int64_t seq) const {
+    return shards_[(static_cast<uint64_t>(seq) * 0x9E3779B97F4A7C15ULL) >> 58];  // top 6 bits: 64 shards
+  }
+  // Evicts least recently used sequences (never `keep`) until the bounds hold. The caller
+  // MUST hold no shard lock: it takes all of them, in order.
+  void enforce_bounds(int64_t keep);
+  bool over_bounds() const;
+  // Erases `it` from `shard` (whose lock the caller holds).
+  void erase_locked(Shard& shard, Map::iterator it);
 
   const int ngram_min_;
   const int ngram_max_;
   const bool track_deltas_;
   const SequenceLimits limits_;
-  mutable std::mutex map_mu_;  // guards seqs_ (not the sequences' contents)
-  std::unordered_map<int64_t, std::shared_ptr<Seq>> seqs_;
+  mutable Shard shards_[kShards];
+  std::atomic<size_t> n_seqs_{0};
   std::atomic<size_t> bytes_{0};
   std::atomic<uint64_t> n_evicted_{0};
   mutable std::mutex pending_mu_;  // guards pending_

@@ -2,8 +2,8 @@
 // (a dynamic mirror, a merge) changes it.
 //
 // Writers validate a whole change set first (nothing changes when a row is bad), then apply
-// it in chunks of kApplyChunk rows, taking the exclusive lock once per chunk, so a draft
-// waits for at most one chunk (the lock prefers writers, so chunks are not starved either).
+// it in chunks of kApplyChunk rows, taking the exclusive lock once per chunk and letting
+// waiting readers in between chunks, so a draft waits for at most one chunk (tens of us).
 // Readers may observe a change set half applied; every row is an independent upsert, so
 // what they see is always a valid table.
 //
@@ -25,7 +25,7 @@ namespace ngc {
 class SharedCountTable {
  public:
   // Rows applied per exclusive lock.
-  static constexpr size_t kApplyChunk = 256;
+  static constexpr size_t kApplyChunk = 64;
 
   // A shared lock: the table does not change while it is held.
   std::shared_lock<RwLock> read() const { return std::shared_lock<RwLock>(mu_); }
