@@ -35,3 +35,34 @@ class BackendUnavailableError(NgramCacheError, ConnectionError):
 
 class ResyncRequiredError(NgramCacheError):
     """The change history kept no longer reaches the version asked for; resync from a full export."""
+
+
+class NamespaceNotFoundError(InvalidArgumentError):
+    """The counts namespace does not exist (never created, dropped, or its state was lost).
+
+    Not retriable: the same call fails until someone creates the namespace.
+    """
+
+    retriable = False
+
+
+class BatchTooOldError(InvalidArgumentError):
+    """A batch's seq fell out of the dedup window, so the store cannot tell whether it was applied.
+
+    The unit it addressed was not applied. A sender that keeps at most ``dedup_window``
+    batches unacknowledged never sees this error. Not retriable: the same seq stays too old.
+    """
+
+    retriable = False
+
+
+class StoreAuthenticationError(BackendUnavailableError):
+    """The counts store refused the credentials; retrying with the same ones cannot help."""
+
+    retriable = False
+
+
+class SnapshotFormatError(CacheFormatError):
+    """An embedded counts store snapshot is truncated, corrupt, or not a snapshot at all (not retriable)."""
+
+    retriable = False

@@ -28,8 +28,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 from redis_servers import RedisServer  # noqa: E402
 
-from ngramcache.cache_service.counts_store import encode_batch, open_counts_store  # noqa: E402
-from ngramcache.cache_service.redis_store import RedisCountsStore  # noqa: E402
+from ngramcache.cache_service.counts.factory import open_counts_store  # noqa: E402
+from ngramcache.cache_service.counts.layout import encode_batch  # noqa: E402
+from ngramcache.cache_service.counts.redis_backend import RedisCountsStore  # noqa: E402
+from ngramcache.client.rows import COUNT, DELTA_DTYPE, FOLLOWER, NGRAM_MAX, ROW_WIDTH, TOKENS, N  # noqa: E402
 
 VOCAB = 128_256  # Llama 3: 3-byte tokens
 FP = bytes(range(32))
@@ -38,13 +40,13 @@ BATCH = 16_384
 
 def make_deltas(rng: np.random.Generator, m: int, zipf: float = 1.2) -> np.ndarray:
     """m delta rows: n in 1..4, Zipf-distributed tokens (repeated keys, as real text gives)."""
-    n = rng.integers(1, 5, m)
-    toks = (rng.zipf(zipf, (m, 5)) - 1) % VOCAB
-    out = np.empty((m, 7), dtype=np.int32)
-    out[:, 0] = n
-    out[:, 1:5] = np.where(np.arange(4)[None, :] < n[:, None], toks[:, :4], -1)
-    out[:, 5] = toks[:, 4]
-    out[:, 6] = 1
+    n = rng.integers(1, NGRAM_MAX + 1, m)
+    toks = (rng.zipf(zipf, (m, NGRAM_MAX + 1)) - 1) % VOCAB
+    out = np.empty((m, ROW_WIDTH), dtype=DELTA_DTYPE)
+    out[:, N] = n
+    out[:, TOKENS] = np.where(np.arange(NGRAM_MAX)[None, :] < n[:, None], toks[:, :NGRAM_MAX], -1)
+    out[:, FOLLOWER] = toks[:, NGRAM_MAX]
+    out[:, COUNT] = 1
     return out
 
 
@@ -70,8 +72,8 @@ def bench_ingest(store: RedisCountsStore, server: RedisServer, rep: int, deltas:
     results = store.apply_many(ns, f"bench-{rep}", batches)
     pipelined = len(deltas) / (time.perf_counter() - start)
     assert all(r.applied == r.units for r in results)
-    total = sum(int(chunk[:, 6].sum()) for chunk in store.export(ns))
-    expected = int(deltas[:, 6].sum()) + sum(int(b[:, 6].sum()) for _, b in batches[:2])
+    total = sum(int(chunk[:, COUNT].sum()) for chunk in store.export(ns))
+    expected = int(deltas[:, COUNT].sum()) + sum(int(b[:, COUNT].sum()) for _, b in batches[:2])
     assert total == expected, (total, expected)
 
     # Baselines over the same kind of data: keys and fields precomputed outside the clock.
@@ -128,7 +130,7 @@ def bench_changes(store: RedisCountsStore, seed: int) -> dict[str, float]:
     store.apply_many(ns, "loader", batches_of(make_deltas(rng, 2_000_000, zipf=1.05)))
     # A batch that touches exactly 1000 buckets: one new 1-gram row per bucket.
     candidates = make_deltas(rng, 200_000, zipf=1.05)
-    candidates = candidates[candidates[:, 0] == 1]
+    candidates = candidates[candidates[:, N] == 1]
     enc_buckets = encode_batch(np.ascontiguousarray(candidates), info)
     _, first = np.unique(enc_buckets.buckets, return_index=True)
     picked = enc_buckets.buckets[first[:1000]]

@@ -10,7 +10,8 @@ import pytest
 
 from redis_servers import RedisClusterProcesses, RedisServer  # tests/ is on sys.path (tests/conftest.py)
 
-from ngramcache.cache_service.counts_store import CountsStore, open_counts_store
+from ngramcache.cache_service.counts.factory import open_counts_store
+from ngramcache.cache_service.counts.store import CountsStore
 
 BACKENDS = ("embedded", "standalone", "cluster")
 

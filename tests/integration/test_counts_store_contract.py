@@ -8,60 +8,19 @@ from collections.abc import Callable
 
 import numpy as np
 import pytest
+from counts_helpers import FP, OTHER_FP, VOCAB, as_counter, batch, exported, random_batch, row  # tests/ is on sys.path
 
-from ngramcache.cache_service.counts_store import (
+from ngramcache.cache_service.counts.store import CountsStore
+from ngramcache.client.errors import (
     BatchTooOldError,
-    CountsStore,
+    InvalidArgumentError,
     NamespaceNotFoundError,
+    ResyncRequiredError,
+    TokenizerMismatchError,
 )
-from ngramcache.client.errors import InvalidArgumentError, ResyncRequiredError, TokenizerMismatchError
+from ngramcache.client.rows import MAX_VOCAB
 
 pytestmark = pytest.mark.integration
-
-FP = bytes(range(32))
-OTHER_FP = bytes(range(1, 33))
-VOCAB = 70_000  # 3-byte tokens
-
-
-def row(ngram: list[int], follower: int, count: int = 1) -> list[int]:
-    return [len(ngram), *ngram, *([-1] * (4 - len(ngram))), follower, count]
-
-
-def batch(rows: list[list[int]]) -> np.ndarray:
-    return np.array(rows, dtype=np.int32).reshape(-1, 7)
-
-
-def random_batch(rng: np.random.Generator, m: int, vocab: int = VOCAB, hot: int = 40) -> np.ndarray:
-    """m rows over a small token range (``hot``) so keys repeat within and across batches."""
-    n = rng.integers(1, 5, m)
-    toks = rng.integers(0, hot, (m, 4))
-    toks[np.arange(4)[None, :] >= n[:, None]] = -1
-    toks[rng.random((m, 4)) < 0.02] = vocab - 1  # the largest id survives the round trip
-    toks[np.arange(4)[None, :] >= n[:, None]] = -1
-    out = np.empty((m, 7), dtype=np.int32)
-    out[:, 0] = n
-    out[:, 1:5] = toks
-    out[:, 5] = rng.integers(0, hot, m)
-    out[:, 6] = rng.integers(1, 5, m)
-    return out
-
-
-def as_counter(rows: np.ndarray) -> Counter:
-    total: Counter = Counter()
-    for r in rows.tolist():
-        total[tuple(r[:6])] += r[6]
-    return total
-
-
-def exported(store: CountsStore, namespace: str, **kwargs: int) -> Counter:
-    result: Counter = Counter()
-    for chunk in store.export(namespace, **kwargs):
-        assert chunk.dtype == np.int64 and chunk.shape[1] == 7
-        for r in chunk.tolist():
-            key = tuple(r[:6])
-            assert key not in result, f"export returned {key} twice"
-            result[key] = r[6]
-    return result
 
 
 # --------------------------------------------------------------------------- namespaces
@@ -96,6 +55,21 @@ def test_unknown_namespace_and_bad_names(store: CountsStore, namespace: str) -> 
         store.create_namespace(namespace, b"short", VOCAB)
     with pytest.raises(InvalidArgumentError):
         store.create_namespace(namespace, FP, 0)
+
+
+def test_vocab_size_is_limited_to_the_core_limit(store: CountsStore, namespace: str) -> None:
+    """A namespace takes at most MAX_VOCAB (2**24) tokens, like the core and the static format."""
+    for too_big in (MAX_VOCAB + 1, 2**31 - 1):
+        with pytest.raises(InvalidArgumentError, match="vocab_size"):
+            store.create_namespace(namespace, FP, too_big)
+    with pytest.raises(NamespaceNotFoundError):
+        store.namespace_info(namespace)
+    info = store.create_namespace(namespace, FP, MAX_VOCAB)
+    assert info.token_width == 3
+    store.apply(namespace, "c", 1, batch([row([MAX_VOCAB - 1], MAX_VOCAB - 1, 2)]))
+    assert store.lookup(namespace, [MAX_VOCAB - 1]) == {MAX_VOCAB - 1: 2}
+    with pytest.raises(InvalidArgumentError):
+        store.apply(namespace, "c", 2, batch([row([MAX_VOCAB], 1)]))
 
 
 def test_drop_and_recreate_starts_empty_and_invalidates_versions(store: CountsStore, namespace: str) -> None:
@@ -189,7 +163,7 @@ def test_out_of_order_seqs_within_the_window_and_too_old(make_store: Callable[..
 
 def test_empty_batch_is_a_no_op(store: CountsStore, namespace: str) -> None:
     store.create_namespace(namespace, FP, VOCAB)
-    result = store.apply(namespace, "c", 1, np.zeros((0, 7), dtype=np.int32))
+    result = store.apply(namespace, "c", 1, batch([]))
     assert (result.units, result.applied, result.entries) == (0, 0, 0)
     assert exported(store, namespace) == Counter()
 

@@ -12,11 +12,13 @@ from collections.abc import Callable
 
 import numpy as np
 import pytest
+from counts_helpers import FP, VOCAB, as_counter, batch, exported, random_batch, row  # tests/ is on sys.path
 from redis_servers import RedisClusterProcesses, RedisServer
-from test_counts_store_contract import FP, VOCAB, as_counter, batch, exported, random_batch, row
 
-from ngramcache.cache_service.counts_store import CountsStore, CountsStoreConfig, StoreAuthenticationError, open_counts_store
-from ngramcache.client.errors import BackendUnavailableError, TokenizerMismatchError
+from ngramcache.cache_service.counts.config import CountsStoreConfig
+from ngramcache.cache_service.counts.factory import open_counts_store
+from ngramcache.cache_service.counts.store import CountsStore
+from ngramcache.client.errors import BackendUnavailableError, StoreAuthenticationError, TokenizerMismatchError
 
 pytestmark = pytest.mark.integration
 

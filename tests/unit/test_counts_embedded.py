@@ -1,4 +1,4 @@
-"""The embedded counts store's snapshots: atomic write, reload, what a crash loses, hostile files."""
+"""Unit tests of counts.embedded: snapshots (atomic write, reload, what a crash loses, hostile files) and its batches."""
 
 from __future__ import annotations
 
@@ -8,20 +8,20 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from counts_helpers import FP, batch, exported  # tests/ is on sys.path
 
-from ngramcache.cache_service.counts_store import open_counts_store
-from ngramcache.cache_service.embedded_store import EmbeddedCountsStore, SnapshotFormatError
-from ngramcache.client.errors import CacheFormatError, ResyncRequiredError
-
-FP = bytes(range(32))
+from ngramcache.cache_service.counts.config import CountsStoreConfig
+from ngramcache.cache_service.counts.embedded import EmbeddedCountsStore
+from ngramcache.cache_service.counts.factory import open_counts_store
+from ngramcache.client.errors import CacheFormatError, InvalidArgumentError, ResyncRequiredError, SnapshotFormatError
 
 
 def deltas(*r: list[int]) -> np.ndarray:
-    return np.array(r, dtype=np.int32).reshape(-1, 7)
+    return batch(list(r))
 
 
 def export(store: EmbeddedCountsStore, ns: str) -> dict[tuple[int, ...], int]:
-    return {tuple(r[:6]): r[6] for chunk in store.export(ns) for r in chunk.tolist()}
+    return dict(exported(store, ns))
 
 
 def test_snapshot_and_reload_keep_counts_dedup_and_refuse_old_versions(tmp_path: Path) -> None:
@@ -105,3 +105,19 @@ def test_memory_only_store_persists_nothing(tmp_path: Path) -> None:
     store.create_namespace("a", FP, 10)
     store.close()
     assert list(tmp_path.iterdir()) == []
+
+
+def test_only_embedded_urls_open_an_embedded_store() -> None:
+    with pytest.raises(InvalidArgumentError):
+        EmbeddedCountsStore(CountsStoreConfig.from_url("redis://127.0.0.1:1"))
+
+
+def test_apply_many_validates_every_batch_before_applying_any() -> None:
+    store = open_counts_store(None)
+    store.create_namespace("a", FP, 1000)
+    good, bad = deltas([1, 1, -1, -1, -1, 2, 1]), deltas([1, 1, -1, -1, -1, 1000, 1])
+    with pytest.raises(InvalidArgumentError):
+        store.apply_many("a", "c", [(1, good), (2, bad)])
+    assert export(store, "a") == {}
+    assert [r.applied for r in store.apply_many("a", "c", [(1, good), (2, good)])] == [1, 1]
+    assert export(store, "a") == {(1, 1, -1, -1, -1, 2): 2}

@@ -10,74 +10,73 @@ fsync the directory), and reloads the file when opened.
 the last snapshot are gone, and so are their dedup records, so a sender that retries one
 of them gets it applied again (once). After a reload every version handed out before is
 answered with `ResyncRequiredError`, because the counts behind those versions may be lost.
+
+Snapshot file (little-endian): magic ``NGCSNAP\\x01``, '<Q' header length, a JSON header
+(format, and per namespace its record, current version, entry count and dedup seqs), then
+per namespace its entries' keys as int32 (k, KEY_WIDTH) and their counts as int64 (k,),
+then a '<I' CRC32 of everything before it.
 """
 
 from __future__ import annotations
 
-import collections
 import json
 import logging
 import os
 import struct
 import threading
 import time
-import urllib.parse
 import zlib
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Any
+from typing import Any, Final
 
 import numpy as np
 import pyroaring
+from ngramcache.client.errors import InvalidArgumentError, SnapshotFormatError
+from ngramcache.client.rows import (
+    COUNT,
+    DELTA_DTYPE,
+    KEY_WIDTH,
+    ROW_WIDTH,
+    validate_deltas,
+)
 
-from ngramcache.cache_service.counts_store import (
-    ApplyResult,
-    BatchTooOldError,
-    ChangeSet,
-    CountsStore,
-    CountsStoreConfig,
-    NamespaceInfo,
-    NamespaceNotFoundError,
-    check_tokenizer,
+from .config import CountsStoreConfig
+from .layout import (
     decode_fields,
     encode_batch,
     fields_and_buckets,
     ngram_bucket,
     ngram_key,
+)
+from .namespace import (
+    NamespaceInfo,
     normalize_fingerprint,
-    validate_client_id,
-    validate_deltas,
     validate_layout,
     validate_namespace,
-    validate_seq,
     validate_vocab_size,
 )
-from ngramcache.client.errors import CacheFormatError, InvalidArgumentError, ResyncRequiredError
+from .store import (
+    ApplyResult,
+    ChangeSet,
+    CountsStore,
+    DedupWindow,
+    EpochClock,
+    check_version,
+    namespace_changed,
+    no_such_namespace,
+    now_ms,
+    validate_client_id,
+)
 
-__all__ = ["EmbeddedCountsStore", "SnapshotFormatError"]
+__all__ = ["EmbeddedCountsStore"]
 
 log = logging.getLogger(__name__)
 
-_MAGIC = b"NGCSNAP\x01"
-_FORMAT = 1
-
-
-class SnapshotFormatError(CacheFormatError):
-    """An embedded store snapshot is truncated, corrupt, or not a snapshot at all."""
-
-
-def _now_ms() -> int:
-    return time.time_ns() // 1_000_000
-
-
-class _Dedup:
-    """Seqs applied for one client: those within ``window`` of the highest, as in the Redis backend."""
-
-    __slots__ = ("seqs", "hwm", "touched")
-
-    def __init__(self, seqs: Iterable[int] = ()) -> None:
-        self.seqs = set(seqs)
-        self.hwm = max(self.seqs, default=-1)
-        self.touched = time.monotonic()
+_MAGIC: Final = b"NGCSNAP\x01"
+_FORMAT: Final = 1
+_KEY_DTYPE: Final = np.dtype("<i4")  # the snapshot's key columns: delta rows' int32, little-endian
+_COUNT_DTYPE: Final = np.dtype("<i8")
+_EXPIRE_EVERY: Final = 4096  # applies between sweeps of expired dedup records
 
 
 class _Namespace:
@@ -86,16 +85,10 @@ class _Namespace:
     def __init__(self, info: NamespaceInfo, start: int) -> None:
         self.info = info
         self.buckets: dict[int, dict[bytes, int]] = {}
-        self.dedup: dict[str, _Dedup] = {}
-        self.cur = start  # the newest version; the open piece started at it
-        self.opened_ms = start
-        self.epochs: collections.deque[int] = collections.deque([start])  # newest first
-        self.open = pyroaring.BitMap()
+        self.dedup: dict[str, DedupWindow] = {}
+        self.clock = EpochClock(start)
+        self.open = pyroaring.BitMap()  # buckets changed since clock.cur
         self.closed: list[tuple[int, pyroaring.BitMap]] = []  # (end version, buckets), oldest first
-
-    @property
-    def floor(self) -> int:
-        return self.epochs[-1]
 
 
 class EmbeddedCountsStore(CountsStore):
@@ -106,14 +99,15 @@ class EmbeddedCountsStore(CountsStore):
             ``embedded://PATH`` (snapshot file; ``embedded:///abs/path`` for an absolute one).
 
     Raises:
+        InvalidArgumentError: the config names another backend.
         SnapshotFormatError: the snapshot file exists but is not a valid snapshot.
     """
 
     def __init__(self, config: CountsStoreConfig | None = None) -> None:
         self.config = config or CountsStoreConfig()
-        url = self.config.url or ""
-        path = urllib.parse.unquote(url[len("embedded://"):].split("?", 1)[0]) if url else ""
-        self.path = path or None
+        if self.config.address.kind != "embedded":
+            raise InvalidArgumentError(f"EmbeddedCountsStore needs an embedded:// URL, not {self.config.address.kind}")
+        self.path = self.config.address.path
         self._lock = threading.RLock()
         self._namespaces: dict[str, _Namespace] = {}
         self._closed = False
@@ -135,24 +129,21 @@ class EmbeddedCountsStore(CountsStore):
         validate_namespace(namespace)
         ns = self._namespaces.get(namespace)
         if ns is None:
-            raise NamespaceNotFoundError(f"no counts namespace {namespace!r}")
+            raise no_such_namespace(namespace)
         return ns
 
-    def create_namespace(self, namespace: str, fingerprint: bytes | str, vocab_size: int, *,
-                         buckets: int | None = None, shards: int | None = None) -> NamespaceInfo:
-        validate_namespace(namespace)
-        fp = normalize_fingerprint(fingerprint)
-        vocab = validate_vocab_size(vocab_size)
+    def _find_namespace(self, namespace: str) -> NamespaceInfo | None:
         with self._lock:
-            existing = self._namespaces.get(namespace)
+            ns = self._namespaces.get(namespace)
+            return None if ns is None else ns.info
+
+    def _insert_namespace(self, info: NamespaceInfo) -> NamespaceInfo | None:
+        with self._lock:
+            existing = self._namespaces.get(info.name)
             if existing is not None:
-                check_tokenizer(existing.info, fp, vocab)
                 return existing.info
-            nbuckets, nshards = validate_layout(buckets or self.config.default_buckets,
-                                                shards or self.config.default_shards or 1)
-            info = NamespaceInfo(namespace, fp, vocab, nbuckets, nshards, os.urandom(4).hex())
-            self._namespaces[namespace] = _Namespace(info, _now_ms())
-            return info
+            self._namespaces[info.name] = _Namespace(info, now_ms())
+            return None
 
     def namespace_info(self, namespace: str) -> NamespaceInfo:
         with self._lock:
@@ -165,32 +156,26 @@ class EmbeddedCountsStore(CountsStore):
 
     # ----------------------------------------------------------------- writes
 
-    def apply(self, namespace: str, client_id: str, seq: int, deltas: np.ndarray, *,
-              fingerprint: bytes | str | None = None) -> ApplyResult:
-        validate_client_id(client_id)
-        seq = validate_seq(seq)
+    def _apply_batches(self, namespace: str, client_id: str, batches: list[tuple[int, np.ndarray]],
+                       fingerprint: bytes | str | None) -> list[ApplyResult]:
         with self._lock:
             info = self._ns(namespace).info
-        check_tokenizer(info, fingerprint)
-        validate_deltas(deltas, info.vocab_size, self.config.max_batch_rows)
+        self._check_batches(info, fingerprint, batches)
+        return [self._apply_one(info, client_id, seq, deltas) for seq, deltas in batches]
+
+    def _apply_one(self, info: NamespaceInfo, client_id: str, seq: int, deltas: np.ndarray) -> ApplyResult:
         if len(deltas) == 0:
             return ApplyResult(0, 0, 0, 0)
         enc = encode_batch(deltas, info)  # outside the lock: the expensive part
         fields = enc.field_list()
         with self._lock:
-            ns = self._ns(namespace)
+            ns = self._ns(info.name)
             if ns.info.instance != info.instance:
-                raise NamespaceNotFoundError(f"namespace {namespace!r} was recreated during apply; retry")
-            window = self.config.dedup_window
+                raise namespace_changed(info.name, "apply")
             dedup = ns.dedup.get(client_id)
             if dedup is None:
-                dedup = ns.dedup[client_id] = _Dedup()
-            dedup.touched = time.monotonic()
-            if seq <= dedup.hwm - window:
-                raise BatchTooOldError(
-                    f"batch seq {seq} is older than the dedup window ({window}) behind seq {dedup.hwm}: "
-                    "whether it was applied is unknown, so it was not applied")
-            if seq in dedup.seqs:
+                dedup = ns.dedup[client_id] = DedupWindow(self.config.dedup_window)
+            if dedup.seen(seq):
                 return ApplyResult(1, 0, 1, enc.entries)
             buckets = ns.buckets
             for bucket, field, count in zip(enc.buckets.tolist(), fields, enc.counts.tolist()):
@@ -199,12 +184,9 @@ class EmbeddedCountsStore(CountsStore):
                     entries = buckets[bucket] = {}
                 entries[field] = entries.get(field, 0) + count
             ns.open.update(enc.buckets.tolist())
-            dedup.seqs.add(seq)
-            dedup.hwm = max(dedup.hwm, seq)
-            if len(dedup.seqs) > window:
-                dedup.seqs = {s for s in dedup.seqs if s > dedup.hwm - window}
+            dedup.record(seq)
             self._applies += 1
-            if self._applies % 4096 == 0:
+            if self._applies % _EXPIRE_EVERY == 0:
                 self._expire_dedup()
             return ApplyResult(1, 1, 0, enc.entries)
 
@@ -221,38 +203,31 @@ class EmbeddedCountsStore(CountsStore):
         return {int.from_bytes(f[len(key):], "little"): c for f, c in found.items()}
 
     def _tick(self, ns: _Namespace) -> None:
-        now = _now_ms()
-        if now > ns.opened_ms and now - ns.opened_ms >= self.config.epoch_seconds * 1000:
-            new = max(ns.cur + 1, now)
-            if ns.open:
-                ns.closed.append((new, ns.open))
-                ns.open = pyroaring.BitMap()
-            ns.cur, ns.opened_ms = new, now
-            ns.epochs.appendleft(new)
-            while len(ns.epochs) > self.config.history_epochs + 1:
-                ns.epochs.pop()
-            floor = ns.floor
-            while ns.closed and ns.closed[0][0] <= floor:
-                ns.closed.pop(0)
+        """Advance the namespace's clock; on a new epoch, close the open change piece and trim history."""
+        if not ns.clock.tick(now_ms(), self.config.epoch_ms, self.config.history_epochs):
+            return
+        if ns.open:
+            ns.closed.append((ns.clock.cur, ns.open))
+            ns.open = pyroaring.BitMap()
+        floor = ns.clock.floor
+        while ns.closed and ns.closed[0][0] <= floor:
+            ns.closed.pop(0)
 
     def version(self, namespace: str) -> int:
         with self._lock:
             ns = self._ns(namespace)
             self._tick(ns)
-            return ns.cur
+            return ns.clock.cur
 
     def changes_since(self, namespace: str, version: int) -> ChangeSet:
         since = int(version)
         with self._lock:
             ns = self._ns(namespace)
             self._tick(ns)
-            if since < ns.floor or since > ns.cur:
-                raise ResyncRequiredError(
-                    f"version {since} of namespace {namespace!r} is outside the history kept "
-                    f"[{ns.floor}, {ns.cur}]; resync from version() + export()")
+            check_version(namespace, since, ns.clock.floor, ns.clock.cur)
             changed = pyroaring.BitMap.union(ns.open, *(bits for end, bits in ns.closed if end > since))
             rows = self._rows(ns, changed)
-            return ChangeSet(ns.cur, rows, np.array(changed, dtype=np.uint32))
+            return ChangeSet(ns.clock.cur, rows, np.array(changed, dtype=np.uint32))
 
     def _rows(self, ns: _Namespace, buckets: Iterable[int]) -> np.ndarray:
         fields: list[bytes] = []
@@ -295,11 +270,11 @@ class EmbeddedCountsStore(CountsStore):
                 header["namespaces"].append({
                     "name": name, "fingerprint": ns.info.fingerprint, "vocab_size": ns.info.vocab_size,
                     "buckets": ns.info.buckets, "shards": ns.info.shards, "instance": ns.info.instance,
-                    "cur": ns.cur, "entries": len(rows),
+                    "cur": ns.clock.cur, "entries": len(rows),
                     "dedup": {cid: sorted(d.seqs) for cid, d in ns.dedup.items()},
                 })
-                blobs.append(np.ascontiguousarray(rows[:, :6], dtype="<i4").tobytes())
-                blobs.append(np.ascontiguousarray(rows[:, 6], dtype="<i8").tobytes())
+                blobs.append(np.ascontiguousarray(rows[:, :KEY_WIDTH], dtype=_KEY_DTYPE).tobytes())
+                blobs.append(np.ascontiguousarray(rows[:, COUNT], dtype=_COUNT_DTYPE).tobytes())
         head = json.dumps(header, separators=(",", ":")).encode()
         body = b"".join([_MAGIC, struct.pack("<Q", len(head)), head, *blobs])
         data = body + struct.pack("<I", zlib.crc32(body))
@@ -336,20 +311,21 @@ class EmbeddedCountsStore(CountsStore):
             if header.get("format") != _FORMAT:
                 raise SnapshotFormatError(f"{path} has snapshot format {header.get('format')}, expected {_FORMAT}")
             pos += head_len
-            start = _now_ms()
+            start = now_ms()
             for entry in header["namespaces"]:
                 k = int(entry["entries"])
-                keys = np.frombuffer(body, dtype="<i4", count=k * 6, offset=pos).reshape(k, 6)
-                pos += k * 24
-                counts = np.frombuffer(body, dtype="<i8", count=k, offset=pos)
-                pos += k * 8
+                keys = np.frombuffer(body, dtype=_KEY_DTYPE, count=k * KEY_WIDTH, offset=pos).reshape(k, KEY_WIDTH)
+                pos += k * KEY_WIDTH * _KEY_DTYPE.itemsize
+                counts = np.frombuffer(body, dtype=_COUNT_DTYPE, count=k, offset=pos)
+                pos += k * _COUNT_DTYPE.itemsize
                 info = NamespaceInfo(validate_namespace(entry["name"]), normalize_fingerprint(entry["fingerprint"]),
                                      validate_vocab_size(entry["vocab_size"]),
                                      *validate_layout(entry["buckets"], entry["shards"]), str(entry["instance"]))
-                check = np.empty((k, 7), dtype=np.int32)
-                check[:, :6] = keys
-                check[:, 6] = 1
-                validate_deltas(check, info.vocab_size, max(k, 1))
+                # The keys checked as delta rows of count 1 (the counts are int64, checked apart).
+                check = np.empty((k, ROW_WIDTH), dtype=DELTA_DTYPE)
+                check[:, :KEY_WIDTH] = keys
+                check[:, COUNT] = 1
+                validate_deltas(check, info.vocab_size)
                 if k and int(counts.min()) <= 0:
                     raise SnapshotFormatError(f"{path} holds a count <= 0")
                 # Versions handed out before the restart may cover lost writes: start above them.
@@ -360,7 +336,7 @@ class EmbeddedCountsStore(CountsStore):
                 for i, (bucket, length, count) in enumerate(zip(buckets.tolist(), lengths.tolist(),
                                                                counts.tolist())):
                     ns.buckets.setdefault(bucket, {})[flat[i * width:i * width + length]] = count
-                ns.dedup = {validate_client_id(cid): _Dedup(int(s) for s in seqs)
+                ns.dedup = {validate_client_id(cid): DedupWindow(self.config.dedup_window, (int(s) for s in seqs))
                             for cid, seqs in entry["dedup"].items()}
                 self._namespaces[info.name] = ns
             if pos != len(body):

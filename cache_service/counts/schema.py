@@ -26,7 +26,7 @@ Cluster that owns contiguous, equal slot ranges, as ``redis-cli --cluster create
     P:{T}:<b>       HASH    bucket b (global id, decimal): field = n-gram tokens then the
                             follower, token_width little-endian bytes each; value = count
 
-A bucket holds ~64 entries when ``buckets`` is sized as entries / 64, which keeps it in
+Fields are laid out as described in `layout`. A bucket holds ~64 entries when ``buckets`` is sized as entries / 64, which keeps it in
 Redis's listpack encoding (hash-max-listpack-entries 128): about 16 bytes an entry for
 3-byte tokens. Every key one apply unit touches (s, c, d:<cid>, its buckets) shares the
 shard's tag, hence its slot: a unit is one EVALSHA, atomic even on a Cluster. Because the
@@ -37,21 +37,26 @@ leftovers of its previous incarnation.
 from __future__ import annotations
 
 import functools
+from typing import Final
 
 from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION: Final = 1
+"""Version of this key schema, stored in every namespace record; a store refuses other versions."""
 
 
 def meta_key(prefix: str, namespace: str) -> str:
+    """The namespace record (HASH)."""
     return f"{prefix}:{{{namespace}}}:meta"
 
 
 def clock_key(prefix: str, namespace: str) -> str:
+    """The namespace's clock (HASH): the state of its `EpochClock`."""
     return f"{prefix}:{{{namespace}}}:clock"
 
 
 def epochs_key(prefix: str, namespace: str) -> str:
+    """The epochs kept (LIST, newest first)."""
     return f"{prefix}:{{{namespace}}}:epochs"
 
 
@@ -75,7 +80,7 @@ def shard_tags(namespace: str, instance: str, shards: int) -> tuple[str, ...]:
 class ShardKeys:
     """Key names of one shard of one namespace incarnation."""
 
-    __slots__ = ("base", "state", "changes", "history", "index")
+    __slots__ = ("base", "changes", "history", "index", "state")
 
     def __init__(self, prefix: str, tag: str) -> None:
         self.base = f"{prefix}:{{{tag}}}:"
@@ -85,13 +90,16 @@ class ShardKeys:
         self.index = self.base + "i"
 
     def dedup(self, client_id: str) -> str:
+        """The dedup record (ZSET) of one client in this shard."""
         return f"{self.base}d:{client_id}"
 
     def bucket(self, bucket: int) -> str:
+        """The HASH of a bucket (global id) of this shard."""
         return f"{self.base}{bucket}"
 
 
 def shard_keys(prefix: str, namespace: str, instance: str, shards: int) -> list[ShardKeys]:
+    """The key names of every shard of one namespace incarnation, by shard index."""
     return [ShardKeys(prefix, tag) for tag in shard_tags(namespace, instance, shards)]
 
 

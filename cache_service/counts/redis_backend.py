@@ -1,6 +1,6 @@
 """The Redis backend of the counts store, for a standalone Redis or a Redis Cluster.
 
-Every write is a Lua script over keys of one shard (see `redis_schema`), so it runs
+Every write is a Lua script over keys of one shard (see `schema`), so it runs
 atomically on the shard's node:
 
 * APPLY adds one unit of a batch (the batch's entries in one shard) and records
@@ -9,7 +9,8 @@ atomically on the shard's node:
   ``appendonly yes``, which logs a script's effects as one MULTI/EXEC) is therefore
   retried safely, and every script here is idempotent, so redis-py's bounded reconnect
   retries and the NOSCRIPT fallback (load, then run again) are safe as well.
-* TICK advances the namespace's version at most once per ``epoch_seconds``.
+* TICK advances the namespace's version at most once per ``epoch_seconds`` (the rule of
+  `store.EpochClock`); APPLY's dedup check is the rule of `store.DedupWindow`.
 * ROLL closes a shard's open change piece when the version moved, trims history below the
   floor and returns the pieces a reader needs; SEAL rewrites a closed piece as the union of
   its roaring bitmaps; READ returns bucket contents packed for numpy.
@@ -25,56 +26,58 @@ import concurrent.futures
 import contextlib
 import hashlib
 import logging
-import secrets
 import struct
 import threading
-import urllib.parse
-from collections.abc import Iterable, Iterator, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any, Final, TypeVar
 
 import numpy as np
 import pyroaring
 import redis
 import redis.exceptions as rexc
+from ngramcache.client.errors import (
+    BackendUnavailableError,
+    InvalidArgumentError,
+    NamespaceNotFoundError,
+    NgramCacheError,
+    StoreAuthenticationError,
+)
+from ngramcache.client.rows import COUNT, FOLLOWER, TOKENS, N, empty_counts
 from redis.backoff import ExponentialBackoff
 from redis.cluster import ClusterNode, RedisCluster
 from redis.retry import Retry
 
-from ngramcache.cache_service import redis_schema as schema
-from ngramcache.cache_service.counts_store import (
-    MAX_N,
-    ApplyResult,
-    BatchTooOldError,
-    ChangeSet,
-    CountsStore,
-    CountsStoreConfig,
+from . import schema
+from .config import CountsStoreConfig
+from .layout import (
+    FIELD_TOKENS,
     EncodedBatch,
-    NamespaceInfo,
-    NamespaceNotFoundError,
-    StoreAuthenticationError,
-    check_tokenizer,
     encode_batch,
     ngram_bucket,
     ngram_key,
-    normalize_fingerprint,
-    redact_url,
     rows_from_matrix,
-    validate_client_id,
-    validate_deltas,
-    validate_layout,
-    validate_namespace,
-    validate_seq,
-    validate_vocab_size,
 )
-from ngramcache.client.errors import BackendUnavailableError, InvalidArgumentError, NgramCacheError, ResyncRequiredError
+from .namespace import NamespaceInfo, validate_namespace
+from .store import (
+    ApplyResult,
+    ChangeSet,
+    CountsStore,
+    batch_too_old,
+    check_version,
+    history_lost,
+    namespace_changed,
+    no_such_namespace,
+)
 
 __all__ = ["RedisCountsStore"]
 
 log = logging.getLogger(__name__)
 
-_CLUSTER_DEFAULT_SHARDS = 64
-_READ_KEYS_PER_CALL = 512  # buckets per READ call: bounds how long one call blocks Redis
-_PIPELINE_ROWS = 1 << 16  # rows per pipelined round trip in apply_many (encoding overlaps the previous one)
+_CLUSTER_DEFAULT_SHARDS: Final = 64
+_READ_KEYS_PER_CALL: Final = 512  # buckets per READ call: bounds how long one call blocks Redis
+_PIPELINE_ROWS: Final = 1 << 16  # rows per pipelined round trip in apply_many (encoding overlaps the previous one)
+
+_T = TypeVar("_T")
 
 
 class _Script:
@@ -84,6 +87,9 @@ class _Script:
         self.name = name
         self.source = source
         self.sha = hashlib.sha1(source.encode()).hexdigest()
+
+
+_Call = tuple[_Script, Sequence[Any], Sequence[Any]]  # (script, keys, args) of one EVALSHA
 
 
 # KEYS: state, changes, dedup, bucket...
@@ -240,7 +246,7 @@ _UNAVAILABLE_PREFIXES = ("OOM", "BUSY", "LOADING", "TRYAGAIN", "CLUSTERDOWN", "M
 class _Handle:
     """A namespace's immutable record and its key names (cached; dropped on a stale instance)."""
 
-    __slots__ = ("info", "shards", "meta", "clock", "epochs")
+    __slots__ = ("clock", "epochs", "info", "meta", "shards")
 
     def __init__(self, prefix: str, info: NamespaceInfo) -> None:
         self.info = info
@@ -252,48 +258,6 @@ class _Handle:
 
 class _StaleHandle(Exception):
     """A script saw another instance id: the namespace was dropped or recreated meanwhile."""
-
-
-def _parse_url(url: str) -> dict[str, Any]:
-    """Split a redis://, rediss://, redis+cluster:// or rediss+cluster:// URL (credentials percent-decoded)."""
-    scheme, _, rest = url.partition("://")
-    scheme = scheme.lower()
-    netloc = rest.split("/", 1)[0].split("?", 1)[0]
-    path = rest[len(netloc):].split("?", 1)[0].lstrip("/")
-    userinfo, at, hostlist = netloc.rpartition("@")
-    username = password = None
-    if at:
-        if ":" in userinfo:
-            user, _, pw = userinfo.partition(":")
-            username = urllib.parse.unquote(user) or None
-            password = urllib.parse.unquote(pw)
-        else:
-            password = urllib.parse.unquote(userinfo)
-    hosts = []
-    for item in hostlist.split(","):
-        if not item:
-            continue
-        host, sep, port = item.rpartition(":")
-        if not sep:
-            host, port = item, "6379"
-        host = host.strip("[]")
-        try:
-            hosts.append((host, int(port)))
-        except ValueError:
-            raise InvalidArgumentError(f"bad port in counts store URL {redact_url(url)!r}") from None
-    if not hosts:
-        raise InvalidArgumentError(f"no host in counts store URL {redact_url(url)!r}")
-    cluster = scheme.endswith("+cluster")
-    db = 0
-    if path and not cluster:
-        try:
-            db = int(path)
-        except ValueError:
-            raise InvalidArgumentError(f"bad database number in {redact_url(url)!r}") from None
-    if not cluster and len(hosts) != 1:
-        raise InvalidArgumentError("a standalone redis:// URL names one host; use redis+cluster:// for several")
-    return {"cluster": cluster, "ssl": scheme.startswith("rediss"), "hosts": hosts, "db": db,
-            "username": username, "password": password}
 
 
 class RedisCountsStore(CountsStore):
@@ -309,27 +273,27 @@ class RedisCountsStore(CountsStore):
     """
 
     def __init__(self, config: CountsStoreConfig) -> None:
-        if not config.url:
+        address = config.address
+        if address.kind == "embedded":
             raise InvalidArgumentError("RedisCountsStore needs a redis URL")
         self.config = config
-        parts = _parse_url(config.url)
-        self._secret = parts["password"] or ""
-        self._cluster = parts["cluster"]
-        self._where = redact_url(config.url.split("?", 1)[0])
+        self._secret = address.password or ""
+        self._cluster = address.kind == "cluster"
+        self._where = address.redacted
         retry = Retry(ExponentialBackoff(cap=1.0, base=0.05), config.retries)
-        common = dict(username=parts["username"], password=parts["password"],
-                      socket_timeout=config.socket_timeout or None,
-                      socket_connect_timeout=config.connect_timeout or None, ssl=parts["ssl"])
+        common: dict[str, Any] = {"username": address.username, "password": address.password,
+                                  "socket_timeout": config.socket_timeout or None,
+                                  "socket_connect_timeout": config.connect_timeout or None, "ssl": address.ssl}
         self._handles: dict[str, _Handle] = {}
         self._lock = threading.Lock()
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         with self._errors():
             if self._cluster:
-                nodes = [ClusterNode(host, port) for host, port in parts["hosts"]]
+                nodes = [ClusterNode(host, port) for host, port in address.hosts]  # type: ignore[no-untyped-call]
                 self._client: Any = RedisCluster(startup_nodes=nodes, retry=retry, **common)
             else:
-                (host, port), = parts["hosts"]
-                self._client = redis.Redis(host=host, port=port, db=parts["db"], retry=retry,
+                (host, port), = address.hosts
+                self._client = redis.Redis(host=host, port=port, db=address.db, retry=retry,
                                            retry_on_error=[rexc.ConnectionError, rexc.TimeoutError], **common)
                 self._client.ping()
         log.debug("counts store connected to %s", self._where)
@@ -420,7 +384,7 @@ class RedisCountsStore(CountsStore):
         if not raw:
             with self._lock:
                 self._handles.pop(namespace, None)
-            raise NamespaceNotFoundError(f"no counts namespace {namespace!r}")
+            raise no_such_namespace(namespace)
         handle = _Handle(self.config.prefix, self._info_from_meta(namespace, raw))
         with self._lock:
             self._handles[namespace] = handle
@@ -436,7 +400,7 @@ class RedisCountsStore(CountsStore):
         return NamespaceInfo(namespace, meta["fingerprint"], int(meta["vocab_size"]), int(meta["buckets"]),
                              int(meta["shards"]), meta["instance"])
 
-    def _with_handle(self, namespace: str, action: Any) -> Any:
+    def _with_handle(self, namespace: str, action: Callable[[_Handle], _T]) -> _T:
         """Run ``action(handle)``; when a script saw another instance, refresh the handle once and rerun."""
         handle = self._handle(namespace)
         try:
@@ -451,48 +415,41 @@ class RedisCountsStore(CountsStore):
             try:
                 return action(fresh)
             except _StaleHandle:
-                raise NamespaceNotFoundError(f"namespace {namespace!r} is being dropped or recreated") from None
+                raise namespace_changed(namespace, "the call") from None
 
     # ----------------------------------------------------------------- namespaces
 
-    def create_namespace(self, namespace: str, fingerprint: bytes | str, vocab_size: int, *,
-                         buckets: int | None = None, shards: int | None = None) -> NamespaceInfo:
-        validate_namespace(namespace)
-        fp = normalize_fingerprint(fingerprint)
-        vocab = validate_vocab_size(vocab_size)
+    def _default_shards(self) -> int:
+        return _CLUSTER_DEFAULT_SHARDS if self._cluster else 1
+
+    def _find_namespace(self, namespace: str) -> NamespaceInfo | None:
         try:
-            info = self._handle(namespace, refresh=True).info
+            return self._handle(namespace, refresh=True).info
         except NamespaceNotFoundError:
-            pass
-        else:
-            check_tokenizer(info, fp, vocab)
-            return info
-        default_shards = self.config.default_shards or (_CLUSTER_DEFAULT_SHARDS if self._cluster else 1)
-        nbuckets, nshards = validate_layout(buckets or self.config.default_buckets, shards or default_shards)
-        instance = secrets.token_hex(4)
-        info = NamespaceInfo(namespace, fp, vocab, nbuckets, nshards, instance)
+            return None
+
+    def _insert_namespace(self, info: NamespaceInfo) -> NamespaceInfo | None:
         handle = _Handle(self.config.prefix, info)
         # Shard state first: the namespace becomes visible (meta) only once every shard can take writes.
         with self._errors():
             pipe = self._client.pipeline(transaction=False)
             for sk in handle.shards:
-                pipe.hset(sk.state, mapping={"instance": instance, "e": 0, "f": 0})
+                pipe.hset(sk.state, mapping={"instance": info.instance, "e": 0, "f": 0})
             pipe.execute()
         existing = self._run_one(_CREATE, [handle.meta, handle.clock, handle.epochs],
-                                 [instance, fp, vocab, nbuckets, nshards, schema.SCHEMA_VERSION])
+                                 [info.instance, info.fingerprint, info.vocab_size, info.buckets, info.shards,
+                                  schema.SCHEMA_VERSION])
         if existing:  # lost a creation race: forget our shard state, bind to the winner
             with self._errors():
                 pipe = self._client.pipeline(transaction=False)
                 for sk in handle.shards:
                     pipe.delete(sk.state)
                 pipe.execute()
-            info = self._handle(namespace, refresh=True).info
-            check_tokenizer(info, fp, vocab)
-            return info
+            return self._handle(info.name, refresh=True).info
         with self._lock:
-            self._handles[namespace] = handle
-        log.debug("created counts namespace %s (%d buckets, %d shards)", namespace, nbuckets, nshards)
-        return info
+            self._handles[info.name] = handle
+        log.debug("created counts namespace %s (%d buckets, %d shards)", info.name, info.buckets, info.shards)
+        return None
 
     def namespace_info(self, namespace: str) -> NamespaceInfo:
         return self._handle(namespace, refresh=True).info
@@ -540,24 +497,12 @@ class RedisCountsStore(CountsStore):
 
     # ----------------------------------------------------------------- writes
 
-    def apply(self, namespace: str, client_id: str, seq: int, deltas: np.ndarray, *,
-              fingerprint: bytes | str | None = None) -> ApplyResult:
-        return self.apply_many(namespace, client_id, [(seq, deltas)], fingerprint=fingerprint)[0]
-
-    def apply_many(self, namespace: str, client_id: str, batches: Iterable[tuple[int, np.ndarray]], *,
-                   fingerprint: bytes | str | None = None) -> list[ApplyResult]:
-        """Apply batches pipelined: encoding the next round trip overlaps the current one.
-
-        Every batch is validated before anything is sent; on an error, batches already sent
-        may be applied, and retrying the whole call is safe.
-        """
-        validate_client_id(client_id)
-        batches = [(validate_seq(seq), deltas) for seq, deltas in batches]
+    def _apply_batches(self, namespace: str, client_id: str, batches: list[tuple[int, np.ndarray]],
+                       fingerprint: bytes | str | None) -> list[ApplyResult]:
+        """Apply batches pipelined: encoding the next round trip overlaps the current one."""
 
         def run(handle: _Handle) -> list[ApplyResult]:
-            check_tokenizer(handle.info, fingerprint)
-            for _, deltas in batches:
-                validate_deltas(deltas, handle.info.vocab_size, self.config.max_batch_rows)
+            self._check_batches(handle.info, fingerprint, batches)
             return self._apply_pipelined(handle, client_id, batches)
 
         return self._with_handle(namespace, run)
@@ -596,11 +541,11 @@ class RedisCountsStore(CountsStore):
         return executor.submit(fn, *args)
 
     def _apply_calls(self, handle: _Handle, client_id: str,
-                     group: list[tuple[int, EncodedBatch]]) -> list[tuple[_Script, list[str], list[Any]]]:
+                     group: list[tuple[int, EncodedBatch]]) -> list[_Call]:
         info = handle.info
         window = self.config.dedup_window
-        ttl_ms = max(1, int(self.config.dedup_ttl_seconds * 1000))
-        calls = []
+        ttl_ms = self.config.dedup_ttl_ms
+        calls: list[_Call] = []
         for seq, enc in group:
             bounds = enc.shard_bounds.tolist()
             for s in range(info.shards):
@@ -615,11 +560,11 @@ class RedisCountsStore(CountsStore):
                 calls.append((_APPLY, keys, [info.instance, seq, window, ttl_ms, *args]))
         return calls
 
-    def _finish_apply(self, calls: list[Any], group: list[tuple[int, EncodedBatch]]) -> list[ApplyResult]:
+    def _finish_apply(self, calls: list[_Call], group: list[tuple[int, EncodedBatch]]) -> list[ApplyResult]:
         replies = self._run(calls)
         results = []
         position = 0
-        too_old = None
+        too_old: tuple[int, int] | None = None
         for seq, enc in group:
             units = int(np.count_nonzero(np.diff(enc.shard_bounds)))
             applied = duplicates = 0
@@ -636,9 +581,7 @@ class RedisCountsStore(CountsStore):
             position += units
             results.append(ApplyResult(units, applied, duplicates, enc.entries))
         if too_old is not None:
-            raise BatchTooOldError(
-                f"batch seq {too_old[0]} is older than the dedup window ({self.config.dedup_window}) "
-                f"behind seq {too_old[1]}: whether it was applied is unknown, so it was not applied")
+            raise batch_too_old(*too_old, self.config.dedup_window)
         return results
 
     # ----------------------------------------------------------------- reads
@@ -651,8 +594,9 @@ class RedisCountsStore(CountsStore):
             key = ngram_key(ngram, info)
             n = len(key) // info.token_width
             tokens = np.array(list(ngram), dtype=np.int64)
-            hit = (rows[:, 0] == n) & (rows[:, 1:1 + n] == tokens[None, :]).all(axis=1)
-            return {int(f): int(c) for f, c in zip(rows[hit, 5].tolist(), rows[hit, 6].tolist())}
+            tokens_of = rows[:, TOKENS][:, :n]
+            hit = (rows[:, N] == n) & (tokens_of == tokens[None, :]).all(axis=1)
+            return {int(f): int(c) for f, c in zip(rows[hit, FOLLOWER].tolist(), rows[hit, COUNT].tolist())}
 
         return self._with_handle(namespace, run)
 
@@ -662,29 +606,28 @@ class RedisCountsStore(CountsStore):
         by_shard: dict[int, list[int]] = {}
         for b in buckets:
             by_shard.setdefault(b % info.shards, []).append(b)
-        calls = []
+        calls: list[_Call] = []
         for s, ids in by_shard.items():
             sk = handle.shards[s]
             for i in range(0, len(ids), _READ_KEYS_PER_CALL):
                 keys = [sk.state] + [sk.base + str(b) for b in ids[i:i + _READ_KEYS_PER_CALL]]
-                calls.append((_READ, keys, [info.instance, (MAX_N + 1) * info.token_width]))
+                calls.append((_READ, keys, [info.instance, FIELD_TOKENS * info.token_width]))
         parts = []
         for reply in self._run(calls):
             if int(reply[0]) == -1:
                 raise _StaleHandle()
             parts.append(_rows_from_read(reply, info.token_width))
-        return np.concatenate(parts) if parts else np.zeros((0, 7), dtype=np.int64)
+        return np.concatenate(parts) if parts else empty_counts()
 
     def _tick(self, handle: _Handle) -> tuple[int, int]:
         reply = self._run_one(_TICK, [handle.clock, handle.epochs],
-                              [handle.info.instance, int(self.config.epoch_seconds * 1000),
-                               self.config.history_epochs])
+                              [handle.info.instance, self.config.epoch_ms, self.config.history_epochs])
         if int(reply[0]) == -1:
             raise _StaleHandle()
         return int(reply[0]), int(reply[1])
 
     def _roll(self, handle: _Handle, cur: int, floor: int, since: int | None) -> list[Any]:
-        calls = [(_ROLL, [sk.state, sk.changes, sk.history, sk.index],
+        calls: list[_Call] = [(_ROLL, [sk.state, sk.changes, sk.history, sk.index],
                   [handle.info.instance, cur, floor, "" if since is None else since])
                  for sk in handle.shards]
         replies = self._run(calls)
@@ -707,17 +650,13 @@ class RedisCountsStore(CountsStore):
         def run(handle: _Handle) -> ChangeSet:
             info = handle.info
             cur, floor = self._tick(handle)
-            if since < floor or since > cur:
-                raise ResyncRequiredError(
-                    f"version {since} of namespace {namespace!r} is outside the history kept "
-                    f"[{floor}, {cur}]; resync from version() + export()")
+            check_version(namespace, since, floor, cur)
             replies = self._roll(handle, cur, floor, since)
             changed = pyroaring.BitMap()
-            seals = []
+            seals: list[_Call] = []
             for s, reply in enumerate(replies):
                 if int(reply[0]) == -3:
-                    raise ResyncRequiredError(
-                        f"version {since} of namespace {namespace!r} fell out of the history kept; resync")
+                    raise history_lost(namespace, since)
                 local = _piece_buckets(reply[1])
                 for i in range(2, len(reply), 2):
                     piece, blob = reply[i], reply[i + 1]
@@ -778,7 +717,7 @@ class RedisCountsStore(CountsStore):
         try:
             return self._read_buckets(handle, buckets)
         except _StaleHandle:
-            raise NamespaceNotFoundError(f"namespace {handle.info.name!r} was dropped during export") from None
+            raise namespace_changed(handle.info.name, "export") from None
 
     def close(self) -> None:
         with self._lock:
@@ -808,10 +747,11 @@ def _unit_args(enc: EncodedBatch, lo: int, hi: int, shards: int) -> tuple[list[i
 
 def _rows_from_read(reply: Sequence[Any], width: int) -> np.ndarray:
     fields, counts = reply[1], reply[2]
-    record = 1 + (MAX_N + 1) * width
+    record = 1 + FIELD_TOKENS * width
     k = len(fields) // record
     if k == 0:
-        return np.zeros((0, 7), dtype=np.int64)
+        empty: np.ndarray = empty_counts()
+        return empty
     raw = np.frombuffer(fields, dtype=np.uint8).reshape(k, record)
     values = np.fromstring(counts, dtype=np.int64, sep=",")  # text mode: not the deprecated binary one
     return rows_from_matrix(raw[:, 0].astype(np.int64), raw[:, 1:], values, width)

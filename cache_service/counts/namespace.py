@@ -1,0 +1,128 @@
+"""A counts namespace: its immutable record (`NamespaceInfo`) and the checks of its name, tokenizer, vocabulary and layout."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import secrets
+from typing import Final
+
+import numpy as np
+from ngramcache.client.errors import InvalidArgumentError, TokenizerMismatchError
+from ngramcache.client import _core
+from ngramcache.client.rows import MAX_VOCAB
+
+__all__ = [
+    "FINGERPRINT_SIZE",
+    "MAX_BUCKETS",
+    "MAX_SHARDS",
+    "NamespaceInfo",
+    "check_tokenizer",
+    "new_instance_id",
+    "normalize_fingerprint",
+    "token_width",
+    "validate_layout",
+    "validate_namespace",
+    "validate_vocab_size",
+]
+
+FINGERPRINT_SIZE: Final[int] = _core.FINGERPRINT_SIZE
+"""Bytes of a tokenizer fingerprint (the core's kFingerprintSize)."""
+
+MAX_BUCKETS: Final = 2**30
+"""Most buckets a namespace may have."""
+
+MAX_SHARDS: Final = 16384
+"""Most shards a namespace may have: Redis Cluster's slot count, so each shard can own a slot."""
+
+_NAMESPACE_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+_FINGERPRINT_HEX_RE = re.compile(f"[0-9a-fA-F]{{{2 * FINGERPRINT_SIZE}}}")
+
+
+@dataclasses.dataclass(frozen=True)
+class NamespaceInfo:
+    """The immutable record of a namespace, fixed at creation.
+
+    Attributes:
+        name: the namespace name.
+        fingerprint: tokenizer fingerprint, 64 lowercase hex digits (32 bytes).
+        vocab_size: tokens and followers lie in [0, vocab_size); vocab_size <= MAX_VOCAB.
+        buckets: number of buckets, a power of two.
+        shards: number of shards (units of atomicity); divides ``buckets``.
+        instance: random id of this incarnation; a dropped and recreated namespace gets a new one.
+    """
+
+    name: str
+    fingerprint: str
+    vocab_size: int
+    buckets: int
+    shards: int
+    instance: str
+
+    @property
+    def token_width(self) -> int:
+        """Bytes per token in a stored field (see `token_width`)."""
+        return token_width(self.vocab_size)
+
+
+def validate_namespace(namespace: str) -> str:
+    """Return ``namespace`` if it is 1..64 characters of [A-Za-z0-9_.-], else raise InvalidArgumentError."""
+    if not isinstance(namespace, str) or not _NAMESPACE_RE.fullmatch(namespace):
+        raise InvalidArgumentError(f"namespace must be 1..64 characters of [A-Za-z0-9_.-], got {namespace!r}")
+    return namespace
+
+
+def normalize_fingerprint(fingerprint: bytes | str) -> str:
+    """A tokenizer fingerprint (32 bytes or 64 hex digits) as 64 lowercase hex digits."""
+    if isinstance(fingerprint, (bytes, bytearray, memoryview)):
+        raw = bytes(fingerprint)
+        if len(raw) != FINGERPRINT_SIZE:
+            raise InvalidArgumentError(f"fingerprint must be {FINGERPRINT_SIZE} bytes, got {len(raw)}")
+        return raw.hex()
+    if isinstance(fingerprint, str) and _FINGERPRINT_HEX_RE.fullmatch(fingerprint):
+        return fingerprint.lower()
+    raise InvalidArgumentError(f"fingerprint must be {FINGERPRINT_SIZE} bytes or {2 * FINGERPRINT_SIZE} hex digits")
+
+
+def validate_vocab_size(vocab_size: int) -> int:
+    """Return ``vocab_size`` as an int if it is in [1, MAX_VOCAB] (the core's and the static format's limit)."""
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, (int, np.integer)) \
+            or not 1 <= int(vocab_size) <= MAX_VOCAB:
+        raise InvalidArgumentError(f"vocab_size must be in [1, {MAX_VOCAB}], got {vocab_size!r}")
+    return int(vocab_size)
+
+
+def validate_layout(buckets: int, shards: int) -> tuple[int, int]:
+    """Return (buckets, shards) if both are powers of two with shards <= buckets, else raise InvalidArgumentError."""
+    buckets, shards = int(buckets), int(shards)
+    if buckets < 1 or buckets > MAX_BUCKETS or buckets & (buckets - 1):
+        raise InvalidArgumentError(f"buckets must be a power of two in [1, 2**30], got {buckets}")
+    if shards < 1 or shards > MAX_SHARDS or shards & (shards - 1) or shards > buckets:
+        raise InvalidArgumentError(f"shards must be a power of two in [1, min(buckets, {MAX_SHARDS})], got {shards}")
+    return buckets, shards
+
+
+def check_tokenizer(info: NamespaceInfo, fingerprint: bytes | str | None, vocab_size: int | None = None) -> None:
+    """Raise TokenizerMismatchError when ``fingerprint``/``vocab_size`` differ from the namespace's."""
+    if fingerprint is not None and normalize_fingerprint(fingerprint) != info.fingerprint:
+        raise TokenizerMismatchError(
+            f"namespace {info.name!r} is bound to tokenizer {info.fingerprint[:16]}..., "
+            f"not {normalize_fingerprint(fingerprint)[:16]}...")
+    if vocab_size is not None and int(vocab_size) != info.vocab_size:
+        raise TokenizerMismatchError(
+            f"namespace {info.name!r} has vocab_size {info.vocab_size}, not {int(vocab_size)}")
+
+
+def token_width(vocab_size: int) -> int:
+    """Bytes per token in a field: the fewest that hold ``vocab_size - 1`` (1..3, as vocab_size <= MAX_VOCAB).
+
+    Raises:
+        InvalidArgumentError: ``vocab_size`` outside [1, MAX_VOCAB].
+    """
+    vocab = validate_vocab_size(vocab_size)
+    return max(1, ((vocab - 1).bit_length() + 7) // 8)
+
+
+def new_instance_id() -> str:
+    """A random id for a new incarnation of a namespace (8 hex digits)."""
+    return secrets.token_hex(4)
