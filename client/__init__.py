@@ -2,15 +2,33 @@
 
 from importlib import metadata as _metadata
 
-from ngramcache.client._core import CountTable, Drafter, StaticBuilder, StaticCache, build_static_from_tokens
-from ngramcache.client._core import MAX_DRAFT, MAX_VOCAB, NGRAM_MAX, UNTAGGED, checksum64, ngram_hash
-from ngramcache.client._core import export_llama, import_llama, load_llama_counts, replay
+from ngramcache.client._core import (
+    MAX_DRAFT,
+    MAX_VOCAB,
+    NGRAM_MAX,
+    UNTAGGED,
+    CountTable,
+    Drafter,
+    StaticBuilder,
+    StaticCache,
+    build_static_from_tokens,
+    checksum64,
+    export_llama,
+    import_llama,
+    load_llama_counts,
+    ngram_hash,
+    replay,
+)
 from ngramcache.client.errors import (
     BackendUnavailableError,
+    BatchTooOldError,
     CacheFormatError,
     InvalidArgumentError,
+    NamespaceNotFoundError,
     NgramCacheError,
     ResyncRequiredError,
+    SnapshotFormatError,
+    StoreAuthenticationError,
     TokenizerMismatchError,
 )
 from ngramcache.client.tokenizer import Tokenizer, load_tokenizer
@@ -24,18 +42,22 @@ __all__ = [
     "MAX_DRAFT",
     "MAX_VOCAB",
     "NGRAM_MAX",
+    "UNTAGGED",
     "BackendUnavailableError",
+    "BatchTooOldError",
     "CacheFormatError",
     "CountTable",
     "Drafter",
     "InvalidArgumentError",
+    "NamespaceNotFoundError",
     "NgramCacheError",
     "ResyncRequiredError",
+    "SnapshotFormatError",
     "StaticBuilder",
     "StaticCache",
+    "StoreAuthenticationError",
     "Tokenizer",
     "TokenizerMismatchError",
-    "UNTAGGED",
     "build_static_from_tokens",
     "checksum64",
     "export_llama",

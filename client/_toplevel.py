@@ -9,4 +9,4 @@ from ngramcache.client import *  # noqa: F403
 from ngramcache.client import __all__ as _client_all
 from ngramcache.client import __version__
 
-__all__ = [*_client_all, "__version__"]
+__all__ = [*_client_all, "__version__"]  # noqa: PLE0604 - the client's names, re-exported

@@ -7,6 +7,8 @@ a corpus larger than memory streams through.
 
 from __future__ import annotations
 
+import itertools
+import math
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -50,6 +52,8 @@ def collect_inputs(paths: list[str]) -> list[InputFile]:
             )
         elif p.is_file():
             files = [p]
+        elif p.exists():
+            raise InvalidArgumentError(f"input {raw} is not a regular file or a folder")
         else:
             raise InvalidArgumentError(f"input {raw} does not exist")
         for f in files:
@@ -68,9 +72,9 @@ def _npy_layout(path: Path) -> tuple[int, int]:
         try:
             version = np.lib.format.read_magic(f)
             if version == (1, 0):
-                shape, fortran, dtype = np.lib.format.read_array_header_1_0(f)
+                shape, _fortran, dtype = np.lib.format.read_array_header_1_0(f)
             else:
-                shape, fortran, dtype = np.lib.format.read_array_header_2_0(f)
+                shape, _fortran, dtype = np.lib.format.read_array_header_2_0(f)
         except ValueError as e:
             raise InvalidArgumentError(f"{path}: not a valid .npy file ({e})") from None
         offset = f.tell()
@@ -113,7 +117,7 @@ def token_streams(item: InputFile) -> Iterator[Iterator[np.ndarray]]:
             or np.any(np.diff(starts) < 0) or (len(starts) and starts[-1] > n):
         raise InvalidArgumentError(f"{sidecar}: stream offsets must be 1-D, ascending, start at 0 and stay within {n}")
     bounds = [int(x) for x in starts] + [n]
-    for a, b in zip(bounds[:-1], bounds[1:]):
+    for a, b in itertools.pairwise(bounds):
         yield _read_range(item.path, offset, a, b)
 
 
@@ -157,19 +161,30 @@ def load_tokens(path: str, tokenizer: Tokenizer | None) -> np.ndarray:
 
 
 def parse_size(text: str) -> int:
-    """'1GiB', '256MiB', '512M', '1000000' -> bytes."""
-    units = {"": 1, "K": 1000, "M": 1000**2, "G": 1000**3, "KB": 1000, "MB": 1000**2, "GB": 1000**3,
-             "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "B": 1}
+    """'1GiB', '256MiB', '512M', '1.5GB', '1000000' -> bytes: a positive, finite amount.
+
+    Raises:
+        InvalidArgumentError: not a size (also 'nan', 'inf', zero and negative amounts).
+    """
+    units = {"": 1, "B": 1, "K": 1000, "M": 1000**2, "G": 1000**3, "T": 1000**4,
+             "KB": 1000, "MB": 1000**2, "GB": 1000**3, "TB": 1000**4,
+             "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40}
     s = text.strip().upper()
-    num = s.rstrip("KMGIB")
-    unit = s[len(num):]
+    num = s.rstrip("KMGTIB").strip()
+    unit = s[len(s.rstrip("KMGTIB")):]
     try:
         value = float(num)
     except ValueError:
-        raise InvalidArgumentError(f"cannot read size {text!r}: use e.g. 1GiB, 256MiB or a byte count") from None
-    if unit not in units or value <= 0:
-        raise InvalidArgumentError(f"cannot read size {text!r}: use e.g. 1GiB, 256MiB or a byte count")
+        value = math.nan
+    if unit not in units or not math.isfinite(value) or value <= 0 or value * units[unit] < 1:
+        raise InvalidArgumentError(f"cannot read size {text!r}: use a positive amount such as 1GiB, 256MiB or a byte count")
     return int(value * units[unit])
+
+
+def first_out_of_vocabulary(tokens: np.ndarray, vocab_size: int) -> int | None:
+    """The index of the first token of `tokens` outside [0, vocab_size), or None when all are inside."""
+    bad = np.flatnonzero((tokens < 0) | (tokens >= vocab_size))
+    return int(bad[0]) if len(bad) else None
 
 
 def cpu_count() -> int:

@@ -4,12 +4,19 @@ from __future__ import annotations
 
 import sys
 import time
+from types import TracebackType
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 
 class Progress:
     """Prints `label: done/total unit, rate, ETA` on one line of stderr, at most 4 times a second.
 
-    Silent when stderr is not a terminal or `quiet` is set. Not thread-safe.
+    Silent when stderr is not a terminal or `quiet` is set. A context manager: leaving the
+    `with` block, normally or by an exception (Ctrl-C included), erases the line, so an error
+    message printed next starts on a clean line. Not thread-safe.
     """
 
     def __init__(self, label: str, total: float | None, unit: str = "B", quiet: bool = False) -> None:
@@ -42,11 +49,20 @@ class Progress:
         sys.stderr.flush()
 
     def close(self, message: str | None = None) -> None:
+        """Erases the progress line (once), then prints `message` on a line of its own if given."""
         if self.enabled:
+            self.enabled = False
             sys.stderr.write("\r\033[K")
             if message:
                 sys.stderr.write(message + "\n")
             sys.stderr.flush()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
 
 
 def _human(x: float) -> str:

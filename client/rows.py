@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any, Final
 
 import numpy as np
+
 from ngramcache.client._core import MAX_VOCAB, NGRAM_MAX
 from ngramcache.client._core import ROW_WIDTH as _CORE_ROW_WIDTH
 from ngramcache.client.errors import InvalidArgumentError

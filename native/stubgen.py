@@ -16,6 +16,7 @@ STUB = Path(__file__).resolve().parent.parent / "client" / "_core.pyi"
 
 def generate() -> str:
     from nanobind.stubgen import StubGen
+
     import ngramcache.client._core
 
     gen = StubGen(ngramcache.client._core, quiet=True)

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import redis
 
-__all__ = ["RedisServer", "RedisClusterProcesses", "free_port", "require_redis_binaries"]
+__all__ = ["RedisClusterProcesses", "RedisServer", "free_port", "require_redis_binaries"]
 
 
 def require_redis_binaries() -> tuple[str, str]:

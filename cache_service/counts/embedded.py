@@ -31,6 +31,7 @@ from typing import Any, Final
 
 import numpy as np
 import pyroaring
+
 from ngramcache.client.errors import InvalidArgumentError, SnapshotFormatError
 from ngramcache.client.rows import (
     COUNT,

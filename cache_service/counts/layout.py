@@ -21,6 +21,7 @@ from typing import Final
 
 import mmh3
 import numpy as np
+
 from ngramcache.client.errors import InvalidArgumentError
 from ngramcache.client.rows import (
     COUNT,
@@ -69,7 +70,8 @@ _U32 = np.uint32
 
 
 def _rotl(x: np.ndarray, r: int) -> np.ndarray:
-    return (x << _U32(r)) | (x >> _U32(32 - r))
+    rotated: np.ndarray = (x << _U32(r)) | (x >> _U32(32 - r))
+    return rotated
 
 
 def murmur3_32(keys: np.ndarray, seed: int = 0) -> np.ndarray:

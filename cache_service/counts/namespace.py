@@ -8,8 +8,9 @@ import secrets
 from typing import Final
 
 import numpy as np
-from ngramcache.client.errors import InvalidArgumentError, TokenizerMismatchError
+
 from ngramcache.client import _core
+from ngramcache.client.errors import InvalidArgumentError, TokenizerMismatchError
 from ngramcache.client.rows import MAX_VOCAB
 
 __all__ = [

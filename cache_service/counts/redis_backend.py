@@ -35,6 +35,10 @@ import numpy as np
 import pyroaring
 import redis
 import redis.exceptions as rexc
+from redis.backoff import ExponentialBackoff
+from redis.cluster import ClusterNode, RedisCluster
+from redis.retry import Retry
+
 from ngramcache.client.errors import (
     BackendUnavailableError,
     InvalidArgumentError,
@@ -43,9 +47,6 @@ from ngramcache.client.errors import (
     StoreAuthenticationError,
 )
 from ngramcache.client.rows import COUNT, FOLLOWER, TOKENS, N, empty_counts
-from redis.backoff import ExponentialBackoff
-from redis.cluster import ClusterNode, RedisCluster
-from redis.retry import Retry
 
 from . import schema
 from .config import CountsStoreConfig
@@ -346,7 +347,7 @@ class RedisCountsStore(CountsStore):
         """
         results: list[Any] = [None] * len(calls)
         pending = list(range(len(calls)))
-        for attempt in range(2):
+        for _attempt in range(2):
             with self._errors():
                 pipe = self._client.pipeline(transaction=False)
                 for i in pending:

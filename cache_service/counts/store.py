@@ -30,6 +30,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Final
 
 import numpy as np
+
 from ngramcache.client.errors import (
     BatchTooOldError,
     InvalidArgumentError,
@@ -355,7 +356,7 @@ class CountsStore(abc.ABC):
         is why a mirror takes `version` first and then catches up with `changes_since`.
         """
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - a hook with a no-op default, not an abstract method
         """Release connections (and, embedded, write a last snapshot)."""
 
     def __enter__(self) -> Self:

@@ -41,9 +41,9 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[2]
-
 from ngramcache import UNTAGGED, CountTable, Drafter, StaticCache, build_static_from_tokens, load_tokenizer
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def stdlib_streams(tokenizer_spec: str | None) -> tuple[list[np.ndarray], list[np.ndarray], int, bytes]:

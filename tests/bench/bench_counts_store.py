@@ -26,12 +26,12 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/, for redis_servers
 
-from redis_servers import RedisServer  # noqa: E402
+from redis_servers import RedisServer
 
-from ngramcache.cache_service.counts.factory import open_counts_store  # noqa: E402
-from ngramcache.cache_service.counts.layout import encode_batch  # noqa: E402
-from ngramcache.cache_service.counts.redis_backend import RedisCountsStore  # noqa: E402
-from ngramcache.client.rows import COUNT, DELTA_DTYPE, FOLLOWER, NGRAM_MAX, ROW_WIDTH, TOKENS, N  # noqa: E402
+from ngramcache.cache_service.counts.factory import open_counts_store
+from ngramcache.cache_service.counts.layout import encode_batch
+from ngramcache.cache_service.counts.redis_backend import RedisCountsStore
+from ngramcache.client.rows import COUNT, DELTA_DTYPE, FOLLOWER, NGRAM_MAX, ROW_WIDTH, TOKENS, N
 
 VOCAB = 128_256  # Llama 3: 3-byte tokens
 FP = bytes(range(32))

@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import reference
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import reference
-from ngramcache import InvalidArgumentError, StaticCache
-from ngramcache import UNTAGGED
-from ngramcache import StaticBuilder
+from ngramcache import UNTAGGED, InvalidArgumentError, StaticBuilder, StaticCache
 
 MiB = 1 << 20
 

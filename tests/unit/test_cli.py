@@ -1,26 +1,35 @@
-"""The `ngramcache` commands end to end, run as a user runs them (a real subprocess)."""
+"""The `ngramcache` commands end to end, run as a user runs them (a real subprocess, or main(argv) in this process)."""
 
 from __future__ import annotations
 
+import argparse
+import errno
 import json
+import os
+import signal
 import struct
 import subprocess
 import sys
 import sysconfig
+import tempfile
+import time
+from contextlib import suppress
 from pathlib import Path
 
 import numpy as np
 import pytest
-
 import reference
+
 from ngramcache import StaticCache
+from ngramcache.client import cli
 from ngramcache.client.tokenizer import load_tokenizer
 
 TOKENIZER = "tiktoken:qwen"
 
 
 def run(*args: str, ok: bool = True) -> subprocess.CompletedProcess:
-    result = subprocess.run([sys.executable, "-m", "ngramcache.client.cli", *args], capture_output=True, text=True)
+    result = subprocess.run([sys.executable, "-m", "ngramcache.client.cli", *args], capture_output=True, text=True,
+                            check=False)
     if ok:
         assert result.returncode == 0, result.stderr
     return result
@@ -80,7 +89,7 @@ def test_build_refuses_bad_input(tmp_path):
     assert r.returncode == 2 and "not a whole number of int32 tokens" in r.stderr
     np.array([1, 2, 50], dtype="<i4").tofile(tmp_path / "oov.bin")
     r = run("build", str(tmp_path / "oov.bin"), "-o", str(tmp_path / "x.ngc"), "--vocab-size", "10", "--fingerprint", "00" * 32, ok=False)
-    assert r.returncode == 2 and "token 50 at stream position 2 is outside the vocabulary" in r.stderr
+    assert r.returncode == 2 and "oov.bin: token 50 at position 2 is outside the vocabulary [0, 10)" in r.stderr
     r = run("build", str(tmp_path / "oov.bin"), "-o", str(tmp_path / "x.ngc"), ok=False)
     assert r.returncode == 2 and "--tokenizer SPEC, or both --vocab-size and --fingerprint" in r.stderr
     r = run("build", str(tmp_path / "nope"), "-o", str(tmp_path / "x.ngc"), "--vocab-size", "10", "--fingerprint", "00" * 32, ok=False)
@@ -190,3 +199,391 @@ def test_llama_round_trip_and_hostile_file(tmp_path):
             "--fingerprint", "55" * 32, ok=False)
     assert r.returncode == 2 and "outside the vocabulary" in r.stderr
     assert not (tmp_path / "x.ngc").exists()
+
+
+# --- The CLI never loses data and never shows a traceback (issue 7, section 5) ----------------
+# Most of these run main(argv) in this process (fast, and lets a test stand in for the builder);
+# Ctrl-C is also tested on a real subprocess.
+
+UNTAGGED_ARGS = ("--vocab-size", "50", "--fingerprint", "untagged")
+
+
+def main(capsys: pytest.CaptureFixture[str], *args: object) -> tuple[int, str, str]:
+    """cli.main(argv) as the shell sees it: (exit status, stdout, stderr)."""
+    try:
+        rc = cli.main([str(a) for a in args])
+    except SystemExit as e:  # argparse's refusals
+        rc = e.code if isinstance(e.code, int) else 1
+    except KeyboardInterrupt:  # would stop the whole pytest session
+        pytest.fail("KeyboardInterrupt escaped main()")
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def one_line_error(err: str, *needles: str) -> None:
+    assert "Traceback" not in err
+    lines = [line for line in err.splitlines() if not line.startswith((" ", "usage:"))]  # argparse adds usage
+    assert len(lines) == 1, err
+    for needle in needles:
+        assert needle in lines[0], err
+
+
+@pytest.fixture
+def files(tmp_path: Path) -> Path:
+    """a.bin (3000 tokens), b.bin (2000), their caches a.ngc and b.ngc, and a.lcs (a.ngc in llama.cpp's format)."""
+    d = tmp_path / "files"
+    d.mkdir()
+    rng = np.random.default_rng(11)
+    write_tokens(d / "a.bin", rng.integers(0, 50, 3000))
+    write_tokens(d / "b.bin", rng.integers(0, 50, 2000))
+    for name in "ab":
+        run("build", str(d / f"{name}.bin"), "-o", str(d / f"{name}.ngc"), *UNTAGGED_ARGS, "--quiet")
+    run("export-llama", str(d / "a.ngc"), "-o", str(d / "a.lcs"), "--quiet")
+    return d
+
+
+def listing(d: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(d.iterdir()) if p.is_file()}
+
+
+@pytest.mark.parametrize("spelling", ["same", "symlink", "hardlink", "dotdot"])
+@pytest.mark.parametrize("command", ["build", "export-llama", "merge", "import-llama"])
+def test_an_output_that_is_an_input_is_refused(capsys, files, command, spelling):
+    victim = {"build": "a.bin", "export-llama": "a.ngc", "merge": "a.ngc", "import-llama": "a.lcs"}[command]
+    out = {"same": files / victim, "dotdot": files / ".." / files.name / victim}.get(spelling, files / f"alias-{victim}")
+    if spelling == "symlink":
+        out.symlink_to(files / victim)
+    elif spelling == "hardlink":
+        os.link(files / victim, out)
+    before = listing(files)
+    argv = {
+        "build": ["build", files / "a.bin", "-o", out, *UNTAGGED_ARGS],
+        "export-llama": ["export-llama", files / "a.ngc", "-o", out],
+        "merge": ["merge", files / "a.ngc", files / "b.ngc", "-o", out],
+        "import-llama": ["import-llama", files / "a.lcs", "-o", out, *UNTAGGED_ARGS],
+    }[command]
+    rc, _, err = main(capsys, *argv)
+    assert rc == 2
+    one_line_error(err, f"-o {out} is the input", "would destroy the input")
+    assert listing(files) == before  # nothing written, nothing replaced, no temporary files
+
+
+def test_an_output_inside_an_input_folder_is_refused(capsys, files, tmp_path):
+    (files / "sub").mkdir()
+    rc, _, err = main(capsys, "build", files, "-o", files / "sub" / ".." / "all.ngc", *UNTAGGED_ARGS)
+    assert rc == 2
+    one_line_error(err, "lies inside the input folder", str(files))
+    (tmp_path / "link").symlink_to(files)  # the same folder under another name
+    rc, _, err = main(capsys, "build", tmp_path / "link", "-o", files / "all.ngc", *UNTAGGED_ARGS)
+    assert rc == 2 and "lies inside the input folder" in err
+    assert not (files / "all.ngc").exists()
+
+
+def test_unwritable_outputs_are_refused_before_any_work(capsys, files, tmp_path, monkeypatch):
+    def no_work(*args, **kwargs):
+        raise AssertionError("the command started work before checking its output")
+
+    monkeypatch.setattr(cli, "StaticBuilder", no_work)
+    monkeypatch.setattr(cli, "export_llama", no_work)
+    (tmp_path / "plain").write_text("x")
+    cases = [
+        (["build", files / "a.bin", "-o", tmp_path, *UNTAGGED_ARGS], f"-o {tmp_path} is a directory"),
+        (["build", files / "a.bin", "-o", tmp_path / "nonexistent" / "x.ngc", *UNTAGGED_ARGS],
+         f"the folder {tmp_path / 'nonexistent'} does not exist"),
+        (["build", files / "a.bin", "-o", tmp_path / "plain" / "x.ngc", *UNTAGGED_ARGS], "is not a folder"),
+        (["build", files / "a.bin", "-o", tmp_path / "x.ngc", "--scratch-dir", tmp_path / "nope", *UNTAGGED_ARGS],
+         f"--scratch-dir {tmp_path / 'nope'} does not exist"),
+        (["build", files / "a.bin", "-o", tmp_path / "x.ngc", "--scratch-dir", tmp_path / "plain", *UNTAGGED_ARGS],
+         "--scratch-dir", ),
+        (["export-llama", files / "a.ngc", "-o", tmp_path], "is a directory"),
+        (["merge", files / "a.ngc", files / "b.ngc", "-o", "/nonexistent/m.ngc"], "the folder /nonexistent does not exist"),
+        (["import-llama", files / "a.lcs", "-o", tmp_path / "nonexistent" / "x", *UNTAGGED_ARGS], "does not exist"),
+        (["stats", "--input", files / "a.bin", "--dump-drafts", tmp_path], "--dump-drafts"),
+    ]
+    for argv, needle in cases:
+        rc, _, err = main(capsys, *argv)
+        assert rc == 2, (argv, err)
+        one_line_error(err, needle)
+        assert ".tmp." not in err and "scratch file" not in err
+    assert not (tmp_path / "x.ngc").exists()
+
+
+def _more_than_this_machine() -> str:
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return "100GiB" if physical < 100 << 30 else str(2 * physical)
+
+
+@pytest.mark.parametrize(("argv", "flag"), [
+    (["build", "A", "-o", "OUT", "--generation", "-1"], "--generation"),
+    (["build", "A", "-o", "OUT", "--memory-budget", _more_than_this_machine()], "--memory-budget"),
+    (["build", "A", "-o", "OUT", "--memory-budget", "nan"], "--memory-budget"),
+    (["build", "A", "-o", "OUT", "--memory-budget", "inf"], "--memory-budget"),
+    (["build", "A", "-o", "OUT", "--memory-budget", "1MiB"], "--memory-budget"),
+    (["build", "A", "-o", "OUT", "--memory-budget", "-5GiB"], "--memory-budget"),
+    (["build", "A", "-o", "OUT", "--threads", "-1"], "--threads"),
+    (["build", "A", "-o", "OUT", "--ngram-size", "5"], "--ngram-size"),
+    (["build", "A", "-o", "OUT", "--vocab-size", "0"], "--vocab-size"),
+    (["build", "A", "-o", "OUT", "--fingerprint", "abc"], "--fingerprint"),
+    (["merge", "A", "-o", "OUT", "--generation", "x"], "--generation"),
+    (["import-llama", "A", "-o", "OUT", "--memory-budget", "nan"], "--memory-budget"),
+    (["demo", "--test-files", "0"], "--test-files"),
+    (["demo", "--n-ctx", "0"], "--n-ctx"),
+    (["stats", "--input", "A", "--n-draft", "0"], "--n-draft"),
+    (["stats", "--input", "A", "--n-draft", "300"], "--n-draft"),
+    (["stats", "--input", "A", "--n-ctx", "1"], "--n-ctx"),
+    (["stats", "--input", "A", "--ngram-min", "3", "--ngram-max", "2"], "--ngram-min 3 is above --ngram-max 2"),
+])
+def test_bad_values_are_refused_in_one_line_naming_the_flag(capsys, files, tmp_path, argv, flag):
+    argv = [str(files / "a.bin") if a == "A" else str(tmp_path / "out.ngc") if a == "OUT" else a for a in argv]
+    if argv[0] in ("build", "import-llama") and "--vocab-size" not in argv and "--fingerprint" not in argv:
+        argv += UNTAGGED_ARGS
+    if argv[0] == "import-llama":
+        argv[1] = str(files / "a.lcs")
+    rc, _, err = main(capsys, *argv)
+    assert rc == 2
+    one_line_error(err, flag)
+    assert not (tmp_path / "out.ngc").exists()
+
+
+def test_out_of_memory_and_unexpected_errors_are_one_line(capsys, files, tmp_path, monkeypatch):
+    def bad_alloc(*args, **kwargs):
+        raise MemoryError("std::bad_alloc")
+
+    monkeypatch.setattr(cli, "StaticBuilder", bad_alloc)
+    rc, _, err = main(capsys, "build", files / "a.bin", "-o", tmp_path / "x.ngc", *UNTAGGED_ARGS)
+    assert rc == 2
+    one_line_error(err, "out of memory", "--memory-budget")
+
+    def bug(args):
+        raise TypeError("something nobody expected")
+
+    monkeypatch.setattr(cli, "cmd_inspect", bug)
+    rc, _, err = main(capsys, "inspect", files / "a.ngc")
+    assert rc == 1
+    one_line_error(err, "unexpected error: TypeError: something nobody expected", "NGRAMCACHE_TRACEBACK=1")
+    monkeypatch.setenv("NGRAMCACHE_TRACEBACK", "1")
+    assert "Traceback" in main(capsys, "inspect", files / "a.ngc")[2]
+
+
+def test_ctrl_c_stops_a_build_in_one_line_and_leaves_nothing(tmp_path):
+    # 400 MB of zero tokens (a sparse file: no disk used) takes seconds to count; the signal
+    # is sent once the build has opened the input, i.e. while it is counting.
+    big = tmp_path / "in" / "zeros.bin"
+    big.parent.mkdir()
+    with open(big, "wb") as f:
+        f.truncate(400 << 20)
+    out = tmp_path / "out"
+    out.mkdir()
+    argv = ["build", str(big), "-o", str(out / "zeros.ngc"), "--vocab-size", "10", "--fingerprint", "untagged",
+            "--memory-budget", "64MiB"]
+    # `python -m ngramcache.client.cli ARGV`, with Ctrl-C handled even if this test runs with SIGINT ignored (nohup).
+    launcher = ("import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+                "sys.argv[0] = 'ngramcache'; runpy.run_module('ngramcache.client.cli', run_name='__main__')")
+    proc = subprocess.Popen([sys.executable, "-c", launcher, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while str(big) not in _open_files(proc.pid):
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "the build never opened its input"
+            time.sleep(0.005)
+        proc.send_signal(signal.SIGINT)
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130, stderr
+    assert stderr.splitlines() == ["ngramcache build: interrupted; nothing was written"]
+    assert stdout == ""
+    assert list(out.iterdir()) == []  # no output, no temporary file, no scratch file
+
+
+def _open_files(pid: int) -> set[str]:
+    names = set()
+    with suppress(OSError):
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            with suppress(OSError):
+                names.add(os.readlink(f"/proc/{pid}/fd/{fd}"))
+    return names
+
+
+def test_ctrl_c_after_the_output_is_written_says_it_is_complete(capsys, files, tmp_path, monkeypatch):
+    real = cli.StaticBuilder
+
+    class InterruptedAfterFinish:
+        def __init__(self, *args, **kwargs):
+            self._builder = real(*args, **kwargs)
+
+        def __getattr__(self, name):
+            return getattr(self._builder, name)
+
+        def finish(self):
+            self._builder.finish()
+            raise KeyboardInterrupt  # Ctrl-C while the core was writing: seen once it returns
+
+    monkeypatch.setattr(cli, "StaticBuilder", InterruptedAfterFinish)
+    out = tmp_path / "a.ngc"
+    rc, _, err = main(capsys, "build", files / "a.bin", "-o", out, *UNTAGGED_ARGS, "--quiet")
+    assert rc == 130
+    assert err.splitlines() == [f"ngramcache build: interrupted after writing {out}; it is complete"]
+    assert StaticCache.open(str(out)).n_tokens == 3000
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.ngc", "files"]
+
+
+def test_ctrl_c_while_reading_leaves_an_old_output_untouched(capsys, files, tmp_path, monkeypatch):
+    out = tmp_path / "old.ngc"
+    out.write_bytes((files / "b.ngc").read_bytes())
+
+    def interrupted(item):
+        yield iter([np.zeros(10, np.int32)])
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli.corpus, "token_streams", interrupted)
+    rc, _, err = main(capsys, "build", files / "a.bin", "-o", out, *UNTAGGED_ARGS)
+    assert rc == 130
+    assert err.splitlines() == ["ngramcache build: interrupted; nothing was written"]
+    assert out.read_bytes() == (files / "b.ngc").read_bytes()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["files", "old.ngc"]
+
+
+def test_ctrl_c_while_writing_drafts_leaves_no_partial_file(capsys, tmp_path, monkeypatch):
+    test = write_tokens(tmp_path / "t.bin", [1, 2, 3] * 6 + [9])
+    real_lines = cli._draft_lines
+
+    def interrupted(drafts):
+        lines = real_lines(drafts)
+        yield next(lines)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "_draft_lines", interrupted)
+    rc, _, err = main(capsys, "stats", "--input", test, "--n-ctx", "6", "--dump-drafts", tmp_path / "d.txt")
+    assert rc == 130
+    assert err.splitlines() == ["ngramcache stats: interrupted; nothing was written"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.bin"]
+
+
+def test_ctrl_c_in_the_demo_removes_its_empty_folder(capsys, tmp_path, monkeypatch):
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "build_static_from_tokens", interrupted)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    rc, _, err = main(capsys, "demo", "--test-files", "2", "--n-ctx", "512")
+    assert rc == 130
+    assert err.splitlines() == ["ngramcache demo: interrupted; nothing was written"]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_stats_refuses_an_input_not_longer_than_n_ctx(capsys, tmp_path):
+    test = write_tokens(tmp_path / "t.bin", [1, 2, 3] * 6 + [9])  # 19 tokens
+    for n_ctx in ("19", "4096"):
+        rc, out, err = main(capsys, "stats", "--input", test, "--n-ctx", n_ctx)
+        assert rc == 2 and out == ""
+        one_line_error(err, f"{test} holds 19 tokens", f"--n-ctx {n_ctx}")
+    rc, out, _ = main(capsys, "stats", "--input", test, "--n-ctx", "18", "--json")
+    assert rc == 0 and json.loads(out)["n_draft_calls"] > 0
+
+
+def test_merge_sums_n_tokens_and_inspect_says_what_is_unknown(capsys, files, tmp_path):
+    run("merge", str(files / "a.ngc"), str(files / "b.ngc"), "-o", str(tmp_path / "m.ngc"))
+    assert StaticCache.open(str(tmp_path / "m.ngc")).n_tokens == 3000 + 2000
+    info = json.loads(run("inspect", str(tmp_path / "m.ngc"), "--json").stdout)
+    assert info["n_tokens"] == 5000 and info["fingerprint"] == "untagged"
+    text = run("inspect", str(tmp_path / "m.ngc")).stdout
+    assert "fingerprint: untagged" in text and "n_tokens: 5000" in text
+    # llama.cpp's format does not record how many tokens were counted: unknown, not 0.
+    run("import-llama", str(files / "a.lcs"), "-o", str(tmp_path / "i.ngc"), *UNTAGGED_ARGS)
+    assert "n_tokens: unknown" in run("inspect", str(tmp_path / "i.ngc")).stdout
+    assert json.loads(run("inspect", str(tmp_path / "i.ngc"), "--json").stdout)["n_tokens"] is None
+    run("build", str(files / "a.bin"), "-o", str(tmp_path / "t.ngc"), "--vocab-size", "50", "--fingerprint", "12" * 32)
+    assert f"fingerprint: {'12' * 32}" in run("inspect", str(tmp_path / "t.ngc")).stdout
+
+
+def test_token_errors_name_the_file_and_the_position(capsys, tmp_path):
+    write_tokens(tmp_path / "oov.bin", [1, 2, 300000, 4])
+    rc, _, err = main(capsys, "build", tmp_path / "oov.bin", "-o", tmp_path / "x.ngc", "--vocab-size", "1000",
+                      "--fingerprint", "untagged")
+    assert rc == 2
+    one_line_error(err, "oov.bin: token 300000 at position 2 is outside the vocabulary [0, 1000)", "--vocab-size 1000")
+    # In a .npy of several streams the position counts from the start of the file.
+    np.save(tmp_path / "s.npy", np.array([1, 2, 3, 4, 5, -7, 6], dtype=np.int32))
+    np.save(tmp_path / "s.offsets.npy", np.array([0, 3], dtype=np.int64))
+    rc, _, err = main(capsys, "build", tmp_path / "s.npy", "-o", tmp_path / "x.ngc", "--vocab-size", "1000",
+                      "--fingerprint", "untagged")
+    assert rc == 2 and "s.npy: token -7 at position 5" in err
+    rc, _, err = main(capsys, "stats", "--input", tmp_path / "oov.bin", "--n-ctx", "2", "--tokenizer", TOKENIZER)
+    assert rc == 2
+    one_line_error(err, "oov.bin: token 300000 at position 2 is outside the vocabulary", f"--tokenizer {TOKENIZER}")
+    assert not (tmp_path / "x.ngc").exists()
+
+
+def test_damaged_inputs_are_named_with_a_way_to_check_them(capsys, files, tmp_path):
+    flipped = bytearray((files / "a.ngc").read_bytes())
+    keys = next(s for s in StaticCache.open(str(files / "a.ngc")).sections if s["name"] == "KEYS")
+    flipped[keys["offset"] + 8: keys["offset"] + 10] = b"\xff\xff"
+    (tmp_path / "flip.ngc").write_bytes(bytes(flipped))
+    rc, _, err = main(capsys, "merge", files / "b.ngc", tmp_path / "flip.ngc", "-o", tmp_path / "m.ngc")
+    assert rc == 2
+    one_line_error(err, "flip.ngc", f"ngramcache inspect --verify {tmp_path / 'flip.ngc'}")
+    assert not (tmp_path / "m.ngc").exists()
+    (tmp_path / "cut.ngc").write_bytes((files / "a.ngc").read_bytes()[:3000])
+    rc, _, err = main(capsys, "stats", "--input", files / "b.bin", "--static", tmp_path / "cut.ngc", "--n-ctx", "100")
+    assert rc == 2
+    one_line_error(err, "cut.ngc: truncated", f"ngramcache inspect --verify {tmp_path / 'cut.ngc'}")
+    (tmp_path / "cut.lcs").write_bytes((files / "a.lcs").read_bytes()[:-6])
+    rc, _, err = main(capsys, "stats", "--input", files / "b.bin", "--dynamic", tmp_path / "cut.lcs", "--n-ctx", "100")
+    assert rc == 2
+    one_line_error(err, f"--dynamic {tmp_path / 'cut.lcs'}", "byte")
+    rc, _, err = main(capsys, "stats", "--input", files / "b.bin", "--dynamic", files / "a.ngc", "--n-ctx", "100")
+    assert rc == 2 and "is a static cache: pass it as --static" in err
+
+
+def test_os_errors_are_sentences(capsys, files, tmp_path, monkeypatch):
+    rc, _, err = main(capsys, "inspect", tmp_path)
+    assert rc == 2
+    one_line_error(err, f"{tmp_path} is a directory")
+    rc, _, err = main(capsys, "stats", "--input", files / "a.bin", "--static", tmp_path / "nope.ngc")
+    assert rc == 2
+    one_line_error(err, f"--static {tmp_path / 'nope.ngc'} does not exist")
+    os.mkfifo(tmp_path / "fifo")
+    rc, _, err = main(capsys, "build", tmp_path / "fifo", "-o", tmp_path / "x.ngc", *UNTAGGED_ARGS)
+    assert rc == 2 and "is not a regular file or a folder" in err
+    for code, text in [(errno.EISDIR, "x is a directory"), (errno.EACCES, "x: permission denied"),
+                       (errno.ENOENT, "x does not exist"), (errno.ENOSPC, "x: no space left on the device")]:
+        def fail(args, code=code):
+            raise OSError(code, os.strerror(code), "x")
+
+        monkeypatch.setattr(cli, "cmd_inspect", fail)
+        rc, _, err = main(capsys, "inspect", files / "a.ngc")
+        assert rc == 2
+        one_line_error(err, f"ngramcache inspect: error: {text}")
+        assert "Errno" not in err
+
+
+def test_permission_denied_is_checked_first_even_as_root(capsys, files, tmp_path, monkeypatch):
+    monkeypatch.setattr(cli.os, "access", lambda path, mode: False)  # as an unprivileged user sees a locked folder
+    rc, _, err = main(capsys, "build", files / "a.bin", "-o", tmp_path / "x.ngc", *UNTAGGED_ARGS)
+    assert rc == 2
+    one_line_error(err, f"-o {tmp_path / 'x.ngc'}: cannot write in the folder {tmp_path}: permission denied")
+    rc, _, err = main(capsys, "inspect", files / "a.ngc")
+    assert rc == 2
+    one_line_error(err, "a.ngc: permission denied")
+
+
+def test_every_option_is_explained():
+    parser = cli.build_parser()
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    assert set(commands) == {"demo", "build", "stats", "inspect", "merge", "import-llama", "export-llama"}
+    for name, sub in commands.items():
+        assert sub.description, name
+        for action in sub._actions:
+            if isinstance(action, argparse._HelpAction):
+                continue
+            flag = "/".join(action.option_strings) or action.dest
+            assert action.help and len(action.help) > 15, (name, flag)
+            if action.default not in (None, False) and action.required is False:
+                assert "default" in action.help, (name, flag)
+        text = run(name, "--help").stdout
+        assert "usage:" in text and "Traceback" not in text
+    assert "(default 1GiB)" in run("build", "--help").stdout

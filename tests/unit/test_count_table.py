@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import reference
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import reference
-from ngramcache import CountTable, InvalidArgumentError
-from ngramcache import MAX_VOCAB
-from ngramcache import ngram_hash
+from ngramcache import MAX_VOCAB, CountTable, InvalidArgumentError, ngram_hash
 
 
 def arr(x) -> np.ndarray:
@@ -68,7 +66,7 @@ def test_growth_keeps_every_key():
     unique = {(a, b) for a, b in keys.tolist()}
     assert t.n_keys == len(unique)
     for i, (a, b) in enumerate(keys[:2000].tolist()):
-        toks, counts = t.lookup([a, b])
+        toks, _ = t.lookup([a, b])
         assert i % 1000 in toks.tolist()
 
 

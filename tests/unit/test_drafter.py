@@ -9,13 +9,19 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import reference
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import reference
-from ngramcache import CountTable, Drafter, InvalidArgumentError, StaticCache, build_static_from_tokens
-from ngramcache import TokenizerMismatchError
-from ngramcache import UNTAGGED
+from ngramcache import (
+    UNTAGGED,
+    CountTable,
+    Drafter,
+    InvalidArgumentError,
+    StaticCache,
+    TokenizerMismatchError,
+    build_static_from_tokens,
+)
 
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -331,7 +337,7 @@ def test_parallel_drafts_equal_serial_drafts_while_the_mirror_and_static_change(
                 for i in ids:
                     for n in range(2, 300, 7):
                         d.draft(i, seqs[i][:n], 8)
-        except BaseException as e:  # noqa: BLE001 - reported below
+        except BaseException as e:
             errors.append(e)
 
     def writer_thread():
@@ -345,7 +351,7 @@ def test_parallel_drafts_equal_serial_drafts_while_the_mirror_and_static_change(
                 rows[:, 6] = rng.integers(1, 100, 2000)
                 dynamic.assign_rows(rows)
             d.set_static(build_static([s.tolist() for s in seqs[4:]], vocab))
-        except BaseException as e:  # noqa: BLE001
+        except BaseException as e:
             errors.append(e)
 
     threads = [threading.Thread(target=drafter_thread, args=(ids,)) for ids in ([0, 1, 2, 3], [4, 5, 6, 7])]

@@ -6,13 +6,21 @@ import struct
 
 import numpy as np
 import pytest
+import reference
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import reference
-from ngramcache import CacheFormatError, CountTable, StaticCache, build_static_from_tokens
-from ngramcache import UNTAGGED
-from ngramcache import StaticBuilder, export_llama, import_llama, load_llama_counts
+from ngramcache import (
+    UNTAGGED,
+    CacheFormatError,
+    CountTable,
+    StaticBuilder,
+    StaticCache,
+    build_static_from_tokens,
+    export_llama,
+    import_llama,
+    load_llama_counts,
+)
 
 
 def records(path) -> dict:

@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import reference
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import reference
-from ngramcache import CountTable, InvalidArgumentError, StaticCache, build_static_from_tokens
-from ngramcache import UNTAGGED
-from ngramcache import replay
+from ngramcache import UNTAGGED, CountTable, InvalidArgumentError, StaticCache, build_static_from_tokens, replay
 
 
 def split_calls(flat: np.ndarray) -> list[list[int]]:

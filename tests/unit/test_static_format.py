@@ -7,13 +7,19 @@ import struct
 
 import numpy as np
 import pytest
+import reference
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import reference
-from ngramcache import CacheFormatError, Drafter, InvalidArgumentError, StaticCache, build_static_from_tokens
-from ngramcache import UNTAGGED
-from ngramcache import checksum64
+from ngramcache import (
+    UNTAGGED,
+    CacheFormatError,
+    Drafter,
+    InvalidArgumentError,
+    StaticCache,
+    build_static_from_tokens,
+    checksum64,
+)
 
 HEADER = 128
 ENTRY = 32
@@ -77,7 +83,7 @@ def test_round_trip_header_and_counts(tmp_path, good):
         best = max(sorted(followers), key=lambda t: followers[t])
         assert c.best(list(key)) == (best, followers[best], sum(followers.values()))
     assert reference.rows_to_table(c.to_rows()) == want
-    for sid, off, length, _ in sections(data):
+    for sid, off, _length, _ in sections(data):
         assert off % 8 == 0, NAMES[sid - 1]
     toks, counts = c.lookup([49, 49]) if (49, 49) not in want else (np.array([]), np.array([]))
     assert len(toks) == len(counts) == 0

@@ -1,0 +1,28 @@
+"""The README's Python snippet runs as written, from an empty folder."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+
+
+def test_readme_python_snippet_runs_as_written(tmp_path):
+    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
+    assert blocks, "the README has no Python snippet"
+    r = subprocess.run([sys.executable, "-c", blocks[0]], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "' - b\\n'"
+    assert (tmp_path / "corpus.ngc").exists()
+
+
+def test_readme_links_stay_inside_the_repository():
+    root = README.parent
+    for doc in [README, *sorted((root / "docs").glob("*.md"))]:
+        for target in re.findall(r"\]\(([^)#]+)", doc.read_text()):
+            assert not target.startswith(("http:", "https:", "/")), f"{doc.name} links outside: {target}"
+            assert (doc.parent / target).resolve().is_relative_to(root), f"{doc.name}: {target}"
+            assert (doc.parent / target).exists(), f"{doc.name}: broken link {target}"
