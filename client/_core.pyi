@@ -324,7 +324,7 @@ class StaticBuilder:
     def add_static(self, cache: StaticCache) -> None:
         """
         Adds every count of static cache `cache` (same n-gram size) to the build, and its
-        n_tokens to the header's.
+        n_tokens to the header's (when `cache` does not know its own, neither does the result).
         """
 
     def finish(self) -> dict[str, int]:
@@ -358,6 +358,12 @@ def replay(tokens: NDArray[numpy.int32], n_ctx: int, n_draft: int, ngram_min: in
     llama-lookup-stats' replay of `tokens` in chunks of n_ctx; merges each chunk's context
     table into `dynamic`. Returns counters and timings (and with dump_drafts, every call's
     drafted tokens, each call's followed by -1).
+    """
+
+def write_file_atomic(path: str | os.PathLike[str], data: bytes) -> None:
+    """
+    Writes `data` to `path` whole or not at all (temporary file beside it, fsync, rename,
+    fsync of the directory): the helper every writer of ngramcache publishes files with.
     """
 
 def checksum64(data: bytes, seed: int = 0) -> int:

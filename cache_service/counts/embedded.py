@@ -32,6 +32,7 @@ from typing import Any, Final
 import numpy as np
 import pyroaring
 
+from ngramcache.client._core import write_file_atomic
 from ngramcache.client.errors import InvalidArgumentError, SnapshotFormatError
 from ngramcache.client.rows import (
     COUNT,
@@ -279,22 +280,7 @@ class EmbeddedCountsStore(CountsStore):
         head = json.dumps(header, separators=(",", ":")).encode()
         body = b"".join([_MAGIC, struct.pack("<Q", len(head)), head, *blobs])
         data = body + struct.pack("<I", zlib.crc32(body))
-        directory = os.path.dirname(os.path.abspath(self.path))
-        tmp = f"{self.path}.tmp.{os.getpid()}.{threading.get_ident()}"
-        try:
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self.path)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-        fd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        write_file_atomic(self.path, data)  # temporary file, fsync, rename, fsync of the directory
         log.debug("snapshot of %d namespace(s) written to %s", len(header["namespaces"]), self.path)
 
     def _load(self, path: str) -> None:

@@ -23,6 +23,7 @@
 #include "ngc/checksum.h"
 #include "ngc/count_table.h"
 #include "ngc/drafter.h"
+#include "ngc/file_util.h"
 #include "ngc/llama_format.h"
 #include "ngc/replay.h"
 #include "ngc/rows.h"
@@ -44,6 +45,11 @@ using Path = std::filesystem::path;
 
 [[noreturn]] void raise_status(const Status& s) {
   const char* cls = nullptr;
+  if (s.code() == StatusCode::kCancelled) {
+    if (PyErr_Occurred()) throw nb::python_error();  // the KeyboardInterrupt that stopped it
+    PyErr_SetString(PyExc_KeyboardInterrupt, s.message().c_str());
+    throw nb::python_error();
+  }
   switch (s.code()) {
     case StatusCode::kFormatError: cls = "CacheFormatError"; break;
     case StatusCode::kTokenizerMismatch: cls = "TokenizerMismatchError"; break;
@@ -137,6 +143,13 @@ void check_tokens(const Token* p, size_t n, uint32_t vocab, const char* what) {
 
 // Count tables carry no vocabulary of their own: their tokens are bounded by the one limit.
 constexpr uint32_t kAnyToken = ngc::kMaxVocab;
+
+// For long native calls made with the GIL released: runs Python's signal handlers, so a
+// Ctrl-C stops the call (true) with its KeyboardInterrupt pending for raise_status.
+bool python_interrupted() {
+  nb::gil_scoped_acquire gil;
+  return PyErr_CheckSignals() != 0;
+}
 
 struct PyStaticBuilder {
   std::unique_ptr<ngc::Builder> builder;
@@ -848,15 +861,20 @@ NB_MODULE(_core, m) {
               }
             }
             if (!s.ok()) raise_status(Status(s.code(), c.path + ": " + s.message()));
-            builder.add_observed_tokens(info.n_tokens);
+            if (info.n_tokens == 0 && info.n_keys > 0) {
+              builder.mark_tokens_unknown();  // its source did not record it: the sum cannot be known
+            } else {
+              builder.add_observed_tokens(info.n_tokens);
+            }
           },
           "cache"_a, "Adds every count of static cache `cache` (same n-gram size) to the build, and its\n"
-          "n_tokens to the header's.")
+          "n_tokens to the header's (when `cache` does not know its own, neither does the result).")
       .def(
           "finish",
           [](PyStaticBuilder& b) {
             ngc::Builder& builder = b.get();
             b.finished = true;
+            builder.set_interrupt_check(python_interrupted);
             Status s;
             {
               nb::gil_scoped_release release;
@@ -920,7 +938,7 @@ NB_MODULE(_core, m) {
         Status s;
         {
           nb::gil_scoped_release release;
-          s = ngc::write_llama_file(*c.cache, out_path);
+          s = ngc::write_llama_file(*c.cache, out_path, python_interrupted);
         }
         check(s);
       },
@@ -975,6 +993,24 @@ NB_MODULE(_core, m) {
       "table into `dynamic`. Returns counters and timings (and with dump_drafts, every call's\n"
       "drafted tokens, each call's followed by -1).");
 
+  m.def(
+      "write_file_atomic",
+      [](const Path& path, nb::bytes data) {
+        const std::string p = path.string();
+        std::string copy(data.c_str(), data.size());
+        Status s;
+        {
+          nb::gil_scoped_release release;
+          std::unique_ptr<ngc::AtomicFile> f;
+          s = ngc::AtomicFile::create(p, &f);
+          if (s.ok()) s = f->write(copy.data(), copy.size());
+          if (s.ok()) s = f->commit();
+        }
+        check(s);
+      },
+      nb::sig("def write_file_atomic(path: str | os.PathLike[str], data: bytes) -> None"), "path"_a, "data"_a,
+      "Writes `data` to `path` whole or not at all (temporary file beside it, fsync, rename,\n"
+      "fsync of the directory): the helper every writer of ngramcache publishes files with.");
   m.def(
       "checksum64",
       [](nb::bytes data, uint64_t seed) { return ngc::checksum64(data.c_str(), data.size(), seed); },

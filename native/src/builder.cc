@@ -1,5 +1,7 @@
 #include "ngc/builder.h"
 
+#include <functional>
+
 #include <fcntl.h>
 #include <unistd.h>
 
@@ -268,7 +270,10 @@ class BuilderImpl : public Builder {
       auto merged = std::make_unique<ScratchFile>();
       NGC_RETURN_IF_ERROR(merged->open(scratch_));
       RunWriter<Word> w(merged.get());
-      NGC_RETURN_IF_ERROR(merge_sources<Word>(group, [&](Word p, uint64_t c) { return w.add(p, c); }));
+      NGC_RETURN_IF_ERROR(merge_sources<Word>(group, [&](Word p, uint64_t c) {
+        NGC_RETURN_IF_ERROR(poll());
+        return w.add(p, c);
+      }));
       NGC_RETURN_IF_ERROR(w.close());
       group.clear();
       runs_.erase(runs_.begin(), runs_.begin() + fan_in);
@@ -280,7 +285,7 @@ class BuilderImpl : public Builder {
     add_memory_sources(&sources);
 
     StaticHeader h = opt_.header;
-    h.n_tokens = stats_.n_tokens;
+    h.n_tokens = tokens_unknown_ ? 0 : stats_.n_tokens;
     std::unique_ptr<StaticWriter> writer;
     NGC_RETURN_IF_ERROR(StaticWriter::create(path_, h, &writer));
     const Word token_mask = (Word{1} << bits_) - 1;
@@ -295,6 +300,7 @@ class BuilderImpl : public Builder {
       return s;
     };
     NGC_RETURN_IF_ERROR(merge_sources<Word>(sources, [&](Word pair, uint64_t count) -> Status {
+      NGC_RETURN_IF_ERROR(poll());
       const Word kbits = pair >> bits_;
       if (has_key && kbits != cur_key) NGC_RETURN_IF_ERROR(flush_key());
       cur_key = kbits;
@@ -310,6 +316,8 @@ class BuilderImpl : public Builder {
 
   const BuildStats& stats() const override { return stats_; }
   void add_observed_tokens(uint64_t n) override { stats_.n_tokens += n; }
+  void mark_tokens_unknown() override { tokens_unknown_ = true; }
+  void set_interrupt_check(std::function<bool()> fn) override { interrupted_ = std::move(fn); }
 
  private:
   // Sorts buf_ in `threads_` parts; part boundaries go to parts_.
@@ -373,6 +381,16 @@ class BuilderImpl : public Builder {
   std::vector<std::unique_ptr<ScratchFile>> runs_;
   uint64_t merge_passes_ = 0;  // intermediate merges of max_fan_in runs
   BuildStats stats_;
+  bool tokens_unknown_ = false;          // the header records n_tokens 0 ("unknown")
+  std::function<bool()> interrupted_;    // polled by finish(); may be empty
+  uint64_t polled_ = 0;                  // pairs merged since the last poll
+
+  Status poll() {
+    if (++polled_ < (1u << 20)) return Status::Ok();
+    polled_ = 0;
+    if (interrupted_ && interrupted_()) return Status::Cancelled("interrupted; " + path_ + " was not written");
+    return Status::Ok();
+  }
 };
 
 }  // namespace

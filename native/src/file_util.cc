@@ -54,4 +54,30 @@ void sync_directory_of(const std::string& path) {
   }
 }
 
+Status AtomicFile::create(const std::string& path, std::unique_ptr<AtomicFile>* out) {
+  std::string tmp = temporary_name_for(path);
+  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+  if (fd < 0) return Status::IoError("cannot create " + tmp + ": " + std::strerror(errno));
+  out->reset(new AtomicFile(path, std::move(tmp), fd));
+  return Status::Ok();
+}
+
+AtomicFile::~AtomicFile() {
+  if (fd_ >= 0) ::close(fd_);
+  if (!tmp_.empty()) ::unlink(tmp_.c_str());
+}
+
+Status AtomicFile::commit() {
+  if (fd_ < 0) return Status::InvalidArgument("AtomicFile::commit called twice for " + path_);
+  Status s;
+  if (::fsync(fd_) != 0) s = Status::IoError("cannot fsync " + tmp_ + ": " + std::strerror(errno));
+  ::close(fd_);
+  fd_ = -1;
+  if (!s.ok()) return s;
+  if (::rename(tmp_.c_str(), path_.c_str()) != 0) return Status::IoError("cannot rename " + tmp_ + " to " + path_ + ": " + std::strerror(errno));
+  tmp_.clear();
+  sync_directory_of(path_);
+  return Status::Ok();
+}
+
 }  // namespace ngc

@@ -1,5 +1,7 @@
 #include "ngc/llama_format.h"
 
+#include <functional>
+
 #include <fcntl.h>
 #include <unistd.h>
 
@@ -105,37 +107,29 @@ Status read_llama_file(const std::string& path, uint32_t vocab_size, const Llama
   return s;
 }
 
-Status write_llama_file(const StaticCache& cache, const std::string& path) {
-  const std::string tmp = temporary_name_for(path);
-  std::FILE* f = std::fopen(tmp.c_str(), "wbx");
-  if (!f) return Status::IoError("cannot create " + tmp + ": " + std::strerror(errno));
-  std::vector<char> iobuf(1 << 20);
-  std::setvbuf(f, iobuf.data(), _IOFBF, iobuf.size());
-  Status s;
-  std::vector<int32_t> rec;
-  for (uint64_t i = 0; i < cache.info().n_keys && s.ok(); ++i) {
+Status write_llama_file(const StaticCache& cache, const std::string& path, const std::function<bool()>& interrupted) {
+  std::unique_ptr<AtomicFile> out;
+  NGC_RETURN_IF_ERROR(AtomicFile::create(path, &out));
+  std::vector<int32_t> buf;
+  buf.reserve(1 << 18);
+  for (uint64_t i = 0; i < cache.info().n_keys; ++i) {
     NGram key;
     StaticPart part;
-    s = cache.key_at(i, &key, &part);
-    if (!s.ok()) break;
-    rec.assign(key.tokens, key.tokens + kNgramMax);
-    rec.push_back(static_cast<int32_t>(part.size));
+    NGC_RETURN_IF_ERROR(cache.key_at(i, &key, &part));
+    buf.insert(buf.end(), key.tokens, key.tokens + kNgramMax);
+    buf.push_back(static_cast<int32_t>(part.size));
     for (uint32_t j = 0; j < part.size; ++j) {
-      rec.push_back(cache.token_at(part, j));
-      rec.push_back(static_cast<int32_t>(std::min<uint32_t>(cache.count_at(part, j), INT32_MAX)));
+      buf.push_back(cache.token_at(part, j));
+      buf.push_back(static_cast<int32_t>(std::min<uint32_t>(cache.count_at(part, j), INT32_MAX)));
     }
-    if (std::fwrite(rec.data(), 4, rec.size(), f) != rec.size()) s = Status::IoError("cannot write " + tmp + ": " + std::strerror(errno));
+    if (buf.size() >= (1 << 18)) {
+      NGC_RETURN_IF_ERROR(out->write(buf.data(), buf.size() * 4));
+      buf.clear();
+      if (interrupted && interrupted()) return Status::Cancelled("interrupted; " + path + " was not written");
+    }
   }
-  if (s.ok() && std::fflush(f) != 0) s = Status::IoError("cannot write " + tmp + ": " + std::strerror(errno));
-  if (s.ok() && ::fsync(fileno(f)) != 0) s = Status::IoError("cannot fsync " + tmp + ": " + std::strerror(errno));
-  std::fclose(f);
-  if (s.ok() && std::rename(tmp.c_str(), path.c_str()) != 0) s = Status::IoError("cannot rename " + tmp + " to " + path + ": " + std::strerror(errno));
-  if (!s.ok()) {
-    ::unlink(tmp.c_str());
-    return s;
-  }
-  sync_directory_of(path);
-  return s;
+  NGC_RETURN_IF_ERROR(out->write(buf.data(), buf.size() * 4));
+  return out->commit();
 }
 
 }  // namespace ngc

@@ -61,9 +61,7 @@ Status StaticWriter::create(const std::string& path, const StaticHeader& header,
   return Status::Ok();
 }
 
-StaticWriter::~StaticWriter() {
-  if (!tmp_path_.empty()) ::unlink(tmp_path_.c_str());
-}
+StaticWriter::~StaticWriter() = default;
 
 Status StaticWriter::add(const Token* key, const Follower* followers, size_t n) {
   const uint32_t k = header_.ngram_size, V = header_.vocab_size;
@@ -173,48 +171,33 @@ Status StaticWriter::finish() {
   }
   put_le<uint64_t>(head + format::off::kHeaderChecksum, checksum64(head, table_end));
 
-  tmp_path_ = temporary_name_for(path_);
-  const int fd = ::open(tmp_path_.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
-  if (fd < 0) {
-    const std::string msg = "cannot create " + tmp_path_ + ": " + std::strerror(errno);
-    tmp_path_.clear();
-    return Status::IoError(msg);
-  }
-  Status s = write_all(fd, head, table_end, tmp_path_);
+  std::unique_ptr<AtomicFile> out;
+  NGC_RETURN_IF_ERROR(AtomicFile::create(path_, &out));
+  NGC_RETURN_IF_ERROR(out->write(head, table_end));
   uint64_t written = table_end;
   static const uint8_t zeros[8] = {};
   std::vector<uint8_t> chunk(4 << 20);
-  for (uint32_t i = 0; s.ok() && i < format::kNumSections; ++i) {
-    if (offsets[i] > written) s = write_all(fd, zeros, offsets[i] - written, tmp_path_);
-    if (!s.ok()) break;
+  for (uint32_t i = 0; i < format::kNumSections; ++i) {
+    if (offsets[i] > written) NGC_RETURN_IF_ERROR(out->write(zeros, offsets[i] - written));
     if (i == 0) {
-      s = write_all(fd, rows_.data(), lengths[0], tmp_path_);
+      NGC_RETURN_IF_ERROR(out->write(rows_.data(), lengths[0]));
     } else {
       const int in = spills_[i - 1].fd;
       uint64_t left = lengths[i];
-      if (::lseek(in, 0, SEEK_SET) != 0) s = Status::IoError(std::string("cannot rewind a scratch file: ") + std::strerror(errno));
-      while (s.ok() && left > 0) {
+      if (::lseek(in, 0, SEEK_SET) != 0) return Status::IoError(std::string("cannot rewind a scratch file: ") + std::strerror(errno));
+      while (left > 0) {
         const ssize_t r = ::read(in, chunk.data(), std::min<uint64_t>(chunk.size(), left));
         if (r < 0 && errno == EINTR) continue;
         if (r <= 0) {
-          s = Status::IoError(std::string("cannot read back a scratch file: ") + (r < 0 ? std::strerror(errno) : "short read"));
-          break;
+          return Status::IoError(std::string("cannot read back a scratch file: ") + (r < 0 ? std::strerror(errno) : "short read"));
         }
-        s = write_all(fd, chunk.data(), static_cast<size_t>(r), tmp_path_);
+        NGC_RETURN_IF_ERROR(out->write(chunk.data(), static_cast<size_t>(r)));
         left -= static_cast<uint64_t>(r);
       }
     }
     written = offsets[i] + lengths[i];
   }
-  if (s.ok() && ::fsync(fd) != 0) s = Status::IoError("cannot fsync " + tmp_path_ + ": " + std::strerror(errno));
-  ::close(fd);
-  if (!s.ok()) return s;
-  if (::rename(tmp_path_.c_str(), path_.c_str()) != 0) {
-    return Status::IoError("cannot rename " + tmp_path_ + " to " + path_ + ": " + std::strerror(errno));
-  }
-  tmp_path_.clear();
-  sync_directory_of(path_);  // make the rename itself durable
-  return Status::Ok();
+  return out->commit();  // fsync, rename onto path_, fsync the directory
 }
 
 }  // namespace ngc

@@ -105,3 +105,27 @@ def test_bad_input_is_refused_and_changes_nothing(tmp_path):
     ]:
         with pytest.raises(InvalidArgumentError, match=message):
             StaticBuilder(str(tmp_path / "x.ngc"), 10, **{"fingerprint": UNTAGGED, **kwargs})
+
+
+def test_ctrl_c_stops_finish_at_once_and_writes_nothing(tmp_path):
+    """A SIGINT while finish() merges (GIL released) raises KeyboardInterrupt within a
+    fraction of a second, and neither the output nor a temporary file is left."""
+    import os
+    import signal
+    import threading
+    import time
+
+    rng = np.random.default_rng(0)
+    b = StaticBuilder(tmp_path / "big.ngc", 1 << 16, 2, fingerprint=UNTAGGED, memory_budget=16 << 20)
+    for _ in range(6):
+        b.add_tokens(rng.integers(0, 1 << 16, 4_000_000, dtype=np.int32))
+    sent = []
+    timer = threading.Timer(0.3, lambda: (sent.append(time.perf_counter()), os.kill(os.getpid(), signal.SIGINT)))
+    timer.start()
+    t0 = time.perf_counter()
+    with pytest.raises(KeyboardInterrupt):
+        b.finish()
+        pytest.fail(f"finish() completed in {time.perf_counter() - t0:.2f} s before the interrupt")
+    timer.cancel()
+    assert sent and time.perf_counter() - sent[0] < 1.0
+    assert sorted(p.name for p in tmp_path.iterdir()) == []

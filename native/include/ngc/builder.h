@@ -12,6 +12,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -59,6 +60,12 @@ class Builder {
   // Adds n to the informational token count the header records (tokens observed by
   // counts that arrive already counted: a merged cache).
   virtual void add_observed_tokens(uint64_t n) = 0;
+  // The header's token count cannot be known (counts merged from a source that did not
+  // record it): the header records 0, "unknown".
+  virtual void mark_tokens_unknown() = 0;
+  // finish() polls `fn` every million pairs; when it returns true, finish() stops with
+  // kCancelled and writes nothing.
+  virtual void set_interrupt_check(std::function<bool()> fn) = 0;
   // Merges everything and writes the file (temporary name, fsync, rename).
   virtual Status finish() = 0;
   virtual const BuildStats& stats() const = 0;

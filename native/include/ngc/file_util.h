@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstddef>
+#include <memory>
 #include <string>
 
 #include "ngc/status.h"
@@ -26,5 +27,30 @@ std::string temporary_name_for(const std::string& path);
 // fsyncs the directory of `path`, after a rename onto it, so the rename survives a crash
 // (best effort: a failure is ignored).
 void sync_directory_of(const std::string& path);
+
+// AtomicFile: the one way ngramcache publishes a file (static caches, llama.cpp exports,
+// counts-store snapshots): it appears at `path` whole or not at all. Bytes go to a fresh
+// temporary file beside `path`; commit() fsyncs it, renames it onto `path` and fsyncs the
+// directory so the rename survives a crash. Destroyed before commit() succeeds (an error,
+// an interrupt), it removes the temporary file and leaves `path` as it was.
+class AtomicFile {
+ public:
+  static Status create(const std::string& path, std::unique_ptr<AtomicFile>* out);
+  ~AtomicFile();
+  AtomicFile(const AtomicFile&) = delete;
+  AtomicFile& operator=(const AtomicFile&) = delete;
+
+  // The temporary file's descriptor, for writers that stream (owned by this object).
+  int fd() const { return fd_; }
+  const std::string& temp_path() const { return tmp_; }
+  Status write(const void* data, size_t n) { return write_all(fd_, data, n, tmp_); }
+  Status commit();
+
+ private:
+  AtomicFile(std::string path, std::string tmp, int fd) : path_(std::move(path)), tmp_(std::move(tmp)), fd_(fd) {}
+  std::string path_;  // where the file appears
+  std::string tmp_;   // the temporary file; empty once renamed
+  int fd_;            // open on tmp_ until commit(); -1 after
+};
 
 }  // namespace ngc

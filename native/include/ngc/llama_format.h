@@ -28,6 +28,9 @@ Status read_llama_file(const std::string& path, uint32_t vocab_size, const Llama
 
 // Writes every key of `cache` as llama.cpp records (counts above INT32_MAX are capped),
 // atomically (temporary file, fsync, rename).
-Status write_llama_file(const StaticCache& cache, const std::string& path);
+// `interrupted`, when given, is polled every few MB; when it returns true the export stops
+// with kCancelled and `path` is left as it was.
+Status write_llama_file(const StaticCache& cache, const std::string& path,
+                        const std::function<bool()>& interrupted = {});
 
 }  // namespace ngc

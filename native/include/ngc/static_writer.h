@@ -32,7 +32,7 @@ class StaticWriter {
  public:
   // Checks `header` and prepares to write `path`.
   static Status create(const std::string& path, const StaticHeader& header, std::unique_ptr<StaticWriter>* out);
-  ~StaticWriter();  // removes the temporary file unless finish() succeeded
+  ~StaticWriter();
 
   // Adds one key (header.ngram_size tokens) and its followers. Keys MUST come in strictly
   // increasing lexicographic order; followers MUST be sorted by token, unique, counts > 0.
@@ -66,7 +66,6 @@ class StaticWriter {
   };
 
   std::string path_;
-  std::string tmp_path_;       // the temporary file; empty once renamed
   StaticHeader header_;
   uint32_t count_bits_ = 0;    // 32 - token_bits
   uint32_t escape_ = 0;        // the count field value that means "see OVERFLOW"

@@ -14,6 +14,7 @@ enum class StatusCode {
   kIoError,           // the operating system refused a read, write, map or rename
   kOutOfRange,        // a count or size does not fit the file format's fields
   kTokenizerMismatch, // data of one tokenizer offered to a drafter or cache of another
+  kCancelled,         // the caller asked a long operation to stop (Ctrl-C); nothing was published
 };
 
 class Status {
@@ -27,6 +28,7 @@ class Status {
   static Status IoError(std::string m) { return {StatusCode::kIoError, std::move(m)}; }
   static Status OutOfRange(std::string m) { return {StatusCode::kOutOfRange, std::move(m)}; }
   static Status TokenizerMismatch(std::string m) { return {StatusCode::kTokenizerMismatch, std::move(m)}; }
+  static Status Cancelled(std::string m) { return {StatusCode::kCancelled, std::move(m)}; }
 
   bool ok() const { return code_ == StatusCode::kOk; }
   StatusCode code() const { return code_; }
