@@ -126,12 +126,12 @@ class Tokenizer(abc.ABC):
         return arr.tolist()
 
 
-def load_tokenizer(spec: str) -> Tokenizer:
+def load_tokenizer(spec: str | os.PathLike[str]) -> Tokenizer:
     """Load the tokenizer a SPEC names, from local files only.
 
     Args:
-        spec: a Hugging Face ``tokenizer.json`` path (or a directory holding one), or
-            ``tiktoken:<encoding>`` (see ``tiktoken_encoding_names()``).
+        spec: a Hugging Face ``tokenizer.json`` path (str or os.PathLike; or a directory
+            holding one), or ``tiktoken:<encoding>`` (see ``tiktoken_encoding_names()``).
 
     Returns:
         The loaded tokenizer.
@@ -141,6 +141,8 @@ def load_tokenizer(spec: str) -> Tokenizer:
             an unknown form, the tiktoken encoding is unknown, or the package it needs is
             not installed (the message says what to install).
     """
+    if isinstance(spec, os.PathLike):
+        spec = os.fspath(spec)
     if not isinstance(spec, str) or not spec.strip():
         raise InvalidArgumentError("empty tokenizer spec: give a tokenizer.json path or tiktoken:<encoding>")
     if spec.startswith("tiktoken:"):

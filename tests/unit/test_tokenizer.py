@@ -153,6 +153,7 @@ def test_hf_fingerprint_independent_of_path_and_formatting(llama3: Tokenizer, tm
     copy.parent.mkdir()
     shutil.copy(_llama3_path(), copy)
     assert load_tokenizer(str(copy)).fingerprint == llama3.fingerprint
+    assert load_tokenizer(copy).fingerprint == llama3.fingerprint  # os.PathLike too
 
     doc = json.loads(_llama3_path().read_text(encoding="utf-8"))
     # Reformatted, keys reordered, merges in the older "a b" string form: the same tokenizer.
