@@ -658,7 +658,7 @@ NB_MODULE(_core, m) {
             }
             std::vector<TokenView> views;
             views.reserve(m);
-            for (size_t i = 0; i < m; ++i) views.push_back(as_tokens(token_arrays[i], "tokens[i]"));
+            for (size_t i = 0; i < m; ++i) views.push_back(as_tokens(token_arrays[i], ("tokens[" + std::to_string(i) + "]").c_str()));
             std::vector<int32_t> out(m * static_cast<size_t>(n_draft));
             std::vector<int32_t> lengths(m, 0);
             Status s;
@@ -1025,7 +1025,7 @@ NB_MODULE(_core, m) {
         ngc::StaticHeader h = make_header(vocab_size, ngram_size, fingerprint, generation);
         std::vector<TokenView> views;
         std::vector<ngc::TokenStream> refs;
-        for (size_t i = 0; i < streams.size(); ++i) views.push_back(as_tokens(streams[i], "streams[i]"));
+        for (size_t i = 0; i < streams.size(); ++i) views.push_back(as_tokens(streams[i], ("streams[" + std::to_string(i) + "]").c_str()));
         for (const TokenView& v : views) refs.push_back({v.data, v.size});
         Status s;
         {

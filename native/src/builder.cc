@@ -386,7 +386,7 @@ class BuilderImpl : public Builder {
   uint64_t polled_ = 0;                  // pairs merged since the last poll
 
   Status poll() {
-    if (++polled_ < (1u << 20)) return Status::Ok();
+    if (++polled_ < (1u << 16)) return Status::Ok();
     polled_ = 0;
     if (interrupted_ && interrupted_()) return Status::Cancelled("interrupted; " + path_ + " was not written");
     return Status::Ok();

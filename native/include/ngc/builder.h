@@ -63,7 +63,7 @@ class Builder {
   // The header's token count cannot be known (counts merged from a source that did not
   // record it): the header records 0, "unknown".
   virtual void mark_tokens_unknown() = 0;
-  // finish() polls `fn` every million pairs; when it returns true, finish() stops with
+  // finish() polls `fn` every 65536 pairs; when it returns true, finish() stops with
   // kCancelled and writes nothing.
   virtual void set_interrupt_check(std::function<bool()> fn) = 0;
   // Merges everything and writes the file (temporary name, fsync, rename).
