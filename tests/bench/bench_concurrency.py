@@ -6,7 +6,9 @@ are the sequences drafted. A Drafter holds one context table per held-out file (
 half accepted) over the static cache and a dynamic table.
 
 1. Throughput of the core: tests/bench/drafter_threads.cc drafts from 1 and 2 native threads
-   on disjoint sequences of one ngc::Drafter (the same data and positions), no Python.
+   on disjoint sequences of one ngc::Drafter (the same data and positions), no Python; and
+   the baseline in the same run: the same drafts with thread-private tables and no locks
+   (what this machine's two cores allow).
 2. Throughput: drafts per second (n_draft 8, at --positions points of the second half of
    each sequence) from 1 thread and from 2 threads on disjoint sequences of ONE Drafter,
    through the Python API: one draft() per call (the interpreter's share of each call holds
@@ -134,13 +136,13 @@ def build_native_bench() -> Path:
 
 
 def native_throughput(exe: Path, static_path: str, held: list[np.ndarray], tmp: str, threads: int, positions: int,
-                      reps: int) -> tuple[float, str]:
+                      reps: int, private: bool = False) -> tuple[float, str]:
     toks, offs = os.path.join(tmp, "held.i32"), os.path.join(tmp, "held.i64")
     if not os.path.exists(toks):
         np.concatenate(held).astype(np.int32).tofile(toks)
         np.concatenate([[0], np.cumsum([len(s) for s in held])]).astype(np.int64).tofile(offs)
-    r = subprocess.run([str(exe), static_path, toks, offs, str(threads), str(positions), str(reps)],
-                       check=True, capture_output=True, text=True)
+    r = subprocess.run([str(exe), static_path, toks, offs, str(threads), str(positions), str(reps),
+                        *(["private"] if private else [])], check=True, capture_output=True, text=True)
     fields = dict(kv.split("=") for kv in r.stdout.split())
     return float(fields["drafts_per_s"]), fields["checksum"]
 
@@ -218,20 +220,25 @@ def main() -> int:
               f"({sum(len(s) for s in held):,} tokens); vocabulary {vocab:,}; {os.cpu_count()} CPUs")
 
         exe = build_native_bench()
-        nat: dict[int, list[float]] = {1: [], 2: []}
-        nsums: set[str] = set()
         native_throughput(exe, path, held, tmp, 1, 50, 1)  # warm-up
-        for _ in range(args.reps):
-            for n in (1, 2):
-                r, c = native_throughput(exe, path, held, tmp, n, args.positions, 3)
-                nat[n].append(r)
-                nsums.add(c)
-        n1, n2 = statistics.median(nat[1]), statistics.median(nat[2])
-        print("\n## Draft throughput, one ngc::Drafter, native threads on disjoint sequences (n_draft 8), the core alone")
-        print(f"1 thread : {n1:,.0f} drafts/s  (runs: {', '.join(f'{x:,.0f}' for x in nat[1])})")
-        print(f"2 threads: {n2:,.0f} drafts/s  (runs: {', '.join(f'{x:,.0f}' for x in nat[2])})")
-        print(f"ratio 2/1: {n2 / n1:.2f}x   (target >= 1.7x); checksum equal across runs and thread counts: "
-              f"{len(nsums) == 1} ({', '.join(sorted(nsums))})")
+        nsums: set[str] = set()
+        ratios: dict[bool, float] = {}
+        for private, title in ((False, "one ngc::Drafter shared by the threads"),
+                               (True, "baseline: thread-private tables and ngc::draft(), no Drafter, no locks")):
+            nat: dict[int, list[float]] = {1: [], 2: []}
+            for _ in range(args.reps):
+                for n in (1, 2):
+                    r, c = native_throughput(exe, path, held, tmp, n, args.positions, 3, private)
+                    nat[n].append(r)
+                    nsums.add(c)
+            n1, n2 = statistics.median(nat[1]), statistics.median(nat[2])
+            ratios[private] = n2 / n1
+            print(f"\n## Draft throughput, native threads on disjoint sequences (n_draft 8): {title}")
+            print(f"1 thread : {n1:,.0f} drafts/s  (runs: {', '.join(f'{x:,.0f}' for x in nat[1])})")
+            print(f"2 threads: {n2:,.0f} drafts/s  (runs: {', '.join(f'{x:,.0f}' for x in nat[2])})")
+            print(f"ratio 2/1: {n2 / n1:.2f}x" + ("   (target >= 1.7x)" if not private else ""))
+        print(f"the Drafter's scaling is {ratios[False] / ratios[True]:.2f} of the lock-free baseline's; "
+              f"checksum equal across runs, thread counts and modes: {len(nsums) == 1} ({', '.join(sorted(nsums))})")
 
         d = make_drafter(static, CountTable(), held)
         throughput(d, held, 1, 50, 1)  # warm-up

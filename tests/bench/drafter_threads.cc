@@ -1,7 +1,11 @@
 // Drafts from N native threads on disjoint sequences of one ngc::Drafter, with no Python in
 // the loop: the core's own scaling. Built and run by bench_concurrency.py.
 //
-//   drafter_threads STATIC.ngc TOKENS.i32 OFFSETS.i64 THREADS POSITIONS REPS
+//   drafter_threads STATIC.ngc TOKENS.i32 OFFSETS.i64 THREADS POSITIONS REPS [private]
+//
+// With "private", each thread drafts with ngc::draft() over context tables of its own and
+// no Drafter (no locks, no shared writes): the ideal scaling of the same work on this
+// machine, the baseline the Drafter's scaling is measured against.
 //
 // TOKENS.i32 holds the held-out sequences back to back (int32), OFFSETS.i64 their starts
 // plus the end. Each sequence accepts its first half; each thread then drafts (n_draft 8)
@@ -36,8 +40,8 @@ uint64_t mix(uint64_t h, uint64_t x) { return (h ^ x) * 0x100000001B3ULL; }
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (argc != 7) {
-    std::fprintf(stderr, "usage: %s STATIC TOKENS OFFSETS THREADS POSITIONS REPS\n", argv[0]);
+  if (argc != 7 && argc != 8) {
+    std::fprintf(stderr, "usage: %s STATIC TOKENS OFFSETS THREADS POSITIONS REPS [private]\n", argv[0]);
     return 2;
   }
   std::unique_ptr<ngc::StaticCache> cache;
@@ -50,21 +54,29 @@ int main(int argc, char** argv) {
   const std::vector<int64_t> offsets = read_all<int64_t>(argv[3]);
   const int threads = std::stoi(argv[4]), positions = std::stoi(argv[5]), reps = std::stoi(argv[6]);
   const size_t n_seq = offsets.size() - 1;
+  const bool private_tables = argc == 8 && std::string(argv[7]) == "private";
 
   ngc::DrafterOptions o;
   o.vocab_size = cache->info().vocab_size;
   std::copy(cache->info().fingerprint, cache->info().fingerprint + ngc::kFingerprintSize, o.fingerprint);
   ngc::Drafter d(o);
+  const ngc::StaticCache* st = cache.get();
   if (!d.set_static(std::shared_ptr<const ngc::StaticCache>(std::move(cache))).ok()) return 1;
+  std::vector<ngc::CountTable> contexts(private_tables ? n_seq : 0);
   d.set_dynamic(std::make_shared<ngc::SharedCountTable>());
   for (size_t i = 0; i < n_seq; ++i) {
     const size_t len = static_cast<size_t>(offsets[i + 1] - offsets[i]);
-    if (!d.accept(static_cast<int64_t>(i), tokens.data() + offsets[i], len / 2).ok()) return 1;
+    if (private_tables) {
+      contexts[i].update(tokens.data() + offsets[i], len / 2, len / 2, 1, 4);
+    } else if (!d.accept(static_cast<int64_t>(i), tokens.data() + offsets[i], len / 2).ok()) {
+      return 1;
+    }
   }
 
   std::vector<uint64_t> digest(n_seq, 0);
   std::atomic<uint64_t> drafts{0};
   auto work = [&](int k) {
+    const ngc::CountTable empty;  // the dynamic table, empty as the Drafter's
     int32_t out[8];
     uint64_t n = 0;
     for (int r = 0; r < reps; ++r) {
@@ -75,7 +87,12 @@ int main(int argc, char** argv) {
         for (int p = 0; p < positions; ++p) {
           const size_t pos = len / 2 + (len - 1 - len / 2) * static_cast<size_t>(p) / static_cast<size_t>(positions - 1);
           int got = 0;
-          if (!d.draft(static_cast<int64_t>(i), seq, pos, 8, out, &got).ok()) std::abort();
+          if (private_tables) {
+            ngc::DraftParams params;
+            got = ngc::draft(seq, pos, &contexts[i], &empty, st, params, out);
+          } else if (!d.draft(static_cast<int64_t>(i), seq, pos, 8, out, &got).ok()) {
+            std::abort();
+          }
           for (int j = 0; j < got; ++j) h = mix(h, static_cast<uint64_t>(out[j]));
           h = mix(h, 0xFFFFFFFFULL);
           ++n;

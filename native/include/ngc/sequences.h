@@ -71,7 +71,7 @@ class SequenceSet {
   size_t pending_entries() const;
 
  private:
-  struct Seq {
+  struct alignas(64) Seq {  // own cache lines: sequences of different threads never share one
     std::mutex mu;                         // guards context and n_counted
     CountTable context;                    // n-grams of this sequence's accepted tokens
     size_t n_counted = 0;                  // tokens of the sequence already counted
