@@ -25,7 +25,7 @@ namespace ngc {
 class SharedCountTable {
  public:
   // Rows applied per exclusive lock.
-  static constexpr size_t kApplyChunk = 64;
+  static constexpr size_t kApplyChunk = 16;
 
   // A shared lock: the table does not change while it is held.
   std::shared_lock<RwLock> read() const { return std::shared_lock<RwLock>(mu_); }
