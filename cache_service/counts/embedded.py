@@ -139,6 +139,10 @@ class EmbeddedCountsStore(CountsStore):
             ns = self._namespaces.get(namespace)
             return None if ns is None else ns.info
 
+    def _namespace_names(self) -> list[str]:
+        with self._lock:
+            return list(self._namespaces)
+
     def _insert_namespace(self, info: NamespaceInfo) -> NamespaceInfo | None:
         with self._lock:
             existing = self._namespaces.get(info.name)

@@ -429,6 +429,17 @@ class RedisCountsStore(CountsStore):
         except NamespaceNotFoundError:
             return None
 
+    def _namespace_names(self) -> list[str]:
+        prefix = self.config.prefix
+        names: list[str] = []
+        with self._errors():
+            for node_client in self._node_clients():  # a Cluster: every primary holds some records
+                for key in node_client.scan_iter(match=schema.meta_match(prefix), count=1000):
+                    name = schema.namespace_of_meta_key(prefix, key)
+                    if name is not None:
+                        names.append(name)
+        return names
+
     def _insert_namespace(self, info: NamespaceInfo) -> NamespaceInfo | None:
         handle = _Handle(self.config.prefix, info)
         # Shard state first: the namespace becomes visible (meta) only once every shard can take writes.

@@ -41,6 +41,10 @@ from typing import Final
 
 from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
 
+from ngramcache.client.errors import InvalidArgumentError
+
+from .namespace import validate_namespace
+
 SCHEMA_VERSION: Final = 1
 """Version of this key schema, stored in every namespace record; a store refuses other versions."""
 
@@ -48,6 +52,24 @@ SCHEMA_VERSION: Final = 1
 def meta_key(prefix: str, namespace: str) -> str:
     """The namespace record (HASH)."""
     return f"{prefix}:{{{namespace}}}:meta"
+
+
+def meta_match(prefix: str) -> str:
+    """SCAN pattern of every namespace record (may match other keys: check with `namespace_of_meta_key`)."""
+    return f"{prefix}:{{*}}:meta"
+
+
+def namespace_of_meta_key(prefix: str, key: bytes | str) -> str | None:
+    """The namespace whose record `meta_key` names ``key``, or None for any other key."""
+    if isinstance(key, bytes):
+        key = key.decode(errors="replace")
+    head, tail = f"{prefix}:{{", "}:meta"
+    if not (key.startswith(head) and key.endswith(tail)):
+        return None
+    try:
+        return validate_namespace(key[len(head):-len(tail)])
+    except InvalidArgumentError:
+        return None
 
 
 def clock_key(prefix: str, namespace: str) -> str:

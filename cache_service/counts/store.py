@@ -269,6 +269,19 @@ class CountsStore(abc.ABC):
             InvalidArgumentError: a malformed argument.
             BackendUnavailableError: the store could not be reached (retriable).
         """
+        return self.ensure_namespace(namespace, fingerprint, vocab_size, buckets=buckets, shards=shards)[0]
+
+    def ensure_namespace(self, namespace: str, fingerprint: bytes | str, vocab_size: int, *,
+                         buckets: int | None = None, shards: int | None = None) -> tuple[NamespaceInfo, bool]:
+        """`create_namespace`, also saying whether this call created the namespace.
+
+        Returns:
+            (the namespace's record, True when this call created it). Of concurrent calls
+            for one new name exactly one answers True.
+
+        Raises:
+            the errors of `create_namespace`.
+        """
         validate_namespace(namespace)
         fp = normalize_fingerprint(fingerprint)
         vocab = validate_vocab_size(vocab_size)
@@ -279,9 +292,33 @@ class CountsStore(abc.ABC):
             info = NamespaceInfo(namespace, fp, vocab, nbuckets, nshards, new_instance_id())
             existing = self._insert_namespace(info)
             if existing is None:
-                return info
+                return info, True
         check_tokenizer(existing, fp, vocab)
-        return existing
+        return existing, False
+
+    def list_namespaces(self, *, after: str = "", limit: int | None = None) -> list[NamespaceInfo]:
+        """The namespaces named after ``after``, in name order, at most ``limit`` of them (a page).
+
+        Args:
+            after: "" for the first page, else the last name of the previous page.
+            limit: most records returned (None: all).
+
+        Raises:
+            InvalidArgumentError: ``after`` is not a namespace name, or ``limit`` < 1.
+            BackendUnavailableError: the store could not be reached (retriable).
+        """
+        if after:
+            validate_namespace(after)
+        if limit is not None and limit < 1:
+            raise InvalidArgumentError(f"limit must be >= 1, got {limit}")
+        page: list[NamespaceInfo] = []
+        for name in sorted(name for name in set(self._namespace_names()) if name > after):
+            if limit is not None and len(page) >= limit:
+                break
+            info = self._find_namespace(name)
+            if info is not None:  # None: dropped since it was listed
+                page.append(info)
+        return page
 
     @abc.abstractmethod
     def namespace_info(self, namespace: str) -> NamespaceInfo:
@@ -374,6 +411,10 @@ class CountsStore(abc.ABC):
     @abc.abstractmethod
     def _find_namespace(self, namespace: str) -> NamespaceInfo | None:
         """The stored record of a (validated) namespace name, or None."""
+
+    @abc.abstractmethod
+    def _namespace_names(self) -> Iterable[str]:
+        """The names of every namespace, in any order (a name may repeat)."""
 
     @abc.abstractmethod
     def _insert_namespace(self, info: NamespaceInfo) -> NamespaceInfo | None:

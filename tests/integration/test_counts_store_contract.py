@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+import uuid
 from collections import Counter
 from collections.abc import Callable
 
@@ -39,6 +40,43 @@ def test_create_namespace_is_idempotent_and_bound_to_its_tokenizer(store: Counts
     with pytest.raises(TokenizerMismatchError):
         store.apply(namespace, "c", 1, batch([row([1], 2)]), fingerprint=OTHER_FP)
     assert exported(store, namespace) == Counter()
+
+
+def test_ensure_namespace_says_whether_it_created(store: CountsStore, namespace: str) -> None:
+    info, created = store.ensure_namespace(namespace, FP, VOCAB)
+    assert created and info == store.namespace_info(namespace)
+    assert store.ensure_namespace(namespace, FP, VOCAB, buckets=2) == (info, False)
+    with pytest.raises(TokenizerMismatchError):
+        store.ensure_namespace(namespace, OTHER_FP, VOCAB)
+
+
+def test_list_namespaces_pages_by_name(store: CountsStore) -> None:
+    tag = "l-" + uuid.uuid4().hex[:8]
+    names = [f"{tag}-{suffix}" for suffix in ("b", "a", "c.1", "c-0", "A", "d_9")]
+    try:
+        infos = {name: store.create_namespace(name, FP, VOCAB) for name in names}
+        everything = store.list_namespaces()
+        assert [i.name for i in everything] == sorted(i.name for i in everything)
+        mine = [i for i in everything if i.name.startswith(tag)]
+        assert mine == [infos[name] for name in sorted(names)]
+        paged: list[str] = []
+        after = tag
+        while True:
+            page = store.list_namespaces(after=after, limit=2)
+            assert len(page) <= 2
+            paged += [i.name for i in page if i.name.startswith(tag)]
+            if len(page) < 2 or not page[-1].name.startswith(tag):
+                break
+            after = page[-1].name
+        assert paged == sorted(names)
+        store.drop_namespace(names[0])
+        assert names[0] not in {i.name for i in store.list_namespaces(after=tag)}
+        for bad_after, bad_limit in (("a b", None), ("", 0)):
+            with pytest.raises(InvalidArgumentError):
+                store.list_namespaces(after=bad_after, limit=bad_limit)
+    finally:
+        for name in names:
+            store.drop_namespace(name)
 
 
 def test_unknown_namespace_and_bad_names(store: CountsStore, namespace: str) -> None:
