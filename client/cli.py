@@ -684,7 +684,12 @@ def _quiet_option(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quiet", action="store_true", help="print nothing on success (errors are still printed)")
 
 
-def build_parser() -> argparse.ArgumentParser:
+# A hook that adds subcommands: the service side adds `serve` (ngramcache.cache_service.cli)
+# without the client importing it.
+CommandHook = Callable[["argparse._SubParsersAction[argparse.ArgumentParser]"], None]
+
+
+def build_parser(extra_commands: Iterable[CommandHook] = ()) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ngramcache",
         description="A shared n-gram cache for speculative decoding (prompt lookup / llama.cpp's ngram cache).",
@@ -834,6 +839,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="the llama.cpp cache file to write (replaced atomically if it exists)")
     _quiet_option(exp)
     exp.set_defaults(func=cmd_export_llama)
+    for add in extra_commands:
+        add(sub)
     return parser
 
 
@@ -843,13 +850,13 @@ def _say(message: str) -> None:
     print(prefix + message, file=sys.stderr)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, extra_commands: Iterable[CommandHook] = ()) -> int:
     """Runs one command; returns its exit status (0, 1, 2 or 130) instead of raising."""
     guard = OutputGuard()
     name = "ngramcache"
     args: argparse.Namespace | None = None
     try:
-        args = build_parser().parse_args(argv)
+        args = build_parser(extra_commands).parse_args(argv)
         name = f"ngramcache {args.command}"
         args.guard = guard
         for path in _outputs_of(args):

@@ -1,0 +1,162 @@
+"""ServiceConfig: every setting of the gRPC service, from defaults, a TOML file, NGC_* variables and flags.
+
+Precedence, lowest first: the defaults below, a config file (``--config FILE``, TOML with
+the same keys), ``NGC_<KEY>`` environment variables (``NGC_PORT=50051``), command-line
+flags. Nothing is read at import time: `ServiceConfig.load` is called by ``ngramcache
+serve`` and tests build a `ServiceConfig` directly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+import math
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from ngramcache.client.errors import InvalidArgumentError
+
+from .counts import redact_url
+
+ENV_PREFIX = "NGC_"
+
+
+@dataclasses.dataclass
+class ServiceConfig:
+    """Settings of one service process (see ``ngramcache serve --help`` for each)."""
+
+    host: str = "127.0.0.1"
+    port: int = 50051
+    data_dir: str = "./ngramcache-data"
+    counts: str | None = None  # counts store URL; None: embedded, snapshotted in data_dir
+    allow_insecure_remote: bool = False  # plaintext on a non-loopback address (TLS comes later)
+    # Sessions and drafting
+    max_sessions: int = 10_000
+    session_idle_timeout: float = 300.0  # seconds
+    max_session_tokens: int = 1 << 20
+    max_step_tokens: int = 65_536
+    max_draft_tokens: int = 65_536
+    session_memory: int = 1 << 30  # bytes of session context tables per namespace
+    # Counts
+    max_push_rows: int = 1 << 20
+    max_chunk_rows: int = 65_536
+    mirror_interval: float = 1.0  # seconds between two changes_since of a namespace's mirror
+    # Transport
+    max_message_bytes: int = 64 << 20
+    max_file_bytes: int = 16 << 30
+    grace_period: float = 10.0  # seconds given to in-flight calls on SIGTERM
+    store_threads: int = 8
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise InvalidArgumentError naming the first setting out of range."""
+        if not 0 <= self.port <= 65535:
+            raise InvalidArgumentError(f"port must be in 0..65535 (0: any free port), got {self.port}")
+        for name in ("max_sessions", "max_session_tokens", "max_step_tokens", "max_draft_tokens", "session_memory",
+                     "max_push_rows", "max_chunk_rows", "max_message_bytes", "max_file_bytes", "store_threads"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise InvalidArgumentError(f"{name} must be a positive integer, got {value!r}")
+        for name in ("session_idle_timeout", "mirror_interval", "grace_period"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+                raise InvalidArgumentError(f"{name} must be a positive number of seconds, got {value!r}")
+        if not self.data_dir:
+            raise InvalidArgumentError("data_dir must name a folder")
+        if not self.is_loopback() and not self.allow_insecure_remote:
+            raise InvalidArgumentError(
+                f"host {self.host!r} is not a loopback address: serving plaintext to the network needs "
+                "allow_insecure_remote (--allow-insecure-remote); TLS is not implemented yet")
+
+    def is_loopback(self) -> bool:
+        if self.host in ("localhost", ""):
+            return self.host == "localhost"
+        try:
+            return ipaddress.ip_address(self.host.strip("[]")).is_loopback
+        except ValueError:
+            return False
+
+    @property
+    def counts_url(self) -> str:
+        """The counts store URL: the configured one, or the embedded store snapshotted in data_dir."""
+        if self.counts:
+            return self.counts
+        return "embedded://" + str((Path(self.data_dir) / "counts.snapshot").resolve())
+
+    def address(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host and not self.host.startswith("[") else self.host
+        return f"{host}:{self.port}"
+
+    def describe(self) -> dict[str, Any]:
+        """The settings as a dict fit for a log line: no secret (the store URL is redacted)."""
+        d = dataclasses.asdict(self)
+        d["counts"] = redact_url(self.counts_url)
+        return d
+
+    @classmethod
+    def load(cls, *, file: str | None = None, environ: Mapping[str, str] | None = None,
+             overrides: Mapping[str, Any] | None = None) -> ServiceConfig:
+        """Defaults, then `file` (TOML), then NGC_* variables of `environ`, then `overrides` (flags)."""
+        values: dict[str, Any] = {}
+        if file:
+            values.update(_read_file(file))
+        values.update(_from_env(os.environ if environ is None else environ))
+        values.update({k: v for k, v in (overrides or {}).items() if v is not None})
+        return cls(**values)
+
+
+_FIELDS = {f.name: f for f in dataclasses.fields(ServiceConfig)}
+
+
+def _coerce(name: str, raw: Any, source: str) -> Any:
+    default = _FIELDS[name].default
+    try:
+        if isinstance(default, bool):
+            if isinstance(raw, bool):
+                return raw
+            text = str(raw).strip().lower()
+            if text in ("1", "true", "yes", "on"):
+                return True
+            if text in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(raw)
+        if isinstance(default, int):
+            return int(raw)
+        if isinstance(default, float):
+            return float(raw)
+        return None if raw in (None, "") else str(raw)
+    except (TypeError, ValueError):
+        raise InvalidArgumentError(f"{source}: {raw!r} is not a valid value for {name}") from None
+
+
+def _from_env(environ: Mapping[str, str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name in _FIELDS:
+        key = ENV_PREFIX + name.upper()
+        if key in environ:
+            out[name] = _coerce(name, environ[key], key)
+    return out
+
+
+def _read_file(path: str) -> dict[str, Any]:
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        raise InvalidArgumentError("--config needs Python 3.11+ (tomllib) to read TOML") from None
+    try:
+        with open(path, "rb") as f:
+            doc = tomllib.load(f)
+    except FileNotFoundError:
+        raise InvalidArgumentError(f"--config {path}: no such file") from None
+    except IsADirectoryError:
+        raise InvalidArgumentError(f"--config {path}: is a folder, not a TOML file") from None
+    except tomllib.TOMLDecodeError as e:
+        raise InvalidArgumentError(f"--config {path}: not valid TOML: {e}") from None
+    unknown = sorted(set(doc) - set(_FIELDS))
+    if unknown:
+        raise InvalidArgumentError(f"--config {path}: unknown setting(s) {', '.join(unknown)}; known: {', '.join(_FIELDS)}")
+    return {k: _coerce(k, v, f"--config {path}") for k, v in doc.items()}

@@ -1,0 +1,1 @@
+"""gRPC server interceptors: one cross-cutting concern each (errors, auth, logging, metrics)."""

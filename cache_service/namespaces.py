@@ -1,0 +1,206 @@
+"""NamespaceRegistry: the drafting state the service keeps per namespace.
+
+For every namespace a request has named, the service keeps one `LiveNamespace`: a native
+`Drafter` bound to the namespace's tokenizer whose sequences are the drafting sessions, a
+mirror of the namespace's dynamic counts (a `CountTable` filled from a full export, then
+kept current by `changes_since` every `mirror_interval` seconds and applied as upserts
+while sessions draft: no draft waits on the store), and the latest static generation of
+the `StaticStore`, swapped in when a newer one is published. Each generation file is mapped
+once per process and shared by every session.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import time
+
+import numpy as np
+
+from ngramcache.client import CountTable, Drafter
+from ngramcache.client.errors import NamespaceNotFoundError, NgramCacheError, ResyncRequiredError
+
+from .counts import NamespaceInfo
+from .static_store import StaticStore
+from .store_runner import StoreRunner
+
+log = logging.getLogger("ngramcache.service")
+
+
+@dataclasses.dataclass
+class MirrorState:
+    """How current a namespace's dynamic mirror is."""
+
+    version: int | None = None  # the store version the mirror reflects; None before the first export
+    rows_applied: int = 0
+    last_refresh: float = 0.0  # time.monotonic() of the last successful refresh
+    errors: int = 0
+
+
+class LiveNamespace:
+    """One namespace's drafter, dynamic mirror and static generation (see module docstring)."""
+
+    def __init__(self, info: NamespaceInfo, *, max_sessions: int, session_memory: int) -> None:
+        self.info = info
+        self.fingerprint = bytes.fromhex(info.fingerprint)
+        self.dynamic = CountTable()
+        self.drafter = Drafter(dynamic=self.dynamic, fingerprint=self.fingerprint, vocab_size=info.vocab_size,
+                               max_sequences=max_sessions, max_memory=session_memory)
+        self.mirror = MirrorState()
+        self.generation = 0  # of the attached static cache; 0: none
+        self.dropped = False
+        self._tasks: list[asyncio.Task[None]] = []
+
+    def attach_static(self, cache: object, generation: int) -> None:
+        if generation > self.generation:
+            self.drafter.set_static(cache)  # type: ignore[arg-type]
+            self.generation = generation
+
+
+class NamespaceRegistry:
+    """Creates a `LiveNamespace` on first use and keeps its mirror and generation current.
+
+    Thread-safety: used from the server's event loop only.
+    """
+
+    def __init__(self, runner: StoreRunner, static_store: StaticStore, *, mirror_interval: float, max_sessions: int,
+                 session_memory: int) -> None:
+        self._runner = runner
+        self._static = static_store
+        self._interval = mirror_interval
+        self._max_sessions = max_sessions
+        self._session_memory = session_memory
+        self._live: dict[str, LiveNamespace] = {}
+        self._opening: dict[str, asyncio.Future[LiveNamespace]] = {}
+        self._closed = False
+
+    def live(self) -> dict[str, LiveNamespace]:
+        return dict(self._live)
+
+    async def get(self, namespace: str) -> LiveNamespace:
+        """The live state of `namespace`, opened (export mirrored, generation attached) on first use.
+
+        Raises:
+            NamespaceNotFoundError: no such namespace in the counts store.
+            BackendUnavailableError: the store cannot be reached.
+        """
+        ns = self._live.get(namespace)
+        if ns is not None and not ns.dropped:
+            return ns
+        pending = self._opening.get(namespace)
+        if pending is not None:
+            return await asyncio.shield(pending)
+        fut: asyncio.Future[LiveNamespace] = asyncio.get_running_loop().create_future()
+        self._opening[namespace] = fut
+        try:
+            ns = await self._open(namespace)
+            fut.set_result(ns)
+            return ns
+        except BaseException as e:
+            fut.set_exception(e)
+            fut.exception()  # retrieved: waiters get it through shield
+            raise
+        finally:
+            del self._opening[namespace]
+
+    async def _open(self, namespace: str) -> LiveNamespace:
+        info = await self._runner.call(self._runner.store.namespace_info, namespace)
+        ns = LiveNamespace(info, max_sessions=self._max_sessions, session_memory=self._session_memory)
+        await self._full_export(ns, ns.dynamic)
+        latest = self._static.latest(namespace)
+        if latest is not None:
+            ns.attach_static(await asyncio.to_thread(self._static.open, namespace, latest.generation), latest.generation)
+        self._live[namespace] = ns
+        ns._tasks.append(asyncio.create_task(self._mirror_loop(ns), name=f"mirror:{namespace}"))
+        ns._tasks.append(asyncio.create_task(self._watch_loop(ns), name=f"watch:{namespace}"))
+        log.info("namespace %s live: %d mirrored rows, store version %s, generation %d", namespace,
+                 ns.mirror.rows_applied, ns.mirror.version, ns.generation)
+        return ns
+
+    async def _full_export(self, ns: LiveNamespace, table: CountTable) -> None:
+        store = self._runner.store
+        version = await self._runner.call(store.version, ns.info.name)
+        it = await self._runner.call(store.export, ns.info.name)
+        rows = 0
+        while True:
+            chunk: np.ndarray | None = await self._runner.call(next, it, None)
+            if chunk is None:
+                break
+            await asyncio.to_thread(table.assign_rows, np.ascontiguousarray(chunk, dtype=np.int64))
+            rows += len(chunk)
+        ns.mirror.version = version
+        ns.mirror.rows_applied += rows
+        ns.mirror.last_refresh = time.monotonic()
+
+    async def refresh(self, ns: LiveNamespace) -> None:
+        """One mirror refresh: changes since the mirrored version, or a full resync."""
+        store = self._runner.store
+        assert ns.mirror.version is not None
+        try:
+            cs = await self._runner.call(store.changes_since, ns.info.name, ns.mirror.version)
+        except ResyncRequiredError:
+            log.warning("namespace %s: mirror too far behind the store; resyncing from a full export", ns.info.name)
+            fresh = CountTable()
+            await self._full_export(ns, fresh)
+            ns.dynamic = fresh
+            ns.drafter.set_dynamic(fresh)
+            return
+        if len(cs.rows):
+            await asyncio.to_thread(ns.dynamic.assign_rows, np.ascontiguousarray(cs.rows, dtype=np.int64))
+            ns.mirror.rows_applied += len(cs.rows)
+        ns.mirror.version = cs.version
+        ns.mirror.last_refresh = time.monotonic()
+
+    async def _mirror_loop(self, ns: LiveNamespace) -> None:
+        while not ns.dropped:
+            await asyncio.sleep(self._interval)
+            try:
+                await self.refresh(ns)
+            except NamespaceNotFoundError:
+                self._forget(ns)
+            except NgramCacheError as e:  # store down: drafting goes on with the mirror it has
+                ns.mirror.errors += 1
+                log.warning("namespace %s: mirror refresh failed (%s); retrying", ns.info.name, e)
+            except Exception:
+                ns.mirror.errors += 1
+                log.exception("namespace %s: mirror refresh failed", ns.info.name)
+
+    async def _watch_loop(self, ns: LiveNamespace) -> None:
+        try:
+            async for gen in self._static.watch(ns.info.name, ns.generation):  # ends NOT_FOUND on a drop
+                if ns.dropped:
+                    return
+                try:
+                    cache = await asyncio.to_thread(self._static.open, ns.info.name, gen.generation)
+                    ns.attach_static(cache, gen.generation)
+                    log.info("namespace %s: drafting from generation %d", ns.info.name, gen.generation)
+                except NgramCacheError as e:
+                    log.error("namespace %s: generation %d not attached: %s", ns.info.name, gen.generation, e)
+        except NamespaceNotFoundError:
+            self._forget(ns)
+
+    def _forget(self, ns: LiveNamespace) -> None:
+        ns.dropped = True
+        if self._live.get(ns.info.name) is ns:
+            del self._live[ns.info.name]
+        current = asyncio.current_task()
+        for t in ns._tasks:
+            if t is not current:
+                t.cancel()
+
+    def drop(self, namespace: str) -> None:
+        """Forgets `namespace` (dropped by Admin): its sessions end NOT_FOUND at their next step."""
+        ns = self._live.get(namespace)
+        if ns is not None:
+            self._forget(ns)
+
+    async def close(self) -> None:
+        self._closed = True
+        tasks = [t for ns in self._live.values() for t in ns._tasks]
+        for ns in list(self._live.values()):
+            self._forget(ns)
+        for t in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t

@@ -1,0 +1,177 @@
+"""The gRPC service: `create_server(config)` builds and starts it, `Service.stop` drains it.
+
+One process serves the four ngramcache.v1 services (Drafting, Counts, StaticFiles, Admin),
+standard health checking and reflection, on one grpc.aio server. It owns the counts store
+(through one executor, `StoreRunner`), the static generations of its data dir
+(`StaticStore`) and the per-namespace drafting state (`NamespaceRegistry`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+import os
+from pathlib import Path
+
+from grpc import aio
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from ngramcache.client._proto.v1 import (
+    admin_pb2,
+    admin_pb2_grpc,
+    counts_pb2,
+    counts_pb2_grpc,
+    drafting_pb2,
+    drafting_pb2_grpc,
+    static_files_pb2,
+    static_files_pb2_grpc,
+)
+from ngramcache.client.errors import NamespaceNotFoundError, NgramCacheError
+
+from .config import ServiceConfig
+from .counts import open_counts_store, redact_url
+from .interceptors.errors import ErrorInterceptor
+from .namespaces import NamespaceRegistry
+from .servicers.admin import AdminServicer, ServerInfo, ServerLimits
+from .servicers.counts import CountsServicer
+from .servicers.drafting import DraftingServicer
+from .servicers.static_files import StaticFilesServicer
+from .static_store import StaticStore
+from .store_runner import StoreRunner
+
+log = logging.getLogger("ngramcache.service")
+
+SERVICE_NAMES = tuple(
+    pb.DESCRIPTOR.services_by_name[name].full_name
+    for pb, name in ((drafting_pb2, "Drafting"), (counts_pb2, "Counts"), (static_files_pb2, "StaticFiles"),
+                     (admin_pb2, "Admin"))
+)
+
+# A namespace name no one can create (names are [A-Za-z0-9_.-]{1,64}; this one is reserved
+# only by convention): asking for it tells whether the store answers at all.
+_PROBE_NAMESPACE = "ngramcache.health-probe"
+
+
+class Service:
+    """A running service: the grpc.aio server and everything it owns."""
+
+    def __init__(self, config: ServiceConfig, server: aio.Server, runner: StoreRunner, static_store: StaticStore,
+                 registry: NamespaceRegistry, health_servicer: health.aio.HealthServicer,
+                 drafting: DraftingServicer) -> None:
+        self.config = config
+        self.server = server
+        self.runner = runner
+        self.static_store = static_store
+        self.registry = registry
+        self.health = health_servicer
+        self.drafting = drafting
+        self.port = 0
+        self._stopped = False
+
+    async def set_serving(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", *SERVICE_NAMES):
+            await self.health.set(name, status)
+
+    async def check_store(self) -> bool:
+        """True when the counts store answers (an unknown namespace is an answer)."""
+        try:
+            await self.runner.call(self.runner.store.namespace_info, _PROBE_NAMESPACE)
+        except NamespaceNotFoundError:
+            return True
+        except NgramCacheError as e:
+            log.warning("counts store %s unreachable: %s", redact_url(self.config.counts_url), e)
+            return False
+        return True
+
+    async def stop(self, grace: float | None = None) -> None:
+        """Graceful stop: NOT_SERVING, refuse new calls, let in-flight ones finish within `grace`
+        seconds, then close the namespaces and the store (the embedded one writes its snapshot)."""
+        if self._stopped:
+            return
+        self._stopped = True
+        await self.set_serving(False)
+        await self.server.stop(self.config.grace_period if grace is None else grace)
+        await self.registry.close()
+        await asyncio.to_thread(self.runner.close)
+        log.info("stopped")
+
+    async def wait_for_termination(self) -> None:
+        await self.server.wait_for_termination()
+
+
+async def create_server(config: ServiceConfig) -> tuple[Service, int]:
+    """Builds, binds and starts the service; returns it and the port it listens on.
+
+    Port 0 binds a free port (tests). Health is NOT_SERVING until the counts store answers.
+    """
+    data_dir = Path(config.data_dir)
+    data_dir.mkdir(parents=True, exist_ok=True)
+    store = await asyncio.to_thread(open_counts_store, config.counts_url)
+    runner = StoreRunner(store, max_workers=config.store_threads)
+    static_store = StaticStore(str(data_dir / "static"))
+    registry = NamespaceRegistry(runner, static_store, mirror_interval=config.mirror_interval,
+                                 max_sessions=config.max_sessions, session_memory=config.session_memory)
+    options = [
+        ("grpc.max_receive_message_length", config.max_message_bytes),
+        ("grpc.max_send_message_length", config.max_message_bytes),
+        ("grpc.so_reuseport", 0),
+    ]
+    server = aio.server(interceptors=[ErrorInterceptor()], options=options)
+    drafting = DraftingServicer(registry, max_sessions=config.max_sessions, idle_timeout=config.session_idle_timeout,
+                                max_session_tokens=config.max_session_tokens, max_step_tokens=config.max_step_tokens,
+                                max_draft_tokens=config.max_draft_tokens)
+    drafting_pb2_grpc.add_DraftingServicer_to_server(drafting, server)
+    counts = CountsServicer(runner, max_push_rows=config.max_push_rows, max_chunk_rows=config.max_chunk_rows)
+    counts_pb2_grpc.add_CountsServicer_to_server(counts, server)
+    static_files_pb2_grpc.add_StaticFilesServicer_to_server(
+        StaticFilesServicer(static_store, runner, max_file_bytes=config.max_file_bytes), server)
+    limits = ServerLimits(
+        max_message_bytes=config.max_message_bytes, max_draft_tokens=config.max_draft_tokens,
+        max_step_tokens=config.max_step_tokens, max_session_tokens=config.max_session_tokens,
+        max_sessions=config.max_sessions, max_batch_rows=counts.max_push_rows,
+        max_chunk_rows=config.max_chunk_rows, max_static_file_bytes=config.max_file_bytes)
+
+    async def on_drop(namespace: str) -> None:  # Admin.DropNamespace: forget its drafting state and files
+        registry.drop(namespace)
+        await static_store.drop(namespace)
+
+    admin_pb2_grpc.add_AdminServicer_to_server(
+        AdminServicer(runner, server_info=ServerInfo(limits=limits), on_drop=on_drop), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection((*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    try:
+        port = server.add_insecure_port(config.address())
+    except RuntimeError:  # grpc says only "Failed to bind"; the usual cause is another listener
+        port = 0
+    if port == 0:
+        await asyncio.to_thread(runner.close)
+        raise OSError(errno.EADDRINUSE, f"cannot listen on {config.address()}: the address is in use or not this "
+                      "machine's (another server on that port? --port 0 picks a free one)")
+    # Uploads a crash left behind; an hour old at least, in case replicas share the folder.
+    await asyncio.to_thread(static_store.remove_leftovers, 3600.0)
+    service = Service(config, server, runner, static_store, registry, health_servicer, drafting)
+    service.port = port
+    await service.set_serving(False)
+    await server.start()
+    if await service.check_store():
+        await service.set_serving(True)
+    else:
+        asyncio.get_running_loop().create_task(_wait_for_store(service))
+    log.info("serving ngramcache.v1 on %s:%d (pid %d), counts store %s, data dir %s", config.host, port, os.getpid(),
+             redact_url(config.counts_url), data_dir.resolve())
+    return service, port
+
+
+async def _wait_for_store(service: Service) -> None:
+    while not service._stopped:
+        await asyncio.sleep(1.0)
+        if await service.check_store():
+            await service.set_serving(True)
+            return
+
+
+__all__ = ["SERVICE_NAMES", "Service", "create_server"]

@@ -1,0 +1,1 @@
+"""Thin gRPC servicers: each translates proto messages to domain calls and back."""

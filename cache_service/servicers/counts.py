@@ -1,0 +1,115 @@
+"""The Counts servicer: Push applies delta batches exactly once, Pull streams a namespace's counts in chunks."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Generator, Iterator
+
+import numpy as np
+from grpc import aio
+
+from ngramcache.client._proto.codec import DELTA_ROW_BYTES, bytes_to_delta_rows, count_rows_to_bytes
+from ngramcache.client._proto.v1 import counts_pb2, counts_pb2_grpc
+from ngramcache.client.rows import empty_counts
+
+from ..counts.namespace import check_tokenizer
+from ..counts.store import namespace_changed
+from ..status import limit_exceeded
+from ..store_runner import StoreRunner
+
+DEFAULT_CHUNK_ROWS = 16384
+"""Rows of a Pull chunk when the request says 0 (counts.proto: 16384 rows, 896 KiB)."""
+
+
+class CountsServicer(counts_pb2_grpc.CountsServicer):
+    """Push and Pull over the service's counts store, called through its `StoreRunner`.
+
+    Thread-safety: handlers run on the server's event loop; the store calls run on the
+    runner's pool (the store is thread-safe).
+
+    Args:
+        runner: the executor that owns the counts store.
+        max_push_rows: most rows of a Push (RESOURCE_EXHAUSTED beyond); capped at the
+            store's ``max_batch_rows`` (`max_push_rows` holds the limit applied, the value
+            for ServerLimits.max_batch_rows).
+        max_chunk_rows: most rows of a Pull chunk, whatever the request asks
+            (ServerLimits.max_chunk_rows).
+    """
+
+    def __init__(self, runner: StoreRunner, *, max_push_rows: int, max_chunk_rows: int) -> None:
+        if max_push_rows < 1 or max_chunk_rows < 1:
+            raise ValueError("max_push_rows and max_chunk_rows must be >= 1")
+        self._runner = runner
+        self._store = runner.store
+        self.max_push_rows = min(max_push_rows, self._store.config.max_batch_rows)
+        self.max_chunk_rows = max_chunk_rows
+
+    async def Push(self, request: counts_pb2.PushRequest, context: aio.ServicerContext) -> counts_pb2.PushResponse:
+        rows = len(request.rows) // DELTA_ROW_BYTES
+        if rows > self.max_push_rows:
+            raise limit_exceeded(f"a Push carries at most {self.max_push_rows} rows, got {rows}")
+        deltas = bytes_to_delta_rows(request.rows)  # InvalidArgumentError unless a whole number of rows
+        # The store checks the tokenizer, the client id, the seq and every row before it writes
+        # anything, and applies the batch once per (client_id, seq).
+        # TODO(issue 8 stage 2): aggregate the batches of many clients into fewer store writes
+        # (keeping every (client_id, seq) exactly once); today each Push is one store apply.
+        result = await self._runner.call(self._store.apply, request.namespace, request.client_id, request.seq, deltas,
+                                         fingerprint=request.tokenizer_fingerprint)
+        version = await self._runner.call(self._store.version, request.namespace)
+        return counts_pb2.PushResponse(duplicate=result.duplicate, units=result.units, applied_units=result.applied,
+                                       duplicate_units=result.duplicates, entries=result.entries, version=version)
+
+    async def Pull(self, request: counts_pb2.PullRequest,
+                   context: aio.ServicerContext) -> AsyncIterator[counts_pb2.PullResponse]:
+        namespace = request.namespace
+        chunk_rows = min(request.max_chunk_rows or DEFAULT_CHUNK_ROWS, self.max_chunk_rows)
+        info = await self._runner.call(self._store.namespace_info, namespace)
+        check_tokenizer(info, request.tokenizer_fingerprint)
+        if request.HasField("since_version"):
+            change = await self._runner.call(self._store.changes_since, namespace, request.since_version)
+            for rows, complete in _split(change.rows, chunk_rows):
+                yield _chunk(rows, change.version, complete)
+            return
+        # Version first, then the export: changes_since(version) covers what changes during it.
+        version = await self._runner.call(self._store.version, namespace)
+        # The export is read one store chunk per executor call, never whole in memory.
+        parts = await self._runner.call(self._store.export, namespace, chunk_rows=chunk_rows)
+        try:
+            held: list[np.ndarray] = []  # rows read but not sent: fewer than chunk_rows + one store chunk
+            held_rows = 0
+            while (part := await self._runner.call(next, parts, None)) is not None:
+                held.append(part)
+                held_rows += len(part)
+                if held_rows > chunk_rows:  # keep the rest back: the last chunk must say complete
+                    pending = np.concatenate(held)
+                    sendable = (len(pending) - 1) // chunk_rows * chunk_rows
+                    for rows, _ in _split(pending[:sendable], chunk_rows):
+                        yield _chunk(rows, version, False)
+                    held, held_rows = [pending[sendable:]], len(pending) - sendable
+        finally:
+            with contextlib.suppress(ValueError, RuntimeError):  # still running in a worker (a cancelled call)
+                await self._runner.call(_close, parts)
+        # The export read the incarnation the version belongs to only if it was not dropped meanwhile.
+        now = await self._runner.call(self._store.namespace_info, namespace)
+        if now.instance != info.instance:
+            raise namespace_changed(namespace, "the export")
+        yield _chunk(np.concatenate(held) if held else empty_counts(), version, True)
+
+
+def _split(rows: np.ndarray, chunk_rows: int) -> Iterator[tuple[np.ndarray, bool]]:
+    """(rows of at most chunk_rows, last?) pieces of ``rows``; one empty last piece for no rows."""
+    if len(rows) == 0:
+        yield rows, True
+        return
+    for start in range(0, len(rows), chunk_rows):
+        yield rows[start:start + chunk_rows], start + chunk_rows >= len(rows)
+
+
+def _close(it: Iterator[np.ndarray]) -> None:
+    """Let an export the call no longer reads release what it holds (a generator's finally blocks)."""
+    if isinstance(it, Generator):
+        it.close()
+
+
+def _chunk(rows: np.ndarray, version: int, complete: bool) -> counts_pb2.PullResponse:
+    return counts_pb2.PullResponse(rows=count_rows_to_bytes(rows), version=version, complete=complete)

@@ -1,0 +1,102 @@
+"""`ngramcache serve` as a user runs it: a real process, health, a push, SIGTERM, restart."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import grpc
+import numpy as np
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from ngramcache.client._proto.codec import bytes_to_count_rows, delta_rows_to_bytes
+from ngramcache.client._proto.v1 import admin_pb2, admin_pb2_grpc, counts_pb2, counts_pb2_grpc
+
+pytestmark = pytest.mark.integration
+
+FP = bytes(32)
+CLI = [sys.executable, "-c", "import sys; from ngramcache.cache_service.cli import main; sys.exit(main())"]
+
+
+def start(data_dir, *extra: str) -> tuple[subprocess.Popen[str], int]:
+    p = subprocess.Popen([*CLI, "serve", "--port", "0", "--data-dir", str(data_dir), *extra],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert p.stdout is not None
+    line = p.stdout.readline()
+    m = re.search(r"listening on 127\.0\.0\.1:(\d+)", line)
+    assert m, (line, p.stderr.read() if p.poll() is not None else "")
+    return p, int(m.group(1))
+
+
+def stop(p: subprocess.Popen[str], sig: int = signal.SIGTERM) -> tuple[int, str]:
+    p.send_signal(sig)
+    _, err = p.communicate(timeout=30)
+    return p.returncode, err
+
+
+def test_serve_health_push_sigterm_restart_keeps_acknowledged_counts(tmp_path):
+    p, port = start(tmp_path / "data")
+    try:
+        ch = grpc.insecure_channel(f"127.0.0.1:{port}")
+        health = health_pb2_grpc.HealthStub(ch)
+        deadline = time.monotonic() + 10
+        while health.Check(health_pb2.HealthCheckRequest(service="")).status != health_pb2.HealthCheckResponse.SERVING:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        admin_pb2_grpc.AdminStub(ch).CreateNamespace(
+            admin_pb2.CreateNamespaceRequest(name="ns", tokenizer_fingerprint=FP, vocab_size=100))
+        rows = np.array([[2, 5, 6, -1, -1, 7, 3]], dtype=np.int32)
+        ack = counts_pb2_grpc.CountsStub(ch).Push(counts_pb2.PushRequest(
+            namespace="ns", tokenizer_fingerprint=FP, client_id="c", seq=1, rows=delta_rows_to_bytes(rows)))
+        assert not ack.duplicate
+        ch.close()
+    finally:
+        rc, err = stop(p)
+    assert rc == 0, err
+    assert "SIGTERM: draining" in err and "Traceback" not in err
+
+    # The acknowledged push survived the graceful stop (the embedded store's snapshot).
+    p, port = start(tmp_path / "data")
+    try:
+        ch = grpc.insecure_channel(f"127.0.0.1:{port}")
+        pulled = list(counts_pb2_grpc.CountsStub(ch).Pull(counts_pb2.PullRequest(namespace="ns", tokenizer_fingerprint=FP), timeout=10))
+        got = np.concatenate([bytes_to_count_rows(r.rows) for r in pulled])
+        assert got.tolist() == [[2, 5, 6, -1, -1, 7, 3]]
+        ch.close()
+    finally:
+        rc, err = stop(p, signal.SIGINT)
+    assert rc == 130, err
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--port", "70000"], "port must be in 0..65535"),
+    (["--host", "0.0.0.0"], "not a loopback address"),
+    (["--config", "/nonexistent.toml"], "--config /nonexistent.toml: no such file"),
+    (["--max-sessions", "0"], "max_sessions must be a positive integer"),
+])
+def test_serve_refuses_bad_settings_in_one_line(tmp_path, args, message):
+    r = subprocess.run([*CLI, "serve", "--data-dir", str(tmp_path), *args], capture_output=True, text=True, timeout=30)
+    assert r.returncode == 2
+    assert r.stderr.strip().count("\n") == 0 and message in r.stderr, r.stderr
+
+
+def test_serve_reads_environment_and_config_file(tmp_path):
+    cfg = tmp_path / "ngc.toml"
+    cfg.write_text('max_sessions = 7\nmirror_interval = 0.5\n')
+    env = dict(os.environ, NGC_MAX_STEP_TOKENS="123")
+    p = subprocess.Popen([*CLI, "serve", "--port", "0", "--data-dir", str(tmp_path / "d"), "--config", str(cfg)],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        assert p.stdout is not None
+        port = int(re.search(r":(\d+)", p.stdout.readline()).group(1))  # type: ignore[union-attr]
+        ch = grpc.insecure_channel(f"127.0.0.1:{port}")
+        info = admin_pb2_grpc.AdminStub(ch).GetServerInfo(admin_pb2.GetServerInfoRequest(), timeout=10)
+        assert info.limits.max_sessions == 7 and info.limits.max_step_tokens == 123
+        ch.close()
+    finally:
+        stop(p)

@@ -1,0 +1,171 @@
+"""Real grpc.aio servers for tests: given servicers behind the service's ErrorInterceptor, on 127.0.0.1 port 0.
+
+No fixtures here: tests build the servicers they need and either await `start_server` in
+their own event loop (``asyncio.run``), or use `ServerThread`, which runs the server's loop
+in a thread so a test talks to it through ordinary synchronous gRPC channels::
+
+    with ServerThread([(counts_pb2_grpc.add_CountsServicer_to_server, servicer)]) as server:
+        stub = counts_pb2_grpc.CountsStub(server.channel())
+
+`ServiceThread` runs the whole service instead (`create_server` with a `ServiceConfig`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable, Coroutine, Iterable, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+import grpc
+from grpc import aio
+
+from ngramcache.cache_service.config import ServiceConfig
+from ngramcache.cache_service.interceptors.errors import ErrorInterceptor
+from ngramcache.cache_service.server import Service, create_server
+
+__all__ = ["Registration", "ServerThread", "ServiceThread", "start_server"]
+
+T = TypeVar("T")
+
+Registration = tuple[Callable[[Any, aio.Server], None], object]
+"""(generated ``add_<Service>Servicer_to_server`` function, servicer instance)."""
+
+
+async def start_server(registrations: Iterable[Registration], *,
+                       interceptors: Sequence[aio.ServerInterceptor] = (),
+                       options: Sequence[tuple[str, Any]] = ()) -> tuple[aio.Server, int]:
+    """Build, bind (127.0.0.1, a free port) and start a grpc.aio server on the running loop.
+
+    Args:
+        registrations: the servicers to serve, with their generated add functions.
+        interceptors: more interceptors, inside the ErrorInterceptor (which sees every
+            exception the handlers and these interceptors raise).
+        options: gRPC channel arguments of the server (e.g. message size limits).
+
+    Returns:
+        (the started server, its port). Stop it with ``await server.stop(grace)``.
+    """
+    server = aio.server(interceptors=[ErrorInterceptor(), *interceptors], options=list(options))
+    for add, servicer in registrations:
+        add(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    if port == 0:
+        raise OSError("could not bind a port on 127.0.0.1")
+    await server.start()
+    return server, port
+
+
+class ServerThread:
+    """A `start_server` server whose event loop runs in a daemon thread; a context manager.
+
+    Servicers are called on that loop, so build them before `start` (nothing in their
+    constructors may need a running loop) or inside `run`.
+
+    Args: as `start_server`.
+    """
+
+    def __init__(self, registrations: Iterable[Registration], *,
+                 interceptors: Sequence[aio.ServerInterceptor] = (),
+                 options: Sequence[tuple[str, Any]] = ()) -> None:
+        self._registrations = list(registrations)
+        self._interceptors = interceptors
+        self._options = options
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="test-grpc-server", daemon=True)
+        self._channels: list[grpc.Channel] = []
+        self.server: aio.Server | None = None
+        self.port = 0
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self) -> ServerThread:
+        self._thread.start()
+        self.server, self.port = self.run(start_server(self._registrations, interceptors=self._interceptors,
+                                                       options=self._options))
+        return self
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = 60) -> T:
+        """Run a coroutine on the server's loop and return its result."""
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    def channel(self) -> grpc.Channel:
+        """A synchronous channel to the server, closed by `stop`."""
+        channel = grpc.insecure_channel(self.address)
+        self._channels.append(channel)
+        return channel
+
+    def stop(self, grace: float | None = None) -> None:
+        """Close the channels, stop the server (in-flight calls get ``grace`` seconds) and its loop."""
+        for channel in self._channels:
+            channel.close()
+        self._channels.clear()
+        if self._thread.is_alive():
+            if self.server is not None:
+                self.run(self.server.stop(grace))
+            self.run(self._loop.shutdown_asyncgens())
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(30)
+        if not self._loop.is_running():
+            self._loop.close()
+
+    def __enter__(self) -> ServerThread:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+class ServiceThread:
+    """Runs the service on its own event loop in a daemon thread; a context manager.
+
+    `port` is the bound port once entered; `service` the running `Service` (touch it only
+    through `call`, which runs a coroutine function on the service's loop).
+    """
+
+    def __init__(self, data_dir: str | Path, **settings: Any) -> None:
+        self.config = ServiceConfig(host="127.0.0.1", port=0, data_dir=str(data_dir), **settings)
+        self.port = 0
+        self.service: Service | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self._stop: asyncio.Event | None = None
+        self._thread = threading.Thread(target=self._run, name="ngramcache-service", daemon=True)
+
+    def _run(self) -> None:
+        asyncio.run(self._main())
+
+    async def _main(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._stop = asyncio.Event()
+        try:
+            self.service, self.port = await create_server(self.config)
+        except BaseException as e:
+            self._error = e
+            self._ready.set()
+            return
+        self._ready.set()
+        await self._stop.wait()
+        await self.service.stop(grace=1.0)
+
+    def call(self, fn: Any, *args: Any) -> Any:
+        """Runs ``await fn(*args)`` on the service's loop and returns its result."""
+        assert self._loop is not None
+        return asyncio.run_coroutine_threadsafe(fn(*args), self._loop).result(timeout=30)
+
+    def __enter__(self) -> ServiceThread:
+        self._thread.start()
+        if not self._ready.wait(timeout=30):
+            raise TimeoutError("the service did not start within 30 s")
+        if self._error is not None:
+            raise self._error
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._loop is not None and self._stop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(timeout=30)
