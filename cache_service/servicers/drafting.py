@@ -46,6 +46,34 @@ def _check_vocab(tokens: np.ndarray, vocab_size: int) -> None:
         raise InvalidArgumentError(f"token {int(tokens[bad])} at position {bad} is outside the vocabulary [0, {vocab_size})")
 
 
+class _IdleTimer:
+    """Cancels the session's task when no request arrives for `timeout` seconds.
+
+    One timer handle per wait (asyncio.wait_for would start a task per message, which costs
+    more than the rest of a step).
+    """
+
+    def __init__(self, timeout: float) -> None:
+        self._timeout = timeout
+        self._loop = asyncio.get_running_loop()
+        self._task = asyncio.current_task()
+        self._handle: asyncio.TimerHandle | None = None
+        self.fired = False
+
+    def _fire(self) -> None:
+        self.fired = True
+        if self._task is not None:
+            self._task.cancel()
+
+    def arm(self) -> None:
+        self._handle = self._loop.call_later(self._timeout, self._fire)
+
+    def disarm(self) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+
+
 class DraftingServicer(drafting_pb2_grpc.DraftingServicer):
     """Sessions keep their sequence here and their context table in the namespace's Drafter.
 
@@ -67,14 +95,33 @@ class DraftingServicer(drafting_pb2_grpc.DraftingServicer):
         self._ids = itertools.count(1)
         self.active_sessions = 0
 
-    async def _next(self, it: AsyncIterator[drafting_pb2.SessionRequest]) -> drafting_pb2.SessionRequest | None:
+    async def _next(self, it: AsyncIterator[drafting_pb2.SessionRequest],
+                    idle: _IdleTimer | None = None) -> drafting_pb2.SessionRequest | None:
+        if idle is None:
+            try:
+                return await asyncio.wait_for(it.__anext__(), self._idle_timeout)
+            except StopAsyncIteration:
+                return None
+            except asyncio.TimeoutError:
+                raise self._evicted() from None
+        idle.arm()
         try:
-            return await asyncio.wait_for(it.__anext__(), self._idle_timeout)
+            return await it.__anext__()
         except StopAsyncIteration:
             return None
-        except asyncio.TimeoutError:
-            raise ServiceError(grpc.StatusCode.ABORTED, f"session idle for more than {self._idle_timeout:g} s; "
-                               "open a new session with the whole sequence", SESSION_EVICTED) from None
+        except asyncio.CancelledError:
+            if idle.fired:
+                task = asyncio.current_task()
+                if task is not None and hasattr(task, "uncancel"):
+                    task.uncancel()  # our own timer cancelled it: the call goes on to end ABORTED
+                raise self._evicted() from None
+            raise
+        finally:
+            idle.disarm()
+
+    def _evicted(self) -> ServiceError:
+        return ServiceError(grpc.StatusCode.ABORTED, f"session idle for more than {self._idle_timeout:g} s; "
+                            "open a new session with the whole sequence", SESSION_EVICTED)
 
     async def Session(self, request_iterator: AsyncIterator[drafting_pb2.SessionRequest],
                       context: aio.ServicerContext) -> AsyncIterator[drafting_pb2.SessionResponse]:
@@ -98,8 +145,9 @@ class DraftingServicer(drafting_pb2_grpc.DraftingServicer):
                 max_session_tokens=self._max_session_tokens, idle_timeout_ms=int(self._idle_timeout * 1000)))
             seq = np.empty(256, dtype=np.int32)
             n = 0
+            idle = _IdleTimer(self._idle_timeout)
             while True:
-                req = await self._next(it)
+                req = await self._next(it, idle)
                 if req is None:
                     return
                 if req.WhichOneof("kind") != "step":
@@ -111,17 +159,18 @@ class DraftingServicer(drafting_pb2_grpc.DraftingServicer):
                     raise limit_exceeded(f"a step carries at most {self._max_step_tokens} tokens, got {len(new)}")
                 if n + len(new) > self._max_session_tokens:
                     raise limit_exceeded(f"a session's sequence holds at most {self._max_session_tokens} tokens")
-                _check_vocab(new, ns.info.vocab_size)
                 n_draft = _check_n_draft(req.step.n_draft, "step.n_draft") if req.step.n_draft else default_n_draft
                 if n + len(new) > len(seq):
                     seq = np.resize(seq, max(2 * len(seq), n + len(new)))
                 seq[n:n + len(new)] = new
-                n += len(new)
-                tokens = seq[:n]
+                tokens = seq[:n + len(new)]
+                # accept() checks every new token against the vocabulary before counting any;
+                # the sequence grows only once it has succeeded.
                 if len(new) > _INLINE_ACCEPT_TOKENS:
                     await asyncio.to_thread(ns.drafter.accept, sid, tokens)
                 else:
                     ns.drafter.accept(sid, tokens)
+                n += len(new)
                 draft = ns.drafter.draft(sid, tokens, n_draft)
                 yield drafting_pb2.SessionResponse(draft=drafting_pb2.SessionDraft(
                     tokens=tokens_to_bytes(draft), generation=ns.generation, sequence_length=n))

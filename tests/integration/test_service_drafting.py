@@ -181,3 +181,30 @@ def _trailing(drafting, reqs):
     with pytest.raises(grpc.RpcError) as e:
         list(drafting.Session(iter(reqs), timeout=10))
     return e.value.trailing_metadata() or ()
+
+
+def test_an_idle_session_ends_aborted_and_frees_its_slot(tmp_path):
+    import queue
+
+    with ServiceThread(tmp_path / "data", session_idle_timeout=0.3, max_sessions=1) as svc:
+        ch, admin, _, drafting, _ = stubs(svc.port)
+        admin.CreateNamespace(admin_pb2.CreateNamespaceRequest(name="i", tokenizer_fingerprint=FP, vocab_size=VOCAB))
+        q: queue.Queue = queue.Queue()
+        q.put(drafting_pb2.SessionRequest(open=drafting_pb2.SessionOpen(namespace="i", tokenizer_fingerprint=FP,
+                                                                        vocab_size=VOCAB, n_draft=4)))
+        call = drafting.Session(iter(q.get, None), timeout=20)
+        assert next(call).opened.idle_timeout_ms == 300
+        t0 = time.monotonic()
+        with pytest.raises(grpc.RpcError) as e:
+            next(call)  # no step within 0.3 s
+        assert e.value.code() == grpc.StatusCode.ABORTED and time.monotonic() - t0 < 5
+        assert ("ngc-error-reason", "SESSION_EVICTED") in [(m.key, m.value) for m in e.value.trailing_metadata()]
+        q.put(None)
+        # Its slot is free again (max_sessions=1): a new session opens and drafts.
+        replies = list(drafting.Session(iter([
+            drafting_pb2.SessionRequest(open=drafting_pb2.SessionOpen(namespace="i", tokenizer_fingerprint=FP,
+                                                                      vocab_size=VOCAB, n_draft=4)),
+            drafting_pb2.SessionRequest(step=drafting_pb2.SessionStep(tokens=tokens_to_bytes([1, 2, 1, 2])))]),
+            timeout=10))
+        assert replies[-1].draft.sequence_length == 4
+        ch.close()
