@@ -5,6 +5,9 @@ interceptor turns them into the gRPC status, message and ``ngc-error-reason`` tr
 metadata that `status.status_of` picks, for all four kinds of RPC. An unexpected exception
 is logged with its traceback here (once) and ends INTERNAL. Aborts raised by the handler
 itself (``context.abort``) and cancellations pass through untouched.
+
+It also owns request decoding: a request whose bytes do not parse as its message type ends
+INVALID_ARGUMENT naming the method (gRPC alone would answer UNKNOWN).
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ from typing import Any
 
 import grpc
 from grpc import aio
+
+from ngramcache.client.errors import InvalidArgumentError
 
 from ..status import status_of
 
@@ -34,10 +39,45 @@ def _passes_through(exc: BaseException) -> bool:
     return isinstance(exc, asyncio.CancelledError) or type(exc).__module__.startswith("grpc")
 
 
-def _wrap_unary(fn: Callable[..., Awaitable[Any]], method: str) -> Callable[..., Awaitable[Any]]:
+class _Malformed:
+    """What a request that does not parse decodes to: the handler turns it into INVALID_ARGUMENT."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+
+def _lenient(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    if deserializer is None:
+        return None
+
+    def decode(data: bytes) -> Any:
+        try:
+            return deserializer(data)
+        except Exception as e:  # a DecodeError, whatever the protobuf runtime calls it
+            return _Malformed(e)
+
+    return decode
+
+
+def _check(request: Any, method: str) -> Any:
+    if isinstance(request, _Malformed):
+        raise InvalidArgumentError(f"the request to {method} is not a valid message: {request.error}")
+    return request
+
+
+async def _checked_stream(requests: AsyncIterator[Any], method: str) -> AsyncIterator[Any]:
+    async for request in requests:
+        yield _check(request, method)
+
+
+def _checked(request_or_iterator: Any, streaming_in: bool, method: str) -> Any:
+    return _checked_stream(request_or_iterator, method) if streaming_in else _check(request_or_iterator, method)
+
+
+def _wrap_unary(fn: Callable[..., Awaitable[Any]], method: str, streaming_in: bool) -> Callable[..., Awaitable[Any]]:
     async def handler(request_or_iterator: Any, context: aio.ServicerContext) -> Any:
         try:
-            return await fn(request_or_iterator, context)
+            return await fn(_checked(request_or_iterator, streaming_in, method), context)
         except BaseException as exc:
             if _passes_through(exc):
                 raise
@@ -46,10 +86,11 @@ def _wrap_unary(fn: Callable[..., Awaitable[Any]], method: str) -> Callable[...,
     return handler
 
 
-def _wrap_stream(fn: Callable[..., AsyncIterator[Any]], method: str) -> Callable[..., AsyncIterator[Any]]:
+def _wrap_stream(fn: Callable[..., AsyncIterator[Any]], method: str,
+                 streaming_in: bool) -> Callable[..., AsyncIterator[Any]]:
     async def handler(request_or_iterator: Any, context: aio.ServicerContext) -> AsyncIterator[Any]:
         try:
-            async for response in fn(request_or_iterator, context):
+            async for response in fn(_checked(request_or_iterator, streaming_in, method), context):
                 yield response
         except BaseException as exc:
             if _passes_through(exc):
@@ -71,16 +112,13 @@ class ErrorInterceptor(aio.ServerInterceptor):
         if handler is None:
             return handler
         method = handler_call_details.method
+        decode, encode = _lenient(handler.request_deserializer), handler.response_serializer
         if handler.unary_unary:
-            return grpc.unary_unary_rpc_method_handler(
-                _wrap_unary(handler.unary_unary, method), handler.request_deserializer, handler.response_serializer)
+            return grpc.unary_unary_rpc_method_handler(_wrap_unary(handler.unary_unary, method, False), decode, encode)
         if handler.stream_unary:
-            return grpc.stream_unary_rpc_method_handler(
-                _wrap_unary(handler.stream_unary, method), handler.request_deserializer, handler.response_serializer)
+            return grpc.stream_unary_rpc_method_handler(_wrap_unary(handler.stream_unary, method, True), decode, encode)
         if handler.unary_stream:
-            return grpc.unary_stream_rpc_method_handler(
-                _wrap_stream(handler.unary_stream, method), handler.request_deserializer, handler.response_serializer)
+            return grpc.unary_stream_rpc_method_handler(_wrap_stream(handler.unary_stream, method, False), decode, encode)
         if handler.stream_stream:
-            return grpc.stream_stream_rpc_method_handler(
-                _wrap_stream(handler.stream_stream, method), handler.request_deserializer, handler.response_serializer)
+            return grpc.stream_stream_rpc_method_handler(_wrap_stream(handler.stream_stream, method, True), decode, encode)
         return handler
