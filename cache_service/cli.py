@@ -1,25 +1,33 @@
-"""The `ngramcache` command with the service's subcommands (`serve`) added to the client's."""
+"""The `ngramcache` command with the service's subcommands (`serve`, `token-hash`) added to the client's."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import dataclasses
+import getpass
 import logging
 import signal
 import sys
 
 from ngramcache.client import cli as client_cli
+from ngramcache.client.errors import InvalidArgumentError
 
 from .config import ENV_PREFIX, ServiceConfig
+from .security import ALL_NAMESPACES, MIN_TOKEN_CHARS, Role, new_token, token_sha256, token_toml
 
 _HELP = {
-    "host": "address to listen on (default 127.0.0.1; a non-loopback address needs --allow-insecure-remote until TLS lands)",
+    "host": "address to listen on (default 127.0.0.1; a non-loopback address needs TLS or --allow-insecure-remote)",
     "port": "TCP port (default 50051; 0 picks a free one and prints it)",
     "data_dir": "folder for static generations and the embedded counts store's snapshot (default ./ngramcache-data)",
     "counts": "counts store URL: redis://HOST:PORT[/DB], rediss://..., redis+cluster://H:P[,H:P], "
               "embedded://PATH (default: embedded, snapshotted in --data-dir)",
     "allow_insecure_remote": "allow plaintext gRPC on a non-loopback address (default off)",
+    "tls_cert": "PEM certificate (chain) of the server; with --tls-key, serve TLS (default: plaintext)",
+    "tls_key": "PEM private key of --tls-cert, unencrypted (default: none)",
+    "tls_client_ca": "PEM CA certificates; clients must present a certificate they signed: mutual TLS (default: none)",
+    "tokens_file": "TOML file of bearer token hashes with their roles and namespaces (`ngramcache token-hash` "
+                   "writes entries; default: none, every call allowed)",
     "max_sessions": "drafting sessions open at once (default 10000)",
     "session_idle_timeout": "seconds without a step before a session is closed (default 300)",
     "max_session_tokens": "most tokens of one session's sequence (default 1048576)",
@@ -103,9 +111,42 @@ async def _serve(config: ServiceConfig) -> int:
     return client_cli.EXIT_INTERRUPTED if got and got[0] == signal.SIGINT else 0
 
 
+def add_token_hash(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "token-hash", help="hash a bearer token into a tokens-file entry",
+        description="Reads a bearer token from stdin (or makes a random one with --new) and prints a [[token]] "
+        "entry for the service's tokens_file: its SHA-256, namespaces and roles, never the token. With --new the "
+        "token itself goes to stderr, once: `ngramcache token-hash --new --role push >> tokens.toml`.")
+    p.add_argument("--new", action="store_true", help="generate a random token (printed once, on stderr)")
+    p.add_argument("--name", help="the name logs show for this token (default: sha256:<first 12 hex digits>)")
+    p.add_argument("--namespace", dest="namespaces", action="append", metavar="NS",
+                   help="a namespace the token may use; repeat for more (default: *, every namespace)")
+    p.add_argument("--role", dest="roles", action="append", choices=[r.value for r in Role],
+                   help="a role to grant; repeat for more (default: draft)")
+    p.set_defaults(func=cmd_token_hash)
+
+
+def cmd_token_hash(args: argparse.Namespace) -> int:
+    if args.new:
+        token = new_token()
+    elif sys.stdin.isatty():
+        token = getpass.getpass("token (not echoed): ")
+    else:
+        token = sys.stdin.readline().strip()
+    if len(token) < MIN_TOKEN_CHARS or any(c.isspace() for c in token):
+        raise InvalidArgumentError(f"a token is at least {MIN_TOKEN_CHARS} characters without spaces (a short one is "
+                                   "guessable from its hash); --new makes a random one")
+    entry = token_toml(token_sha256(token), name=args.name, namespaces=args.namespaces or [ALL_NAMESPACES],
+                       roles=args.roles or [Role.DRAFT.value])
+    if args.new:
+        print(f"new token, shown once (clients send `authorization: Bearer <token>`): {token}", file=sys.stderr)
+    sys.stdout.write(entry)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
-    """The `ngramcache` console script: the client's commands plus `serve`."""
-    return client_cli.main(argv, extra_commands=[add_serve])
+    """The `ngramcache` console script: the client's commands plus `serve` and `token-hash`."""
+    return client_cli.main(argv, extra_commands=[add_serve, add_token_hash])
 
 
 if __name__ == "__main__":

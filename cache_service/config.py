@@ -19,6 +19,7 @@ from typing import Any
 from ngramcache.client.errors import InvalidArgumentError
 
 from .counts import redact_url
+from .security import load_tokens, read_tls_files
 
 ENV_PREFIX = "NGC_"
 
@@ -31,7 +32,12 @@ class ServiceConfig:
     port: int = 50051
     data_dir: str = "./ngramcache-data"
     counts: str | None = None  # counts store URL; None: embedded, snapshotted in data_dir
-    allow_insecure_remote: bool = False  # plaintext on a non-loopback address (TLS comes later)
+    allow_insecure_remote: bool = False  # plaintext on a non-loopback address
+    # Security (docs/security.md)
+    tls_cert: str | None = None  # PEM certificate chain; with tls_key: TLS
+    tls_key: str | None = None  # PEM private key of tls_cert, unencrypted
+    tls_client_ca: str | None = None  # PEM CA certificates: clients need a certificate they signed (mutual TLS)
+    tokens_file: str | None = None  # TOML file of token hashes and grants; None: no authentication
     # Sessions and drafting
     max_sessions: int = 10_000
     session_idle_timeout: float = 300.0  # seconds
@@ -53,7 +59,8 @@ class ServiceConfig:
         self.validate()
 
     def validate(self) -> None:
-        """Raise InvalidArgumentError naming the first setting out of range."""
+        """Raise InvalidArgumentError naming the first setting out of range (or its file, for the TLS and
+        token files, which are read and checked here)."""
         if not 0 <= self.port <= 65535:
             raise InvalidArgumentError(f"port must be in 0..65535 (0: any free port), got {self.port}")
         for name in ("max_sessions", "max_session_tokens", "max_step_tokens", "max_draft_tokens", "session_memory",
@@ -67,10 +74,13 @@ class ServiceConfig:
                 raise InvalidArgumentError(f"{name} must be a positive number of seconds, got {value!r}")
         if not self.data_dir:
             raise InvalidArgumentError("data_dir must name a folder")
-        if not self.is_loopback() and not self.allow_insecure_remote:
+        tls = read_tls_files(self.tls_cert, self.tls_key, self.tls_client_ca)
+        if self.tokens_file:
+            load_tokens(self.tokens_file)
+        if tls is None and not self.is_loopback() and not self.allow_insecure_remote:
             raise InvalidArgumentError(
-                f"host {self.host!r} is not a loopback address: serving plaintext to the network needs "
-                "allow_insecure_remote (--allow-insecure-remote); TLS is not implemented yet")
+                f"host {self.host!r} is not a loopback address: serving the network needs TLS (tls_cert and "
+                "tls_key), or allow_insecure_remote (--allow-insecure-remote) for plaintext")
 
     def is_loopback(self) -> bool:
         if self.host in ("localhost", ""):

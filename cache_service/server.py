@@ -32,8 +32,10 @@ from ngramcache.client.errors import NamespaceNotFoundError, NgramCacheError
 
 from .config import ServiceConfig
 from .counts import open_counts_store, redact_url
+from .interceptors.auth import AuthInterceptor
 from .interceptors.errors import ErrorInterceptor
 from .namespaces import NamespaceRegistry
+from .security import server_credentials
 from .servicers.admin import AdminServicer, ServerInfo, ServerLimits
 from .servicers.counts import CountsServicer
 from .servicers.drafting import DraftingServicer
@@ -119,7 +121,9 @@ async def create_server(config: ServiceConfig) -> tuple[Service, int]:
         ("grpc.max_send_message_length", config.max_message_bytes),
         ("grpc.so_reuseport", 0),
     ]
-    server = aio.server(interceptors=[ErrorInterceptor()], options=options)
+    auth = AuthInterceptor.from_config(config)  # None: no tokens_file, every call allowed
+    # grpc.aio runs the first interceptor outermost: ErrorInterceptor maps the auth refusals.
+    server = aio.server(interceptors=[ErrorInterceptor(), *([auth] if auth else [])], options=options)
     drafting = DraftingServicer(registry, max_sessions=config.max_sessions, idle_timeout=config.session_idle_timeout,
                                 max_session_tokens=config.max_session_tokens, max_step_tokens=config.max_step_tokens,
                                 max_draft_tokens=config.max_draft_tokens)
@@ -139,12 +143,14 @@ async def create_server(config: ServiceConfig) -> tuple[Service, int]:
         await static_store.drop(namespace)
 
     admin_pb2_grpc.add_AdminServicer_to_server(
-        AdminServicer(runner, server_info=ServerInfo(limits=limits), on_drop=on_drop), server)
+        AdminServicer(runner, server_info=ServerInfo(limits=limits, auth_required=auth is not None), on_drop=on_drop), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     try:
-        port = server.add_insecure_port(config.address())
+        credentials = server_credentials(config)  # None: plaintext (loopback, or allow_insecure_remote)
+        port = (server.add_secure_port(config.address(), credentials) if credentials is not None
+                else server.add_insecure_port(config.address()))
     except RuntimeError:  # grpc says only "Failed to bind"; the usual cause is another listener
         port = 0
     if port == 0:

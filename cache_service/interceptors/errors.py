@@ -109,9 +109,9 @@ class ErrorInterceptor(aio.ServerInterceptor):
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
         handler = await continuation(handler_call_details)
-        if handler is None:
-            return handler
         method = handler_call_details.method
+        if handler is None or not method.startswith("/ngramcache."):
+            return handler  # health and reflection map their own errors (and write with context.write)
         decode, encode = _lenient(handler.request_deserializer), handler.response_serializer
         if handler.unary_unary:
             return grpc.unary_unary_rpc_method_handler(_wrap_unary(handler.unary_unary, method, False), decode, encode)

@@ -86,7 +86,6 @@ class StaticFilesServicer(static_files_pb2_grpc.StaticFilesServicer):
 
     async def Publish(self, request_iterator: AsyncIterator[static_files_pb2.PublishRequest],
                       context: aio.ServicerContext) -> static_files_pb2.PublishResponse:
-        # TODO(auth interceptor): Publish is for the admin role only; enforced there once it exists.
         requests = aiter(request_iterator)
         first = await anext(requests, None)
         if first is None or first.WhichOneof("kind") != "header":

@@ -1,0 +1,516 @@
+"""Bearer tokens and TLS on the whole service (create_server on loopback): every auth case, every RPC kind, TLS and mutual TLS.
+
+One service with a tokens file serves the auth tests; two namespaces, ``alpha`` and
+``beta``, hold counts and a static generation. Tokens are named for their grant:
+``all_alpha`` has every role on alpha only, ``draft_ab`` only draft on alpha and beta,
+``push_all`` only push on every namespace, and so on (`TOKENS`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import functools
+import hashlib
+import itertools
+import logging
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+from grpc import aio
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from service_helpers import ServerThread, ServiceThread  # tests/ is on sys.path (tests/conftest.py)
+from tls_helpers import Issued, Pki
+
+from ngramcache import build_static_from_tokens
+from ngramcache.cache_service.interceptors.auth import AuthInterceptor
+from ngramcache.cache_service.interceptors.errors import ErrorInterceptor
+from ngramcache.cache_service.security import TokenTable, parse_grant, token_sha256
+from ngramcache.client._proto.codec import bytes_to_count_rows, delta_rows_to_bytes, tokens_to_bytes
+from ngramcache.client._proto.v1 import (
+    admin_pb2,
+    admin_pb2_grpc,
+    counts_pb2,
+    counts_pb2_grpc,
+    drafting_pb2,
+    drafting_pb2_grpc,
+    static_files_pb2,
+    static_files_pb2_grpc,
+)
+
+pytestmark = pytest.mark.integration
+
+FP = b"\x11" * 32
+VOCAB = 50
+TIMEOUT = 20
+ALPHA, BETA = "alpha", "beta"
+
+# name -> (namespaces, roles); the token itself is "tok-<name>-" padded to 32 characters.
+TOKENS: dict[str, tuple[list[str], list[str]]] = {
+    "admin_all": (["*"], ["admin"]),
+    "all_alpha": ([ALPHA, "alpha-tmp"], ["admin"]),
+    "draft_ab": ([ALPHA, BETA], ["draft"]),
+    "draft_all": (["*"], ["draft"]),
+    "push_all": (["*"], ["push"]),
+    "push_alpha": ([ALPHA], ["push"]),
+}
+
+
+def token(name: str) -> str:
+    return f"tok-{name}-".ljust(32, "x")
+
+
+def bearer(name: str) -> tuple[tuple[str, str], ...]:
+    return (("authorization", f"Bearer {token(name)}"),)
+
+
+def write_tokens_file(path: Path) -> Path:
+    lines = []
+    for name, (namespaces, roles) in TOKENS.items():
+        lines += ["[[token]]", f'name = "{name}"', f'sha256 = "{token_sha256(token(name))}"',
+                  "namespaces = [" + ", ".join(f'"{n}"' for n in namespaces) + "]",
+                  "roles = [" + ", ".join(f'"{r}"' for r in roles) + "]", ""]
+    path.write_text("\n".join(lines))
+    return path
+
+
+def static_file(folder: Path, generation: int) -> bytes:
+    rng = np.random.default_rng(generation)
+    path = folder / f"gen{generation}.ngc"
+    build_static_from_tokens([rng.integers(0, VOCAB, 2000).astype(np.int32)], str(path), vocab_size=VOCAB, ngram_size=2,
+                             fingerprint=FP, generation=generation)
+    return path.read_bytes()
+
+
+_GENERATIONS = itertools.count(2)  # each successful Publish in this module takes the next
+
+
+def publish_requests(namespace: str, data: bytes, generation: int) -> Iterator[static_files_pb2.PublishRequest]:
+    yield static_files_pb2.PublishRequest(header=static_files_pb2.PublishHeader(
+        namespace=namespace, generation=generation, size=len(data), sha256=hashlib.sha256(data).digest()))
+    for offset in range(0, len(data), 8192):
+        yield static_files_pb2.PublishRequest(chunk=static_files_pb2.FileChunk(offset=offset,
+                                                                               data=data[offset:offset + 8192]))
+
+
+@dataclasses.dataclass
+class Stubs:
+    """Stubs of the four services over one channel, and what the calls below need."""
+
+    channel: grpc.Channel
+    folder: Path  # where static files are built
+
+    def __post_init__(self) -> None:
+        self.drafting = drafting_pb2_grpc.DraftingStub(self.channel)
+        self.counts = counts_pb2_grpc.CountsStub(self.channel)
+        self.files = static_files_pb2_grpc.StaticFilesStub(self.channel)
+        self.admin = admin_pb2_grpc.AdminStub(self.channel)
+
+
+Metadata = tuple[tuple[str, str], ...] | None
+
+
+# One complete call of each RPC (streams read to their end, Watch to its first message).
+def call_draft(s: Stubs, ns: str, md: Metadata) -> Any:
+    return s.drafting.Draft(drafting_pb2.DraftRequest(namespace=ns, tokenizer_fingerprint=FP, vocab_size=VOCAB,
+                                                      tokens=tokens_to_bytes(np.array([1, 2, 3], np.int32)), n_draft=4),
+                            metadata=md, timeout=TIMEOUT)
+
+
+def call_session(s: Stubs, ns: str, md: Metadata) -> Any:
+    requests = [drafting_pb2.SessionRequest(open=drafting_pb2.SessionOpen(namespace=ns, tokenizer_fingerprint=FP,
+                                                                          vocab_size=VOCAB, n_draft=4)),
+                drafting_pb2.SessionRequest(step=drafting_pb2.SessionStep(tokens=tokens_to_bytes(np.array([1, 2], np.int32))))]
+    responses = list(s.drafting.Session(iter(requests), metadata=md, timeout=TIMEOUT))
+    assert [r.WhichOneof("kind") for r in responses] == ["opened", "draft"]
+    return responses
+
+
+def call_push(s: Stubs, ns: str, md: Metadata) -> Any:
+    rows = np.array([[2, 5, 6, -1, -1, 7, 1]], dtype=np.int32)
+    return s.counts.Push(counts_pb2.PushRequest(namespace=ns, tokenizer_fingerprint=FP, client_id=uuid.uuid4().hex, seq=1,
+                                                rows=delta_rows_to_bytes(rows)), metadata=md, timeout=TIMEOUT)
+
+
+def call_pull(s: Stubs, ns: str, md: Metadata) -> Any:
+    return list(s.counts.Pull(counts_pb2.PullRequest(namespace=ns, tokenizer_fingerprint=FP), metadata=md, timeout=TIMEOUT))
+
+
+def call_list(s: Stubs, ns: str, md: Metadata) -> Any:
+    return s.files.List(static_files_pb2.ListGenerationsRequest(namespace=ns), metadata=md, timeout=TIMEOUT)
+
+
+def call_fetch(s: Stubs, ns: str, md: Metadata) -> Any:
+    return list(s.files.Fetch(static_files_pb2.FetchRequest(namespace=ns), metadata=md, timeout=TIMEOUT))
+
+
+def call_watch(s: Stubs, ns: str, md: Metadata) -> Any:
+    stream = s.files.Watch(static_files_pb2.WatchRequest(namespace=ns), metadata=md, timeout=TIMEOUT)
+    try:
+        return next(stream)
+    finally:
+        stream.cancel()
+
+
+def call_publish(s: Stubs, ns: str, md: Metadata) -> Any:
+    generation = next(_GENERATIONS)
+    return s.files.Publish(publish_requests(ns, static_file(s.folder, generation), generation), metadata=md,
+                           timeout=TIMEOUT)
+
+
+def call_get(s: Stubs, ns: str, md: Metadata) -> Any:
+    return s.admin.GetNamespace(admin_pb2.GetNamespaceRequest(name=ns), metadata=md, timeout=TIMEOUT)
+
+
+def call_create(s: Stubs, ns: str, md: Metadata) -> Any:
+    return s.admin.CreateNamespace(admin_pb2.CreateNamespaceRequest(name=ns, tokenizer_fingerprint=FP, vocab_size=VOCAB),
+                                   metadata=md, timeout=TIMEOUT)
+
+
+def call_drop(s: Stubs, ns: str, md: Metadata) -> Any:
+    return s.admin.DropNamespace(admin_pb2.DropNamespaceRequest(name=ns), metadata=md, timeout=TIMEOUT)
+
+
+Call = Callable[[Stubs, str, Metadata], Any]
+DRAFT_CALLS: dict[str, Call] = {"Draft": call_draft, "Session": call_session, "Pull": call_pull, "List": call_list,
+                                "Fetch": call_fetch, "Watch": call_watch}
+ADMIN_CALLS: dict[str, Call] = {"Publish": call_publish, "CreateNamespace": call_create, "DropNamespace": call_drop}
+CALLS: dict[str, Call] = {**DRAFT_CALLS, "Push": call_push, "GetNamespace": call_get, **ADMIN_CALLS}
+
+
+def refused(call: Callable[[], object]) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as caught:
+        call()
+    return caught.value
+
+
+def refused_call(rpc: str, stubs: Stubs, ns: str, token_name: str | None) -> grpc.RpcError:
+    """The error of a call of `rpc` with the token named `token_name` (None: no token)."""
+    return refused(lambda: CALLS[rpc](stubs, ns, bearer(token_name) if token_name else None))
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceThread]:
+    folder = tmp_path_factory.mktemp("auth")
+    with ServiceThread(folder / "data", tokens_file=str(write_tokens_file(folder / "tokens.toml"))) as svc:
+        channel = grpc.insecure_channel(f"127.0.0.1:{svc.port}")
+        s = Stubs(channel, folder)
+        admin = bearer("admin_all")
+        for ns in (ALPHA, BETA):
+            call_create(s, ns, admin)
+            call_push(s, ns, admin)
+            s.files.Publish(publish_requests(ns, static_file(folder, 1), 1), metadata=admin, timeout=TIMEOUT)
+        channel.close()
+        yield svc
+
+
+@pytest.fixture
+def stubs(service: ServiceThread, tmp_path: Path) -> Iterator[Stubs]:
+    channel = grpc.insecure_channel(f"127.0.0.1:{service.port}")
+    yield Stubs(channel, tmp_path)
+    channel.close()
+
+
+@pytest.mark.parametrize("rpc", CALLS)
+def test_no_token_is_unauthenticated(stubs: Stubs, rpc: str) -> None:
+    err = refused(lambda: CALLS[rpc](stubs, ALPHA, None))
+    assert err.code() == grpc.StatusCode.UNAUTHENTICATED, err.details()
+    assert "authorization: Bearer" in err.details()
+
+
+@pytest.mark.parametrize("rpc", CALLS)
+def test_unknown_token_is_unauthenticated(stubs: Stubs, rpc: str) -> None:
+    secret = "not-a-configured-token-0123456789"
+    err = refused(lambda: CALLS[rpc](stubs, ALPHA, (("authorization", f"Bearer {secret}"),)))
+    assert err.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert "unknown bearer token" in err.details() and secret not in err.details()
+
+
+@pytest.mark.parametrize("metadata", [
+    (("authorization", token("admin_all")),),  # no scheme
+    (("authorization", f"Basic {token('admin_all')}"),),
+    (("authorization", "Bearer"),),
+    (("authorization", "Bearer    "),),
+    (("authorization", f"Bearer {token('admin_all')} extra"),),
+    (("authorization", f"Bearer {token('admin_all')}"), ("authorization", f"Bearer {token('admin_all')}")),
+], ids=["no-scheme", "basic", "no-token", "blank-token", "two-words", "two-entries"])
+@pytest.mark.parametrize("rpc", ["Draft", "Pull", "Session", "Publish"])
+def test_malformed_authorization_is_unauthenticated(stubs: Stubs, rpc: str, metadata: Metadata) -> None:
+    err = refused(lambda: CALLS[rpc](stubs, ALPHA, metadata))
+    assert err.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert token("admin_all") not in err.details()
+
+
+def test_scheme_is_case_insensitive(stubs: Stubs) -> None:
+    call_get(stubs, ALPHA, (("authorization", f"bearer {token('draft_all')}"),))
+    call_get(stubs, ALPHA, (("authorization", f"BEARER {token('draft_all')}"),))
+
+
+@pytest.mark.parametrize("rpc", CALLS)
+def test_a_token_for_alpha_is_refused_on_beta(stubs: Stubs, rpc: str) -> None:
+    # all_alpha holds every role, so only the namespace can refuse it.
+    err = refused(lambda: CALLS[rpc](stubs, BETA, bearer("all_alpha")))
+    assert err.code() == grpc.StatusCode.PERMISSION_DENIED, err.details()
+    assert err.details() == "token 'all_alpha' may not use namespace 'beta'"
+
+
+@pytest.mark.parametrize("rpc", [name for name in CALLS if name != "DropNamespace"])
+def test_a_token_for_alpha_works_on_alpha(stubs: Stubs, rpc: str) -> None:
+    CALLS[rpc](stubs, ALPHA, bearer("all_alpha"))
+
+
+def test_a_token_for_alpha_creates_and_drops_its_namespaces_only(stubs: Stubs) -> None:
+    md = bearer("all_alpha")
+    assert call_create(stubs, "alpha-tmp", md).created
+    assert call_drop(stubs, "alpha-tmp", md).existed
+    assert refused(lambda: call_create(stubs, "alpha-other", md)).code() == grpc.StatusCode.PERMISSION_DENIED
+
+
+@pytest.mark.parametrize("rpc", ["Push", *ADMIN_CALLS])
+def test_a_draft_token_may_not_push_or_administer(stubs: Stubs, rpc: str) -> None:
+    for name in ("draft_ab", "draft_all"):
+        err = refused_call(rpc, stubs, ALPHA, name)
+        assert err.code() == grpc.StatusCode.PERMISSION_DENIED
+        role = "push" if rpc == "Push" else "admin"
+        assert err.details().startswith(f"token '{name}' lacks the {role} role that ") and "(it has: draft)" in err.details()
+
+
+@pytest.mark.parametrize("rpc", [*DRAFT_CALLS, *ADMIN_CALLS])
+def test_a_push_token_may_only_push(stubs: Stubs, rpc: str) -> None:
+    err = refused(lambda: CALLS[rpc](stubs, ALPHA, bearer("push_alpha")))
+    assert err.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert "(it has: push)" in err.details()
+
+
+@pytest.mark.parametrize("name", ["push_alpha", "push_all", "draft_ab", "all_alpha"])
+def test_any_role_reads_its_namespaces_and_the_server_info(stubs: Stubs, name: str) -> None:
+    assert call_get(stubs, ALPHA, bearer(name)).namespace.name == ALPHA
+    info = stubs.admin.GetServerInfo(admin_pb2.GetServerInfoRequest(), metadata=bearer(name), timeout=TIMEOUT)
+    assert info.protocol == "ngramcache.v1"
+
+
+def test_push_works_with_a_push_token(stubs: Stubs) -> None:
+    assert not call_push(stubs, ALPHA, bearer("push_alpha")).duplicate
+    assert not call_push(stubs, BETA, bearer("push_all")).duplicate
+    assert refused(lambda: call_push(stubs, BETA, bearer("push_alpha"))).code() == grpc.StatusCode.PERMISSION_DENIED
+
+
+@pytest.mark.parametrize("rpc", DRAFT_CALLS)
+def test_star_namespaces_reach_every_namespace(stubs: Stubs, rpc: str) -> None:
+    for ns in (ALPHA, BETA):
+        DRAFT_CALLS[rpc](stubs, ns, bearer("draft_all"))
+    # Past auth, the servicer answers for an unknown namespace.
+    assert refused(lambda: call_get(stubs, "nowhere", bearer("draft_all"))).code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_an_admin_token_for_every_namespace_may_do_everything(stubs: Stubs) -> None:
+    md = bearer("admin_all")
+    name = "any-" + uuid.uuid4().hex[:8]
+    assert call_create(stubs, name, md).created
+    call_push(stubs, name, md)
+    call_publish(stubs, name, md)
+    for call in DRAFT_CALLS.values():
+        call(stubs, name, md)
+    assert call_drop(stubs, name, md).existed
+
+
+def test_list_namespaces_needs_a_token_for_every_namespace(stubs: Stubs) -> None:
+    request = admin_pb2.ListNamespacesRequest()
+    listed = stubs.admin.ListNamespaces(request, metadata=bearer("draft_all"), timeout=TIMEOUT).namespaces
+    assert {ALPHA, BETA} <= {ns.name for ns in listed}
+    err = refused(lambda: stubs.admin.ListNamespaces(request, metadata=bearer("draft_ab"), timeout=TIMEOUT))
+    assert err.code() == grpc.StatusCode.PERMISSION_DENIED and "may not list them all" in err.details()
+    err = refused(lambda: stubs.admin.ListNamespaces(request, timeout=TIMEOUT))
+    assert err.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_server_info_needs_a_token(stubs: Stubs) -> None:
+    err = refused(lambda: stubs.admin.GetServerInfo(admin_pb2.GetServerInfoRequest(), timeout=TIMEOUT))
+    assert err.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_server_info_says_auth_is_required(stubs: Stubs) -> None:
+    info = stubs.admin.GetServerInfo(admin_pb2.GetServerInfoRequest(), metadata=bearer("push_all"), timeout=TIMEOUT)
+    assert info.auth_required
+
+
+def test_health_and_reflection_need_no_token(stubs: Stubs) -> None:
+    health = health_pb2_grpc.HealthStub(stubs.channel)
+    for service in ("", "ngramcache.v1.Counts"):
+        status = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=TIMEOUT).status
+        assert status == health_pb2.HealthCheckResponse.SERVING
+    reflection = reflection_pb2_grpc.ServerReflectionStub(stubs.channel)
+    replies = list(reflection.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]),
+                                                   timeout=TIMEOUT))
+    names = {s.name for s in replies[0].list_services_response.service}
+    assert "ngramcache.v1.Counts" in names and "grpc.health.v1.Health" in names
+
+
+def test_a_session_naming_another_namespace_gets_no_answer(stubs: Stubs) -> None:
+    responses: list[drafting_pb2.SessionResponse] = []
+
+    def session() -> None:
+        requests = iter([drafting_pb2.SessionRequest(open=drafting_pb2.SessionOpen(
+            namespace=BETA, tokenizer_fingerprint=FP, vocab_size=VOCAB, n_draft=4))])
+        responses.extend(stubs.drafting.Session(requests, metadata=bearer("all_alpha"), timeout=TIMEOUT))
+
+    assert refused(session).code() == grpc.StatusCode.PERMISSION_DENIED
+    assert responses == []  # not even `opened`
+
+
+def test_refused_calls_change_nothing(service: ServiceThread, stubs: Stubs) -> None:
+    admin = bearer("admin_all")
+
+    def state() -> tuple[object, ...]:
+        beta = call_get(stubs, BETA, admin).namespace
+        rows = np.concatenate([bytes_to_count_rows(c.rows) for c in call_pull(stubs, BETA, admin)])
+        generations = [g.generation for g in call_list(stubs, BETA, admin).generations]
+        static_dir = Path(service.config.data_dir) / "static" / BETA
+        names = ("gamma", "alpha-tmp")
+        exist = [refused_call("GetNamespace", stubs, n, "admin_all").code() for n in names]
+        return beta.instance, beta.counts_version, rows.tolist(), generations, sorted(static_dir.iterdir()), exist
+
+    before = state()
+    for name, rpc in [("all_alpha", "Push"), ("draft_ab", "Push"), ("push_alpha", "Push"), ("all_alpha", "Publish"),
+                      ("draft_ab", "Publish"), ("all_alpha", "DropNamespace"), ("draft_all", "DropNamespace"),
+                      ("push_all", "DropNamespace"), (None, "Push"), (None, "Publish"), (None, "DropNamespace")]:
+        refused_call(rpc, stubs, BETA, name)
+    for name in ("draft_all", "push_all", None):
+        refused_call("CreateNamespace", stubs, "gamma", name)
+    refused_call("CreateNamespace", stubs, "alpha-tmp", "draft_ab")
+    assert state() == before
+
+
+def test_tokens_never_reach_logs_or_replies(stubs: Stubs, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="ngramcache")
+    details = []
+    # Each refused at every call below: by namespace, by role, unknown, malformed.
+    for md in [bearer("all_alpha"), bearer("push_alpha"), (("authorization", "Bearer unknown-token-0123456789abcdef"),),
+               (("authorization", f"Basic {token('admin_all')}"),)]:
+        for call in (call_push, call_publish, call_session, call_create):
+            details.append(refused(functools.partial(call, stubs, BETA, md)).details())
+    text = caplog.text + "\n".join(details)
+    assert "refused" in caplog.text and "'all_alpha'" in caplog.text and "sha256:" in caplog.text
+    for secret in [*(token(n) for n in TOKENS), "unknown-token-0123456789abcdef"]:
+        assert secret not in text
+
+
+def test_auth_is_off_without_a_tokens_file(tmp_path: Path) -> None:
+    with ServiceThread(tmp_path / "data") as svc:
+        channel = grpc.insecure_channel(f"127.0.0.1:{svc.port}")
+        s = Stubs(channel, tmp_path)
+        call_create(s, ALPHA, None)
+        call_push(s, ALPHA, None)
+        call_publish(s, ALPHA, (("authorization", "Bearer anything-at-all"),))
+        info = s.admin.GetServerInfo(admin_pb2.GetServerInfoRequest(), timeout=TIMEOUT)
+        assert not info.auth_required
+        channel.close()
+
+
+# -- the interceptor order --------------------------------------------------------------
+
+
+class _InfoOnly(admin_pb2_grpc.AdminServicer):
+    async def GetServerInfo(self, request: Any, context: Any) -> admin_pb2.GetServerInfoResponse:
+        return admin_pb2.GetServerInfoResponse(protocol="x")
+
+
+def test_auth_inside_the_error_interceptor_answers_its_codes() -> None:
+    tokens = TokenTable([parse_grant({"sha256": token_sha256(token("x")), "namespaces": ["*"], "roles": ["draft"]}, "t")])
+    # start_server puts its interceptors inside the ErrorInterceptor, as create_server does.
+    with ServerThread([(admin_pb2_grpc.add_AdminServicer_to_server, _InfoOnly())],
+                      interceptors=[AuthInterceptor(tokens)]) as server:
+        stub = admin_pb2_grpc.AdminStub(server.channel())
+        assert stub.GetServerInfo(admin_pb2.GetServerInfoRequest(), metadata=bearer("x"), timeout=TIMEOUT).protocol == "x"
+        err = refused(lambda: stub.GetServerInfo(admin_pb2.GetServerInfoRequest(), timeout=TIMEOUT))
+        assert err.code() == grpc.StatusCode.UNAUTHENTICATED
+
+    async def outside_first() -> grpc.StatusCode:
+        # The first interceptor of grpc.aio is the outermost: with auth first, no one maps its refusals.
+        server = aio.server(interceptors=[AuthInterceptor(tokens), ErrorInterceptor()])
+        admin_pb2_grpc.add_AdminServicer_to_server(_InfoOnly(), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            async with aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                try:
+                    await admin_pb2_grpc.AdminStub(channel).GetServerInfo(admin_pb2.GetServerInfoRequest(), timeout=TIMEOUT)
+                except aio.AioRpcError as e:
+                    return e.code()
+                raise AssertionError("the call passed without a token")
+        finally:
+            await server.stop(None)
+
+    assert asyncio.run(outside_first()) == grpc.StatusCode.UNKNOWN
+
+
+# -- TLS and mutual TLS -----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> tuple[Pki, Issued, Issued, Issued]:
+    """A CA, its server and client certificates, and a client certificate of another CA."""
+    folder = tmp_path_factory.mktemp("pki")
+    ca = Pki(folder)
+    other = Pki(folder / "other", "other-ca")
+    return ca, ca.issue("server"), ca.issue("client", client=True), other.issue("stranger", client=True)
+
+
+def _health(channel: grpc.Channel) -> int:
+    try:
+        status: int = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10).status
+        return status
+    finally:
+        channel.close()
+
+
+def _tls(port: int, ca: Path | None, client: Issued | None = None) -> grpc.Channel:
+    creds = grpc.ssl_channel_credentials(
+        root_certificates=ca.read_bytes() if ca else None,
+        private_key=client.key.read_bytes() if client else None,
+        certificate_chain=client.cert.read_bytes() if client else None)
+    return grpc.secure_channel(f"127.0.0.1:{port}", creds)
+
+
+def test_tls_needs_a_tls_client_trusting_the_ca(pki: tuple[Pki, Issued, Issued, Issued], tmp_path: Path) -> None:
+    ca, server, _, stranger = pki
+    with ServiceThread(tmp_path / "data", tls_cert=str(server.cert), tls_key=str(server.key)) as svc:
+        assert _health(_tls(svc.port, ca.ca.cert)) == health_pb2.HealthCheckResponse.SERVING
+        # a client certificate is not asked for, and does no harm
+        assert _health(_tls(svc.port, ca.ca.cert, stranger)) == health_pb2.HealthCheckResponse.SERVING
+        plaintext = refused(lambda: _health(grpc.insecure_channel(f"127.0.0.1:{svc.port}")))
+        assert plaintext.code() == grpc.StatusCode.UNAVAILABLE
+        untrusted = refused(lambda: _health(_tls(svc.port, None)))  # the system's CAs never signed it
+        assert untrusted.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_mutual_tls_needs_a_client_certificate_of_the_client_ca(pki: tuple[Pki, Issued, Issued, Issued],
+                                                               tmp_path: Path) -> None:
+    ca, server, client, stranger = pki
+    with ServiceThread(tmp_path / "data", tls_cert=str(server.cert), tls_key=str(server.key),
+                       tls_client_ca=str(ca.ca.cert)) as svc:
+        assert _health(_tls(svc.port, ca.ca.cert, client)) == health_pb2.HealthCheckResponse.SERVING
+        assert refused(lambda: _health(_tls(svc.port, ca.ca.cert))).code() == grpc.StatusCode.UNAVAILABLE
+        assert refused(lambda: _health(_tls(svc.port, ca.ca.cert, stranger))).code() == grpc.StatusCode.UNAVAILABLE
+        assert refused(lambda: _health(grpc.insecure_channel(f"127.0.0.1:{svc.port}"))).code() \
+            == grpc.StatusCode.UNAVAILABLE
+
+
+def test_tokens_over_mutual_tls(pki: tuple[Pki, Issued, Issued, Issued], tmp_path: Path) -> None:
+    ca, server, client, _ = pki
+    tokens = write_tokens_file(tmp_path / "tokens.toml")
+    with ServiceThread(tmp_path / "data", tls_cert=str(server.cert), tls_key=str(server.key),
+                       tls_client_ca=str(ca.ca.cert), tokens_file=str(tokens)) as svc:
+        channel = _tls(svc.port, ca.ca.cert, client)
+        s = Stubs(channel, tmp_path)
+        assert call_create(s, ALPHA, bearer("admin_all")).created
+        call_push(s, ALPHA, bearer("push_alpha"))
+        # the certificate alone is no token
+        assert refused(lambda: call_push(s, ALPHA, None)).code() == grpc.StatusCode.UNAUTHENTICATED
+        channel.close()
