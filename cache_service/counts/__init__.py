@@ -29,7 +29,7 @@ from .factory import open_counts_store
 from .layout import HASH_SEED, EncodedBatch, decode_fields, encode_batch, ngram_bucket
 from .namespace import NamespaceInfo, normalize_fingerprint, token_width
 from .redis_backend import RedisCountsStore
-from .store import ApplyResult, ChangeSet, CountsStore, validate_client_id, validate_seq
+from .store import ApplyResult, ChangeSet, CountsStore, GroupItem, ItemOutcome, validate_client_id, validate_seq
 
 __all__ = [
     "HASH_SEED",
@@ -40,6 +40,8 @@ __all__ = [
     "CountsStoreConfig",
     "EmbeddedCountsStore",
     "EncodedBatch",
+    "GroupItem",
+    "ItemOutcome",
     "NamespaceInfo",
     "NamespaceNotFoundError",
     "RedisCountsStore",

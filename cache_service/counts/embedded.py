@@ -33,7 +33,7 @@ import numpy as np
 import pyroaring
 
 from ngramcache.client._core import write_file_atomic
-from ngramcache.client.errors import InvalidArgumentError, SnapshotFormatError
+from ngramcache.client.errors import BatchTooOldError, InvalidArgumentError, SnapshotFormatError
 from ngramcache.client.rows import (
     COUNT,
     DELTA_DTYPE,
@@ -44,8 +44,10 @@ from ngramcache.client.rows import (
 
 from .config import CountsStoreConfig
 from .layout import (
+    EncodedBatch,
     decode_fields,
     encode_batch,
+    encode_group,
     fields_and_buckets,
     ngram_bucket,
     ngram_key,
@@ -63,6 +65,8 @@ from .store import (
     CountsStore,
     DedupWindow,
     EpochClock,
+    GroupItem,
+    ItemOutcome,
     check_version,
     namespace_changed,
     no_such_namespace,
@@ -183,18 +187,72 @@ class EmbeddedCountsStore(CountsStore):
                 dedup = ns.dedup[client_id] = DedupWindow(self.config.dedup_window)
             if dedup.seen(seq):
                 return ApplyResult(1, 0, 1, enc.entries)
-            buckets = ns.buckets
-            for bucket, field, count in zip(enc.buckets.tolist(), fields, enc.counts.tolist()):
-                entries = buckets.get(bucket)
-                if entries is None:
-                    entries = buckets[bucket] = {}
-                entries[field] = entries.get(field, 0) + count
-            ns.open.update(enc.buckets.tolist())
+            self._write(ns, enc, fields)
             dedup.record(seq)
-            self._applies += 1
-            if self._applies % _EXPIRE_EVERY == 0:
-                self._expire_dedup()
             return ApplyResult(1, 1, 0, enc.entries)
+
+    def _write(self, ns: _Namespace, enc: EncodedBatch, fields: list[bytes]) -> None:
+        """Add an encoded batch's increments (``fields``: its `field_list`) and mark its buckets changed; the caller holds the lock."""
+        buckets = ns.buckets
+        for bucket, field, count in zip(enc.buckets.tolist(), fields, enc.counts.tolist()):
+            entries = buckets.get(bucket)
+            if entries is None:
+                entries = buckets[bucket] = {}
+            entries[field] = entries.get(field, 0) + count
+        ns.open.update(enc.buckets.tolist())
+        self._applies += 1
+        if self._applies % _EXPIRE_EVERY == 0:
+            self._expire_dedup()
+
+    def _apply_group(self, namespace: str, items: list[GroupItem]) -> list[ItemOutcome]:
+        with self._lock:
+            info = self._ns(namespace).info
+        outcomes, parts = self._check_group(info, items)
+        for part in parts:
+            for i, outcome in zip(part, self._apply_part(info, [items[i] for i in part])):
+                outcomes[i] = outcome
+        return self._complete(outcomes)
+
+    def _apply_part(self, info: NamespaceInfo, items: list[GroupItem]) -> list[ItemOutcome]:
+        """Apply checked items as one unit: all the new ones together, none twice (see `CountsStore.apply_group`)."""
+        outcomes: list[ItemOutcome | None] = [None] * len(items)
+        alive = list(range(len(items)))
+        while alive:
+            try:
+                group = encode_group([items[i].deltas for i in alive], info)  # outside the lock
+            except InvalidArgumentError as exc:  # one item whose own sum overflows (parts bound the rest)
+                for i in alive:
+                    outcomes[i] = exc
+                break
+            entries = group.item_entries.tolist()
+            fields = group.batch.field_list()
+            fresh: list[int] = []
+            with self._lock:
+                ns = self._ns(info.name)
+                if ns.info.instance != info.instance:
+                    raise namespace_changed(info.name, "apply")
+                for j, i in enumerate(alive):
+                    dedup = ns.dedup.get(items[i].client_id)
+                    try:
+                        if dedup is not None and dedup.seen(items[i].seq):
+                            outcomes[i] = ApplyResult(1, 0, 1, entries[j])
+                            continue
+                    except BatchTooOldError as exc:
+                        outcomes[i] = exc
+                        continue
+                    fresh.append(i)
+                if len(fresh) == len(alive):  # none applied before: write them all, with their dedup records
+                    self._write(ns, group.batch, fields)
+                    for j, i in enumerate(alive):
+                        client_id = items[i].client_id
+                        dedup = ns.dedup.get(client_id)
+                        if dedup is None:
+                            dedup = ns.dedup[client_id] = DedupWindow(self.config.dedup_window)
+                        dedup.record(items[i].seq)
+                        outcomes[i] = ApplyResult(1, 1, 0, entries[j])
+                    break
+            alive = fresh  # redo without the duplicates and the too old (their sums are gone)
+        return self._complete(outcomes)
 
     # ----------------------------------------------------------------- reads
 

@@ -40,8 +40,10 @@ __all__ = [
     "HASH_SEED",
     "MAX_AGGREGATED_COUNT",
     "EncodedBatch",
+    "EncodedGroup",
     "decode_fields",
     "encode_batch",
+    "encode_group",
     "fields_and_buckets",
     "murmur3_32",
     "ngram_bucket",
@@ -174,33 +176,90 @@ def fields_and_buckets(rows: np.ndarray, info: NamespaceInfo) -> tuple[np.ndarra
     return matrix, (n + 1) * w, buckets
 
 
+def _sort_rows(deltas: np.ndarray, info: NamespaceInfo,
+               item: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Fields of validated rows and their order by (shard, bucket, key[, item]).
+
+    Returns:
+        (order, new: bool per sorted row, True where its key differs from the previous
+        one's, field matrix, lengths, buckets, shard of each row), the last four in row order.
+    """
+    m = deltas.shape[0]
+    matrix, lengths, buckets = fields_and_buckets(deltas, info)
+    shard = buckets % info.shards
+    # Sort by (shard, bucket, t0, t1, t2, t3, n, follower[, item]): repeats become adjacent, units
+    # contiguous. Pairs of int32 columns (+1 so -1 sorts first) share one int64 sort key.
+    k = deltas[:, :KEY_WIDTH].astype(np.int64) + 1
+    t0, t1, t2, t3 = (k[:, c] for c in range(TOKENS.start, TOKENS.stop))
+    keys = [(k[:, N] << 32) | k[:, FOLLOWER], (t2 << 32) | t3, (t0 << 32) | t1, (shard << 32) | buckets]
+    order = np.lexsort(keys if item is None else [item, *keys])
+    sorted_keys = deltas[order, :KEY_WIDTH]
+    new = np.ones(m, dtype=bool)
+    if m > 1:
+        new[1:] = (sorted_keys[1:] != sorted_keys[:-1]).any(axis=1)
+    return order, new, matrix, lengths, buckets, shard
+
+
+def _summed(deltas: np.ndarray, info: NamespaceInfo, order: np.ndarray, new: np.ndarray, matrix: np.ndarray,
+            lengths: np.ndarray, buckets: np.ndarray, shard: np.ndarray) -> EncodedBatch:
+    """The entries of sorted rows with their repeats summed (see `_sort_rows`)."""
+    m = deltas.shape[0]
+    starts = np.flatnonzero(new)
+    counts = np.add.reduceat(deltas[order, COUNT].astype(np.int64), starts) if m else np.zeros(0, np.int64)
+    if counts.size and int(counts.max()) > MAX_AGGREGATED_COUNT:
+        raise InvalidArgumentError("bad delta batch, refused whole: one entry's summed count exceeds 10**14")
+    pick = order[starts]
+    shard_bounds = np.searchsorted(shard[pick], np.arange(info.shards + 1), side="left").astype(np.int64)
+    return EncodedBatch(buckets[pick], counts, lengths[pick], matrix[pick], shard_bounds)
+
+
 def encode_batch(deltas: np.ndarray, info: NamespaceInfo) -> EncodedBatch:
     """Sum repeated keys of a validated batch and lay it out by (shard, bucket, field).
 
     Raises:
         InvalidArgumentError: when one entry's summed increment exceeds MAX_AGGREGATED_COUNT.
     """
-    m = deltas.shape[0]
-    matrix, lengths, buckets = fields_and_buckets(deltas, info)
-    shards = info.shards
-    shard = buckets % shards
-    # Sort by (shard, bucket, t0, t1, t2, t3, n, follower): repeats become adjacent, units
-    # contiguous. Pairs of int32 columns (+1 so -1 sorts first) share one int64 sort key.
-    k = deltas[:, :KEY_WIDTH].astype(np.int64) + 1
-    t0, t1, t2, t3 = (k[:, c] for c in range(TOKENS.start, TOKENS.stop))
-    order = np.lexsort([(k[:, N] << 32) | k[:, FOLLOWER], (t2 << 32) | t3, (t0 << 32) | t1,
-                        (shard << 32) | buckets])
-    sorted_keys = deltas[order, :KEY_WIDTH]
-    new = np.ones(m, dtype=bool)
-    if m > 1:
-        new[1:] = (sorted_keys[1:] != sorted_keys[:-1]).any(axis=1)
-    starts = np.flatnonzero(new)
-    counts = np.add.reduceat(deltas[order, COUNT].astype(np.int64), starts) if m else np.zeros(0, np.int64)
-    if counts.size and int(counts.max()) > MAX_AGGREGATED_COUNT:
-        raise InvalidArgumentError("bad delta batch, refused whole: one entry's summed count exceeds 10**14")
-    pick = order[starts]
-    shard_bounds = np.searchsorted(shard[pick], np.arange(shards + 1), side="left").astype(np.int64)
-    return EncodedBatch(buckets[pick], counts, lengths[pick], matrix[pick], shard_bounds)
+    order, new, matrix, lengths, buckets, shard = _sort_rows(deltas, info, None)
+    return _summed(deltas, info, order, new, matrix, lengths, buckets, shard)
+
+
+@dataclasses.dataclass(frozen=True)
+class EncodedGroup:
+    """Several validated batches (items) summed together: what one aggregated unit per shard writes.
+
+    ``batch`` holds every item's entries summed across the items (an n-gram pushed by ten
+    clients is one entry); ``item_entries[i]`` is the number of distinct entries of item i
+    alone, and ``item_shards[i, s]`` says whether item i has an entry in shard s (the units
+    it touches).
+    """
+
+    batch: EncodedBatch
+    item_entries: np.ndarray  # int64 (k,)
+    item_shards: np.ndarray  # bool (k, shards)
+
+
+def encode_group(batches: Sequence[np.ndarray], info: NamespaceInfo) -> EncodedGroup:
+    """Sum repeated keys within and across validated batches and lay them out by (shard, bucket, field).
+
+    Raises:
+        InvalidArgumentError: when one entry's increment summed over every batch exceeds
+            MAX_AGGREGATED_COUNT (the caller splits the group; for one batch it is a bad batch).
+    """
+    sizes = np.fromiter((len(b) for b in batches), dtype=np.int64, count=len(batches))
+    deltas = np.concatenate(batches) if len(batches) > 1 else batches[0]
+    item = np.repeat(np.arange(len(batches), dtype=np.int64), sizes)
+    order, new, matrix, lengths, buckets, shard = _sort_rows(deltas, info, item)
+    encoded = _summed(deltas, info, order, new, matrix, lengths, buckets, shard)
+    # A (key, item) pair starts where the key or the item changes (the item is the last sort key).
+    sorted_item = item[order]
+    pair = new.copy()
+    if len(pair) > 1:
+        pair[1:] |= sorted_item[1:] != sorted_item[:-1]
+    owners = sorted_item[pair]
+    item_entries = np.bincount(owners, minlength=len(batches)).astype(np.int64)
+    item_shards = np.zeros((len(batches), info.shards), dtype=bool)
+    item_shards[owners, shard[order][pair]] = True
+    return EncodedGroup(encoded, item_entries, item_shards)
 
 
 def rows_from_matrix(lengths: np.ndarray, matrix: np.ndarray, counts: np.ndarray, width: int) -> np.ndarray:

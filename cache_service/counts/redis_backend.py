@@ -5,9 +5,12 @@ atomically on the shard's node:
 
 * APPLY adds one unit of a batch (the batch's entries in one shard) and records
   (client_id, seq) in the shard's dedup set in the same script; a unit already recorded is
-  skipped. A reply lost to a timeout, a dropped connection or a server restart (with
-  ``appendonly yes``, which logs a script's effects as one MULTI/EXEC) is therefore
-  retried safely, and every script here is idempotent, so redis-py's bounded reconnect
+  skipped. For `apply_group` a unit is the sum of several batches (of any clients) in one
+  shard: the script checks every (client_id, seq) first and writes the summed increments
+  and every dedup record only if none was recorded before; otherwise it writes nothing
+  and says which were, and the unit is sent again without them. A reply lost to a
+  timeout, a dropped connection or a server restart (with ``appendonly yes``, which logs
+  a script's effects as one MULTI/EXEC) is therefore retried safely, and every script here is idempotent, so redis-py's bounded reconnect
   retries and the NOSCRIPT fallback (load, then run again) are safe as well.
 * TICK advances the namespace's version at most once per ``epoch_seconds`` (the rule of
   `store.EpochClock`); APPLY's dedup check is the rule of `store.DedupWindow`.
@@ -54,6 +57,7 @@ from .layout import (
     FIELD_TOKENS,
     EncodedBatch,
     encode_batch,
+    encode_group,
     ngram_bucket,
     ngram_key,
     rows_from_matrix,
@@ -63,6 +67,8 @@ from .store import (
     ApplyResult,
     ChangeSet,
     CountsStore,
+    GroupItem,
+    ItemOutcome,
     batch_too_old,
     check_version,
     history_lost,
@@ -93,26 +99,51 @@ class _Script:
 _Call = tuple[_Script, Sequence[Any], Sequence[Any]]  # (script, keys, args) of one EVALSHA
 
 
-# KEYS: state, changes, dedup, bucket...
-# ARGV: instance, seq, window, ttl_ms, changed (portable roaring bitmap of the unit's local
-# bucket ids), sizes ('<I4' entries per bucket, in KEYS order), entries (one packed string of
+# One unit: the entries of one shard of a batch, or of a group of batches summed together.
+# KEYS: state, changes, dedup keys (one per client in the unit, nd of them), bucket...
+# ARGV: instance, window, ttl_ms, changed (portable roaring bitmap of the unit's local bucket
+# ids), sizes ('<I4' entries per bucket, in KEYS order), entries (one packed string of
 # fixed-size records: u8 field length, the field zero-padded to `width` bytes, '<i8'
-# increment), width. One string instead of two arguments a delta keeps argument parsing
-# (in Redis) and command packing (in the client) off the per-delta path.
+# increment), width, nd, then per batch: its dedup key's index (1..nd) and its seq. One
+# string instead of two arguments a delta keeps argument parsing (in Redis) and command
+# packing (in the client) off the per-delta path.
+# Every (client, seq) is checked first; only if none was applied before and none is older
+# than the window are the increments, the change record and every dedup record written.
+# Returns {1} (written), {-1} (another instance), or {0, status, hwm, status, hwm, ...}
+# (nothing written): per batch 1 new, 0 applied before, -2 too old (hwm: that client's
+# highest seq).
 _APPLY = _Script("apply", """
 if redis.call('HGET', KEYS[1], 'instance') ~= ARGV[1] then return {-1} end
-local seq = tonumber(ARGV[2])
-local window = tonumber(ARGV[3])
-local top = redis.call('ZRANGE', KEYS[3], -1, -1, 'WITHSCORES')
-local hwm = -1
-if top[2] then hwm = tonumber(top[2]) end
-if seq <= hwm - window then return {-2, top[2]} end
-if redis.call('ZSCORE', KEYS[3], ARGV[2]) then return {0} end
-local sizes, entries = ARGV[6], ARGV[7]
-local width = tonumber(ARGV[8])
+local window = tonumber(ARGV[2])
+local nd = tonumber(ARGV[8])
+local top, hwm = {}, {}
+for d = 1, nd do
+  local t = redis.call('ZRANGE', KEYS[2 + d], -1, -1, 'WITHSCORES')
+  top[d] = t[2] or '-1'
+  hwm[d] = tonumber(top[d])
+end
+local out, clean = {0}, true
+for a = 9, #ARGV, 2 do
+  local d, seq = tonumber(ARGV[a]), ARGV[a + 1]
+  if tonumber(seq) <= hwm[d] - window then
+    out[#out + 1] = -2
+    out[#out + 1] = top[d]
+    clean = false
+  elseif redis.call('ZSCORE', KEYS[2 + d], seq) then
+    out[#out + 1] = 0
+    out[#out + 1] = ''
+    clean = false
+  else
+    out[#out + 1] = 1
+    out[#out + 1] = ''
+  end
+end
+if not clean then return out end
+local sizes, entries = ARGV[5], ARGV[6]
+local width = tonumber(ARGV[7])
 local record = width + 9
 local pos, p = 1, 1
-for k = 4, #KEYS do
+for k = 3 + nd, #KEYS do
   local key, nf = KEYS[k]
   nf, pos = struct.unpack('<I4', sizes, pos)
   for _ = 1, nf do
@@ -123,11 +154,16 @@ for k = 4, #KEYS do
     p = p + record
   end
 end
-redis.call('RPUSH', KEYS[2], ARGV[5])
-redis.call('ZADD', KEYS[3], ARGV[2], ARGV[2])
-if seq > hwm then hwm = seq end
-redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', hwm - window)
-redis.call('PEXPIRE', KEYS[3], ARGV[4])
+redis.call('RPUSH', KEYS[2], ARGV[4])
+for a = 9, #ARGV, 2 do
+  local d, seq = tonumber(ARGV[a]), ARGV[a + 1]
+  redis.call('ZADD', KEYS[2 + d], seq, seq)
+  if tonumber(seq) > hwm[d] then hwm[d] = tonumber(seq) end
+end
+for d = 1, nd do
+  redis.call('ZREMRANGEBYSCORE', KEYS[2 + d], '-inf', hwm[d] - window)
+  redis.call('PEXPIRE', KEYS[2 + d], ARGV[3])
+end
 return {1}
 """)
 
@@ -554,23 +590,28 @@ class RedisCountsStore(CountsStore):
 
     def _apply_calls(self, handle: _Handle, client_id: str,
                      group: list[tuple[int, EncodedBatch]]) -> list[_Call]:
-        info = handle.info
-        window = self.config.dedup_window
-        ttl_ms = self.config.dedup_ttl_ms
         calls: list[_Call] = []
         for seq, enc in group:
             bounds = enc.shard_bounds.tolist()
-            for s in range(info.shards):
-                lo, hi = bounds[s], bounds[s + 1]
-                if lo == hi:
-                    continue
-                sk = handle.shards[s]
-                unit_buckets, args = _unit_args(enc, lo, hi, info.shards)
-                base = sk.base
-                keys = [sk.state, sk.changes, sk.dedup(client_id)]
-                keys.extend([base + str(b) for b in unit_buckets])
-                calls.append((_APPLY, keys, [info.instance, seq, window, ttl_ms, *args]))
+            for s in range(handle.info.shards):
+                if bounds[s] != bounds[s + 1]:
+                    calls.append(self._unit_call(handle, s, enc, [(client_id, seq)]))
         return calls
+
+    def _unit_call(self, handle: _Handle, shard: int, enc: EncodedBatch, batches: Sequence[tuple[str, int]]) -> _Call:
+        """The APPLY call of shard ``shard``'s entries of ``enc``, which hold the sum of ``batches`` ((client_id, seq)...)."""
+        info = handle.info
+        bounds = enc.shard_bounds
+        sk = handle.shards[shard]
+        unit_buckets, args = _unit_args(enc, int(bounds[shard]), int(bounds[shard + 1]), info.shards)
+        clients: dict[str, int] = {}
+        pairs: list[int] = []
+        for client_id, seq in batches:
+            pairs += [clients.setdefault(client_id, len(clients) + 1), seq]
+        base = sk.base
+        keys = [sk.state, sk.changes, *(sk.dedup(c) for c in clients), *(base + str(b) for b in unit_buckets)]
+        return (_APPLY, keys, [info.instance, self.config.dedup_window, self.config.dedup_ttl_ms, *args,
+                               len(clients), *pairs])
 
     def _finish_apply(self, calls: list[_Call], group: list[tuple[int, EncodedBatch]]) -> list[ApplyResult]:
         replies = self._run(calls)
@@ -584,17 +625,77 @@ class RedisCountsStore(CountsStore):
                 code = int(reply[0])
                 if code == 1:
                     applied += 1
-                elif code == 0:
-                    duplicates += 1
                 elif code == -1:
                     raise _StaleHandle()
-                elif code == -2:
-                    too_old = (seq, int(float(reply[1])))
+                elif int(reply[1]) == 0:
+                    duplicates += 1
+                else:
+                    too_old = (seq, int(float(reply[2])))
             position += units
             results.append(ApplyResult(units, applied, duplicates, enc.entries))
         if too_old is not None:
             raise batch_too_old(*too_old, self.config.dedup_window)
         return results
+
+    def _apply_group(self, namespace: str, items: list[GroupItem]) -> list[ItemOutcome]:
+        def run(handle: _Handle) -> list[ItemOutcome]:
+            outcomes, parts = self._check_group(handle.info, items)
+            for part in parts:
+                for i, outcome in zip(part, self._apply_part(handle, [items[i] for i in part])):
+                    outcomes[i] = outcome
+            return self._complete(outcomes)
+
+        return self._with_handle(namespace, run)
+
+    def _apply_part(self, handle: _Handle, items: list[GroupItem]) -> list[ItemOutcome]:
+        """Checked items summed into one unit per shard, all shards pipelined; a unit that found
+        some items applied before (or too old) wrote nothing and is redone without them."""
+        info = handle.info
+        try:
+            group = encode_group([item.deltas for item in items], info)
+        except InvalidArgumentError as exc:  # one item whose own sum overflows (parts bound the rest)
+            return [exc] * len(items)
+        k = len(items)
+        applied, duplicates = [0] * k, [0] * k
+        too_old: dict[int, NgramCacheError] = {}
+        # shard -> the items still to apply there; their sum is encoded once per distinct set
+        pending = {s: tuple(np.flatnonzero(group.item_shards[:, s]).tolist())
+                   for s in np.flatnonzero(group.item_shards.any(axis=0)).tolist()}
+        encodings: dict[tuple[int, ...], EncodedBatch] = {}
+        first_round = True
+        while pending:
+            calls: list[_Call] = []
+            for s, alive in pending.items():
+                enc = group.batch if first_round else encodings.get(alive)
+                if enc is None:
+                    enc = encodings[alive] = encode_group([items[i].deltas for i in alive], info).batch
+                calls.append(self._unit_call(handle, s, enc, [(items[i].client_id, items[i].seq) for i in alive]))
+            first_round = False
+            again: dict[int, tuple[int, ...]] = {}
+            for (s, alive), reply in zip(pending.items(), self._run(calls)):
+                code = int(reply[0])
+                if code == 1:
+                    for i in alive:
+                        applied[i] += 1
+                    continue
+                if code == -1:
+                    raise _StaleHandle()
+                fresh = []
+                for j, i in enumerate(alive):
+                    status = int(reply[1 + 2 * j])
+                    if status == 1:
+                        fresh.append(i)
+                    elif status == 0:
+                        duplicates[i] += 1
+                    else:
+                        too_old[i] = batch_too_old(items[i].seq, int(float(reply[2 + 2 * j])),
+                                                   self.config.dedup_window)
+                if fresh:
+                    again[s] = tuple(fresh)
+            pending = again
+        units = group.item_shards.sum(axis=1).tolist()
+        entries = group.item_entries.tolist()
+        return [too_old.get(i) or ApplyResult(units[i], applied[i], duplicates[i], entries[i]) for i in range(k)]
 
     # ----------------------------------------------------------------- reads
 

@@ -8,6 +8,11 @@ live here, so both backends give the same answers and the same errors:
   seqs of one client applied within ``dedup_window`` of its highest; a seq that far behind
   is refused with `BatchTooOldError`. (The Redis backend runs the same rule inside its
   APPLY Lua script, atomically with the writes.)
+* **Groups.** `apply_group` applies the batches of several clients as one unit per
+  shard: each (client_id, seq) is checked against its dedup record, the batches are summed
+  (an entry pushed by ten clients is one increment) and applied with every dedup record,
+  atomically; a unit that holds an already-applied batch writes nothing and is redone
+  without it, so a group never applies a batch twice or half.
 * **Versions.** A version is the time in milliseconds at which an epoch opened, bumped by
   at least one. `EpochClock` advances it at most once per ``epoch_seconds`` and keeps
   ``history_epochs`` epochs; its oldest is the floor (the Redis backend's TICK script
@@ -27,7 +32,7 @@ import dataclasses
 import re
 import time
 from collections.abc import Iterable, Iterator, Sequence
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Final, TypeAlias
 
 import numpy as np
 
@@ -35,11 +40,13 @@ from ngramcache.client.errors import (
     BatchTooOldError,
     InvalidArgumentError,
     NamespaceNotFoundError,
+    NgramCacheError,
     ResyncRequiredError,
 )
-from ngramcache.client.rows import validate_deltas
+from ngramcache.client.rows import COUNT, validate_deltas
 
 from .config import CountsStoreConfig
+from .layout import MAX_AGGREGATED_COUNT
 from .namespace import (
     NamespaceInfo,
     check_tokenizer,
@@ -60,6 +67,8 @@ __all__ = [
     "CountsStore",
     "DedupWindow",
     "EpochClock",
+    "GroupItem",
+    "ItemOutcome",
     "batch_too_old",
     "check_version",
     "history_lost",
@@ -100,6 +109,27 @@ class ApplyResult:
     def duplicate(self) -> bool:
         """True when every unit had already been applied: the whole call was a retry."""
         return self.units > 0 and self.duplicates == self.units
+
+
+@dataclasses.dataclass(frozen=True, eq=False)  # eq=False: no elementwise comparison of the arrays
+class GroupItem:
+    """One batch of a group given to `CountsStore.apply_group`: what one `apply` call would take.
+
+    Attributes:
+        client_id: the sender, 1..128 characters of [A-Za-z0-9_.:@/-].
+        seq: the batch number of this sender, in [0, 2**53).
+        deltas: int32 delta rows, see `ngramcache.client.rows.validate_deltas`.
+        fingerprint: when not None, must match the namespace's tokenizer.
+    """
+
+    client_id: str
+    seq: int
+    deltas: np.ndarray
+    fingerprint: bytes | str | None = None
+
+
+ItemOutcome: TypeAlias = ApplyResult | NgramCacheError
+"""What `CountsStore.apply_group` did with one item: its result, or the error that refused it."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -368,6 +398,62 @@ class CountsStore(abc.ABC):
         checked = [(validate_seq(seq), deltas) for seq, deltas in batches]
         return self._apply_batches(namespace, client_id, checked, fingerprint)
 
+    def apply_group(self, namespace: str, items: Sequence[GroupItem]) -> list[ItemOutcome]:
+        """Apply the batches of several senders together, exactly once per (client_id, seq) each.
+
+        The batches are summed (an entry in ten batches costs one increment) and written as one
+        unit per shard (one unit on standalone Redis and embedded): the unit first checks
+        every batch's (client_id, seq) against its dedup record and, if none was applied
+        before, writes the summed increments and every dedup record atomically. If some were
+        applied before, the unit writes nothing and is redone without them. So, as with
+        `apply`, a retry after a lost reply, a timeout or a restart never counts a batch (a
+        unit of it, on a Cluster) twice, and a crash never leaves half a unit.
+
+        Each item is checked on its own (client_id, seq, tokenizer, rows, dedup window): a bad
+        item gets its error in its place in the answer and nothing of it is written, without
+        failing the others. An item repeating an earlier item's (client_id, seq) is applied
+        after it, as if sent later (so it is a duplicate unless the earlier one was refused).
+
+        Args:
+            namespace: an existing namespace.
+            items: the batches; any senders, any number per sender.
+
+        Returns:
+            One outcome per item, in order: its `ApplyResult` (``duplicate`` when it had been
+            applied before), or the error that refused it (InvalidArgumentError,
+            TokenizerMismatchError: nothing of it written; BatchTooOldError: too old in a
+            shard, so not applied there; on a Cluster, as with `apply`, its units in shards
+            where it is within the window may be applied).
+
+        Raises:
+            NamespaceNotFoundError: no such namespace.
+            InvalidArgumentError: a malformed namespace name.
+            BackendUnavailableError: retriable; the items may have been applied, whole or (on a
+                Cluster) some of their units, so retry every item with the same
+                (client_id, seq, deltas).
+        """
+        outcomes: list[ItemOutcome | None] = [None] * len(items)
+        checked: dict[int, GroupItem] = {}
+        for i, item in enumerate(items):
+            try:
+                checked[i] = dataclasses.replace(item, client_id=validate_client_id(item.client_id),
+                                                 seq=validate_seq(item.seq))
+            except InvalidArgumentError as exc:
+                outcomes[i] = exc
+        pending = list(checked)
+        while pending:  # a pair repeated in the group goes in a later round, like a retry
+            first: list[int] = []
+            later: list[int] = []
+            seen: set[tuple[str, int]] = set()
+            for i in pending:
+                key = (checked[i].client_id, checked[i].seq)
+                (later if key in seen else first).append(i)
+                seen.add(key)
+            for i, outcome in zip(first, self._apply_group(namespace, [checked[i] for i in first])):
+                outcomes[i] = outcome
+            pending = later
+        return self._complete(outcomes)
+
     @abc.abstractmethod
     def lookup(self, namespace: str, ngram: Sequence[int]) -> dict[int, int]:
         """Followers of one n-gram (1..NGRAM_MAX tokens) and their counts."""
@@ -424,6 +510,53 @@ class CountsStore(abc.ABC):
     def _apply_batches(self, namespace: str, client_id: str, batches: list[tuple[int, np.ndarray]],
                        fingerprint: bytes | str | None) -> list[ApplyResult]:
         """Apply batches whose client_id and seqs are valid; check them with `_check_batches` first."""
+
+    @abc.abstractmethod
+    def _apply_group(self, namespace: str, items: list[GroupItem]) -> list[ItemOutcome]:
+        """`apply_group` for items with valid client_ids and seqs, no two with the same pair.
+
+        Check the namespace (raise when it is missing) and each item with `_check_group`
+        before writing anything.
+        """
+
+    def _check_group(self, info: NamespaceInfo, items: Sequence[GroupItem]) -> tuple[list[ItemOutcome | None],
+                                                                                      list[list[int]]]:
+        """Check every item of a group against a namespace.
+
+        Returns:
+            (outcomes, parts): per item its error, an empty result (no rows: nothing to
+            apply, the seq is not consumed) or None (to apply); and the indexes of the items
+            to apply, in parts whose counts sum to at most MAX_AGGREGATED_COUNT, so no entry
+            of a part overflows what a unit can add exactly (an item over it alone is a part
+            of its own, which `encode_group` refuses).
+        """
+        outcomes: list[ItemOutcome | None] = [None] * len(items)
+        parts: list[list[int]] = [[]]
+        total = 0
+        for i, item in enumerate(items):
+            try:
+                check_tokenizer(info, item.fingerprint)
+                validate_deltas(item.deltas, info.vocab_size, self.config.max_batch_rows)
+            except NgramCacheError as exc:
+                outcomes[i] = exc
+                continue
+            if len(item.deltas) == 0:
+                outcomes[i] = ApplyResult(0, 0, 0, 0)
+                continue
+            weight = int(item.deltas[:, COUNT].sum(dtype=np.int64))
+            if parts[-1] and total + weight > MAX_AGGREGATED_COUNT:
+                parts.append([])
+                total = 0
+            parts[-1].append(i)
+            total += weight
+        return outcomes, [p for p in parts if p]
+
+    @staticmethod
+    def _complete(outcomes: Sequence[ItemOutcome | None]) -> list[ItemOutcome]:
+        """The outcomes of a group once every item has one."""
+        done = [o for o in outcomes if o is not None]
+        assert len(done) == len(outcomes), "an item of the group got no outcome"
+        return done
 
     def _check_batches(self, info: NamespaceInfo, fingerprint: bytes | str | None,
                        batches: Iterable[tuple[int, np.ndarray]]) -> None:

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 from counts_helpers import FP, OTHER_FP, VOCAB, as_counter, batch, exported, random_batch, row  # tests/ is on sys.path
 
-from ngramcache.cache_service.counts.store import CountsStore
+from ngramcache.cache_service.counts.layout import fields_and_buckets
+from ngramcache.cache_service.counts.store import ApplyResult, CountsStore, GroupItem, ItemOutcome
 from ngramcache.client.errors import (
     BatchTooOldError,
     InvalidArgumentError,
@@ -318,3 +319,143 @@ def test_versions_advance_at_most_once_per_epoch(make_store: Callable[..., Count
     assert store.version(namespace) == first
     change = store.changes_since(namespace, first)  # the open epoch is included
     assert change.version == first and len(change.rows) == 1
+
+
+# --------------------------------------------------------------------------- apply_group
+
+
+def results(outcomes: list[ItemOutcome]) -> list[ApplyResult]:
+    """The outcomes of a group where every item must have been accepted."""
+    for outcome in outcomes:
+        assert isinstance(outcome, ApplyResult), outcome
+    return [o for o in outcomes if isinstance(o, ApplyResult)]
+
+
+def test_apply_group_sums_many_clients_exactly_once(store: CountsStore, namespace: str) -> None:
+    store.create_namespace(namespace, FP, VOCAB)
+    rng = np.random.default_rng(21)
+    items = [GroupItem(f"client-{c}", 1, random_batch(rng, 300, hot=15), FP) for c in range(6)]
+    version = store.version(namespace)
+    first = results(store.apply_group(namespace, items))
+    expected: Counter = Counter()
+    for item, result in zip(items, first):
+        assert result.applied == result.units >= 1 and result.duplicates == 0
+        assert result.entries == len(as_counter(item.deltas))
+        expected.update(as_counter(item.deltas))
+    assert exported(store, namespace) == expected
+    key = next(iter(expected))
+    n = key[0]
+    assert store.lookup(namespace, list(key[1:1 + n]))[key[5]] == expected[key]
+    change = store.changes_since(namespace, version)
+    assert {tuple(r[:6]): r[6] for r in change.rows.tolist()} == expected
+    # The same group again (a retry after a lost reply): every item a duplicate, nothing added.
+    again = results(store.apply_group(namespace, items))
+    assert all(r.duplicate and r.entries == f.entries for r, f in zip(again, first))
+    # New batches and retried ones mixed: only the new ones count.
+    newer = [GroupItem(f"client-{c}", 2, random_batch(rng, 200, hot=15)) for c in range(3)]
+    mixed = results(store.apply_group(namespace, [items[4], newer[0], items[0], newer[1], newer[2]]))
+    assert [r.duplicate for r in mixed] == [True, False, True, False, False]
+    for item in newer:
+        expected.update(as_counter(item.deltas))
+    assert exported(store, namespace) == expected
+
+
+def test_apply_group_a_pair_repeated_inside_a_group_counts_once(store: CountsStore, namespace: str) -> None:
+    store.create_namespace(namespace, FP, VOCAB)
+    rng = np.random.default_rng(22)
+    a, b = random_batch(rng, 200), random_batch(rng, 200)
+    bad = np.concatenate([a[:5], batch([BAD_BATCHES["n=0"]])])
+    outcomes = store.apply_group(namespace, [
+        GroupItem("a", 1, a), GroupItem("b", 1, b), GroupItem("a", 1, a), GroupItem("a", 1, a),
+        GroupItem("c", 7, bad), GroupItem("c", 7, b),  # the first is refused: the repeat is new
+    ])
+    assert isinstance(outcomes[4], InvalidArgumentError)
+    first, other, repeat, repeat2, _, c7 = (o if isinstance(o, ApplyResult) else None for o in outcomes)
+    assert first is not None and other is not None and repeat is not None and repeat2 is not None
+    assert c7 is not None
+    assert first.applied == first.units and other.applied == other.units and c7.applied == c7.units
+    assert repeat.duplicate and repeat2.duplicate
+    assert exported(store, namespace) == as_counter(a) + as_counter(b) + as_counter(b)
+
+
+def test_apply_group_and_apply_see_each_others_batches(store: CountsStore, namespace: str) -> None:
+    store.create_namespace(namespace, FP, VOCAB)
+    rng = np.random.default_rng(23)
+    a1, a2, b1 = random_batch(rng, 150), random_batch(rng, 150), random_batch(rng, 150)
+    store.apply(namespace, "a", 1, a1)
+    outcomes = results(store.apply_group(namespace, [GroupItem("a", 1, a1), GroupItem("a", 2, a2),
+                                                     GroupItem("b", 1, b1)]))
+    assert [r.duplicate for r in outcomes] == [True, False, False]
+    assert outcomes[1].applied == outcomes[1].units and outcomes[2].applied == outcomes[2].units
+    assert store.apply(namespace, "b", 1, b1).duplicate
+    assert store.apply_many(namespace, "a", [(2, a2), (3, a1)])[0].duplicate
+    assert exported(store, namespace) == as_counter(a1) + as_counter(a2) + as_counter(b1) + as_counter(a1)
+
+
+def test_apply_group_refuses_bad_items_alone(make_store: Callable[..., CountsStore], namespace: str) -> None:
+    store = make_store(dedup_window=4, max_batch_rows=1000)
+    store.create_namespace(namespace, FP, VOCAB)
+    rng = np.random.default_rng(24)
+    good = [random_batch(rng, 100) for _ in range(3)]
+    store.apply(namespace, "old", 10, good[0])
+    with_bad_row = np.concatenate([good[1], batch([BAD_BATCHES["token >= vocab"]])])
+    items = [
+        GroupItem("g0", 1, good[0], FP),
+        GroupItem("bad-row", 1, with_bad_row),
+        GroupItem("other-tokenizer", 1, good[1], OTHER_FP),
+        GroupItem("no-fingerprint", 1, good[1], b""),
+        GroupItem("has space", 1, good[1]),
+        GroupItem("bad-seq", -1, good[1]),
+        GroupItem("too-many", 1, np.repeat(good[1], 11, axis=0)),
+        GroupItem("wrong-dtype", 1, good[1].astype(np.int64)),
+        GroupItem("old", 5, good[0][::-1].copy()),  # 5 <= 10 - 4 on every shard of seq 10: too old to tell
+        GroupItem("empty", 1, batch([])),
+        GroupItem("g1", 1, good[2]),
+    ]
+    outcomes = store.apply_group(namespace, items)
+    kinds = [type(o).__name__ for o in outcomes]
+    assert kinds == ["ApplyResult", "InvalidArgumentError", "TokenizerMismatchError", "InvalidArgumentError",
+                     "InvalidArgumentError", "InvalidArgumentError", "InvalidArgumentError", "InvalidArgumentError",
+                     "BatchTooOldError", "ApplyResult", "ApplyResult"]
+    assert "row 100" in str(outcomes[1])
+    assert outcomes[9] == ApplyResult(0, 0, 0, 0)
+    assert exported(store, namespace) == as_counter(good[0]) + as_counter(good[0]) + as_counter(good[2])
+    # Nothing of a refused item was recorded: its (client_id, seq) with a good batch applies.
+    assert not store.apply(namespace, "bad-row", 1, good[1]).duplicate
+    assert not store.apply(namespace, "other-tokenizer", 1, good[1], fingerprint=FP).duplicate
+
+
+def test_apply_group_of_unknown_namespace_raises(store: CountsStore, namespace: str) -> None:
+    with pytest.raises(NamespaceNotFoundError):
+        store.apply_group(namespace, [GroupItem("a", 1, batch([row([1], 2)]))])
+    with pytest.raises(NamespaceNotFoundError):
+        store.apply_group(namespace, [GroupItem("a", 1, batch([]))])
+    with pytest.raises(InvalidArgumentError):
+        store.apply_group("bad name", [GroupItem("a", 1, batch([]))])
+    assert store.apply_group(namespace, []) == []
+
+
+def test_apply_group_sums_beyond_what_one_unit_adds_exactly_are_split(store: CountsStore, namespace: str) -> None:
+    store.create_namespace(namespace, FP, VOCAB)
+    big = np.repeat(batch([row([3, 4], 5, 2**31 - 1)]), 20_000, axis=0)  # 4.3e13 an item, 1.3e14 for three
+    too_big = np.repeat(batch([row([3, 4], 5, 2**31 - 1)]), 50_000, axis=0)  # 1.07e14 in one entry: refused
+    outcomes = store.apply_group(namespace, [GroupItem("a", 1, big), GroupItem("b", 1, too_big),
+                                             GroupItem("c", 1, big), GroupItem("d", 1, big)])
+    assert isinstance(outcomes[1], InvalidArgumentError)
+    assert [r.applied for r in results([outcomes[0], *outcomes[2:]])] == [1, 1, 1]
+    assert store.lookup(namespace, [3, 4]) == {5: 3 * 20_000 * (2**31 - 1)}
+
+
+def test_apply_group_applies_exactly_the_units_an_interrupted_attempt_missed(store: CountsStore,
+                                                                            namespace: str) -> None:
+    """A batch applied on one shard only (an attempt interrupted mid-way on a Cluster) is completed by a group."""
+    info = store.create_namespace(namespace, FP, VOCAB)
+    full = random_batch(np.random.default_rng(25), 400, hot=60)
+    _, _, buckets = fields_and_buckets(full, info)
+    shard = buckets % info.shards
+    part = np.ascontiguousarray(full[shard == shard[0]])  # all of it on one shard
+    assert store.apply(namespace, "a", 1, part).applied == 1
+    a, b = results(store.apply_group(namespace, [GroupItem("a", 1, full), GroupItem("b", 1, full.copy())]))
+    assert a.units == len(set(shard.tolist())) and a.duplicates == 1 and a.applied == a.units - 1
+    assert b.applied == b.units == a.units
+    assert exported(store, namespace) == Counter({k: 2 * v for k, v in as_counter(full).items()})

@@ -17,7 +17,7 @@ from redis_servers import RedisClusterProcesses, RedisServer
 
 from ngramcache.cache_service.counts.config import CountsStoreConfig
 from ngramcache.cache_service.counts.factory import open_counts_store
-from ngramcache.cache_service.counts.store import CountsStore
+from ngramcache.cache_service.counts.store import ApplyResult, CountsStore, GroupItem
 from ngramcache.client.errors import BackendUnavailableError, StoreAuthenticationError, TokenizerMismatchError
 
 pytestmark = pytest.mark.integration
@@ -40,9 +40,28 @@ def apply_until_acknowledged(store: CountsStore, namespace: str, client_id: str,
             time.sleep(0.05)
 
 
+def apply_group_until_acknowledged(store: CountsStore, namespace: str, items: list[GroupItem],
+                                   deadline: float) -> int:
+    """The same for a group (what the service's push batcher does for its callers): retry it whole until acknowledged."""
+    failures = 0
+    while True:
+        try:
+            outcomes = store.apply_group(namespace, items)
+            assert all(isinstance(o, ApplyResult) for o in outcomes), outcomes
+            return failures
+        except BackendUnavailableError:
+            failures += 1
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
 def ingest_with_a_sigkill(store: CountsStore, namespace: str, kill_and_restart: Callable[[], None],
-                          batches: int = 40) -> Counter:
-    """Ingest ``batches`` batches from a thread, SIGKILL + restart a server mid-way, return the expected totals."""
+                          batches: int = 40, group: int = 0) -> Counter:
+    """Ingest ``batches`` batches from a thread, SIGKILL + restart a server mid-way, return the expected totals.
+
+    ``group`` > 0: the batches go in `apply_group` calls of ``group`` batches, one per client id.
+    """
     rng = np.random.default_rng(99)
     data = [random_batch(rng, 1500, hot=60) for _ in range(batches)]
     progress = {"done": 0, "failures": 0}
@@ -51,6 +70,13 @@ def ingest_with_a_sigkill(store: CountsStore, namespace: str, kill_and_restart: 
     def writer() -> None:
         try:
             deadline = time.monotonic() + 60
+            if group:
+                for start in range(0, batches, group):
+                    items = [GroupItem(f"writer-{i % group}", i // group, data[i])
+                             for i in range(start, min(start + group, batches))]
+                    progress["failures"] += apply_group_until_acknowledged(store, namespace, items, deadline)
+                    progress["done"] = start + len(items)
+                return
             for seq, deltas in enumerate(data):
                 progress["failures"] += apply_until_acknowledged(store, namespace, "writer", seq, deltas, deadline)
                 progress["done"] = seq + 1
@@ -104,7 +130,33 @@ def test_retry_after_a_timeout_counts_once(tmp_path: object) -> None:
         store.close()
 
 
-def test_batches_retried_across_a_sigkill_restart_count_once_standalone() -> None:
+def test_a_group_retried_after_a_timeout_counts_once() -> None:
+    """The group's script reaches the server, the reply is lost to a timeout; the retried group is all duplicates."""
+    with RedisServer(args=DURABLE) as server:
+        store = open_counts_store(server.url, socket_timeout=0.3, retries=0)
+        ns = "faults"
+        store.create_namespace(ns, FP, VOCAB)
+        store.apply(ns, "c0", 6, batch([row([1], 1)]))  # loads the script: the next call really runs it
+        rng = np.random.default_rng(3)
+        items = [GroupItem(f"c{c}", 7, random_batch(rng, 1000, hot=30)) for c in range(4)]
+        server.signal(signal.SIGSTOP)
+        try:
+            with pytest.raises(BackendUnavailableError):
+                store.apply_group(ns, items)
+        finally:
+            server.signal(signal.SIGCONT)
+        apply_group_until_acknowledged(store, ns, items, time.monotonic() + 10)
+        again = store.apply_group(ns, items)
+        assert all(isinstance(o, ApplyResult) and o.duplicate for o in again)
+        expected = as_counter(batch([row([1], 1)]))
+        for item in items:
+            expected.update(as_counter(item.deltas))
+        assert exported(store, ns) == expected
+        store.close()
+
+
+@pytest.mark.parametrize("group", [0, 4], ids=["batches", "groups"])
+def test_batches_retried_across_a_sigkill_restart_count_once_standalone(group: int) -> None:
     with RedisServer(args=DURABLE) as server:
         store = open_counts_store(server.url, socket_timeout=2, retries=1)
         ns = "faults"
@@ -115,12 +167,13 @@ def test_batches_retried_across_a_sigkill_restart_count_once_standalone() -> Non
             time.sleep(0.2)
             server.start()
 
-        expected = ingest_with_a_sigkill(store, ns, kill_and_restart)
+        expected = ingest_with_a_sigkill(store, ns, kill_and_restart, group=group)
         assert exported(store, ns) == expected
         store.close()
 
 
-def test_batches_retried_across_a_sigkill_restart_count_once_cluster() -> None:
+@pytest.mark.parametrize("group", [0, 4], ids=["batches", "groups"])
+def test_batches_retried_across_a_sigkill_restart_count_once_cluster(group: int) -> None:
     with RedisClusterProcesses(masters=3, args=DURABLE) as cluster:
         store = open_counts_store(cluster.url, socket_timeout=2, retries=1)
         ns = "faults"
@@ -134,7 +187,7 @@ def test_batches_retried_across_a_sigkill_restart_count_once_cluster() -> None:
             victim.start()
             cluster.wait_ok()
 
-        expected = ingest_with_a_sigkill(store, ns, kill_and_restart)
+        expected = ingest_with_a_sigkill(store, ns, kill_and_restart, group=group)
         assert exported(store, ns) == expected
         store.close()
 
@@ -190,6 +243,47 @@ def test_eight_concurrent_writers_with_overlapping_keys_give_exact_totals(
     for batches in data.values():
         for deltas in batches:
             expected.update(as_counter(deltas))
+    assert exported(stores[1], namespace) == expected
+
+
+def test_concurrent_groups_with_overlapping_keys_and_retries_give_exact_totals(
+        make_store: Callable[..., CountsStore], namespace: str, backend: str) -> None:
+    """Four threads apply groups of three senders each; a group is sometimes retried whole or in part, or
+    mixed with another thread's batches: every (client_id, seq) counts once."""
+    stores = [make_store()] * 2 if backend == "embedded" else [make_store(), make_store()]
+    stores[0].create_namespace(namespace, FP, VOCAB, buckets=64)
+    data = {(t, c, seq): random_batch(np.random.default_rng(hash((t, c, seq)) % 2**32), 200, hot=10)
+            for t in range(4) for c in range(3) for seq in range(8)}
+    barrier = threading.Barrier(4)
+    errors: list[BaseException] = []
+
+    def writer(t: int) -> None:
+        try:
+            store = stores[t % 2]
+            barrier.wait()
+            for seq in range(8):
+                items = [GroupItem(f"t{t}-c{c}", seq, data[t, c, seq]) for c in range(3)]
+                if seq % 3 == 1:  # a retry of the previous group's first batch rides along
+                    items.append(GroupItem(f"t{t}-c0", seq - 1, data[t, 0, seq - 1]))
+                if seq % 3 == 2:  # and another thread's batch, which that thread sends too
+                    other = (t + 1) % 4
+                    items.append(GroupItem(f"t{other}-c1", seq, data[other, 1, seq]))
+                outcomes = store.apply_group(namespace, items)
+                assert all(isinstance(o, ApplyResult) for o in outcomes), outcomes
+                if seq % 4 == 0:
+                    assert all(isinstance(o, ApplyResult) and o.duplicate for o in store.apply_group(namespace, items))
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=writer, args=(t,)) for t in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(120)
+    assert not errors, errors
+    expected: Counter = Counter()
+    for deltas in data.values():
+        expected.update(as_counter(deltas))
     assert exported(stores[1], namespace) == expected
 
 

@@ -14,6 +14,7 @@ from ngramcache.cache_service.counts.layout import (
     HASH_SEED,
     decode_fields,
     encode_batch,
+    encode_group,
     murmur3_32,
     ngram_bucket,
 )
@@ -88,3 +89,33 @@ def test_foreign_fields_are_refused() -> None:
     for field in (b"\x01" * width, b"\x01" * (width + 1), b"\x01" * (6 * width)):
         with pytest.raises(InvalidArgumentError, match="not a valid entry"):
             decode_fields([field], [1], width)
+
+
+def _random_rows(rng: np.random.Generator, m: int) -> np.ndarray:
+    n = rng.integers(1, 5, m)
+    toks = rng.integers(0, 6, (m, 4))
+    toks[np.arange(4)[None, :] >= n[:, None]] = -1
+    out = np.empty((m, ROW_WIDTH), dtype=np.int32)
+    out[:, 0], out[:, 1:5], out[:, 5], out[:, 6] = n, toks, rng.integers(0, 6, m), rng.integers(1, 4, m)
+    return out
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_encode_group_equals_the_concatenation_and_knows_each_items_share(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    items = [_random_rows(rng, int(rng.integers(1, 60))) for _ in range(int(rng.integers(1, 7)))]
+    group = encode_group(items, INFO)
+    whole = encode_batch(np.concatenate(items), INFO)
+    for name in ("buckets", "counts", "lengths", "field_matrix", "shard_bounds"):
+        assert np.array_equal(getattr(group.batch, name), getattr(whole, name)), name
+    for i, item in enumerate(items):
+        alone = encode_batch(item, INFO)
+        assert group.item_entries[i] == alone.entries
+        assert group.item_shards[i].tolist() == (np.diff(alone.shard_bounds) > 0).tolist()
+
+
+def test_encode_group_refuses_a_sum_over_the_cap() -> None:
+    big = rows(*[[1, 5, -1, -1, -1, 8, 2**31 - 1]] * 25_000)  # 5.4e13 an item
+    assert int(encode_group([big], INFO).batch.counts[0]) == 25_000 * (2**31 - 1)
+    with pytest.raises(InvalidArgumentError):
+        encode_group([big, big], INFO)

@@ -1,0 +1,339 @@
+"""PushBatcher: pushes that arrive while a group is in the store go together, each with its own result; a failed group acknowledges nothing."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+from counts_helpers import FP, OTHER_FP, VOCAB, as_counter, batch, exported, random_batch, row  # tests/ is on sys.path
+
+from ngramcache.cache_service.counts import EmbeddedCountsStore
+from ngramcache.cache_service.counts.config import CountsStoreConfig
+from ngramcache.cache_service.counts.store import ApplyResult, GroupItem, ItemOutcome
+from ngramcache.cache_service.push_batcher import PushBatcher
+from ngramcache.cache_service.status import status_of
+from ngramcache.cache_service.store_runner import StoreRunner
+from ngramcache.client.errors import (
+    BackendUnavailableError,
+    BatchTooOldError,
+    InvalidArgumentError,
+    NamespaceNotFoundError,
+    TokenizerMismatchError,
+)
+
+NS = "ns"
+
+
+class GatedStore:
+    """Wraps a store's apply_group: records each call's items, can hold a call until released or fail it."""
+
+    def __init__(self, store: EmbeddedCountsStore, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.calls: list[list[GroupItem]] = []
+        self.hold = False  # the next calls wait for `release`
+        self.entered = threading.Event()
+        self.release = threading.Event()
+        self.failures: dict[int, BaseException] = {}  # call number (from 0) -> raised before anything is applied
+        apply_group = store.apply_group
+
+        def gated(namespace: str, items: Sequence[GroupItem]) -> list[ItemOutcome]:
+            number = len(self.calls)
+            self.calls.append(list(items))
+            self.entered.set()
+            if self.hold:
+                assert self.release.wait(10)
+            if number in self.failures:
+                raise self.failures[number]
+            return apply_group(namespace, items)
+
+        monkeypatch.setattr(store, "apply_group", gated)
+
+    def clients(self) -> list[list[str]]:
+        return [[f"{item.client_id}:{item.seq}" for item in call] for call in self.calls]
+
+
+@pytest.fixture
+def store() -> Iterator[EmbeddedCountsStore]:
+    s = EmbeddedCountsStore(CountsStoreConfig(url=None, dedup_window=8, max_batch_rows=1000))
+    s.create_namespace(NS, FP, VOCAB)
+    yield s
+    s.close()
+
+
+@pytest.fixture
+def gate(store: EmbeddedCountsStore, monkeypatch: pytest.MonkeyPatch) -> GatedStore:
+    return GatedStore(store, monkeypatch)
+
+
+def run(store: EmbeddedCountsStore, test: Callable[[PushBatcher], Awaitable[None]], **options: Any) -> PushBatcher:
+    """Run ``test(batcher)`` on a fresh event loop with a batcher over ``store``."""
+    runner = StoreRunner(store, max_workers=4)
+    batcher = PushBatcher(runner, **{"groups_in_flight": 1, **options})
+
+    async def main() -> None:
+        await test(batcher)
+        await batcher.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        runner._pool.shutdown(wait=True)  # the store is closed by its fixture
+    assert not batcher._lanes, "a namespace's queue outlived its pushes"
+    return batcher
+
+
+async def hold_the_store(batcher: PushBatcher, gate: GatedStore, item: GroupItem) -> asyncio.Task[tuple[ApplyResult, int]]:
+    """Push ``item`` and wait until its group is inside the (held) store call."""
+    gate.hold = True
+    task = asyncio.create_task(batcher.push(NS, item))
+    while not gate.entered.is_set():
+        await asyncio.sleep(0.001)
+    return task
+
+
+async def queue(batcher: PushBatcher, items: list[GroupItem], namespace: str = NS) -> list[asyncio.Task[tuple[ApplyResult, int]]]:
+    tasks = [asyncio.create_task(batcher.push(namespace, item)) for item in items]
+    await asyncio.sleep(0.01)  # they are all waiting now
+    return tasks
+
+
+def batches(seed: int, k: int, m: int = 100) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [random_batch(rng, m, hot=12) for _ in range(k)]
+
+
+def test_a_lone_push_goes_straight_through(store: EmbeddedCountsStore, gate: GatedStore) -> None:
+    deltas = batches(1, 1)[0]
+
+    async def test(batcher: PushBatcher) -> None:
+        start = time.monotonic()
+        result, version = await batcher.push(NS, GroupItem("a", 1, deltas, FP))
+        assert time.monotonic() - start < 1.0
+        assert result.applied == result.units == 1 and version > 0
+
+    batcher = run(store, test)
+    assert gate.clients() == [["a:1"]] and (batcher.groups, batcher.pushes) == (1, 1)
+    assert exported(store, NS) == as_counter(deltas)
+
+
+def test_pushes_arriving_while_a_group_is_in_the_store_go_together(store: EmbeddedCountsStore,
+                                                                   gate: GatedStore) -> None:
+    data = batches(2, 5)
+
+    async def test(batcher: PushBatcher) -> None:
+        first = await hold_the_store(batcher, gate, GroupItem("a", 1, data[0]))
+        rest = await queue(batcher, [GroupItem(f"c{i}", 1, data[i], FP) for i in range(1, 5)])
+        assert gate.clients() == [["a:1"]]  # the others wait for the store
+        gate.hold = False
+        gate.release.set()
+        results = [await t for t in [first, *rest]]
+        for result, _ in results:
+            assert result.applied == result.units == 1 and not result.duplicate
+        assert [r.entries for r, _ in results] == [len(as_counter(d)) for d in data]
+        assert results[1][1] == results[4][1] >= results[0][1] > 0  # one version read per group
+
+    run(store, test)
+    assert gate.clients() == [["a:1"], ["c1:1", "c2:1", "c3:1", "c4:1"]]
+    expected: Counter[tuple[int, ...]] = Counter()
+    for d in data:
+        expected.update(as_counter(d))
+    assert exported(store, NS) == expected
+
+
+def test_each_push_of_a_group_gets_its_own_result(store: EmbeddedCountsStore, gate: GatedStore) -> None:
+    good = batches(3, 4)
+    store.apply(NS, "old", 20, good[0])
+    store.apply(NS, "retry", 1, good[1])
+    with_bad_row = np.concatenate([good[2], batch([[1, 1, -1, -1, -1, VOCAB, 1]])])
+
+    async def test(batcher: PushBatcher) -> None:
+        first = await hold_the_store(batcher, gate, GroupItem("a", 1, good[0]))
+        tasks = await queue(batcher, [
+            GroupItem("new", 1, good[2], FP),
+            GroupItem("retry", 1, good[1], FP),  # applied before: a duplicate
+            GroupItem("bad-row", 1, with_bad_row, FP),
+            GroupItem("other-tokenizer", 1, good[2], OTHER_FP),
+            GroupItem("old", 3, good[0], FP),  # 3 <= 20 - 8: too old
+            GroupItem("has space", 1, good[2], FP),
+            GroupItem("twice", 4, good[3], FP),
+            GroupItem("twice", 4, good[3], FP),  # the same batch sent again before the first was answered
+            GroupItem("empty", 1, batch([]), FP),
+        ])
+        gate.hold = False
+        gate.release.set()
+        await first
+        outcomes: list[object] = []
+        for t in tasks:
+            try:
+                outcomes.append((await t)[0])
+            except Exception as exc:
+                outcomes.append(exc)
+        new, retry, bad, other, old, space, twice, twice_again, empty = outcomes
+        assert isinstance(new, ApplyResult) and new.applied == 1
+        assert isinstance(retry, ApplyResult) and retry.duplicate
+        assert isinstance(bad, InvalidArgumentError) and "row 100" in str(bad)
+        assert isinstance(other, TokenizerMismatchError)
+        assert isinstance(old, BatchTooOldError)
+        assert isinstance(space, InvalidArgumentError)
+        assert isinstance(twice, ApplyResult) and twice.applied == 1
+        assert isinstance(twice_again, ApplyResult) and twice_again.duplicate
+        assert empty == ApplyResult(0, 0, 0, 0)
+        assert status_of(bad).code == grpc.StatusCode.INVALID_ARGUMENT
+        assert status_of(other).code == grpc.StatusCode.FAILED_PRECONDITION
+
+    run(store, test)
+    assert len(gate.calls) == 2 and len(gate.calls[1]) == 9  # the bad ones did not break the group
+    expected = as_counter(good[0]) + as_counter(good[0]) + as_counter(good[1]) + as_counter(good[2]) + as_counter(good[3])
+    assert exported(store, NS) == expected
+    assert not store.apply(NS, "bad-row", 1, good[2]).duplicate  # nothing of a refused push was recorded
+
+
+def test_a_store_error_fails_every_push_of_its_group_and_acknowledges_none(store: EmbeddedCountsStore,
+                                                                           gate: GatedStore) -> None:
+    data = batches(4, 4)
+
+    async def test(batcher: PushBatcher) -> None:
+        first = await hold_the_store(batcher, gate, GroupItem("a", 1, data[0]))
+        items = [GroupItem(f"c{i}", 1, data[i], FP) for i in range(1, 4)]
+        tasks = await queue(batcher, items)
+        gate.failures[1] = BackendUnavailableError("redis is down")
+        gate.hold = False
+        gate.release.set()
+        await first
+        for t in tasks:
+            with pytest.raises(BackendUnavailableError) as caught:
+                await t
+            assert status_of(caught.value).code == grpc.StatusCode.UNAVAILABLE
+        assert exported(store, NS) == as_counter(data[0])  # none of them applied
+        # What their senders do: push the same batches again; they count once.
+        again = await asyncio.gather(*(batcher.push(NS, item) for item in [*items, GroupItem("a", 1, data[0])]))
+        assert [r.duplicate for r, _ in again] == [False, False, False, True]
+
+    run(store, test)
+    expected: Counter[tuple[int, ...]] = Counter()
+    for d in data:
+        expected.update(as_counter(d))
+    assert exported(store, NS) == expected
+
+
+def test_a_namespace_error_fails_only_that_namespaces_pushes(store: EmbeddedCountsStore, gate: GatedStore) -> None:
+    store.create_namespace("other", FP, VOCAB)
+    data = batches(5, 3)
+
+    async def test(batcher: PushBatcher) -> None:
+        first = await hold_the_store(batcher, gate, GroupItem("a", 1, data[0]))
+        missing = await queue(batcher, [GroupItem("m", 1, data[1]), GroupItem("m", 2, data[1])], "missing")
+        other = await queue(batcher, [GroupItem("o", 1, data[2])], "other")
+        gate.hold = False
+        gate.release.set()
+        await first
+        for t in missing:
+            with pytest.raises(NamespaceNotFoundError):
+                await t
+        assert (await other[0])[0].applied == 1
+
+    run(store, test)
+    assert sorted(len(c) for c in gate.calls) == [1, 1, 2]  # one group per namespace
+    assert exported(store, "other") == as_counter(data[2])
+
+
+def test_a_group_holds_at_most_max_group_rows(store: EmbeddedCountsStore, gate: GatedStore) -> None:
+    data = batches(6, 6)
+
+    async def test(batcher: PushBatcher) -> None:
+        first = await hold_the_store(batcher, gate, GroupItem("a", 0, data[0]))
+        tasks = await queue(batcher, [GroupItem("a", i, data[i]) for i in range(1, 6)])
+        gate.hold = False
+        gate.release.set()
+        for t in [first, *tasks]:
+            assert (await t)[0].applied == 1
+
+    run(store, test, max_group_rows=250)
+    assert gate.clients() == [["a:0"], ["a:1", "a:2"], ["a:3", "a:4"], ["a:5"]]
+
+
+def test_a_window_gathers_pushes_that_arrive_within_it(store: EmbeddedCountsStore, gate: GatedStore) -> None:
+    data = batches(7, 4)
+
+    async def test(batcher: PushBatcher) -> None:
+        first = asyncio.create_task(batcher.push(NS, GroupItem("a", 1, data[0])))
+        await asyncio.sleep(0.02)
+        second = asyncio.create_task(batcher.push(NS, GroupItem("b", 1, data[1])))
+        await asyncio.gather(first, second)
+
+    run(store, test, window=0.3)
+    assert gate.clients() == [["a:1", "b:1"]]
+
+
+def test_a_full_group_does_not_wait_for_its_window(store: EmbeddedCountsStore, gate: GatedStore) -> None:
+    data = batches(8, 2)
+
+    async def test(batcher: PushBatcher) -> None:
+        start = time.monotonic()
+        await asyncio.gather(batcher.push(NS, GroupItem("a", 1, data[0])), batcher.push(NS, GroupItem("b", 1, data[1])))
+        assert time.monotonic() - start < 5
+
+    run(store, test, window=30.0, max_group_rows=200)
+    assert gate.clients() == [["a:1", "b:1"]]
+
+
+def test_a_push_cancelled_before_its_group_formed_is_left_out(store: EmbeddedCountsStore, gate: GatedStore) -> None:
+    data = batches(9, 3)
+
+    async def test(batcher: PushBatcher) -> None:
+        first = await hold_the_store(batcher, gate, GroupItem("a", 1, data[0]))
+        kept, dropped = await queue(batcher, [GroupItem("b", 1, data[1]), GroupItem("c", 1, data[2])])
+        dropped.cancel()
+        await asyncio.sleep(0.01)
+        gate.hold = False
+        gate.release.set()
+        await first
+        assert (await kept)[0].applied == 1
+        with pytest.raises(asyncio.CancelledError):
+            await dropped
+
+    run(store, test)
+    assert gate.clients() == [["a:1"], ["b:1"]]
+    assert exported(store, NS) == as_counter(data[0]) + as_counter(data[1])
+
+
+def test_two_groups_in_flight_and_the_rest_waits(store: EmbeddedCountsStore, gate: GatedStore) -> None:
+    data = batches(10, 4)
+
+    async def test(batcher: PushBatcher) -> None:
+        first = await hold_the_store(batcher, gate, GroupItem("a", 1, data[0]))
+        second = asyncio.create_task(batcher.push(NS, GroupItem("b", 1, data[1])))  # the second slot
+        while len(gate.calls) < 2:
+            await asyncio.sleep(0.001)
+        rest = await queue(batcher, [GroupItem("c", 1, data[2]), GroupItem("d", 1, data[3])])
+        assert len(gate.calls) == 2  # both slots busy: they wait
+        gate.hold = False
+        gate.release.set()
+        for t in [first, second, *rest]:
+            assert (await t)[0].applied == 1
+
+    run(store, test, groups_in_flight=2)
+    assert sorted(gate.clients()) == [["a:1"], ["b:1"], ["c:1", "d:1"]]
+
+
+def test_bad_settings_are_refused(store: EmbeddedCountsStore) -> None:
+    runner = StoreRunner(store, max_workers=1)
+    for options in ({"window": -1.0}, {"window": float("nan")}, {"max_group_rows": 0}, {"groups_in_flight": 0}):
+        with pytest.raises(ValueError):
+            PushBatcher(runner, **options)
+    runner._pool.shutdown()
+
+
+def test_a_pushed_batch_is_visible_to_lookups(store: EmbeddedCountsStore) -> None:
+    """A push through the batcher is what `apply` does: lookups see it."""
+    async def test(batcher: PushBatcher) -> None:
+        await batcher.push(NS, GroupItem("a", 1, batch([row([5, 6], 7, 3)]), FP))
+
+    run(store, test)
+    assert store.lookup(NS, [5, 6]) == {7: 3}
