@@ -9,11 +9,13 @@ import getpass
 import logging
 import signal
 import sys
+from collections.abc import AsyncIterator
 
 from ngramcache.client import cli as client_cli
 from ngramcache.client.errors import InvalidArgumentError
 
 from .config import ENV_PREFIX, ServiceConfig
+from .interceptors.logging import LOG_FIELDS
 from .security import ALL_NAMESPACES, MIN_TOKEN_CHARS, Role, new_token, token_sha256, token_toml
 
 _HELP = {
@@ -37,11 +39,21 @@ _HELP = {
                       "(default 1 GiB)",
     "max_push_rows": "most rows in one pushed batch (default 1048576)",
     "max_chunk_rows": "most rows in one Pull chunk (default 65536)",
+    "push_batch_window_ms": "milliseconds a group of concurrent pushes waits for more before it goes to the store "
+                            "(default 0: it goes as soon as the store is free)",
+    "push_group_rows": "most rows summed into one store unit from concurrent pushes (default 0: the store's "
+                       "max_batch_rows)",
     "mirror_interval": "seconds between two refreshes of a namespace's dynamic mirror (default 1)",
     "max_message_bytes": "largest gRPC message in either direction, bytes (default 64 MiB)",
     "max_file_bytes": "largest static file a Publish may upload, bytes (default 16 GiB)",
     "grace_period": "seconds in-flight calls get to finish on SIGTERM (default 10)",
     "store_threads": "threads calling the counts store at once (default 8)",
+    "metrics_host": "address of the Prometheus /metrics endpoint; it has no authentication (default 127.0.0.1)",
+    "metrics_port": "port of the /metrics endpoint (default -1: off; 0 picks a free one and logs it)",
+    "log_calls": "log every call at INFO, not only failed ones (default off)",
+    "workers": "server processes sharing the port (SO_REUSEPORT), all mapping the same generation files; more "
+               "than 1 needs a shared counts store, --counts redis://... (default 1)",
+    "reuse_port": "share the port with other processes (what --workers sets for its workers; default off)",
 }
 
 
@@ -70,8 +82,11 @@ class _JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         import json
 
-        return json.dumps({"time": self.formatTime(record), "level": record.levelname, "logger": record.name,
-                           "message": record.getMessage()})
+        entry = {"time": self.formatTime(record), "level": record.levelname, "logger": record.name,
+                 "message": record.getMessage()}
+        # Only the named per-call fields, never the whole record (no payload, no metadata).
+        entry.update({k: v for k in LOG_FIELDS if (v := getattr(record, k, None)) is not None})
+        return json.dumps(entry)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -82,7 +97,63 @@ def cmd_serve(args: argparse.Namespace) -> int:
     root = logging.getLogger("ngramcache")
     root.handlers[:] = [handler]
     root.setLevel(logging.INFO)
+    if config.workers > 1:
+        return _serve_workers(config, args)
     return asyncio.run(_serve(config))
+
+
+def _free_port(host: str) -> int:
+    import socket
+
+    family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.bind((host.strip("[]"), 0))
+        return int(s.getsockname()[1])
+
+
+def _serve_workers(config: ServiceConfig, args: argparse.Namespace) -> int:
+    """Runs `config.workers` worker processes of `serve` on one port and relays signals to them."""
+    import os
+    import subprocess
+
+    port = config.port or _free_port(config.host)
+    # Every worker gets the settings this process resolved (defaults, file, variables, flags)
+    # as NGC_* variables, with one worker each and the shared port.
+    env = dict(os.environ)
+    for f in dataclasses.fields(ServiceConfig):
+        value = getattr(config, f.name)
+        if value is not None:
+            env[ENV_PREFIX + f.name.upper()] = str(value).lower() if isinstance(value, bool) else str(value)
+    env.update({ENV_PREFIX + "WORKERS": "1", ENV_PREFIX + "REUSE_PORT": "true", ENV_PREFIX + "PORT": str(port)})
+    argv = [sys.executable, "-c", "import sys; from ngramcache.cache_service.cli import main; sys.exit(main())",
+            "serve", *(["--log-json"] if args.log_json else [])]
+    children = [subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=env) for _ in range(config.workers)]
+    stopping: list[int] = []
+
+    def relay(sig: int, frame: object) -> None:
+        stopping.append(sig)
+        for c in children:
+            if c.poll() is None:
+                c.send_signal(sig)
+
+    signal.signal(signal.SIGTERM, relay)
+    signal.signal(signal.SIGINT, relay)
+    started = 0
+    for c in children:
+        assert c.stdout is not None
+        line = c.stdout.readline()
+        started += "listening on" in line
+    if started < len(children):
+        relay(signal.SIGTERM, None)
+        for c in children:
+            c.wait()
+        raise OSError(f"only {started} of {len(children)} workers started on {config.host}:{port}")
+    print(f"ngramcache serve: listening on {config.host}:{port} ({len(children)} workers, pids "
+          f"{', '.join(str(c.pid) for c in children)})", flush=True)
+    codes = [c.wait() for c in children]
+    if stopping and stopping[0] == signal.SIGINT:
+        return client_cli.EXIT_INTERRUPTED
+    return max(codes) if any(codes) else 0
 
 
 async def _serve(config: ServiceConfig) -> int:
@@ -146,8 +217,104 @@ def cmd_token_hash(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """The `ngramcache` console script: the client's commands plus `serve` and `token-hash`."""
-    return client_cli.main(argv, extra_commands=[add_serve, add_token_hash])
+    return client_cli.main(argv, extra_commands=[add_demo_service, add_serve, add_token_hash])
 
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+# ----------------------------------------------------------------------------- the demo, served
+
+
+def add_demo_service(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Extends the client's `demo`: after building and replaying, serve the cache and draft remotely."""
+    demo = sub.choices["demo"]
+    demo.description = (demo.description or "") + (
+        " Then serves the cache: starts the gRPC service on a free loopback port (embedded counts store "
+        "under the work folder), publishes the cache to it, and drafts one held-out file over a Session as "
+        "a model would consume it, printing tokens per step and step latency.")
+    demo.add_argument("--no-serve", action="store_true", help="stop after the local replay (default: serve too)")
+    demo.set_defaults(func=cmd_demo)
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    rc = client_cli.cmd_demo(args)
+    if rc != 0 or args.no_serve:
+        return rc
+    return asyncio.run(_demo_service(args))
+
+
+async def _demo_service(args: argparse.Namespace) -> int:
+    import hashlib
+    import time
+
+    import numpy as np
+    from grpc import aio
+
+    from ngramcache import UNTAGGED
+    from ngramcache.client._proto.codec import bytes_to_tokens, tokens_to_bytes
+    from ngramcache.client._proto.v1 import (
+        admin_pb2,
+        admin_pb2_grpc,
+        drafting_pb2,
+        drafting_pb2_grpc,
+        static_files_pb2,
+        static_files_pb2_grpc,
+    )
+
+    from .server import create_server
+
+    logging.getLogger("ngramcache").setLevel(logging.WARNING)
+    config = ServiceConfig(port=0, data_dir=str(args.demo_workdir / "service"), mirror_interval=0.2)
+    service, port = await create_server(config)
+    try:
+        print(f"serving it: ngramcache.v1 on 127.0.0.1:{port} (embedded counts store in {config.data_dir})")
+        async with aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+            await admin_pb2_grpc.AdminStub(ch).CreateNamespace(
+                admin_pb2.CreateNamespaceRequest(name="stdlib", tokenizer_fingerprint=UNTAGGED, vocab_size=256))
+            data = args.demo_cache.read_bytes()
+
+            async def upload() -> AsyncIterator[static_files_pb2.PublishRequest]:
+                yield static_files_pb2.PublishRequest(header=static_files_pb2.PublishHeader(
+                    namespace="stdlib", generation=1, size=len(data), sha256=hashlib.sha256(data).digest()))
+                for i in range(0, len(data), 1 << 20):
+                    yield static_files_pb2.PublishRequest(chunk=static_files_pb2.FileChunk(data=data[i:i + (1 << 20)]))
+
+            await static_files_pb2_grpc.StaticFilesStub(ch).Publish(upload())
+            # One held-out file's worth of tokens, generated "by a model" that is the text itself:
+            # each step sends what the model accepted of the draft plus its own next token.
+            text = args.demo_test[: min(len(args.demo_test), 6000)]
+            queue: asyncio.Queue[drafting_pb2.SessionRequest | None] = asyncio.Queue()
+
+            async def requests() -> AsyncIterator[drafting_pb2.SessionRequest]:
+                while (item := await queue.get()) is not None:
+                    yield item
+
+            call = drafting_pb2_grpc.DraftingStub(ch).Session(requests())
+            await queue.put(drafting_pb2.SessionRequest(open=drafting_pb2.SessionOpen(
+                namespace="stdlib", tokenizer_fingerprint=UNTAGGED, vocab_size=256, n_draft=args.n_draft)))
+            opened = (await call.read()).opened
+            n, steps, accepted, lat = 64, 0, 0, []
+            step_tokens = text[:n]
+            while n < len(text):
+                t0 = time.perf_counter()
+                await queue.put(drafting_pb2.SessionRequest(step=drafting_pb2.SessionStep(tokens=tokens_to_bytes(step_tokens))))
+                draft = bytes_to_tokens((await call.read()).draft.tokens)
+                lat.append(time.perf_counter() - t0)
+                ok = 0
+                while ok < len(draft) and n + ok < len(text) and draft[ok] == text[n + ok]:
+                    ok += 1
+                accepted += ok
+                step_tokens = text[n:n + ok + 1]  # the accepted draft tokens and the model's next token
+                n += ok + 1
+                steps += 1
+            await queue.put(None)
+            generated = len(text) - 64
+            print(f"  remote session (generation {opened.generation}): {generated:,} tokens in {steps:,} model steps "
+                  f"= {generated / steps:.2f} tokens per step ({accepted:,} drafted tokens accepted); "
+                  f"step latency p50 {np.percentile(lat, 50) * 1e6:.0f} us over loopback")
+    finally:
+        await service.stop(grace=1.0)
+    print(f"stopped the service; try it yourself: ngramcache serve --data-dir {config.data_dir}")
+    return 0

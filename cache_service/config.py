@@ -48,12 +48,19 @@ class ServiceConfig:
     # Counts
     max_push_rows: int = 1 << 20
     max_chunk_rows: int = 65_536
+    push_batch_window_ms: float = 0.0  # how long a group of pushes waits for more (0: until the store is free)
+    push_group_rows: int = 0  # most rows summed into one store unit (0: the store's max_batch_rows)
     mirror_interval: float = 1.0  # seconds between two changes_since of a namespace's mirror
     # Transport
     max_message_bytes: int = 64 << 20
     max_file_bytes: int = 16 << 30
     grace_period: float = 10.0  # seconds given to in-flight calls on SIGTERM
     store_threads: int = 8
+    metrics_host: str = "127.0.0.1"  # where /metrics (Prometheus) listens; it has no authentication
+    metrics_port: int = -1  # -1: no metrics endpoint; 0: a free port
+    log_calls: bool = False  # log every call at INFO (default: only failed ones)
+    workers: int = 1  # server processes sharing the port (SO_REUSEPORT); > 1 needs a shared counts store
+    reuse_port: bool = False  # share the port with other processes (set for the workers of --workers)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -63,8 +70,11 @@ class ServiceConfig:
         token files, which are read and checked here)."""
         if not 0 <= self.port <= 65535:
             raise InvalidArgumentError(f"port must be in 0..65535 (0: any free port), got {self.port}")
+        if not -1 <= self.metrics_port <= 65535:
+            raise InvalidArgumentError(f"metrics_port must be in -1..65535 (-1: off, 0: any free port), got {self.metrics_port}")
         for name in ("max_sessions", "max_session_tokens", "max_step_tokens", "max_draft_tokens", "session_memory",
-                     "max_push_rows", "max_chunk_rows", "max_message_bytes", "max_file_bytes", "store_threads"):
+                     "max_push_rows", "max_chunk_rows", "max_message_bytes", "max_file_bytes", "store_threads",
+                     "workers"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise InvalidArgumentError(f"{name} must be a positive integer, got {value!r}")
@@ -72,8 +82,14 @@ class ServiceConfig:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
                 raise InvalidArgumentError(f"{name} must be a positive number of seconds, got {value!r}")
+        if not math.isfinite(self.push_batch_window_ms) or self.push_batch_window_ms < 0:
+            raise InvalidArgumentError(f"push_batch_window_ms must be a number >= 0, got {self.push_batch_window_ms!r}")
+        if not isinstance(self.push_group_rows, int) or self.push_group_rows < 0:
+            raise InvalidArgumentError(f"push_group_rows must be an integer >= 0 (0: the store's limit), got "
+                                       f"{self.push_group_rows!r}")
         if not self.data_dir:
             raise InvalidArgumentError("data_dir must name a folder")
+        self.check_workers()
         tls = read_tls_files(self.tls_cert, self.tls_key, self.tls_client_ca)
         if self.tokens_file:
             load_tokens(self.tokens_file)
@@ -81,6 +97,14 @@ class ServiceConfig:
             raise InvalidArgumentError(
                 f"host {self.host!r} is not a loopback address: serving the network needs TLS (tls_cert and "
                 "tls_key), or allow_insecure_remote (--allow-insecure-remote) for plaintext")
+
+    def check_workers(self) -> None:
+        """Several workers share counts only through a shared store: refuse the embedded one."""
+        if self.workers > 1 and not (self.counts or "").startswith(("redis://", "rediss://", "redis+cluster://",
+                                                                    "rediss+cluster://")):
+            raise InvalidArgumentError(
+                f"--workers {self.workers} runs {self.workers} processes, each with its own embedded counts store; "
+                "give them a shared one: --counts redis://HOST:PORT (or redis+cluster://...)")
 
     def is_loopback(self) -> bool:
         if self.host in ("localhost", ""):

@@ -34,6 +34,9 @@ from .config import ServiceConfig
 from .counts import open_counts_store, redact_url
 from .interceptors.auth import AuthInterceptor
 from .interceptors.errors import ErrorInterceptor
+from .interceptors.logging import LoggingInterceptor
+from .interceptors.metrics import MetricsInterceptor, rpc_methods
+from .metrics import Metrics, MetricsHttpServer, start_metrics_http_server
 from .namespaces import NamespaceRegistry
 from .security import server_credentials
 from .servicers.admin import AdminServicer, ServerInfo, ServerLimits
@@ -70,6 +73,10 @@ class Service:
         self.health = health_servicer
         self.drafting = drafting
         self.port = 0
+        self.metrics: Metrics | None = None
+        self.counts: CountsServicer | None = None
+        self.metrics_http: MetricsHttpServer | None = None
+        self.metrics_port = 0
         self._stopped = False
 
     async def set_serving(self, serving: bool) -> None:
@@ -96,6 +103,10 @@ class Service:
         self._stopped = True
         await self.set_serving(False)
         await self.server.stop(self.config.grace_period if grace is None else grace)
+        if self.metrics_http is not None:
+            self.metrics_http.close()
+        if self.counts is not None:
+            await self.counts.batcher.close()  # pushes still grouping get their answer or UNAVAILABLE
         await self.registry.close()
         await asyncio.to_thread(self.runner.close)
         log.info("stopped")
@@ -112,23 +123,30 @@ async def create_server(config: ServiceConfig) -> tuple[Service, int]:
     data_dir = Path(config.data_dir)
     data_dir.mkdir(parents=True, exist_ok=True)
     store = await asyncio.to_thread(open_counts_store, config.counts_url)
-    runner = StoreRunner(store, max_workers=config.store_threads)
+    metrics = Metrics()
+    runner = StoreRunner(store, max_workers=config.store_threads, metrics=metrics)
     static_store = StaticStore(str(data_dir / "static"))
     registry = NamespaceRegistry(runner, static_store, mirror_interval=config.mirror_interval,
                                  max_sessions=config.max_sessions, session_memory=config.session_memory)
+    metrics.watch_namespaces(registry.live)
     options = [
         ("grpc.max_receive_message_length", config.max_message_bytes),
         ("grpc.max_send_message_length", config.max_message_bytes),
-        ("grpc.so_reuseport", 0),
+        ("grpc.so_reuseport", 1 if config.reuse_port else 0),
     ]
     auth = AuthInterceptor.from_config(config)  # None: no tokens_file, every call allowed
-    # grpc.aio runs the first interceptor outermost: ErrorInterceptor maps the auth refusals.
-    server = aio.server(interceptors=[ErrorInterceptor(), *([auth] if auth else [])], options=options)
+    # grpc.aio runs the first interceptor outermost: the observers see the status a client gets
+    # (including auth refusals), ErrorInterceptor maps what auth and the servicers raise.
+    observers = [MetricsInterceptor(metrics, rpc_methods(*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME)),
+                 LoggingInterceptor(ok_level=logging.INFO if config.log_calls else logging.DEBUG)]
+    server = aio.server(interceptors=[*observers, ErrorInterceptor(), *([auth] if auth else [])], options=options)
     drafting = DraftingServicer(registry, max_sessions=config.max_sessions, idle_timeout=config.session_idle_timeout,
                                 max_session_tokens=config.max_session_tokens, max_step_tokens=config.max_step_tokens,
-                                max_draft_tokens=config.max_draft_tokens)
+                                max_draft_tokens=config.max_draft_tokens, metrics=metrics)
     drafting_pb2_grpc.add_DraftingServicer_to_server(drafting, server)
-    counts = CountsServicer(runner, max_push_rows=config.max_push_rows, max_chunk_rows=config.max_chunk_rows)
+    counts = CountsServicer(runner, max_push_rows=config.max_push_rows, max_chunk_rows=config.max_chunk_rows,
+                            metrics=metrics, push_batch_window_ms=config.push_batch_window_ms,
+                            push_group_rows=config.push_group_rows or None)
     counts_pb2_grpc.add_CountsServicer_to_server(counts, server)
     static_files_pb2_grpc.add_StaticFilesServicer_to_server(
         StaticFilesServicer(static_store, runner, max_file_bytes=config.max_file_bytes), server)
@@ -160,7 +178,17 @@ async def create_server(config: ServiceConfig) -> tuple[Service, int]:
     # Uploads a crash left behind; an hour old at least, in case replicas share the folder.
     await asyncio.to_thread(static_store.remove_leftovers, 3600.0)
     service = Service(config, server, runner, static_store, registry, health_servicer, drafting)
+    service.counts = counts
     service.port = port
+    service.metrics = metrics
+    if config.metrics_port >= 0:
+        try:
+            service.metrics_http, service.metrics_port = start_metrics_http_server(
+                metrics, config.metrics_host, config.metrics_port)
+        except OSError:
+            await asyncio.to_thread(runner.close)
+            raise
+        log.info("metrics on http://%s:%d/metrics", config.metrics_host, service.metrics_port)
     await service.set_serving(False)
     await server.start()
     if await service.check_store():

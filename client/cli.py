@@ -323,7 +323,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         print(f"corpus: {len(corpus_files)} files of CPython's standard library ({lib}), byte tokens (vocabulary 256)")
         t0 = time.perf_counter()
         streams = [_byte_tokens(p) for p in corpus_files]
-        build_static_from_tokens(streams, str(out), vocab_size=256, ngram_size=2, fingerprint=UNTAGGED)
+        build_static_from_tokens(streams, str(out), vocab_size=256, ngram_size=2, fingerprint=UNTAGGED, generation=1)
     except KeyboardInterrupt:
         if created and not out.exists():
             with suppress(OSError):
@@ -347,6 +347,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         print(f"  {label:<26}{r['n_drafted']:>10,}{r['n_accept']:>10,}{pct:>10.1f}{us:>12.3f}")
 
     print(f"the cache stays at {out}; try: ngramcache inspect {out}")
+    args.demo_cache, args.demo_test, args.demo_workdir = out, test, workdir  # for `serve`'s part of the demo
     return 0
 
 

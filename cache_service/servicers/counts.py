@@ -13,7 +13,9 @@ from ngramcache.client._proto.v1 import counts_pb2, counts_pb2_grpc
 from ngramcache.client.rows import empty_counts
 
 from ..counts.namespace import check_tokenizer
-from ..counts.store import namespace_changed
+from ..counts.store import GroupItem, namespace_changed
+from ..metrics import Metrics
+from ..push_batcher import PushBatcher
 from ..status import limit_exceeded
 from ..store_runner import StoreRunner
 
@@ -22,7 +24,8 @@ DEFAULT_CHUNK_ROWS = 16384
 
 
 class CountsServicer(counts_pb2_grpc.CountsServicer):
-    """Push and Pull over the service's counts store, called through its `StoreRunner`.
+    """Push and Pull over the service's counts store, called through its `StoreRunner`; concurrent
+    pushes of a namespace are applied together by its `PushBatcher` (``batcher``).
 
     Thread-safety: handlers run on the server's event loop; the store calls run on the
     runner's pool (the store is thread-safe).
@@ -34,28 +37,38 @@ class CountsServicer(counts_pb2_grpc.CountsServicer):
             for ServerLimits.max_batch_rows).
         max_chunk_rows: most rows of a Pull chunk, whatever the request asks
             (ServerLimits.max_chunk_rows).
+        metrics: where to count pushed rows (None: nowhere).
+        push_batch_window_ms: how long a group of pushes waits for more before it goes to
+            the store (0: it goes as soon as the store is free; see `PushBatcher`).
+        push_group_rows: most rows of one group of pushes (None: the store's
+            ``max_batch_rows``, so no store call is bigger than the biggest single push).
     """
 
-    def __init__(self, runner: StoreRunner, *, max_push_rows: int, max_chunk_rows: int) -> None:
+    def __init__(self, runner: StoreRunner, *, max_push_rows: int, max_chunk_rows: int,
+                 metrics: Metrics | None = None, push_batch_window_ms: float = 0.0,
+                 push_group_rows: int | None = None) -> None:
         if max_push_rows < 1 or max_chunk_rows < 1:
             raise ValueError("max_push_rows and max_chunk_rows must be >= 1")
         self._runner = runner
         self._store = runner.store
         self.max_push_rows = min(max_push_rows, self._store.config.max_batch_rows)
         self.max_chunk_rows = max_chunk_rows
+        self.batcher = PushBatcher(runner, window=push_batch_window_ms / 1000,
+                                   max_group_rows=push_group_rows or self._store.config.max_batch_rows)
+        self._metrics = metrics  # observability (issue 8)
 
     async def Push(self, request: counts_pb2.PushRequest, context: aio.ServicerContext) -> counts_pb2.PushResponse:
         rows = len(request.rows) // DELTA_ROW_BYTES
         if rows > self.max_push_rows:
             raise limit_exceeded(f"a Push carries at most {self.max_push_rows} rows, got {rows}")
         deltas = bytes_to_delta_rows(request.rows)  # InvalidArgumentError unless a whole number of rows
-        # The store checks the tokenizer, the client id, the seq and every row before it writes
-        # anything, and applies the batch once per (client_id, seq).
-        # TODO(issue 8 stage 2): aggregate the batches of many clients into fewer store writes
-        # (keeping every (client_id, seq) exactly once); today each Push is one store apply.
-        result = await self._runner.call(self._store.apply, request.namespace, request.client_id, request.seq, deltas,
-                                         fingerprint=request.tokenizer_fingerprint)
-        version = await self._runner.call(self._store.version, request.namespace)
+        # The store checks this push's client id, seq, tokenizer and every row before it writes
+        # anything, and applies it together with the pushes that arrive meanwhile (PushBatcher),
+        # once per (client_id, seq); the answer comes after that store call returned.
+        result, version = await self.batcher.push(request.namespace, GroupItem(
+            request.client_id, request.seq, deltas, request.tokenizer_fingerprint))
+        if self._metrics is not None:
+            self._metrics.pushed(rows, duplicate=result.duplicate)
         return counts_pb2.PushResponse(duplicate=result.duplicate, units=result.units, applied_units=result.applied,
                                        duplicate_units=result.duplicates, entries=result.entries, version=version)
 

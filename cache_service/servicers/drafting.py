@@ -15,6 +15,7 @@ from ngramcache.client._proto.codec import bytes_to_tokens, tokens_to_bytes
 from ngramcache.client._proto.v1 import drafting_pb2, drafting_pb2_grpc
 from ngramcache.client.errors import InvalidArgumentError, NamespaceNotFoundError, TokenizerMismatchError
 
+from ..metrics import Metrics
 from ..namespaces import LiveNamespace, NamespaceRegistry
 from ..status import SESSION_EVICTED, ServiceError, limit_exceeded
 
@@ -82,10 +83,12 @@ class DraftingServicer(drafting_pb2_grpc.DraftingServicer):
         max_sessions: sessions open at once over all namespaces (RESOURCE_EXHAUSTED beyond).
         idle_timeout: seconds without a step after which a session ends ABORTED.
         max_session_tokens, max_step_tokens, max_draft_tokens: limits of docs/protocol.md.
+        metrics: where to count drafts and report open sessions (None: nowhere).
     """
 
     def __init__(self, registry: NamespaceRegistry, *, max_sessions: int, idle_timeout: float,
-                 max_session_tokens: int, max_step_tokens: int, max_draft_tokens: int) -> None:
+                 max_session_tokens: int, max_step_tokens: int, max_draft_tokens: int,
+                 metrics: Metrics | None = None) -> None:
         self._registry = registry
         self._max_sessions = max_sessions
         self._idle_timeout = idle_timeout
@@ -94,6 +97,9 @@ class DraftingServicer(drafting_pb2_grpc.DraftingServicer):
         self._max_draft_tokens = max_draft_tokens
         self._ids = itertools.count(1)
         self.active_sessions = 0
+        self._metrics = metrics  # observability (issue 8)
+        if metrics is not None:
+            metrics.watch_sessions(lambda: self.active_sessions)
 
     async def _next(self, it: AsyncIterator[drafting_pb2.SessionRequest],
                     idle: _IdleTimer | None = None) -> drafting_pb2.SessionRequest | None:
@@ -172,6 +178,8 @@ class DraftingServicer(drafting_pb2_grpc.DraftingServicer):
                     ns.drafter.accept(sid, tokens)
                 n += len(new)
                 draft = ns.drafter.draft(sid, tokens, n_draft)
+                if self._metrics is not None:
+                    self._metrics.drafted(len(draft))
                 yield drafting_pb2.SessionResponse(draft=drafting_pb2.SessionDraft(
                     tokens=tokens_to_bytes(draft), generation=ns.generation, sequence_length=n))
         finally:
@@ -197,4 +205,6 @@ class DraftingServicer(drafting_pb2_grpc.DraftingServicer):
             draft = ns.drafter.draft(sid, tokens, n_draft)
         finally:
             ns.drafter.reset(sid)
+        if self._metrics is not None:
+            self._metrics.drafted(len(draft))
         return drafting_pb2.DraftResponse(tokens=tokens_to_bytes(draft), generation=ns.generation)

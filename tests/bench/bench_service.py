@@ -10,8 +10,10 @@ logic, inline below) answering each message with one of the same size as a draft
    sessions, side by side with the echo server under the same client code.
 2. Push: real n-gram deltas (each CPython standard-library file counted as llama.cpp counts
    a sequence, 1..4-grams, in batches of --batch rows) pushed through the service into a
-   local redis-server (client id + seq, exactly once, 8 in flight), against the same batches
-   applied with `CountsStore.apply` directly from one process.
+   local redis-server (client id + seq, exactly once), by one client with 8 pushes in
+   flight and by --clients clients with 2 each (their batches overlap: the service sums
+   the batches of the pushes it groups), against the same batches applied with
+   `CountsStore.apply` directly from one process (and with `CountsStore.apply_group`).
 3. Memory: the service's RSS before and after opening 1000 idle sessions, and after 1000
    sessions of 1k tokens each; per session.
 
@@ -41,7 +43,7 @@ import numpy as np
 from grpc import aio
 
 from ngramcache import CountTable
-from ngramcache.cache_service.counts import open_counts_store
+from ngramcache.cache_service.counts import ApplyResult, CountsStore, GroupItem, open_counts_store
 from ngramcache.client._proto.codec import delta_rows_to_bytes, tokens_to_bytes
 from ngramcache.client._proto.v1 import (
     admin_pb2,
@@ -51,6 +53,7 @@ from ngramcache.client._proto.v1 import (
     drafting_pb2,
     drafting_pb2_grpc,
 )
+from ngramcache.client.rows import COUNT
 
 FP = bytes(32)
 VOCAB = 256
@@ -193,45 +196,131 @@ def delta_batches(streams: list[np.ndarray], batch: int) -> list[np.ndarray]:
     return out
 
 
-async def push_all(port: int, namespace: str, batches: list[np.ndarray], in_flight: int) -> float:
+def push_requests(namespace: str, client_id: str, batches: list[np.ndarray]) -> list[counts_pb2.PushRequest]:
+    """The Push requests of one client (built before the clock starts: the client's encoding is not the service's cost)."""
+    return [counts_pb2.PushRequest(namespace=namespace, tokenizer_fingerprint=FP, client_id=client_id, seq=seq,
+                                   rows=delta_rows_to_bytes(rows)) for seq, rows in enumerate(batches)]
+
+
+async def push_clients(port: int, clients: list[list[counts_pb2.PushRequest]], in_flight: int) -> float:
+    """Each client pushes its requests with ``in_flight`` unanswered at most; returns the wall time."""
     channel = aio.insecure_channel(f"127.0.0.1:{port}", options=[("grpc.max_send_message_length", 64 << 20)])
     stub = counts_pb2_grpc.CountsStub(channel)
-    sem = asyncio.Semaphore(in_flight)
 
-    async def one(seq: int, rows: np.ndarray) -> None:
-        async with sem:
-            await stub.Push(counts_pb2.PushRequest(namespace=namespace, tokenizer_fingerprint=FP, client_id="bench",
-                                                   seq=seq, rows=delta_rows_to_bytes(rows)))
+    async def client(requests: list[counts_pb2.PushRequest]) -> None:
+        sem = asyncio.Semaphore(in_flight)
+
+        async def one(request: counts_pb2.PushRequest) -> None:
+            async with sem:
+                reply = await stub.Push(request)
+                assert not reply.duplicate
+
+        await asyncio.gather(*(one(r) for r in requests))
 
     t0 = time.perf_counter()
-    await asyncio.gather(*(one(i, b) for i, b in enumerate(batches)))
+    await asyncio.gather(*(client(requests) for requests in clients))
     elapsed = time.perf_counter() - t0
     await channel.close()
     return elapsed
 
 
-def bench_push(args: argparse.Namespace, service_port: int, redis_url: str, streams: list[np.ndarray]) -> None:
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of a process (its threads included), from /proc."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class CpuMeter:
+    """CPU microseconds per row of each process over one timed run (where the time goes)."""
+
+    def __init__(self, pids: dict[str, int]) -> None:
+        self.pids = pids
+        self.start = {name: cpu_seconds(pid) for name, pid in pids.items()}
+
+    def per_row(self, rows: int) -> dict[str, float]:
+        return {name: (cpu_seconds(pid) - self.start[name]) * 1e6 / rows for name, pid in self.pids.items()}
+
+
+def total_count(store: CountsStore, namespace: str) -> int:
+    return sum(int(chunk[:, COUNT].sum()) for chunk in store.export(namespace))
+
+
+def bench_push(args: argparse.Namespace, service_port: int, redis_url: str, streams: list[np.ndarray],
+               pids: dict[str, int]) -> None:
+    """One client with 8 pushes in flight, then `--clients` clients with 2 each (their batches overlap: the
+    same language, other files), through the service and applied directly with `CountsStore.apply` from one
+    process (and, for reference, with `CountsStore.apply_group`, one batch per client a call)."""
     batches = delta_batches(streams, args.batch)
     n_rows = sum(len(b) for b in batches)
-    print(f"\n## Push: {n_rows:,} real n-gram delta rows ({len(streams)} files, 1..4-grams) in batches of "
-          f"{args.batch:,}, into one local redis-server")
+    k = args.clients
+    per_client = [batches[c::k] for c in range(k)]
+    print(f"\n## Push: {n_rows:,} real n-gram delta rows ({len(streams)} files, 1..4-grams) in {len(batches)} batches "
+          f"of {args.batch:,}, into one local redis-server")
     admin = admin_pb2_grpc.AdminStub(grpc.insecure_channel(f"127.0.0.1:{service_port}"))
-    direct, service = [], []
-    store = open_counts_store(redis_url)
+    store = open_counts_store(redis_url, socket_timeout=120)
+    figures: dict[str, list[float]] = {name: [] for name in ("direct", "one", "direct_group", "many")}
+    cpu: dict[str, list[dict[str, float]]] = {name: [] for name in figures}
+    pids = {**pids, "client": os.getpid()}
+    checksums: set[int] = set()
     for rep in range(args.reps):
         ns = f"push{rep}"
+        # Direct, one process, one batch a call: the baseline of both service figures.
+        store.create_namespace(ns + "w", FP, VOCAB)
+        store.apply(ns + "w", "warm-up", 0, batches[0][:100])  # loads the scripts, opens the connections
+        store.drop_namespace(ns + "w")
         store.create_namespace(ns + "d", FP, VOCAB)
+        meter = CpuMeter(pids)
         t0 = time.perf_counter()
-        for i, b in enumerate(batches):
-            store.apply(ns + "d", "bench", i, b)
-        direct.append(n_rows / (time.perf_counter() - t0))
-        admin.CreateNamespace(admin_pb2.CreateNamespaceRequest(name=ns + "s", tokenizer_fingerprint=FP, vocab_size=VOCAB))
-        service.append(n_rows / asyncio.run(push_all(service_port, ns + "s", batches, 8)))
+        for i in range(len(per_client[0])):
+            for c in range(k):
+                if i < len(per_client[c]):
+                    store.apply(ns + "d", f"bench-{c}", i, per_client[c][i])
+        figures["direct"].append(n_rows / (time.perf_counter() - t0))
+        cpu["direct"].append(meter.per_row(n_rows))
+        # Direct apply_group: the same batches, one batch per client a call.
+        store.create_namespace(ns + "g", FP, VOCAB)
+        meter = CpuMeter(pids)
+        t0 = time.perf_counter()
+        for i in range(len(per_client[0])):
+            items = [GroupItem(f"bench-{c}", i, per_client[c][i]) for c in range(k) if i < len(per_client[c])]
+            assert all(isinstance(o, ApplyResult) for o in store.apply_group(ns + "g", items))
+        figures["direct_group"].append(n_rows / (time.perf_counter() - t0))
+        cpu["direct_group"].append(meter.per_row(n_rows))
+        # Through the service: one client, 8 in flight.
+        admin.CreateNamespace(admin_pb2.CreateNamespaceRequest(name=ns + "s", tokenizer_fingerprint=FP,
+                                                               vocab_size=VOCAB))
+        one = [push_requests(ns + "s", "bench", batches)]
+        meter = CpuMeter(pids)
+        figures["one"].append(n_rows / asyncio.run(push_clients(service_port, one, 8)))
+        cpu["one"].append(meter.per_row(n_rows))
+        # Through the service: k clients, 2 in flight each.
+        admin.CreateNamespace(admin_pb2.CreateNamespaceRequest(name=ns + "m", tokenizer_fingerprint=FP,
+                                                               vocab_size=VOCAB))
+        many = [push_requests(ns + "m", f"bench-{c}", per_client[c]) for c in range(k)]
+        meter = CpuMeter(pids)
+        figures["many"].append(n_rows / asyncio.run(push_clients(service_port, many, 2)))
+        cpu["many"].append(meter.per_row(n_rows))
+        checksums.update(total_count(store, ns + suffix) for suffix in ("d", "g", "s", "m"))
+        for suffix in ("d", "g", "s", "m"):
+            store.drop_namespace(ns + suffix)
     store.close()
-    d, s = statistics.median(direct), statistics.median(service)
-    print(f"direct CountsStore.apply, one process: {d:,.0f} rows/s (runs: {', '.join(f'{x:,.0f}' for x in direct)})")
-    print(f"through the service (Push, 8 in flight): {s:,.0f} rows/s (runs: {', '.join(f'{x:,.0f}' for x in service)})")
-    print(f"ratio service / direct: {s / d:.2f}x   (target >= 0.8x)")
+    assert len(checksums) == 1, f"the four ways stored different totals: {checksums}"
+    med = {name: statistics.median(values) for name, values in figures.items()}
+
+    def runs(name: str) -> str:
+        spent = {p: statistics.median(run[p] for run in cpu[name]) for p in pids}
+        us = ", ".join(f"{p} {spent[p]:.2f}" for p in ("redis", "service", "client"))
+        return ", ".join(f"{x:,.0f}" for x in figures[name]) + f"; CPU us/row: {us}"
+
+    print(f"direct CountsStore.apply, one process, one batch a call: {med['direct']:,.0f} rows/s (runs: {runs('direct')})")
+    print(f"direct CountsStore.apply_group, {k} batches a call:        {med['direct_group']:,.0f} rows/s "
+          f"(runs: {runs('direct_group')})   {med['direct_group'] / med['direct']:.2f}x direct")
+    print(f"service, 1 client, 8 pushes in flight:                  {med['one']:,.0f} rows/s (runs: {runs('one')})   "
+          f"{med['one'] / med['direct']:.2f}x direct (target >= 0.8x)")
+    print(f"service, {k} clients, 2 pushes in flight each:            {med['many']:,.0f} rows/s (runs: {runs('many')})   "
+          f"{med['many'] / med['direct']:.2f}x direct (target > 1x: aggregation)")
+    print(f"checksum (sum of counts stored, the same for all four): {checksums.pop()}")
 
 
 # ----------------------------------------------------------------------------- memory
@@ -283,6 +372,8 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=3000, help="session steps per run, over all sessions (default 3000)")
     ap.add_argument("--batch", type=int, default=10_000, help="rows per pushed batch (default 10000)")
     ap.add_argument("--files", type=int, default=120, help="standard-library files whose deltas are pushed")
+    ap.add_argument("--clients", type=int, default=8, help="concurrent client ids of the aggregated Push figure")
+    ap.add_argument("--only", choices=("sessions", "push", "memory"), help="run one part of the benchmark")
     args = ap.parse_args()
 
     from redis_servers import RedisServer
@@ -310,9 +401,13 @@ def main() -> int:
             time.sleep(2.5)  # a mirror refresh
             print(f"service pid {service.pid} on port {sport}, echo pid {echo.pid} on port {eport}; "
                   f"{os.cpu_count()} CPUs shared by clients and servers")
-            bench_sessions(args, sport, eport, text)
-            bench_push(args, sport, redis_server.url, streams)
-            bench_memory(service, sport, text)
+            if args.only in (None, "sessions"):
+                bench_sessions(args, sport, eport, text)
+            if args.only in (None, "push"):
+                assert redis_server.pid is not None
+                bench_push(args, sport, redis_server.url, streams, {"redis": redis_server.pid, "service": service.pid})
+            if args.only in (None, "memory"):
+                bench_memory(service, sport, text)
     finally:
         for p in procs:
             p.send_signal(signal.SIGTERM)

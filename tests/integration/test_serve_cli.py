@@ -100,3 +100,44 @@ def test_serve_reads_environment_and_config_file(tmp_path):
         ch.close()
     finally:
         stop(p)
+
+
+def test_workers_share_one_port_and_stop_together(tmp_path, redis_standalone):
+    p = subprocess.Popen([*CLI, "serve", "--workers", "2", "--port", "0", "--data-dir", str(tmp_path / "d"),
+                          "--counts", redis_standalone.url + "?prefix=workers"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout is not None
+        line = p.stdout.readline()
+        m = re.search(r"listening on 127\.0\.0\.1:(\d+) \(2 workers, pids (\d+), (\d+)\)", line)
+        assert m, line
+        port, pids = int(m.group(1)), [int(m.group(2)), int(m.group(3))]
+        assert all(os.path.exists(f"/proc/{pid}") for pid in pids)
+        admin = admin_pb2_grpc.AdminStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
+        admin.CreateNamespace(admin_pb2.CreateNamespaceRequest(name="w", tokenizer_fingerprint=FP, vocab_size=10))
+        for _ in range(20):  # new connections land on either worker; both see the namespace (shared store)
+            ch = grpc.insecure_channel(f"127.0.0.1:{port}")
+            assert admin_pb2_grpc.AdminStub(ch).GetNamespace(admin_pb2.GetNamespaceRequest(name="w"), timeout=10)
+            ch.close()
+    finally:
+        rc, err = stop(p)
+    assert rc == 0, err
+    assert err.count("SIGTERM: draining") == 2
+    assert not any(os.path.exists(f"/proc/{pid}") and open(f"/proc/{pid}/stat").read().split()[2] != "Z"
+                   for pid in pids)
+
+
+def test_workers_refuse_the_embedded_store(tmp_path):
+    r = subprocess.run([*CLI, "serve", "--workers", "2", "--data-dir", str(tmp_path)], capture_output=True, text=True,
+                       timeout=30)
+    assert r.returncode == 2 and "needs" not in r.stdout and "--counts redis://" in r.stderr
+
+
+def test_demo_builds_serves_and_drafts_remotely(tmp_path):
+    r = subprocess.run([*CLI, "demo", "--workdir", str(tmp_path / "demo"), "--test-files", "3", "--n-ctx", "1024"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    m = re.search(r"remote session \(generation 1\): [\d,]+ tokens in [\d,]+ model steps = ([\d.]+) tokens per step",
+                  r.stdout)
+    assert m and float(m.group(1)) > 1.2, r.stdout  # the served cache really drafts
+    assert "Traceback" not in r.stderr

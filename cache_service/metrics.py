@@ -1,0 +1,254 @@
+"""Metrics: the service's Prometheus metrics, in a registry of their own, served on a separate HTTP port.
+
+Every metric lives in the `CollectorRegistry` of one `Metrics` object, never in
+prometheus_client's global default registry, so several servers (and tests) in one process
+do not collide. Labels are bounded: ``method`` takes the server's RPC names, ``code`` the
+gRPC status codes, ``op`` the counts store's methods, ``namespace`` the live namespaces
+(read at scrape time, so a dropped namespace's series disappear). No token, client id,
+peer or metadata value is ever a label.
+
+Metrics (docs for each in its HELP text):
+
+    ngramcache_rpc_total{method,code}          counter    calls ended, by final status
+    ngramcache_rpc_seconds{method}             histogram  call latency (a stream: the whole call)
+    ngramcache_sessions_active                 gauge      drafting sessions open now
+    ngramcache_drafts_total                    counter    drafts made (session steps and Draft calls)
+    ngramcache_drafted_tokens_total            counter    tokens proposed by those drafts
+    ngramcache_pushed_rows_total               counter    delta rows of pushes applied
+    ngramcache_duplicate_pushes_total          counter    pushes acknowledged as duplicates
+    ngramcache_store_seconds{op}               histogram  counts store call latency
+    ngramcache_store_errors_total{op}          counter    counts store calls that failed
+    ngramcache_namespaces_live                 gauge      namespaces with drafting state
+    ngramcache_mirror_lag_seconds{namespace}   gauge      since the last successful mirror refresh
+    ngramcache_mirror_rows{namespace}          gauge      (n-gram, follower) rows in the mirror
+    ngramcache_mirror_errors_total{namespace}  counter    failed mirror refreshes
+    ngramcache_generation{namespace}           gauge      static generation drafted from (0: none)
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
+from types import TracebackType
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from ngramcache.client.errors import BackendUnavailableError, NgramCacheError
+
+if TYPE_CHECKING:
+    from wsgiref.simple_server import WSGIServer
+
+    from .namespaces import LiveNamespace
+
+RPC_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
+               1.0, 2.5, 5.0, 10.0)
+"""Latency buckets in seconds, 50 us to 10 s (a draft takes tens of microseconds, a Pull seconds)."""
+
+STORE_BUCKETS = RPC_BUCKETS
+
+# Store calls given by the function object rather than a store method: named for what they do.
+_STORE_OPS = {"next": "export_next", "_close": "export_close"}
+
+
+def store_op(fn: Callable[..., object]) -> str:
+    """The ``op`` label of a `StoreRunner.call` of `fn`: the store method's name (a bounded set)."""
+    name = getattr(fn, "__name__", "other")
+    return _STORE_OPS.get(name, name) if name.isidentifier() else "other"
+
+
+def is_store_failure(exc: BaseException) -> bool:
+    """True when a store call's exception means the store failed (unreachable, refused us, a bug),
+    not that it answered (no such namespace, a bad argument, a tokenizer mismatch, too old a version)."""
+    return isinstance(exc, BackendUnavailableError) or not isinstance(exc, NgramCacheError)
+
+
+class Metrics:
+    """The service's metrics (see module docstring) and the methods the service's parts update them with.
+
+    Thread-safety: every method may be called from any thread (prometheus_client metrics
+    are thread-safe); callbacks given to `watch_sessions` / `watch_namespaces` run on the
+    HTTP server's threads at scrape time, so they must only read.
+
+    Args:
+        registry: the registry to create the metrics in; a new one by default (never the
+            process-wide default registry).
+    """
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        self.rpc_total = Counter("ngramcache_rpc_total", "RPCs ended, by full method name and final gRPC status code.",
+                                 ["method", "code"], registry=r)
+        self.rpc_seconds = Histogram("ngramcache_rpc_seconds", "RPC latency in seconds (a stream: the whole call).",
+                                     ["method"], buckets=RPC_BUCKETS, registry=r)
+        self.sessions_active = Gauge("ngramcache_sessions_active", "Drafting sessions open now.", registry=r)
+        self.drafts = Counter("ngramcache_drafts", "Drafts made (Session steps and Draft calls).", registry=r)
+        self.drafted_tokens = Counter("ngramcache_drafted_tokens", "Tokens proposed by drafts.", registry=r)
+        self.pushed_rows = Counter("ngramcache_pushed_rows", "Delta rows of Push batches applied (duplicates excluded).",
+                                   registry=r)
+        self.duplicate_pushes = Counter("ngramcache_duplicate_pushes",
+                                        "Push batches acknowledged as duplicates (a retry of an applied batch).",
+                                        registry=r)
+        self.store_seconds = Histogram("ngramcache_store_seconds",
+                                       "Counts store call latency in seconds, queueing for a store thread included.",
+                                       ["op"], buckets=STORE_BUCKETS, registry=r)
+        self.store_errors = Counter("ngramcache_store_errors",
+                                    "Counts store calls that failed (unreachable, refused, unexpected error); "
+                                    "answers such as an unknown namespace are not errors.", ["op"], registry=r)
+        # Children by label values: labels() costs a lock and a lookup per call.
+        self._rpc_children: dict[tuple[str, str], Counter] = {}
+        self._rpc_seconds_children: dict[str, Histogram] = {}
+        self._watching_namespaces = False
+
+    def observe_rpc(self, method: str, code: str, seconds: float) -> None:
+        """One RPC ended with status `code` (a grpc.StatusCode name) after `seconds`."""
+        key = (method, code)
+        counter = self._rpc_children.get(key)
+        if counter is None:
+            counter = self._rpc_children[key] = self.rpc_total.labels(method, code)
+        counter.inc()
+        histogram = self._rpc_seconds_children.get(method)
+        if histogram is None:
+            histogram = self._rpc_seconds_children[method] = self.rpc_seconds.labels(method)
+        histogram.observe(seconds)
+
+    def drafted(self, tokens: int) -> None:
+        """One draft proposed `tokens` tokens (0 counts: a draft with nothing to propose)."""
+        self.drafts.inc()
+        if tokens:
+            self.drafted_tokens.inc(tokens)
+
+    def pushed(self, rows: int, *, duplicate: bool) -> None:
+        """A Push of `rows` delta rows was acknowledged (applied, or a duplicate of an applied one)."""
+        if duplicate:
+            self.duplicate_pushes.inc()
+        else:
+            self.pushed_rows.inc(rows)
+
+    def observe_store(self, op: str, seconds: float, error: BaseException | None = None) -> None:
+        """One counts store call `op` ended after `seconds`, raising `error` (None: it returned)."""
+        self.store_seconds.labels(op).observe(seconds)
+        if error is not None and is_store_failure(error):
+            self.store_errors.labels(op).inc()
+
+    def time_store(self, fn: Callable[..., object]) -> StoreTimer:
+        """A context manager timing one store call of `fn` (`StoreRunner.call` uses it)."""
+        return StoreTimer(self, store_op(fn))
+
+    def watch_sessions(self, active: Callable[[], int]) -> None:
+        """Report ``active()`` as ngramcache_sessions_active at every scrape."""
+        self.sessions_active.set_function(lambda: float(active()))
+
+    def watch_namespaces(self, live: Callable[[], Mapping[str, LiveNamespace]]) -> None:
+        """Report the mirror lag, rows, errors and generation of the namespaces ``live()`` returns
+        (`NamespaceRegistry.live`) at every scrape. Call once."""
+        if self._watching_namespaces:
+            raise RuntimeError("watch_namespaces was already called on this Metrics")
+        self._watching_namespaces = True
+        self.registry.register(_NamespaceCollector(live))
+
+
+class StoreTimer:
+    """Times one counts store call; a cancelled call is not observed (it has no latency)."""
+
+    __slots__ = ("_metrics", "_op", "_start")
+
+    def __init__(self, metrics: Metrics, op: str) -> None:
+        self._metrics = metrics
+        self._op = op
+        self._start = 0.0
+
+    def __enter__(self) -> StoreTimer:
+        self._start = time.perf_counter()
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        if exc is None or isinstance(exc, Exception):
+            self._metrics.observe_store(self._op, time.perf_counter() - self._start, exc)
+
+
+class _NamespaceCollector(Collector):
+    """Reads the live namespaces at scrape time (from the HTTP server's thread: reads only)."""
+
+    def __init__(self, live: Callable[[], Mapping[str, LiveNamespace]]) -> None:
+        self._live = live
+
+    def describe(self) -> Iterable[Metric]:
+        return self._families()
+
+    def collect(self) -> Iterable[Metric]:
+        count, lag, rows, errors, generation = families = self._families()
+        now = time.monotonic()
+        live = self._live()  # a copy (NamespaceRegistry.live): the loop may change the registry meanwhile
+        count.add_metric([], len(live))
+        for name, ns in sorted(live.items()):
+            lag.add_metric([name], max(0.0, now - ns.mirror.last_refresh))
+            rows.add_metric([name], ns.dynamic.n_entries)
+            errors.add_metric([name], ns.mirror.errors)
+            generation.add_metric([name], ns.generation)
+        return families
+
+    @staticmethod
+    def _families() -> tuple[GaugeMetricFamily, GaugeMetricFamily, GaugeMetricFamily, CounterMetricFamily,
+                             GaugeMetricFamily]:
+        return (
+            GaugeMetricFamily("ngramcache_namespaces_live", "Namespaces with drafting state in this process."),
+            GaugeMetricFamily("ngramcache_mirror_lag_seconds",
+                              "Seconds since the namespace's dynamic mirror was last refreshed successfully.",
+                              labels=["namespace"]),
+            GaugeMetricFamily("ngramcache_mirror_rows", "(n-gram, follower) rows in the namespace's dynamic mirror.",
+                              labels=["namespace"]),
+            CounterMetricFamily("ngramcache_mirror_errors", "Failed refreshes of the namespace's dynamic mirror.",
+                                labels=["namespace"]),
+            GaugeMetricFamily("ngramcache_generation", "The static generation the namespace drafts from (0: none).",
+                              labels=["namespace"]),
+        )
+
+
+class MetricsHttpServer:
+    """The HTTP server of `start_metrics_http_server`: serves ``/metrics`` from a daemon thread.
+
+    Thread-safety: `close` may be called from any thread, once or more.
+    """
+
+    def __init__(self, server: WSGIServer, thread: threading.Thread) -> None:
+        self._server = server
+        self._thread = thread
+        self.port: int = server.server_port
+
+    def close(self) -> None:
+        """Stops serving and releases the port."""
+        if self._thread.is_alive():
+            self._server.shutdown()
+            self._thread.join(10)
+        self._server.server_close()
+
+
+def start_metrics_http_server(metrics: Metrics, host: str = "127.0.0.1", port: int = 0) -> tuple[MetricsHttpServer, int]:
+    """Serves `metrics` in the Prometheus text format on ``http://host:port/metrics``, in a daemon thread.
+
+    The endpoint has no authentication: keep it on loopback (the default) or a private network.
+
+    Args:
+        metrics: the metrics to serve (their registry only).
+        host: the address to listen on.
+        port: the TCP port; 0 picks a free one.
+
+    Returns:
+        (the server, the port it listens on). Stop it with ``server.close()``.
+
+    Raises:
+        OSError: the address cannot be bound (in use, or not this machine's).
+    """
+    server, thread = start_http_server(port, addr=host, registry=metrics.registry)
+    http = MetricsHttpServer(server, thread)
+    return http, http.port
+
+
+__all__ = ["RPC_BUCKETS", "Metrics", "MetricsHttpServer", "StoreTimer", "is_store_failure", "start_metrics_http_server",
+           "store_op"]
