@@ -31,6 +31,9 @@ _HELP = {
     "tokens_file": "TOML file of bearer token hashes with their roles and namespaces (`ngramcache token-hash` "
                    "writes entries; default: none, every call allowed)",
     "max_sessions": "drafting sessions open at once (default 10000)",
+    "max_sessions_per_client": "sessions one client may hold at once: per bearer token, or per address when no "
+                               "tokens are configured (default 1000)",
+    "max_streams_per_connection": "concurrent calls on one HTTP/2 connection (default 100)",
     "session_idle_timeout": "seconds without a step before a session is closed (default 300)",
     "max_session_tokens": "most tokens of one session's sequence (default 1048576)",
     "max_step_tokens": "most tokens one session step may carry (default 65536)",

@@ -40,6 +40,8 @@ class ServiceConfig:
     tokens_file: str | None = None  # TOML file of token hashes and grants; None: no authentication
     # Sessions and drafting
     max_sessions: int = 10_000
+    max_sessions_per_client: int = 1_000  # per bearer token, or per client address without tokens
+    max_streams_per_connection: int = 100  # concurrent calls on one HTTP/2 connection
     session_idle_timeout: float = 300.0  # seconds
     max_session_tokens: int = 1 << 20
     max_step_tokens: int = 65_536
@@ -72,7 +74,7 @@ class ServiceConfig:
             raise InvalidArgumentError(f"port must be in 0..65535 (0: any free port), got {self.port}")
         if not -1 <= self.metrics_port <= 65535:
             raise InvalidArgumentError(f"metrics_port must be in -1..65535 (-1: off, 0: any free port), got {self.metrics_port}")
-        for name in ("max_sessions", "max_session_tokens", "max_step_tokens", "max_draft_tokens", "session_memory",
+        for name in ("max_sessions", "max_sessions_per_client", "max_streams_per_connection", "max_session_tokens", "max_step_tokens", "max_draft_tokens", "session_memory",
                      "max_push_rows", "max_chunk_rows", "max_message_bytes", "max_file_bytes", "store_threads",
                      "workers"):
             value = getattr(self, name)

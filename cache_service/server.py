@@ -133,6 +133,7 @@ async def create_server(config: ServiceConfig) -> tuple[Service, int]:
         ("grpc.max_receive_message_length", config.max_message_bytes),
         ("grpc.max_send_message_length", config.max_message_bytes),
         ("grpc.so_reuseport", 1 if config.reuse_port else 0),
+        ("grpc.max_concurrent_streams", config.max_streams_per_connection),
     ]
     auth = AuthInterceptor.from_config(config)  # None: no tokens_file, every call allowed
     # grpc.aio runs the first interceptor outermost: the observers see the status a client gets
@@ -141,6 +142,7 @@ async def create_server(config: ServiceConfig) -> tuple[Service, int]:
                  LoggingInterceptor(ok_level=logging.INFO if config.log_calls else logging.DEBUG)]
     server = aio.server(interceptors=[*observers, ErrorInterceptor(), *([auth] if auth else [])], options=options)
     drafting = DraftingServicer(registry, max_sessions=config.max_sessions, idle_timeout=config.session_idle_timeout,
+                                max_sessions_per_client=config.max_sessions_per_client,
                                 max_session_tokens=config.max_session_tokens, max_step_tokens=config.max_step_tokens,
                                 max_draft_tokens=config.max_draft_tokens, metrics=metrics)
     drafting_pb2_grpc.add_DraftingServicer_to_server(drafting, server)

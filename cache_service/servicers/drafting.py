@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import itertools
 from collections.abc import AsyncIterator
 
@@ -47,6 +48,16 @@ def _check_vocab(tokens: np.ndarray, vocab_size: int) -> None:
         raise InvalidArgumentError(f"token {int(tokens[bad])} at position {bad} is outside the vocabulary [0, {vocab_size})")
 
 
+def _client_of(context: aio.ServicerContext) -> str:
+    """Who a session belongs to, for the per-client limit: its bearer token (hashed), else its address."""
+    for key, value in context.invocation_metadata() or ():
+        if key == "authorization":
+            text = value.decode() if isinstance(value, bytes) else value
+            return "token:" + hashlib.sha256(text.encode()).hexdigest()[:16]
+    peer = context.peer() or ""
+    return "peer:" + peer.rsplit(":", 1)[0]  # ipv4:127.0.0.1:54321 -> ipv4:127.0.0.1
+
+
 class _IdleTimer:
     """Cancels the session's task when no request arrives for `timeout` seconds.
 
@@ -87,6 +98,7 @@ class DraftingServicer(drafting_pb2_grpc.DraftingServicer):
     """
 
     def __init__(self, registry: NamespaceRegistry, *, max_sessions: int, idle_timeout: float,
+                 max_sessions_per_client: int | None = None,
                  max_session_tokens: int, max_step_tokens: int, max_draft_tokens: int,
                  metrics: Metrics | None = None) -> None:
         self._registry = registry
@@ -97,6 +109,8 @@ class DraftingServicer(drafting_pb2_grpc.DraftingServicer):
         self._max_draft_tokens = max_draft_tokens
         self._ids = itertools.count(1)
         self.active_sessions = 0
+        self._max_per_client = max_sessions_per_client or max_sessions
+        self._per_client: dict[str, int] = {}
         self._metrics = metrics  # observability (issue 8)
         if metrics is not None:
             metrics.watch_sessions(lambda: self.active_sessions)
@@ -143,6 +157,10 @@ class DraftingServicer(drafting_pb2_grpc.DraftingServicer):
         _check_tokenizer(ns, op.tokenizer_fingerprint, op.vocab_size)
         if self.active_sessions >= self._max_sessions:
             raise limit_exceeded(f"the server holds its maximum of {self._max_sessions} sessions; retry later or use Draft")
+        client = _client_of(context)
+        if self._per_client.get(client, 0) >= self._max_per_client:
+            raise limit_exceeded(f"this client holds its maximum of {self._max_per_client} sessions; close one first")
+        self._per_client[client] = self._per_client.get(client, 0) + 1
         self.active_sessions += 1
         sid = next(self._ids)
         try:
@@ -184,6 +202,11 @@ class DraftingServicer(drafting_pb2_grpc.DraftingServicer):
                     tokens=tokens_to_bytes(draft), generation=ns.generation, sequence_length=n))
         finally:
             self.active_sessions -= 1
+            left = self._per_client[client] - 1
+            if left:
+                self._per_client[client] = left
+            else:
+                del self._per_client[client]
             ns.drafter.reset(sid)
 
     async def Draft(self, request: drafting_pb2.DraftRequest,

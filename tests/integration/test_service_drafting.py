@@ -194,6 +194,11 @@ def test_an_idle_session_ends_aborted_and_frees_its_slot(tmp_path):
                                                                         vocab_size=VOCAB, n_draft=4)))
         call = drafting.Session(iter(q.get, None), timeout=20)
         assert next(call).opened.idle_timeout_ms == 300
+        with pytest.raises(grpc.RpcError) as full:  # max_sessions=1: a second one is refused meanwhile
+            list(drafting.Session(iter([q.queue[0] if q.queue else drafting_pb2.SessionRequest(
+                open=drafting_pb2.SessionOpen(namespace="i", tokenizer_fingerprint=FP, vocab_size=VOCAB, n_draft=4))]),
+                timeout=10))
+        assert full.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "maximum of 1 sessions" in full.value.details()
         t0 = time.monotonic()
         with pytest.raises(grpc.RpcError) as e:
             next(call)  # no step within 0.3 s
@@ -207,4 +212,47 @@ def test_an_idle_session_ends_aborted_and_frees_its_slot(tmp_path):
             drafting_pb2.SessionRequest(step=drafting_pb2.SessionStep(tokens=tokens_to_bytes([1, 2, 1, 2])))]),
             timeout=10))
         assert replies[-1].draft.sequence_length == 4
+        ch.close()
+
+
+def test_session_limit_per_client(tmp_path):
+    """Sessions beyond max_sessions_per_client (per bearer token, here per address) get
+    RESOURCE_EXHAUSTED at `open`; the others go on, and closing frees slots."""
+    import queue
+
+    with ServiceThread(tmp_path / "data", max_sessions=300, max_sessions_per_client=200,
+                       max_streams_per_connection=1000) as svc:
+        ch, admin, _, drafting, _ = stubs(svc.port)
+        admin.CreateNamespace(admin_pb2.CreateNamespaceRequest(name="l", tokenizer_fingerprint=FP, vocab_size=VOCAB))
+        opener = drafting_pb2.SessionRequest(open=drafting_pb2.SessionOpen(namespace="l", tokenizer_fingerprint=FP,
+                                                                           vocab_size=VOCAB, n_draft=4))
+        held = []
+        channels = [grpc.insecure_channel(f"127.0.0.1:{svc.port}") for _ in range(4)]
+        refused = 0
+        for k in range(260):
+            q: queue.Queue = queue.Queue()
+            q.put(opener)
+            call = drafting_pb2_grpc.DraftingStub(channels[k % 4]).Session(iter(q.get, None), timeout=60)
+            try:
+                next(call)
+                held.append((q, call))
+            except grpc.RpcError as e:
+                assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                assert "this client holds its maximum of 200 sessions" in e.details()
+                refused += 1
+        assert len(held) == 200 and refused == 60
+        for q, call in held[:50]:  # closing frees slots
+            q.put(None)
+            list(call)
+        q2: queue.Queue = queue.Queue()
+        q2.put(opener)
+        call = drafting.Session(iter(q2.get, None), timeout=10)
+        assert next(call).opened.session_id
+        q2.put(None)
+        list(call)
+        for q, call in held[50:]:
+            q.put(None)
+            list(call)
+        for c in channels:
+            c.close()
         ch.close()
