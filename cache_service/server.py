@@ -9,6 +9,7 @@ standard health checking and reflection, on one grpc.aio server. It owns the cou
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import errno
 import logging
 import os
@@ -28,10 +29,10 @@ from ngramcache.client._proto.v1 import (
     static_files_pb2,
     static_files_pb2_grpc,
 )
-from ngramcache.client.errors import NamespaceNotFoundError, NgramCacheError
+from ngramcache.client.errors import BackendUnavailableError, NamespaceNotFoundError, NgramCacheError
 
 from .config import ServiceConfig
-from .counts import open_counts_store, redact_url
+from .counts import CountsStore, open_counts_store, redact_url
 from .interceptors.auth import AuthInterceptor
 from .interceptors.errors import ErrorInterceptor
 from .interceptors.logging import LoggingInterceptor
@@ -122,7 +123,7 @@ async def create_server(config: ServiceConfig) -> tuple[Service, int]:
     """
     data_dir = Path(config.data_dir)
     data_dir.mkdir(parents=True, exist_ok=True)
-    store = await asyncio.to_thread(open_counts_store, config.counts_url)
+    store, config = await _open_store(config)
     metrics = Metrics()
     runner = StoreRunner(store, max_workers=config.store_threads, metrics=metrics)
     static_store = StaticStore(str(data_dir / "static"))
@@ -194,6 +195,7 @@ async def create_server(config: ServiceConfig) -> tuple[Service, int]:
     await service.set_serving(False)
     await server.start()
     if await service.check_store():
+        await _map_generations(service)
         await service.set_serving(True)
     else:
         asyncio.get_running_loop().create_task(_wait_for_store(service))
@@ -206,8 +208,55 @@ async def _wait_for_store(service: Service) -> None:
     while not service._stopped:
         await asyncio.sleep(1.0)
         if await service.check_store():
+            await _map_generations(service)
             await service.set_serving(True)
             return
+
+
+async def _map_generations(service: Service) -> None:
+    """Opens every namespace that has a published generation, so its file is mapped (and its
+    mirror filled) before health says SERVING; a failure is logged, the namespace opens on use."""
+    for name in await asyncio.to_thread(service.static_store.namespaces):
+        try:
+            await service.registry.get(name)
+        except NgramCacheError as e:
+            log.warning("namespace %s not opened at startup: %s", name, e)
+
+
+async def _open_store(config: ServiceConfig) -> tuple[CountsStore, ServiceConfig]:
+    """Opens the counts store; while it is unreachable, serves only health (NOT_SERVING) on the
+    service's address and retries with backoff. Returns the store and the config (with the port
+    the interim server bound, when config.port was 0)."""
+    try:
+        return await asyncio.to_thread(open_counts_store, config.counts_url), config
+    except BackendUnavailableError as e:
+        log.warning("counts store %s unreachable (%s); serving health NOT_SERVING and retrying",
+                    redact_url(config.counts_url), e)
+    interim = aio.server(options=[("grpc.so_reuseport", 1 if config.reuse_port else 0)])
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, interim)
+    for name in ("", *SERVICE_NAMES):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    credentials = server_credentials(config)
+    port = (interim.add_secure_port(config.address(), credentials) if credentials is not None
+            else interim.add_insecure_port(config.address()))
+    await interim.start()
+    if config.port == 0:
+        config = dataclasses.replace(config, port=port)
+    delay = 0.5
+    try:
+        while True:
+            await asyncio.sleep(delay)
+            delay = min(2 * delay, 10.0)
+            try:
+                store = await asyncio.to_thread(open_counts_store, config.counts_url)
+                break
+            except BackendUnavailableError as e:
+                log.warning("counts store still unreachable (%s); retrying in %.1f s", e, delay)
+    finally:
+        await interim.stop(0)
+    log.info("counts store %s reachable", redact_url(config.counts_url))
+    return store, config
 
 
 __all__ = ["SERVICE_NAMES", "Service", "create_server"]

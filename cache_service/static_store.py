@@ -43,6 +43,7 @@ from ngramcache.client.errors import (
     CacheFormatError,
     InvalidArgumentError,
     NamespaceNotFoundError,
+    NgramCacheError,
     TokenizerMismatchError,
 )
 
@@ -270,6 +271,17 @@ class StaticStore:
             InvalidArgumentError: a malformed namespace name.
         """
         return self._scan(_check_namespace(namespace))
+
+    def namespaces(self) -> list[str]:
+        """The namespaces with at least one published generation, sorted. Blocking (lists folders)."""
+        out = []
+        for d in sorted(p for p in self.data_dir.iterdir() if p.is_dir()):
+            try:
+                if self.generations(d.name):
+                    out.append(d.name)
+            except NgramCacheError:
+                continue  # not a namespace folder
+        return out
 
     def latest(self, namespace: str) -> GenerationInfo | None:
         """The newest published generation of ``namespace``, or None."""

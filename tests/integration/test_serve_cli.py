@@ -141,3 +141,91 @@ def test_demo_builds_serves_and_drafts_remotely(tmp_path):
                   r.stdout)
     assert m and float(m.group(1)) > 1.2, r.stdout  # the served cache really drafts
     assert "Traceback" not in r.stderr
+
+
+def test_store_down_at_start_serves_not_serving_until_it_comes(tmp_path):
+    from redis_servers import RedisServer, free_port
+
+    redis_port = free_port()
+    port = 0
+    proc = subprocess.Popen([*CLI, "serve", "--port", "0", "--data-dir", str(tmp_path / "d"),
+                             "--counts", f"redis://127.0.0.1:{redis_port}"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        ch = None
+        deadline = time.monotonic() + 20
+        # The interim server answers health before the store is up; its port is in the log.
+        while ch is None:
+            assert time.monotonic() < deadline and proc.poll() is None
+            time.sleep(0.1)
+            for candidate in _listening_ports(proc.pid):
+                ch = grpc.insecure_channel(f"127.0.0.1:{candidate}")
+                port = candidate
+        health = health_pb2_grpc.HealthStub(ch)
+        status = health.Check(health_pb2.HealthCheckRequest(service=""), timeout=5).status
+        assert status == health_pb2.HealthCheckResponse.NOT_SERVING
+        with RedisServer(port=redis_port):
+            assert proc.stdout is not None
+            line = proc.stdout.readline()  # printed once the store answered and the service is up
+            assert f"listening on 127.0.0.1:{port}" in line, line
+            deadline = time.monotonic() + 20
+            while health.Check(health_pb2.HealthCheckRequest(service=""), timeout=5).status != \
+                    health_pb2.HealthCheckResponse.SERVING:
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+            admin_pb2_grpc.AdminStub(ch).CreateNamespace(
+                admin_pb2.CreateNamespaceRequest(name="late", tokenizer_fingerprint=FP, vocab_size=10), timeout=10)
+            ch.close()
+            rc, err = stop(proc)
+        assert rc == 0, err
+        assert "unreachable" in err and "Traceback" not in err
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def _listening_ports(pid: int) -> list[int]:
+    """TCP ports process `pid` listens on (from /proc: its sockets' inodes in /proc/net/tcp*)."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    ports = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for row in f.readlines()[1:]:
+                cols = row.split()
+                if cols[3] == "0A" and cols[9] in inodes:  # 0A: LISTEN
+                    ports.append(int(cols[1].rsplit(":", 1)[1], 16))
+    return ports
+
+
+def test_published_generations_are_mapped_before_serving(tmp_path):
+    import hashlib
+
+    from service_helpers import ServiceThread
+
+    from ngramcache import build_static_from_tokens
+    from ngramcache.client._proto.v1 import static_files_pb2, static_files_pb2_grpc
+
+    static = tmp_path / "g.ngc"
+    build_static_from_tokens([np.arange(100, dtype=np.int32) % 7], static, vocab_size=10, fingerprint=FP, generation=3)
+    data = static.read_bytes()
+    counts = f"embedded://{tmp_path / 'counts.snapshot'}"
+    with ServiceThread(tmp_path / "data", counts=counts) as svc:
+        ch = grpc.insecure_channel(f"127.0.0.1:{svc.port}")
+        admin_pb2_grpc.AdminStub(ch).CreateNamespace(
+            admin_pb2.CreateNamespaceRequest(name="g", tokenizer_fingerprint=FP, vocab_size=10))
+        static_files_pb2_grpc.StaticFilesStub(ch).Publish(iter([
+            static_files_pb2.PublishRequest(header=static_files_pb2.PublishHeader(
+                namespace="g", generation=3, size=len(data), sha256=hashlib.sha256(data).digest())),
+            static_files_pb2.PublishRequest(chunk=static_files_pb2.FileChunk(data=data))]), timeout=10)
+        ch.close()
+    with ServiceThread(tmp_path / "data", counts=counts) as svc:  # a restart
+        assert svc.service is not None
+        live = svc.service.registry.live()
+        assert "g" in live and live["g"].generation == 3  # mapped before create_server returned (SERVING)
