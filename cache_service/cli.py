@@ -282,7 +282,7 @@ async def _demo_service(args: argparse.Namespace) -> int:
                 yield static_files_pb2.PublishRequest(header=static_files_pb2.PublishHeader(
                     namespace="stdlib", generation=1, size=len(data), sha256=hashlib.sha256(data).digest()))
                 for i in range(0, len(data), 1 << 20):
-                    yield static_files_pb2.PublishRequest(chunk=static_files_pb2.FileChunk(data=data[i:i + (1 << 20)]))
+                    yield static_files_pb2.PublishRequest(chunk=static_files_pb2.FileChunk(offset=i, data=data[i:i + (1 << 20)]))
 
             await static_files_pb2_grpc.StaticFilesStub(ch).Publish(upload())
             # One held-out file's worth of tokens, generated "by a model" that is the text itself:

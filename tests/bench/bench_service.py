@@ -1,5 +1,6 @@
 """Benchmark of the gRPC service (issue 8): session steps against a bare echo server, pushes
-against the counts store called directly, and memory per session.
+against the counts store called directly, memory per session, 1 vs 2 workers, and the PSS of a
+generation mapped by 2 workers.
 
 Everything runs on this machine over loopback: the service is a real `ngramcache serve`
 process, the baseline a bare grpc.aio bidirectional echo server (tests/bench/echo_server.py
@@ -16,10 +17,20 @@ logic, inline below) answering each message with one of the same size as a draft
    `CountsStore.apply` directly from one process (and with `CountsStore.apply_group`).
 3. Memory: the service's RSS before and after opening 1000 idle sessions, and after 1000
    sessions of 1k tokens each; per session.
+4. Workers: session steps (64 sessions over 8 separate connections: SO_REUSEPORT spreads
+   connections, not calls) against `serve --workers 1` and `serve --workers 2` over the same
+   redis-server, and against the echo server (the load generator's ceiling); steps/s 2 / 1
+   and the CPUs each process kept busy. The load generator is one Python process on the same
+   CPUs as the workers and redis: on a 2-CPU machine it caps the figure.
+5. PSS: one ~90 MB generation (synthetic Zipf tokens, fixed seed) published through
+   StaticFiles.Publish to `serve --workers 2`, opened by both workers (Drafts over new
+   connections until each maps it), then Rss and Pss of the .ngc mapping in each worker from
+   /proc/<pid>/smaps after more Drafts (--pss-drafts): the sum of Pss against the file size.
 
 Figures are medians of --reps runs.
 
     python tests/bench/bench_service.py            # about 3 minutes
+    python tests/bench/bench_service.py --only workers --reps 3
 """
 
 from __future__ import annotations
@@ -108,12 +119,18 @@ def rss_kib(pid: int) -> int:
 # ----------------------------------------------------------------------------- session steps
 
 
-async def session_steps(port: int, sessions: int, steps: int, echo: bool, text: np.ndarray) -> tuple[list[float], float]:
-    """Runs `sessions` concurrent sessions of `steps` one-token steps; returns step latencies (s) and wall time."""
-    channel = aio.insecure_channel(f"127.0.0.1:{port}")
+async def session_steps(port: int, sessions: int, steps: int, echo: bool, text: np.ndarray,
+                        channels: int = 1) -> tuple[list[float], float]:
+    """Runs `sessions` concurrent sessions of `steps` one-token steps; returns step latencies (s) and wall time.
+
+    With `channels` > 1 the sessions are spread over that many separate connections (a local
+    subchannel pool each), so that SO_REUSEPORT can spread them over a service's workers."""
+    options = [("grpc.use_local_subchannel_pool", 1)] if channels > 1 else []
+    pool = [aio.insecure_channel(f"127.0.0.1:{port}", options=options) for _ in range(channels)]
     latencies: list[float] = []
 
     async def one(k: int) -> None:
+        channel = pool[k % channels]
         queue: asyncio.Queue[object] = asyncio.Queue()
         start = (k * 997) % (len(text) - steps - 64)
         if echo:
@@ -141,7 +158,8 @@ async def session_steps(port: int, sessions: int, steps: int, echo: bool, text: 
     t0 = time.perf_counter()
     await asyncio.gather(*(one(k) for k in range(sessions)))
     wall = time.perf_counter() - t0
-    await channel.close()
+    for channel in pool:
+        await channel.close()
     return latencies, wall
 
 
@@ -366,6 +384,202 @@ def bench_memory(service: subprocess.Popen[str], port: int, text: np.ndarray) ->
     print(f"with 1000 sessions of 1k tokens: {full / 1024:.1f} MiB ({(full - base2) / 1000:.1f} KiB a session)")
 
 
+# ----------------------------------------------------------------------------- workers
+
+
+def start_workers(serve: list[str], workers: int, data_dir: Path) -> tuple[subprocess.Popen[str], int, list[int]]:
+    """`serve --workers N`; returns the process, its port and the pids of the processes serving (the parent
+    for N = 1, its workers otherwise)."""
+    args = [*serve, "--data-dir", str(data_dir), "--workers", str(workers)]
+    p = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    assert p.stdout is not None
+    line = p.stdout.readline()
+    m = re.search(r"listening on 127\.0\.0\.1:(\d+)(?: \((\d+) workers, pids ([\d, ]+)\))?", line)
+    if not m:
+        p.kill()
+        raise SystemExit(f"serve --workers {workers} did not start: {line!r}")
+    pids = [int(x) for x in m.group(3).split(",")] if m.group(3) else [p.pid]
+    assert len(pids) == workers, line
+    return p, int(m.group(1)), pids
+
+
+def stop_process(p: subprocess.Popen[str]) -> None:
+    p.send_signal(signal.SIGTERM)
+    try:
+        p.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        p.wait()
+
+
+def bench_workers(args: argparse.Namespace, serve: list[str], tmp: Path, echo: tuple[int, int],
+                  text: np.ndarray) -> None:
+    """Session steps (64 sessions over 8 connections) against `serve --workers 1` and `--workers 2`, both over
+    the redis-server of the main service (its "bench" namespace, the same dynamic counts), and against the
+    echo server under the same client code (the ceiling of the load generator)."""
+    c, channels = 64, 8
+    steps = max(50, 4 * args.steps // c)
+    print(f"\n## Workers: {c} sessions over {channels} connections, {steps} steps each, 1 new token a step, a draft "
+          f"of 8, against `serve --workers N` (one redis-server)")
+    print(f"{'server':>10} {'p50 us':>9} {'p99 us':>9} {'steps/s':>10}   runs (steps/s); CPUs busy: server(s), client")
+    res: dict[str, tuple[float, float, float]] = {}
+    for name in ("echo", "workers 1", "workers 2"):
+        if name == "echo":
+            proc, (port, echo_pid) = None, echo
+            pids = [echo_pid]
+        else:
+            workers = int(name.split()[1])
+            proc, port, pids = start_workers(serve, workers, tmp / f"workers{workers}")
+        try:
+            time.sleep(2.5 if proc else 0)  # a mirror refresh in every worker
+            asyncio.run(session_steps(port, c, 20, name == "echo", text, channels))  # warm-up
+            p50s, p99s, rates, cpus = [], [], [], []
+            for _ in range(args.reps):
+                meter = CpuMeter({**{f"w{i}": pid for i, pid in enumerate(pids)}, "client": os.getpid()})
+                lat, wall = asyncio.run(session_steps(port, c, steps, name == "echo", text, channels))
+                cpus.append(meter.per_row(int(wall * 1e6)))  # CPU seconds per second of the run
+                p50s.append(np.percentile(lat, 50) * 1e6)
+                p99s.append(np.percentile(lat, 99) * 1e6)
+                rates.append(len(lat) / wall)
+            res[name] = (statistics.median(p50s), statistics.median(p99s), statistics.median(rates))
+            mid = cpus[sorted(range(len(rates)), key=rates.__getitem__)[len(rates) // 2]]
+            where = " + ".join(f"{mid[f'w{i}']:.2f}" for i in range(len(pids))) + f", {mid['client']:.2f}"
+            print(f"{name:>10} {res[name][0]:>9.0f} {res[name][1]:>9.0f} {res[name][2]:>10.0f}   "
+                  f"{', '.join(f'{r:,.0f}' for r in rates)}; {where}")
+        finally:
+            if proc is not None:
+                stop_process(proc)
+    one, two = res["workers 1"], res["workers 2"]
+    print(f"{'2 / 1':>10} {two[0] / one[0]:>8.2f}x {two[1] / one[1]:>8.2f}x {two[2] / one[2]:>9.2f}x   "
+          f"(target: steps/s >= 1.6x with 2 workers; the load generator, one Python process, shares the "
+          f"{os.cpu_count()} CPUs with the workers and redis)")
+
+
+# ----------------------------------------------------------------------------- PSS of a shared generation
+
+
+def ngc_mapping(pid: int) -> tuple[int, int, int, list[str]]:
+    """Size, Rss and Pss (KiB) summed over the mappings of `pid` whose path ends with .ngc, and those paths."""
+    size = rss = pss = 0
+    paths: list[str] = []
+    current = False
+    with open(f"/proc/{pid}/smaps") as f:
+        for line in f:
+            head = line.split()
+            if head and re.fullmatch(r"[0-9a-f]+-[0-9a-f]+", head[0]):
+                current = len(head) >= 6 and head[-1].endswith(".ngc")
+                if current and head[-1] not in paths:
+                    paths.append(head[-1])
+            elif current and head[0] in ("Size:", "Rss:", "Pss:"):
+                kib = int(head[1])
+                if head[0] == "Size:":
+                    size += kib
+                elif head[0] == "Rss:":
+                    rss += kib
+                else:
+                    pss += kib
+    return size, rss, pss, paths
+
+
+def zipf_streams(tokens: int, vocab: int, seed: int) -> list[np.ndarray]:
+    """Synthetic Zipf-like token streams (fixed seed), 100k tokens each."""
+    rng = np.random.default_rng(seed)
+    toks = ((rng.zipf(1.2, size=tokens) - 1) % vocab).astype(np.int32)
+    return [toks[i:i + 100_000] for i in range(0, tokens, 100_000)]
+
+
+async def draft_many(port: int, contexts: list[np.ndarray], channels: int, namespace: str, vocab: int,
+                     in_flight: int = 32) -> int:
+    """Draft requests over `channels` separate connections, round robin; returns the drafted tokens."""
+    pool = [aio.insecure_channel(f"127.0.0.1:{port}", options=[("grpc.use_local_subchannel_pool", 1)])
+            for _ in range(channels)]
+    stubs = [drafting_pb2_grpc.DraftingStub(ch) for ch in pool]
+    sem = asyncio.Semaphore(in_flight)
+    drafted = 0
+
+    async def one(i: int, ctx: np.ndarray) -> None:
+        nonlocal drafted
+        async with sem:
+            reply = await stubs[i % channels].Draft(drafting_pb2.DraftRequest(
+                namespace=namespace, tokenizer_fingerprint=FP, vocab_size=vocab, tokens=tokens_to_bytes(ctx),
+                n_draft=8))
+            drafted += len(reply.tokens) // 4
+
+    await asyncio.gather(*(one(i, ctx) for i, ctx in enumerate(contexts)))
+    for ch in pool:
+        await ch.close()
+    return drafted
+
+
+def bench_pss(args: argparse.Namespace, serve: list[str], tmp: Path) -> None:
+    """Two workers mapping one ~90 MB generation: Rss and Pss of the mapping in each worker."""
+    import hashlib
+
+    from ngramcache import build_static_from_tokens
+    from ngramcache.client._proto.v1 import static_files_pb2, static_files_pb2_grpc
+
+    vocab, ns = 151_936, "pss"
+    path = tmp / "pss.ngc"
+    t0 = time.perf_counter()
+    streams = zipf_streams(args.pss_tokens, vocab, seed=8)
+    build_static_from_tokens(streams, path, vocab_size=vocab, fingerprint=FP, generation=1)
+    data = path.read_bytes()
+    print(f"\n## PSS: 2 workers mapping one generation of {len(data):,} bytes ({len(data) / 2**20:.1f} MiB; "
+          f"{args.pss_tokens:,} Zipf(1.2) tokens, vocab {vocab:,}, seed 8, built in {time.perf_counter() - t0:.1f} s)")
+    proc, port, pids = start_workers(serve, 2, tmp / "pss-data")
+    try:
+        ch = grpc.insecure_channel(f"127.0.0.1:{port}", options=[("grpc.max_send_message_length", 64 << 20)])
+        admin_pb2_grpc.AdminStub(ch).CreateNamespace(
+            admin_pb2.CreateNamespaceRequest(name=ns, tokenizer_fingerprint=FP, vocab_size=vocab))
+
+        def upload():
+            yield static_files_pb2.PublishRequest(header=static_files_pb2.PublishHeader(
+                namespace=ns, generation=1, size=len(data), sha256=hashlib.sha256(data).digest()))
+            for i in range(0, len(data), 1 << 20):
+                yield static_files_pb2.PublishRequest(chunk=static_files_pb2.FileChunk(offset=i, data=data[i:i + (1 << 20)]))
+
+        reply = static_files_pb2_grpc.StaticFilesStub(ch).Publish(upload())
+        ch.close()
+        print(f"published generation {reply.generation.generation} through StaticFiles.Publish to workers "
+              f"{', '.join(map(str, pids))}")
+        rng = np.random.default_rng(9)
+        allt = np.concatenate(streams)
+        # Contexts: half taken from the streams (hits: the drafts follow chains), half random pairs (misses:
+        # uniformly spread lookups of the index).
+        def contexts(n: int) -> list[np.ndarray]:
+            out: list[np.ndarray] = []
+            for k in range(n):
+                if k % 2:
+                    out.append(rng.integers(0, vocab, size=4, dtype=np.int32))
+                else:
+                    s = int(rng.integers(0, len(allt) - 4))
+                    out.append(allt[s:s + 4])
+            return out
+
+        total = 0
+        while total < 640 and not all(ngc_mapping(pid)[3] for pid in pids):
+            # A namespace is opened (its generation mapped) on first use in each worker: 64 drafts over 16
+            # new connections a round, until both workers have it.
+            asyncio.run(draft_many(port, contexts(64), 16, ns, vocab))
+            total += 64
+        print(f"{'drafts':>8} {'worker':>8} {'mapped KiB':>11} {'Rss KiB':>9} {'Pss KiB':>9}")
+        for n in [0, *args.pss_drafts]:
+            if n:
+                asyncio.run(draft_many(port, contexts(n), 16, ns, vocab))
+                total += n
+            rss_sum = pss_sum = 0
+            for pid in pids:
+                size, rss, pss, paths = ngc_mapping(pid)
+                rss_sum += rss
+                pss_sum += pss
+                print(f"{total:>8} {pid:>8} {size:>11,} {rss:>9,} {pss:>9,}   {', '.join(paths) or '(not mapped)'}")
+            print(f"{total:>8} {'sum':>8} {'':>11} {rss_sum:>9,} {pss_sum:>9,}   Pss sum / file = "
+                  f"{pss_sum * 1024 / len(data):.3f}x, Rss sum / file = {rss_sum * 1024 / len(data):.3f}x "
+                  f"(target: Pss sum <= 1.2x)")
+    finally:
+        stop_process(proc)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--reps", type=int, default=3, help="runs per figure; medians are reported (default 3)")
@@ -373,7 +587,12 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=10_000, help="rows per pushed batch (default 10000)")
     ap.add_argument("--files", type=int, default=120, help="standard-library files whose deltas are pushed")
     ap.add_argument("--clients", type=int, default=8, help="concurrent client ids of the aggregated Push figure")
-    ap.add_argument("--only", choices=("sessions", "push", "memory"), help="run one part of the benchmark")
+    ap.add_argument("--pss-tokens", type=int, default=15_000_000,
+                    help="Zipf tokens of the static file of the PSS figure (default 15M: about 90 MB)")
+    ap.add_argument("--pss-drafts", type=lambda v: [int(x) for x in v.split(",")], default=[2000, 20000],
+                    help="more Draft requests after each of which the PSS figure is read again (default 2000,20000)")
+    ap.add_argument("--only", choices=("sessions", "push", "memory", "workers", "pss"),
+                    help="run one part of the benchmark")
     args = ap.parse_args()
 
     from redis_servers import RedisServer
@@ -408,6 +627,12 @@ def main() -> int:
                 bench_push(args, sport, redis_server.url, streams, {"redis": redis_server.pid, "service": service.pid})
             if args.only in (None, "memory"):
                 bench_memory(service, sport, text)
+            serve_n = [*serve[:4], "--port", "0", "--counts", redis_server.url,
+                       "--max-push-rows", str(max(args.batch, 65536))]
+            if args.only in (None, "workers"):
+                bench_workers(args, serve_n, tmp, (eport, echo.pid), text)
+            if args.only in (None, "pss"):
+                bench_pss(args, serve_n, tmp)
     finally:
         for p in procs:
             p.send_signal(signal.SIGTERM)

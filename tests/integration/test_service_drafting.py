@@ -71,7 +71,7 @@ def publish(stub: static_files_pb2_grpc.StaticFilesStub, namespace: str, path, g
     def requests():
         yield static_files_pb2.PublishRequest(header=header)
         for i in range(0, len(data), 1 << 16):
-            yield static_files_pb2.PublishRequest(chunk=static_files_pb2.FileChunk(data=data[i:i + (1 << 16)]))
+            yield static_files_pb2.PublishRequest(chunk=static_files_pb2.FileChunk(offset=i, data=data[i:i + (1 << 16)]))
 
     stub.Publish(requests(), timeout=30)
 
