@@ -35,7 +35,8 @@ class CountsStub:
     (ngramcache.client.rows). Pushed rows are deltas (int32, 28 bytes a row); pulled rows
     are absolute counts (int64, 56 bytes a row, since a count can pass 2^31).
 
-    Roles: any authenticated caller.
+    Roles (docs/security.md): Push the push role; Pull the draft role; each only on the
+    namespaces its token names.
     """
 
     def __init__(self, channel):
@@ -65,7 +66,8 @@ class CountsServicer:
     (ngramcache.client.rows). Pushed rows are deltas (int32, 28 bytes a row); pulled rows
     are absolute counts (int64, 56 bytes a row, since a count can pass 2^31).
 
-    Roles: any authenticated caller.
+    Roles (docs/security.md): Push the push role; Pull the draft role; each only on the
+    namespaces its token names.
     """
 
     def Push(self, request, context):
@@ -150,7 +152,8 @@ class Counts:
     (ngramcache.client.rows). Pushed rows are deltas (int32, 28 bytes a row); pulled rows
     are absolute counts (int64, 56 bytes a row, since a count can pass 2^31).
 
-    Roles: any authenticated caller.
+    Roles (docs/security.md): Push the push role; Pull the draft role; each only on the
+    namespaces its token names.
     """
 
     @staticmethod

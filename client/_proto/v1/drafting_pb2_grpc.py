@@ -29,7 +29,7 @@ if _version_not_supported:
 class DraftingStub:
     """Drafting answers draft queries for a namespace.
 
-    Roles: any authenticated caller.
+    Roles (docs/security.md): the draft role, on the namespaces its token names.
     """
 
     def __init__(self, channel):
@@ -53,7 +53,7 @@ class DraftingStub:
 class DraftingServicer:
     """Drafting answers draft queries for a namespace.
 
-    Roles: any authenticated caller.
+    Roles (docs/security.md): the draft role, on the namespaces its token names.
     """
 
     def Session(self, request_iterator, context):
@@ -128,7 +128,7 @@ def add_DraftingServicer_to_server(servicer, server):
 class Drafting:
     """Drafting answers draft queries for a namespace.
 
-    Roles: any authenticated caller.
+    Roles (docs/security.md): the draft role, on the namespaces its token names.
     """
 
     @staticmethod

@@ -37,7 +37,8 @@ class StaticFilesStub:
     fetches again from offset 0. The file's own section checksums (StaticCache.verify())
     are checked by the server before publishing and by a careful client before use.
 
-    Roles: List, Fetch and Watch any authenticated caller; Publish the admin role.
+    Roles (docs/security.md): List, Fetch and Watch the draft role; Publish the admin role;
+    each only on the namespaces its token names.
     """
 
     def __init__(self, channel):
@@ -79,7 +80,8 @@ class StaticFilesServicer:
     fetches again from offset 0. The file's own section checksums (StaticCache.verify())
     are checked by the server before publishing and by a careful client before use.
 
-    Roles: List, Fetch and Watch any authenticated caller; Publish the admin role.
+    Roles (docs/security.md): List, Fetch and Watch the draft role; Publish the admin role;
+    each only on the namespaces its token names.
     """
 
     def List(self, request, context):
@@ -201,7 +203,8 @@ class StaticFiles:
     fetches again from offset 0. The file's own section checksums (StaticCache.verify())
     are checked by the server before publishing and by a careful client before use.
 
-    Roles: List, Fetch and Watch any authenticated caller; Publish the admin role.
+    Roles (docs/security.md): List, Fetch and Watch the draft role; Publish the admin role;
+    each only on the namespaces its token names.
     """
 
     @staticmethod
