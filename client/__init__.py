@@ -31,6 +31,7 @@ from ngramcache.client.errors import (
     StoreAuthenticationError,
     TokenizerMismatchError,
 )
+from ngramcache.client.sync import ClientConfig, NgramClient
 from ngramcache.client.tokenizer import Tokenizer, load_tokenizer
 
 try:
@@ -46,11 +47,13 @@ __all__ = [
     "BackendUnavailableError",
     "BatchTooOldError",
     "CacheFormatError",
+    "ClientConfig",
     "CountTable",
     "Drafter",
     "InvalidArgumentError",
     "NamespaceNotFoundError",
     "NgramCacheError",
+    "NgramClient",
     "ResyncRequiredError",
     "SnapshotFormatError",
     "StaticBuilder",
