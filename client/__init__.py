@@ -31,6 +31,7 @@ from ngramcache.client.errors import (
     StoreAuthenticationError,
     TokenizerMismatchError,
 )
+from ngramcache.client.remote import RemoteDrafter
 from ngramcache.client.sync import ClientConfig, NgramClient
 from ngramcache.client.tokenizer import Tokenizer, load_tokenizer
 
@@ -54,6 +55,7 @@ __all__ = [
     "NamespaceNotFoundError",
     "NgramCacheError",
     "NgramClient",
+    "RemoteDrafter",
     "ResyncRequiredError",
     "SnapshotFormatError",
     "StaticBuilder",

@@ -1,0 +1,163 @@
+"""RemoteDrafter: drafting through a service's Session RPC, with the local Drafter's interface.
+
+For thin clients that keep no tables of their own: each sequence is one Session stream, and
+only the tokens appended since the previous call cross the wire; the service keeps the
+sequence's context table and drafts from the namespace's dynamic mirror and static
+generation. A sequence whose session ended (evicted while idle, a service restart) is
+reopened with its whole sequence on the next call, transparently.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+import numpy as np
+from numpy.typing import NDArray
+
+from ngramcache.client._core import MAX_DRAFT
+from ngramcache.client._proto.codec import bytes_to_tokens, tokens_to_bytes
+from ngramcache.client._proto.v1 import drafting_pb2, drafting_pb2_grpc
+from ngramcache.client.errors import InvalidArgumentError
+from ngramcache.client.sync import HasTokenizer, error_from_rpc
+
+_CLOSE = object()
+
+
+class _Session:
+    """One Session stream: requests go through a queue, replies are read in order."""
+
+    def __init__(self, stub: drafting_pb2_grpc.DraftingStub, open_request: drafting_pb2.SessionRequest,
+                 metadata: tuple[tuple[str, str], ...], timeout: float | None) -> None:
+        self._queue: queue.Queue[Any] = queue.Queue()
+        self._queue.put(open_request)
+        self._replies: Iterator[drafting_pb2.SessionResponse] = stub.Session(
+            iter(self._queue.get, _CLOSE), metadata=metadata, timeout=timeout)
+        self.generation = next(self._replies).opened.generation
+        self.sent = 0  # tokens of the sequence the service holds
+
+    def step(self, tokens: NDArray[np.int32], n_draft: int) -> drafting_pb2.SessionDraft:
+        self._queue.put(drafting_pb2.SessionRequest(step=drafting_pb2.SessionStep(
+            tokens=tokens_to_bytes(tokens), n_draft=n_draft)))
+        reply = next(self._replies).draft
+        self.generation = reply.generation
+        return reply
+
+    def close(self) -> None:
+        self._queue.put(_CLOSE)
+        try:
+            for _ in self._replies:  # the service answers the half-close with OK
+                pass
+        except grpc.RpcError:
+            pass
+
+
+class RemoteDrafter:
+    """`draft`, `accept` and `reset` as `ngramcache.Drafter` has them, answered by a service.
+
+    Thread-safety: calls for different sequences may run from different threads; calls for
+    one sequence are serialized by its lock. A context manager; `close()` ends every session.
+
+    Args:
+        address: ``host:port`` of a service.
+        namespace: the namespace to draft from.
+        tokenizer: a `Tokenizer` (anything with ``fingerprint`` and ``vocab_size``) or a
+            ``(fingerprint, vocab_size)`` pair; must be the namespace's.
+        token: a bearer token, or None.
+        timeout: seconds a session may last at most (None: no deadline).
+        channel: an existing channel to use instead of opening one to `address`.
+
+    Raises (from the calls):
+        TokenizerMismatchError, NamespaceNotFoundError, BackendUnavailableError (retriable),
+        InvalidArgumentError: mapped from the service's status in one place (`error_from_rpc`).
+    """
+
+    def __init__(self, address: str, namespace: str, tokenizer: HasTokenizer | tuple[bytes, int], *,
+                 token: str | None = None, timeout: float | None = None, channel: grpc.Channel | None = None) -> None:
+        if isinstance(tokenizer, tuple):
+            self._fingerprint, self._vocab_size = bytes(tokenizer[0]), int(tokenizer[1])
+        else:
+            self._fingerprint, self._vocab_size = bytes(tokenizer.fingerprint), int(tokenizer.vocab_size)
+        self._namespace = namespace
+        self._own_channel = channel is None
+        self._channel = channel if channel is not None else grpc.insecure_channel(address)
+        self._stub = drafting_pb2_grpc.DraftingStub(self._channel)  # type: ignore[no-untyped-call]
+        self._metadata: tuple[tuple[str, str], ...] = (("authorization", f"Bearer {token}"),) if token else ()
+        self._timeout = timeout
+        self._sessions: dict[int, _Session] = {}
+        self._locks: dict[int, threading.Lock] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def generation(self) -> int:
+        """The static generation the latest draft of any sequence used (0: none)."""
+        return max((s.generation for s in self._sessions.values()), default=0)
+
+    def _seq_lock(self, seq: int) -> threading.Lock:
+        with self._lock:
+            return self._locks.setdefault(seq, threading.Lock())
+
+    def _open(self, n_draft: int) -> _Session:
+        request = drafting_pb2.SessionRequest(open=drafting_pb2.SessionOpen(
+            namespace=self._namespace, tokenizer_fingerprint=self._fingerprint, vocab_size=self._vocab_size,
+            n_draft=n_draft))
+        try:
+            return _Session(self._stub, request, self._metadata, self._timeout)
+        except grpc.RpcError as e:
+            raise error_from_rpc(e) from None
+
+    def draft(self, seq: int, tokens: NDArray[np.int32], n_draft: int = 8) -> NDArray[np.int32]:
+        """Drafts up to `n_draft` tokens after `tokens` (the whole sequence so far, int32);
+        only the tokens the service has not seen yet are sent."""
+        if not 1 <= n_draft <= MAX_DRAFT:
+            raise InvalidArgumentError(f"n_draft must be in 1..{MAX_DRAFT}, got {n_draft}")
+        tokens = np.ascontiguousarray(tokens, dtype=np.int32)
+        with self._seq_lock(seq):
+            for attempt in range(2):
+                session = self._sessions.get(seq)
+                if session is None or len(tokens) < session.sent:
+                    if session is not None:  # the sequence was rewound: start it again
+                        session.close()
+                    session = self._sessions[seq] = self._open(n_draft)
+                try:
+                    reply = session.step(tokens[session.sent:], n_draft)
+                    session.sent = len(tokens)
+                    drafted: NDArray[np.int32] = bytes_to_tokens(reply.tokens).copy()
+                    return drafted
+                except grpc.RpcError as e:
+                    del self._sessions[seq]
+                    if e.code() == grpc.StatusCode.ABORTED and attempt == 0:
+                        continue  # evicted: reopen with the whole sequence
+                    raise error_from_rpc(e) from None
+                except StopIteration:  # the stream ended without a status: reopen once
+                    del self._sessions[seq]
+                    if attempt == 0:
+                        continue
+                    raise
+        raise AssertionError("unreachable")
+
+    def accept(self, seq: int, tokens: NDArray[np.int32]) -> None:
+        """Nothing to do locally: the next `draft` sends the tokens the service lacks."""
+
+    def reset(self, seq: int) -> bool:
+        """Ends the session of `seq`; returns whether there was one."""
+        with self._seq_lock(seq):
+            session = self._sessions.pop(seq, None)
+        if session is not None:
+            session.close()
+        return session is not None
+
+    def close(self) -> None:
+        for seq in list(self._sessions):
+            self.reset(seq)
+        if self._own_channel:
+            self._channel.close()
+
+    def __enter__(self) -> RemoteDrafter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,86 @@
+"""RemoteDrafter against a real service: the same drafts as a local Drafter on the same tables."""
+
+from __future__ import annotations
+
+import hashlib
+import time
+
+import grpc
+import numpy as np
+import pytest
+from service_helpers import ServiceThread
+
+from ngramcache import CountTable, Drafter, RemoteDrafter, StaticCache, build_static_from_tokens
+from ngramcache.client._proto.codec import delta_rows_to_bytes
+from ngramcache.client._proto.v1 import (
+    admin_pb2,
+    admin_pb2_grpc,
+    counts_pb2,
+    counts_pb2_grpc,
+    static_files_pb2,
+    static_files_pb2_grpc,
+)
+from ngramcache.client.errors import NamespaceNotFoundError, TokenizerMismatchError
+
+pytestmark = pytest.mark.integration
+
+VOCAB = 64
+FP = bytes(range(32))
+
+
+def corpus(seed: int, n: int = 4000) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    motifs = [rng.integers(0, VOCAB, rng.integers(3, 9)) for _ in range(12)]
+    return np.concatenate([motifs[i] for i in rng.integers(0, len(motifs), n // 6)]).astype(np.int32)
+
+
+def test_remote_drafts_equal_local_drafts_and_sessions_recover(tmp_path):
+    counts_url = f"embedded://{tmp_path / 'counts.snapshot'}?epoch_seconds=0"
+    with ServiceThread(tmp_path / "data", counts=counts_url, mirror_interval=0.05, session_idle_timeout=0.5) as svc:
+        ch = grpc.insecure_channel(f"127.0.0.1:{svc.port}")
+        admin_pb2_grpc.AdminStub(ch).CreateNamespace(
+            admin_pb2.CreateNamespaceRequest(name="r", tokenizer_fingerprint=FP, vocab_size=VOCAB))
+        learned = corpus(1)
+        t = CountTable()
+        t.update(learned)
+        counts_pb2_grpc.CountsStub(ch).Push(counts_pb2.PushRequest(
+            namespace="r", tokenizer_fingerprint=FP, client_id="t", seq=0, rows=delta_rows_to_bytes(t.to_rows())))
+        path = tmp_path / "g.ngc"
+        build_static_from_tokens([corpus(2)], path, vocab_size=VOCAB, fingerprint=FP, generation=1)
+        data = path.read_bytes()
+        static_files_pb2_grpc.StaticFilesStub(ch).Publish(iter([
+            static_files_pb2.PublishRequest(header=static_files_pb2.PublishHeader(
+                namespace="r", generation=1, size=len(data), sha256=hashlib.sha256(data).digest())),
+            static_files_pb2.PublishRequest(chunk=static_files_pb2.FileChunk(offset=0, data=data))]), timeout=10)
+        dynamic = CountTable()
+        dynamic.update(learned)
+        local = Drafter(static=StaticCache.open(path), dynamic=dynamic)
+        text = corpus(3, 900)
+        time.sleep(0.5)  # the mirror has the pushed counts
+        with RemoteDrafter(f"127.0.0.1:{svc.port}", "r", (FP, VOCAB)) as remote:
+            nonempty = 0
+            for n in range(20, len(text), 5):
+                local.accept(1, text[:n])
+                remote.accept(1, text[:n])
+                want = local.draft(1, text[:n], 8).tolist()
+                assert remote.draft(1, text[:n], 8).tolist() == want, n
+                nonempty += bool(want)
+            assert nonempty > 20 and remote.generation == 1
+            # An idle session is evicted by the service; the next draft reopens it with the
+            # whole sequence and drafts the same.
+            time.sleep(1.0)
+            n = len(text)
+            local.accept(1, text[:n])
+            assert remote.draft(1, text[:n], 8).tolist() == local.draft(1, text[:n], 8).tolist()
+            # A rewound sequence starts a new session.
+            local.reset(1)
+            local.accept(1, text[:30])
+            assert remote.draft(1, text[:30], 4).tolist() == local.draft(1, text[:30], 4).tolist()
+            assert remote.reset(1) and not remote.reset(1)
+        with RemoteDrafter(f"127.0.0.1:{svc.port}", "r", (bytes(32), VOCAB)) as wrong:
+            with pytest.raises(TokenizerMismatchError):
+                wrong.draft(1, text[:10])
+        with RemoteDrafter(f"127.0.0.1:{svc.port}", "nope", (FP, VOCAB)) as missing:
+            with pytest.raises(NamespaceNotFoundError):
+                missing.draft(1, text[:10])
+        ch.close()
