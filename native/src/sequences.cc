@@ -79,7 +79,13 @@ Status SequenceSet::accept(int64_t seq, const Token* tokens, size_t n_tokens, ui
       bytes_.fetch_add(grew, std::memory_order_relaxed);
       if (track_deltas_) {
         std::lock_guard plock(pending_mu_);
-        pending_.update(tokens, n_tokens, n_new, ngram_min_, ngram_max_);
+        const size_t first_new = n_tokens - n_new;
+        for (int k = ngram_min_; k <= ngram_max_; ++k) {
+          for (size_t i = std::max(first_new, static_cast<size_t>(k)); i < n_tokens; ++i) {
+            pending_.push_back({NGram::from(tokens + i - k, k), tokens[i]});
+          }
+        }
+        if (pending_.size() >= kFoldAt) fold_locked();
       }
     }
     if (over_bounds()) enforce_bounds(seq);
@@ -163,20 +169,38 @@ bool SequenceSet::reset(int64_t seq) {
 
 size_t SequenceSet::size() const { return n_seqs_.load(std::memory_order_relaxed); }
 
+void SequenceSet::fold_locked() {
+  for (const Occurrence& o : pending_) folded_.add(o.key, o.follower, 1);
+  pending_.clear();
+}
+
 void SequenceSet::drain_deltas(std::vector<int32_t>* out) {
-  CountTable drained;
+  std::vector<Occurrence> drained;
+  CountTable folded;
   {
     std::lock_guard lock(pending_mu_);
     std::swap(drained, pending_);
+    std::swap(folded, folded_);
   }
-  drained.for_each([&](const NGram& key, const PartView& part) {
-    for (uint32_t j = 0; j < part.size; ++j) rows::append(out, key, part.followers[j].token, part.followers[j].count);
-  });
+  if (folded.n_entries() > 0) {  // rare: more than kFoldAt occurrences between two drains
+    for (const Occurrence& o : drained) folded.add(o.key, o.follower, 1);
+    folded.for_each([&](const NGram& key, const PartView& part) {
+      for (uint32_t j = 0; j < part.size; ++j) rows::append(out, key, part.followers[j].token, part.followers[j].count);
+    });
+    return;
+  }
+  std::sort(drained.begin(), drained.end());
+  for (size_t i = 0; i < drained.size();) {
+    size_t j = i + 1;
+    while (j < drained.size() && drained[j].same(drained[i])) ++j;
+    rows::append(out, drained[i].key, drained[i].follower, j - i);
+    i = j;
+  }
 }
 
 size_t SequenceSet::pending_entries() const {
   std::lock_guard lock(pending_mu_);
-  return pending_.n_entries();
+  return pending_.size() + folded_.n_entries();
 }
 
 }  // namespace ngc

@@ -382,3 +382,19 @@ def test_parallel_drafts_equal_serial_drafts_while_the_mirror_and_static_change(
     for t in ts:
         t.join()
     assert results == serial
+
+
+def test_drain_deltas_counts_exactly_past_the_fold_threshold():
+    """More than 4M occurrences between two drains are folded into a table as they come;
+    the drained counts stay exact."""
+    rng = np.random.default_rng(11)
+    tokens = arr(rng.integers(0, 40, 1_100_000))  # 4 sizes x 1.1M positions > 2^22 occurrences
+    d = Drafter(vocab_size=40, fingerprint=UNTAGGED, track_deltas=True)
+    d.accept(1, tokens[:600_000])
+    d.accept(1, tokens)
+    got = d.drain_deltas()
+    want = CountTable()
+    want.update(tokens)
+    key = lambda rows: sorted(map(tuple, rows.tolist()))  # noqa: E731
+    assert key(got) == key(want.to_rows())
+    assert d.drain_deltas().shape == (0, 7)

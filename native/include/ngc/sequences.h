@@ -15,6 +15,7 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <mutex>
 #include <unordered_map>
@@ -68,6 +69,7 @@ class SequenceSet {
 
   // Moves the pending deltas out as count rows (rows.h) appended to `rows`, and clears them.
   void drain_deltas(std::vector<int32_t>* rows);
+  // Occurrences pending (an upper bound of the rows the next drain returns).
   size_t pending_entries() const;
 
  private:
@@ -105,8 +107,25 @@ class SequenceSet {
   std::atomic<size_t> n_seqs_{0};
   std::atomic<size_t> bytes_{0};
   std::atomic<uint64_t> n_evicted_{0};
-  mutable std::mutex pending_mu_;  // guards pending_
-  CountTable pending_;             // counts accepted since the last drain (when track_deltas_)
+  // One (n-gram, follower) occurrence accepted since the last drain. Appending records is
+  // several times cheaper than counting them in a hash table on every accept; drain sorts
+  // and sums them once.
+  struct Occurrence {
+    NGram key;
+    Token follower;
+    bool operator<(const Occurrence& o) const {
+      const int c = std::memcmp(key.tokens, o.key.tokens, sizeof(key.tokens));
+      return c != 0 ? c < 0 : follower < o.follower;
+    }
+    bool same(const Occurrence& o) const { return key == o.key && follower == o.follower; }
+  };
+  // Records beyond which accept folds them into `folded_` (bounds memory between drains).
+  static constexpr size_t kFoldAt = size_t{1} << 22;
+  void fold_locked();
+
+  mutable std::mutex pending_mu_;    // guards pending_ and folded_
+  std::vector<Occurrence> pending_;  // occurrences accepted since the last drain (when track_deltas_)
+  CountTable folded_;                // older occurrences of this drain period, counted
 };
 
 }  // namespace ngc
