@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import re
+import shutil
 import signal
 import statistics
 import subprocess
@@ -163,6 +164,7 @@ def main() -> int:
     finally:
         service.send_signal(signal.SIGTERM)
         service.wait(timeout=30)
+        shutil.rmtree(tmp, ignore_errors=True)
     return 0
 
 
