@@ -164,7 +164,9 @@ async def create_server(config: ServiceConfig) -> tuple[Service, int]:
         await static_store.drop(namespace)
 
     admin_pb2_grpc.add_AdminServicer_to_server(
-        AdminServicer(runner, server_info=ServerInfo(limits=limits, auth_required=auth is not None), on_drop=on_drop), server)
+        AdminServicer(runner, server_info=ServerInfo(limits=limits, auth_required=auth is not None), on_drop=on_drop,
+                      latest_generation=lambda ns: (g.generation if (g := static_store.latest(ns)) else 0)),
+        server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME), server)

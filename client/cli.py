@@ -625,11 +625,12 @@ def cmd_merge(args: argparse.Namespace) -> int:
     stats = builder.finish()
     out = StaticCache.open(args.output)
     if not args.quiet:
-        print(f"wrote {args.output}: {out.n_keys:,} keys, {out.n_followers:,} followers from {out.n_tokens:,} tokens "
+        tokens = f"{out.n_tokens:,} tokens" if out.n_tokens or not out.n_keys else "an unknown number of tokens"
+        print(f"wrote {args.output}: {out.n_keys:,} keys, {out.n_followers:,} followers from {tokens} "
               f"(merged {len(caches)} files, {stats['n_pairs']:,} counted pairs), generation {generation}")
         unknown = [c.path for c in caches if c.n_tokens == 0 and c.n_keys > 0]
-        if unknown:  # TODO(lead): record unknown (0) instead, see add_static
-            print(f"note: the token count of {', '.join(unknown)} is unknown (imported); it is not in the total",
+        if unknown:  # add_static makes the sum unknown (0) then: a partial sum would mislead
+            print(f"note: the token count of {', '.join(unknown)} is unknown (imported), so the merged file's is too",
                   file=sys.stderr)
     return 0
 

@@ -24,6 +24,7 @@ with no context and a zero duration.
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import contextlib
 import dataclasses
@@ -102,8 +103,9 @@ class ObservingInterceptor(aio.ServerInterceptor):
 
     observe_requests = False
 
+    @abc.abstractmethod
     def finished(self, call: FinishedCall) -> None:
-        raise NotImplementedError
+        """Reports one finished call (the subclass's whole job)."""
 
     async def intercept_service(
         self,

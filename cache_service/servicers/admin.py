@@ -84,8 +84,10 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
     """
 
     def __init__(self, runner: StoreRunner, *, server_info: ServerInfo,
-                 on_drop: Callable[[str], object] | None = None) -> None:
+                 on_drop: Callable[[str], object] | None = None,
+                 latest_generation: Callable[[str], int] | None = None) -> None:
         self._runner = runner
+        self._latest_generation = latest_generation
         self._store = runner.store
         self._on_drop = on_drop
         config = self._store.config
@@ -145,10 +147,13 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
 
     async def _describe(self, info: NamespaceInfo) -> admin_pb2.Namespace:
         version = await self._runner.call(self._store.version, info.name)
-        # TODO(issue 8): latest_generation from the static generations once StaticFiles is wired in.
+        latest = 0
+        if self._latest_generation is not None:
+            latest = await asyncio.to_thread(self._latest_generation, info.name)
         return admin_pb2.Namespace(
             name=info.name, tokenizer_fingerprint=bytes.fromhex(info.fingerprint), vocab_size=info.vocab_size,
-            buckets=info.buckets, shards=info.shards, instance=info.instance, counts_version=version)
+            buckets=info.buckets, shards=info.shards, instance=info.instance, counts_version=version,
+            latest_generation=latest)
 
     async def _describe_if_present(self, info: NamespaceInfo) -> admin_pb2.Namespace | None:
         try:

@@ -229,3 +229,7 @@ def test_published_generations_are_mapped_before_serving(tmp_path):
         assert svc.service is not None
         live = svc.service.registry.live()
         assert "g" in live and live["g"].generation == 3  # mapped before create_server returned (SERVING)
+        ch = grpc.insecure_channel(f"127.0.0.1:{svc.port}")
+        ns = admin_pb2_grpc.AdminStub(ch).GetNamespace(admin_pb2.GetNamespaceRequest(name="g"), timeout=10).namespace
+        assert ns.latest_generation == 3
+        ch.close()

@@ -496,6 +496,10 @@ def test_merge_sums_n_tokens_and_inspect_says_what_is_unknown(capsys, files, tmp
     run("import-llama", str(files / "a.lcs"), "-o", str(tmp_path / "i.ngc"), *UNTAGGED_ARGS)
     assert "n_tokens: unknown" in run("inspect", str(tmp_path / "i.ngc")).stdout
     assert json.loads(run("inspect", str(tmp_path / "i.ngc"), "--json").stdout)["n_tokens"] is None
+    # Merged with a file of unknown count, the sum is unknown too (not a misleading partial sum).
+    r = run("merge", str(files / "a.ngc"), str(tmp_path / "i.ngc"), "-o", str(tmp_path / "mi.ngc"))
+    assert StaticCache.open(str(tmp_path / "mi.ngc")).n_tokens == 0
+    assert "an unknown number of tokens" in r.stdout and "so the merged file's is too" in r.stderr
     run("build", str(files / "a.bin"), "-o", str(tmp_path / "t.ngc"), "--vocab-size", "50", "--fingerprint", "12" * 32)
     assert f"fingerprint: {'12' * 32}" in run("inspect", str(tmp_path / "t.ngc")).stdout
 
