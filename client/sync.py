@@ -146,7 +146,8 @@ class ClientConfig:
         max_batch_rows: most rows a push (capped by the server's limit).
         max_pending_rows: rows buffered for pushing; above it: aggregate, then drop the oldest.
         keep_generations: installed generations kept besides the current one.
-        ready_timeout: how long the constructor waits for the first sync.
+        connect_timeout: how long the constructor tries the addresses for a first answer.
+        ready_timeout: how long the constructor waits for the first sync (download included).
         close_timeout: how long `close` spends flushing pushes.
         rpc_timeout: deadline of a unary call (pushes, List, GetNamespace).
         backoff: the retry policy while calls fail retriably.
@@ -165,6 +166,7 @@ class ClientConfig:
     max_batch_rows: int = 65_536
     max_pending_rows: int = 1_000_000
     keep_generations: int = 2
+    connect_timeout: float = 10.0
     ready_timeout: float = 60.0
     close_timeout: float = 10.0
     rpc_timeout: float = 10.0
@@ -296,8 +298,8 @@ class _Core:
     # start
 
     async def connect(self) -> None:
-        """Check the namespace and read the server's limits (retrying unreachable addresses until ready_timeout)."""
-        until = time.monotonic() + self.config.ready_timeout
+        """Check the namespace and read the server's limits (retrying unreachable addresses until connect_timeout)."""
+        until = time.monotonic() + min(self.config.connect_timeout, self.config.ready_timeout)
         timeout = min(self.config.rpc_timeout, 2.0)
 
         async def get(chan: _Channel) -> admin_pb2.GetNamespaceResponse:
@@ -305,7 +307,12 @@ class _Core:
                 admin_pb2.GetNamespaceRequest(name=self.config.namespace), timeout=timeout, metadata=self.metadata)
             return resp
 
-        ns = (await self.retrying("GetNamespace", get, until)).namespace
+        try:
+            ns = (await self.retrying("GetNamespace", get, until)).namespace
+        except BackendUnavailableError as e:
+            raise BackendUnavailableError(
+                f"no ngramcache service answered at {', '.join(self.config.addresses)} within "
+                f"{self.config.connect_timeout:g} s (connect_timeout): {e}") from None
         if ns.tokenizer_fingerprint != self.config.fingerprint or ns.vocab_size != self.config.vocab_size:
             raise TokenizerMismatchError(
                 f"namespace {self.config.namespace!r} is bound to fingerprint {ns.tokenizer_fingerprint.hex()[:16]}... "
@@ -685,7 +692,7 @@ class NgramClient:
     Raises:
         TokenizerMismatchError: the namespace is bound to another tokenizer.
         NamespaceNotFoundError: no such namespace.
-        BackendUnavailableError: no address answered within ``ready_timeout``.
+        BackendUnavailableError: no address answered within ``connect_timeout`` (default 10 s), or the first sync took longer than ``ready_timeout``.
     """
 
     def __init__(self, addresses: str | Sequence[str], namespace: str,

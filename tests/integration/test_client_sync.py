@@ -322,3 +322,19 @@ def test_failover_to_the_next_address(fleet: Fleet) -> None:
         nc.drafter().accept(1, corpus(2, 200))
         wait_until(lambda: nc.stats()["acked_rows"] > 0, 10.0, "a push through the second address")
         assert nc.stats()["address"] == fleet.address and nc.stats()["reconnects"] >= 1
+
+
+def test_a_service_that_is_down_is_reported_within_connect_timeout(tmp_path):
+    import socket
+    import time as _time
+
+    from ngramcache import NgramClient
+    from ngramcache.client.errors import BackendUnavailableError
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    t0 = _time.monotonic()
+    with pytest.raises(BackendUnavailableError, match=r"no ngramcache service answered at 127\.0\.0\.1:\d+ within 1 s"):
+        NgramClient(f"127.0.0.1:{port}", "ns", (bytes(32), 10), cache_dir=str(tmp_path), connect_timeout=1.0)
+    assert _time.monotonic() - t0 < 10
