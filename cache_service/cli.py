@@ -47,6 +47,11 @@ _HELP = {
     "push_group_rows": "most rows summed into one store unit from concurrent pushes (default 0: the store's "
                        "max_batch_rows)",
     "mirror_interval": "seconds between two refreshes of a namespace's dynamic mirror (default 1)",
+    "view_top_k": "followers per n-gram in the draft view clients mirror (default 8)",
+    "view_min_change_pct": "a count in the draft view is republished when it moves by more than this percent "
+                           "(default 25; 0: on every change)",
+    "view_max_rows": "most rows of the draft view (a client's mirror); over it, the view's key minimum doubles "
+                     "(default 2000000)",
     "max_message_bytes": "largest gRPC message in either direction, bytes (default 64 MiB)",
     "max_file_bytes": "largest static file a Publish may upload, bytes (default 16 GiB)",
     "grace_period": "seconds in-flight calls get to finish on SIGTERM (default 10)",

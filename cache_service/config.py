@@ -19,6 +19,7 @@ from typing import Any
 from ngramcache.client.errors import InvalidArgumentError
 
 from .counts import redact_url
+from .draft_view import ViewPolicy
 from .security import load_tokens, read_tls_files
 
 ENV_PREFIX = "NGC_"
@@ -53,6 +54,10 @@ class ServiceConfig:
     push_batch_window_ms: float = 0.0  # how long a group of pushes waits for more (0: until the store is free)
     push_group_rows: int = 0  # most rows summed into one store unit (0: the store's max_batch_rows)
     mirror_interval: float = 1.0  # seconds between two changes_since of a namespace's mirror
+    # The draft view clients mirror (cache_service/draft_view.py)
+    view_top_k: int = 8  # followers kept per key
+    view_min_change_pct: int = 25  # a published count is updated when it moves by more than this %
+    view_max_rows: int = 2_000_000  # rows in the view; over it, its key minimum doubles
     # Transport
     max_message_bytes: int = 64 << 20
     max_file_bytes: int = 16 << 30
@@ -76,7 +81,7 @@ class ServiceConfig:
             raise InvalidArgumentError(f"metrics_port must be in -1..65535 (-1: off, 0: any free port), got {self.metrics_port}")
         for name in ("max_sessions", "max_sessions_per_client", "max_streams_per_connection", "max_session_tokens", "max_step_tokens", "max_draft_tokens", "session_memory",
                      "max_push_rows", "max_chunk_rows", "max_message_bytes", "max_file_bytes", "store_threads",
-                     "workers"):
+                     "workers", "view_top_k", "view_max_rows"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise InvalidArgumentError(f"{name} must be a positive integer, got {value!r}")
@@ -84,6 +89,10 @@ class ServiceConfig:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
                 raise InvalidArgumentError(f"{name} must be a positive number of seconds, got {value!r}")
+        if not 1 <= self.view_top_k <= 64:
+            raise InvalidArgumentError(f"view_top_k must be in 1..64, got {self.view_top_k!r}")
+        if not isinstance(self.view_min_change_pct, int) or self.view_min_change_pct < 0:
+            raise InvalidArgumentError(f"view_min_change_pct must be an integer >= 0, got {self.view_min_change_pct!r}")
         if not math.isfinite(self.push_batch_window_ms) or self.push_batch_window_ms < 0:
             raise InvalidArgumentError(f"push_batch_window_ms must be a number >= 0, got {self.push_batch_window_ms!r}")
         if not isinstance(self.push_group_rows, int) or self.push_group_rows < 0:
@@ -99,6 +108,10 @@ class ServiceConfig:
             raise InvalidArgumentError(
                 f"host {self.host!r} is not a loopback address: serving the network needs TLS (tls_cert and "
                 "tls_key), or allow_insecure_remote (--allow-insecure-remote) for plaintext")
+
+    def view_policy(self) -> ViewPolicy:
+        return ViewPolicy(top_k=self.view_top_k, min_change_pct=self.view_min_change_pct, max_rows=self.view_max_rows,
+                          log_rows=2 * self.view_max_rows)
 
     def check_workers(self) -> None:
         """Several workers share counts only through a shared store: refuse the embedded one."""

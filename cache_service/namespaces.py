@@ -6,7 +6,8 @@ mirror of the namespace's dynamic counts (a `CountTable` filled from a full expo
 kept current by `changes_since` every `mirror_interval` seconds and applied as upserts
 while sessions draft: no draft waits on the store), and the latest static generation of
 the `StaticStore`, swapped in when a newer one is published. Each generation file is mapped
-once per process and shared by every session.
+once per process and shared by every session. Each refresh also folds the changed rows into
+the namespace's `DraftView`, what clients mirroring the draft view pull.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from ngramcache.client import CountTable, Drafter
 from ngramcache.client.errors import NamespaceNotFoundError, NgramCacheError, ResyncRequiredError
 
 from .counts import NamespaceInfo
+from .draft_view import DraftView, ViewPolicy
 from .static_store import StaticStore
 from .store_runner import StoreRunner
 
@@ -42,13 +44,16 @@ class MirrorState:
 class LiveNamespace:
     """One namespace's drafter, dynamic mirror and static generation (see module docstring)."""
 
-    def __init__(self, info: NamespaceInfo, *, max_sessions: int, session_memory: int) -> None:
+    def __init__(self, info: NamespaceInfo, *, max_sessions: int, session_memory: int,
+                 view_policy: ViewPolicy | None = None) -> None:
         self.info = info
+        self.view_policy = view_policy
         self.fingerprint = bytes.fromhex(info.fingerprint)
         self.dynamic = CountTable()
         self.drafter = Drafter(dynamic=self.dynamic, fingerprint=self.fingerprint, vocab_size=info.vocab_size,
                                max_sequences=max_sessions, max_memory=session_memory)
         self.mirror = MirrorState()
+        self.view: DraftView | None = None  # made after the first export
         self.generation = 0  # of the attached static cache; 0: none
         self.dropped = False
         self._tasks: list[asyncio.Task[None]] = []
@@ -66,12 +71,13 @@ class NamespaceRegistry:
     """
 
     def __init__(self, runner: StoreRunner, static_store: StaticStore, *, mirror_interval: float, max_sessions: int,
-                 session_memory: int) -> None:
+                 session_memory: int, view_policy: ViewPolicy | None = None) -> None:
         self._runner = runner
         self._static = static_store
         self._interval = mirror_interval
         self._max_sessions = max_sessions
         self._session_memory = session_memory
+        self._view_policy = view_policy
         self._live: dict[str, LiveNamespace] = {}
         self._opening: dict[str, asyncio.Future[LiveNamespace]] = {}
         self._closed = False
@@ -107,8 +113,10 @@ class NamespaceRegistry:
 
     async def _open(self, namespace: str) -> LiveNamespace:
         info = await self._runner.call(self._runner.store.namespace_info, namespace)
-        ns = LiveNamespace(info, max_sessions=self._max_sessions, session_memory=self._session_memory)
+        ns = LiveNamespace(info, max_sessions=self._max_sessions, session_memory=self._session_memory,
+                           view_policy=self._view_policy)
         await self._full_export(ns, ns.dynamic)
+        ns.view = await asyncio.to_thread(DraftView, ns.dynamic, self._view_policy)
         latest = self._static.latest(namespace)
         if latest is not None:
             ns.attach_static(await asyncio.to_thread(self._static.open, namespace, latest.generation), latest.generation)
@@ -146,10 +154,18 @@ class NamespaceRegistry:
             await self._full_export(ns, fresh)
             ns.dynamic = fresh
             ns.drafter.set_dynamic(fresh)
+            if ns.view is not None:
+                ns.view.install(*await asyncio.to_thread(ns.view.build, fresh, ns.view.scale))
             return
         if len(cs.rows):
-            await asyncio.to_thread(ns.dynamic.assign_rows, np.ascontiguousarray(cs.rows, dtype=np.int64))
+            rows = np.ascontiguousarray(cs.rows, dtype=np.int64)
+            await asyncio.to_thread(ns.dynamic.assign_rows, rows)
             ns.mirror.rows_applied += len(cs.rows)
+            view = ns.view
+            if view is not None and not view.apply(await asyncio.to_thread(view.diff, rows)):
+                log.info("namespace %s: draft view over %d rows; doubling its key minimum", ns.info.name,
+                         view.policy.max_rows)
+                view.install(*await asyncio.to_thread(view.build, ns.dynamic, view.scale * 2))
         ns.mirror.version = cs.version
         ns.mirror.last_refresh = time.monotonic()
 

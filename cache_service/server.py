@@ -128,7 +128,8 @@ async def create_server(config: ServiceConfig) -> tuple[Service, int]:
     runner = StoreRunner(store, max_workers=config.store_threads, metrics=metrics)
     static_store = StaticStore(str(data_dir / "static"))
     registry = NamespaceRegistry(runner, static_store, mirror_interval=config.mirror_interval,
-                                 max_sessions=config.max_sessions, session_memory=config.session_memory)
+                                 max_sessions=config.max_sessions, session_memory=config.session_memory,
+                                 view_policy=config.view_policy())
     metrics.watch_namespaces(registry.live)
     options = [
         ("grpc.max_receive_message_length", config.max_message_bytes),
@@ -149,7 +150,7 @@ async def create_server(config: ServiceConfig) -> tuple[Service, int]:
     drafting_pb2_grpc.add_DraftingServicer_to_server(drafting, server)
     counts = CountsServicer(runner, max_push_rows=config.max_push_rows, max_chunk_rows=config.max_chunk_rows,
                             metrics=metrics, push_batch_window_ms=config.push_batch_window_ms,
-                            push_group_rows=config.push_group_rows or None)
+                            push_group_rows=config.push_group_rows or None, registry=registry)
     counts_pb2_grpc.add_CountsServicer_to_server(counts, server)
     static_files_pb2_grpc.add_StaticFilesServicer_to_server(
         StaticFilesServicer(static_store, runner, max_file_bytes=config.max_file_bytes), server)

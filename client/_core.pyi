@@ -138,12 +138,22 @@ class CountTable:
         Adds int32 count rows (n, t0, t1, t2, t3, follower, count); all are checked before any is added.
         """
 
-    def assign_rows(self, rows: NDArray[numpy.int64]) -> None:
+    def assign_rows(self, rows: NDArray[numpy.int64], *, zero_removes: bool = False) -> None:
         """
         Sets absolute counts from int64 rows (n, t0, t1, t2, t3, follower, count), as a counts store
         returns them: each (n-gram, follower) is inserted or overwritten (an upsert); counts above
-        2^32-1 saturate. All rows are checked before any is applied; drafts running meanwhile see
-        a valid table with part of the rows applied.
+        2^32-1 saturate. With zero_removes, a count of 0 removes the follower (a draft view's
+        change log); otherwise counts must be >= 1. All rows are checked before any is applied;
+        drafts running meanwhile see a valid table with part of the rows applied.
+        """
+
+    def view_diff(self, published: CountTable, changed: NDArray[numpy.int64] | None = None, *, top_k: int = 4, min_total: Sequence[int] = (4, 3, 2, 2), min_change_pct: int = 25) -> NDArray[numpy.int64]:
+        """
+        The int64 rows (n, t0..t3, follower, count) that bring `published` to this table's draft
+        view for the keys of the int64 rows `changed` (every key when None): of each key whose
+        total reaches min_total[n-1], its top_k followers by count; a count already published is
+        updated only when it moved by more than min_change_pct percent; count 0 removes. Apply
+        the result with published.assign_rows(rows, zero_removes=True). See ngc/draft_view.h.
         """
 
     def to_rows(self) -> NDArray[numpy.int32]:

@@ -140,6 +140,9 @@ class ClientConfig:
         fingerprint, vocab_size: the client's tokenizer (must be the namespace's).
         cache_dir: where generation files are kept (``<cache_dir>/<namespace>/``), shared by a node.
         token: a bearer token, or None.
+        mirror: what the dynamic mirror holds: ``"draft"`` (default) the service's draft view,
+            only what can change a draft, bounded in rows whatever the fleet's size; ``"full"``
+            every count of the store (traffic and memory grow with the fleet).
         pull_interval: seconds between two mirror pulls (<= 1).
         push_interval: seconds between two drains of the drafter's deltas.
         max_unacked: most push batches in flight (capped by the server's dedup window).
@@ -160,6 +163,7 @@ class ClientConfig:
     vocab_size: int
     cache_dir: str
     token: str | None = None
+    mirror: str = "draft"
     pull_interval: float = 0.5
     push_interval: float = 0.1
     max_unacked: int = 4
@@ -172,6 +176,10 @@ class ClientConfig:
     rpc_timeout: float = 10.0
     backoff: Backoff = Backoff()
     drafter_options: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.mirror not in ("draft", "full"):
+            raise InvalidArgumentError(f"mirror must be 'draft' or 'full', got {self.mirror!r}")
 
 
 def aggregate_rows(rows: NDArray[np.int32]) -> NDArray[np.int32]:
@@ -192,7 +200,10 @@ def aggregate_rows(rows: NDArray[np.int32]) -> NDArray[np.int32]:
 class _Stats:
     generation: int = 0
     mirror_version: int | None = None
+    view_id: str = ""
     mirror_last_ok: float = 0.0
+    pulled_rows: int = 0
+    pulled_bytes: int = 0
     resyncs: int = 0
     drained_rows: int = 0
     drained_count: int = 0
@@ -498,7 +509,7 @@ class _Core:
     # dynamic mirror
 
     async def pull(self, table: CountTable, since: int | None) -> int:
-        """Apply one Pull (export or changes) to ``table``; return the version to resume from."""
+        """Apply one Pull of the store's counts (export or changes) to ``table``; return the version to resume from."""
         async def call(chan: _Channel) -> int:
             request = counts_pb2.PullRequest(namespace=self.config.namespace, tokenizer_fingerprint=self.config.fingerprint)
             if since is not None:
@@ -507,6 +518,7 @@ class _Core:
             async for chunk in chan.counts.Pull(request, timeout=max(30.0, self.config.rpc_timeout),
                                                 metadata=self.metadata):
                 rows = bytes_to_count_rows(chunk.rows)
+                self.count_pulled(rows, chunk.ByteSize())
                 if len(rows):
                     table.assign_rows(rows)
                 if chunk.complete:
@@ -517,12 +529,55 @@ class _Core:
 
         return await self.retrying("Pull", call)
 
+    async def pull_view(self, since: int | None, view_id: str) -> tuple[int, str]:
+        """Apply one Pull of the draft view: its changes, or the whole view into a new table swapped in
+        (reset); return the (version, view_id) to resume from."""
+        async def call(chan: _Channel) -> tuple[int, str]:
+            request = counts_pb2.PullRequest(namespace=self.config.namespace, tokenizer_fingerprint=self.config.fingerprint,
+                                             view=counts_pb2.PULL_VIEW_DRAFT, view_id=view_id)
+            if since is not None:
+                request.since_version = since
+            target: CountTable | None = None
+            async for chunk in chan.counts.Pull(request, timeout=max(30.0, self.config.rpc_timeout),
+                                                metadata=self.metadata):
+                if target is None:
+                    target = CountTable() if chunk.reset else self.table
+                rows = bytes_to_count_rows(chunk.rows)
+                self.count_pulled(rows, chunk.ByteSize())
+                if len(rows):
+                    target.assign_rows(rows, zero_removes=True)
+                if chunk.complete:
+                    if target is not self.table:
+                        if since is not None:
+                            log.info("ngramcache client: draft view reloaded (view %s)", chunk.view_id[:8])
+                            with self.lock:
+                                self.stats.resyncs += 1
+                        self.drafter.set_dynamic(target)
+                        self.table = target
+                    return chunk.version, chunk.view_id
+            raise BackendUnavailableError("Pull ended before its last chunk")
+
+        return await self.retrying("Pull", call)
+
+    def count_pulled(self, rows: NDArray[np.int64], size: int) -> None:
+        with self.lock:
+            self.stats.pulled_rows += len(rows)
+            self.stats.pulled_bytes += size
+
     async def mirror_loop(self) -> None:
         assert self.mirror_ready is not None and self.closing is not None
         ready = self.mirror_ready
 
         async def step() -> None:
             version = self.stats.mirror_version
+            if self.config.mirror == "draft":
+                version, view_id = await self.pull_view(version, self.stats.view_id)
+                with self.lock:
+                    self.stats.mirror_version, self.stats.view_id = version, view_id
+                    self.stats.mirror_last_ok = time.monotonic()
+                ready.set()
+                await asyncio.sleep(self.config.pull_interval)
+                return
             try:
                 if version is None:
                     version = await self.pull(self.table, None)
@@ -658,7 +713,9 @@ class _Core:
         lag = time.monotonic() - s.mirror_last_ok if s.mirror_last_ok else None
         return {
             "address": s.address, "client_id": self.client_id, "generation": s.generation,
-            "mirror_version": s.mirror_version, "mirror_rows": self.table.n_entries,
+            "mirror": self.config.mirror, "mirror_version": s.mirror_version, "view_id": s.view_id,
+            "mirror_rows": self.table.n_entries, "mirror_bytes": self.table.memory_bytes(),
+            "pulled_rows": s.pulled_rows, "pulled_bytes": s.pulled_bytes,
             "mirror_lag_seconds": lag, "resyncs": s.resyncs,
             "drained_rows": s.drained_rows, "drained_count": s.drained_count, "pending_rows": self.pending_rows,
             "pushed_rows": s.pushed_rows, "acked_rows": s.acked_rows, "acked_count": s.acked_count,
@@ -746,7 +803,7 @@ class NgramClient:
         return self._drafter
 
     def stats(self) -> dict[str, Any]:
-        """A snapshot: generation, mirror version/rows/lag, pushed/acked/dropped rows, reconnects, downloads."""
+        """A snapshot: generation, mirror version/rows/bytes/lag, pulled rows/bytes, pushed/acked/dropped rows, reconnects, downloads."""
         return self._core.snapshot()
 
     def close(self) -> None:

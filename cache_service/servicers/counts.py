@@ -1,7 +1,8 @@
-"""The Counts servicer: Push applies delta batches exactly once, Pull streams a namespace's counts in chunks."""
+"""The Counts servicer: Push applies delta batches exactly once, Pull streams a namespace's counts (or its draft view) in chunks."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Generator, Iterator
 
@@ -10,11 +11,13 @@ from grpc import aio
 
 from ngramcache.client._proto.codec import DELTA_ROW_BYTES, bytes_to_delta_rows, count_rows_to_bytes
 from ngramcache.client._proto.v1 import counts_pb2, counts_pb2_grpc
+from ngramcache.client.errors import BackendUnavailableError, InvalidArgumentError
 from ngramcache.client.rows import empty_counts
 
 from ..counts.namespace import check_tokenizer
 from ..counts.store import GroupItem, namespace_changed
 from ..metrics import Metrics
+from ..namespaces import NamespaceRegistry
 from ..push_batcher import PushBatcher
 from ..status import limit_exceeded
 from ..store_runner import StoreRunner
@@ -42,11 +45,13 @@ class CountsServicer(counts_pb2_grpc.CountsServicer):
             the store (0: it goes as soon as the store is free; see `PushBatcher`).
         push_group_rows: most rows of one group of pushes (None: the store's
             ``max_batch_rows``, so no store call is bigger than the biggest single push).
+        registry: the live namespaces, whose draft views a Pull with view = PULL_VIEW_DRAFT
+            reads (None: such a Pull is INVALID_ARGUMENT).
     """
 
     def __init__(self, runner: StoreRunner, *, max_push_rows: int, max_chunk_rows: int,
                  metrics: Metrics | None = None, push_batch_window_ms: float = 0.0,
-                 push_group_rows: int | None = None) -> None:
+                 push_group_rows: int | None = None, registry: NamespaceRegistry | None = None) -> None:
         if max_push_rows < 1 or max_chunk_rows < 1:
             raise ValueError("max_push_rows and max_chunk_rows must be >= 1")
         self._runner = runner
@@ -56,6 +61,7 @@ class CountsServicer(counts_pb2_grpc.CountsServicer):
         self.batcher = PushBatcher(runner, window=push_batch_window_ms / 1000,
                                    max_group_rows=push_group_rows or self._store.config.max_batch_rows)
         self._metrics = metrics  # observability (issue 8)
+        self._registry = registry
 
     async def Push(self, request: counts_pb2.PushRequest, context: aio.ServicerContext) -> counts_pb2.PushResponse:
         rows = len(request.rows) // DELTA_ROW_BYTES
@@ -78,6 +84,12 @@ class CountsServicer(counts_pb2_grpc.CountsServicer):
         chunk_rows = min(request.max_chunk_rows or DEFAULT_CHUNK_ROWS, self.max_chunk_rows)
         info = await self._runner.call(self._store.namespace_info, namespace)
         check_tokenizer(info, request.tokenizer_fingerprint)
+        if request.view == counts_pb2.PULL_VIEW_DRAFT:
+            async for chunk in self._pull_view(request, chunk_rows):
+                yield chunk
+            return
+        if request.view != counts_pb2.PULL_VIEW_STORE:
+            raise InvalidArgumentError(f"unknown Pull view {request.view}")
         if request.HasField("since_version"):
             change = await self._runner.call(self._store.changes_since, namespace, request.since_version)
             for rows, complete in _split(change.rows, chunk_rows):
@@ -109,6 +121,25 @@ class CountsServicer(counts_pb2_grpc.CountsServicer):
         yield _chunk(np.concatenate(held) if held else empty_counts(), version, True)
 
 
+    async def _pull_view(self, request: counts_pb2.PullRequest,
+                         chunk_rows: int) -> AsyncIterator[counts_pb2.PullResponse]:
+        """The draft view's changes since (view_id, since_version), or the whole view with reset."""
+        if self._registry is None:
+            raise InvalidArgumentError("this server does not serve draft views")
+        view = (await self._registry.get(request.namespace)).view
+        if view is None:
+            raise BackendUnavailableError(f"the draft view of {request.namespace!r} is not built yet")
+        if request.HasField("since_version"):
+            changes = view.changes_since(request.view_id, request.since_version)
+            if changes is not None:
+                for part, complete in _split(changes, chunk_rows):
+                    yield _chunk(part, view.version, complete, view.view_id, reset=False)
+                return
+        view_id, version, rows = await asyncio.to_thread(view.export_rows)
+        for part, complete in _split(rows, chunk_rows):
+            yield _chunk(part, version, complete, view_id, reset=True)
+
+
 def _split(rows: np.ndarray, chunk_rows: int) -> Iterator[tuple[np.ndarray, bool]]:
     """(rows of at most chunk_rows, last?) pieces of ``rows``; one empty last piece for no rows."""
     if len(rows) == 0:
@@ -124,5 +155,6 @@ def _close(it: Iterator[np.ndarray]) -> None:
         it.close()
 
 
-def _chunk(rows: np.ndarray, version: int, complete: bool) -> counts_pb2.PullResponse:
-    return counts_pb2.PullResponse(rows=count_rows_to_bytes(rows), version=version, complete=complete)
+def _chunk(rows: np.ndarray, version: int, complete: bool, view_id: str = "", reset: bool = False) -> counts_pb2.PullResponse:
+    return counts_pb2.PullResponse(rows=count_rows_to_bytes(rows), version=version, complete=complete, view_id=view_id,
+                                   reset=reset)

@@ -22,6 +22,7 @@
 #include "ngc/builder.h"
 #include "ngc/checksum.h"
 #include "ngc/count_table.h"
+#include "ngc/draft_view.h"
 #include "ngc/drafter.h"
 #include "ngc/file_util.h"
 #include "ngc/llama_format.h"
@@ -495,20 +496,65 @@ NB_MODULE(_core, m) {
           "Adds int32 count rows (n, t0, t1, t2, t3, follower, count); all are checked before any is added.")
       .def(
           "assign_rows",
-          [](PyCountTable& t, nb::handle rows_obj) {
+          [](PyCountTable& t, nb::handle rows_obj, bool zero_removes) {
             RowsView<int64_t> v = as_rows<int64_t>(rows_obj);
             Status s;
             {
               nb::gil_scoped_release release;
-              s = t.shared->assign_rows(v.data, v.n, kAnyToken);
+              s = t.shared->assign_rows(v.data, v.n, kAnyToken, zero_removes);
             }
             check(s);
           },
-          nb::sig("def assign_rows(self, rows: NDArray[numpy.int64]) -> None"), "rows"_a,
+          nb::sig("def assign_rows(self, rows: NDArray[numpy.int64], *, zero_removes: bool = False) -> None"), "rows"_a,
+          nb::kw_only(), "zero_removes"_a = false,
           "Sets absolute counts from int64 rows (n, t0, t1, t2, t3, follower, count), as a counts store\n"
           "returns them: each (n-gram, follower) is inserted or overwritten (an upsert); counts above\n"
-          "2^32-1 saturate. All rows are checked before any is applied; drafts running meanwhile see\n"
-          "a valid table with part of the rows applied.")
+          "2^32-1 saturate. With zero_removes, a count of 0 removes the follower (a draft view's\n"
+          "change log); otherwise counts must be >= 1. All rows are checked before any is applied;\n"
+          "drafts running meanwhile see a valid table with part of the rows applied.")
+      .def(
+          "view_diff",
+          [](const PyCountTable& t, const PyCountTable& published, nb::handle changed_obj, uint32_t top_k,
+             const std::vector<int64_t>& min_total, uint32_t min_change_pct) {
+            if (t.shared == published.shared) invalid("the published view must be another table");
+            if (top_k < 1 || top_k > ngc::kMaxViewTopK) {
+              invalid("top_k must be in 1.." + std::to_string(ngc::kMaxViewTopK) + ", got " + std::to_string(top_k));
+            }
+            if (min_total.size() != static_cast<size_t>(ngc::kNgramMax)) {
+              invalid("min_total needs " + std::to_string(ngc::kNgramMax) + " values (one per n-gram size)");
+            }
+            ngc::ViewPolicy policy;
+            policy.top_k = top_k;
+            policy.min_change_pct = min_change_pct;
+            for (int k = 0; k < ngc::kNgramMax; ++k) {
+              if (min_total[k] < 1) invalid("min_total values must be >= 1");
+              policy.min_total[k] = static_cast<uint64_t>(min_total[k]);
+            }
+            std::optional<RowsView<int64_t>> changed;
+            if (!changed_obj.is_none()) {
+              changed = as_rows<int64_t>(changed_obj);
+              check(ngc::rows::validate_all(changed->data, changed->n, kAnyToken, INT64_MAX, 0));
+            }
+            std::vector<int64_t> out;
+            {
+              nb::gil_scoped_release release;
+              auto full_lock = t.shared->read();
+              auto pub_lock = published.shared->read();
+              ngc::view_diff(t.shared->table(), published.shared->table(), changed ? changed->data : nullptr,
+                             changed ? changed->n : 0, policy, &out);
+            }
+            const size_t m = out.size() / ngc::rows::kWidth;
+            return to_numpy(std::move(out), {m, static_cast<size_t>(ngc::rows::kWidth)});
+          },
+          nb::sig("def view_diff(self, published: CountTable, changed: NDArray[numpy.int64] | None = None, *, "
+                  "top_k: int = 4, min_total: Sequence[int] = (4, 3, 2, 2), min_change_pct: int = 25) -> NDArray[numpy.int64]"),
+          "published"_a, "changed"_a = nb::none(), nb::kw_only(), "top_k"_a = 4,
+          "min_total"_a = std::vector<int64_t>{4, 3, 2, 2}, "min_change_pct"_a = 25,
+          "The int64 rows (n, t0..t3, follower, count) that bring `published` to this table's draft\n"
+          "view for the keys of the int64 rows `changed` (every key when None): of each key whose\n"
+          "total reaches min_total[n-1], its top_k followers by count; a count already published is\n"
+          "updated only when it moved by more than min_change_pct percent; count 0 removes. Apply\n"
+          "the result with published.assign_rows(rows, zero_removes=True). See ngc/draft_view.h.")
       .def(
           "to_rows",
           [](const PyCountTable& t) {

@@ -28,7 +28,7 @@ int64_t CountTable::find_index(const NGram& key, uint64_t hash) const {
 
 bool CountTable::find(const NGram& key, uint64_t hash, PartView* out) const {
   const int64_t idx = find_index(key, hash);
-  if (idx < 0) return false;
+  if (idx < 0 || entries_[idx].followers.empty()) return false;
   *out = view(entries_[idx]);
   return true;
 }
@@ -86,7 +86,10 @@ void CountTable::add(const NGram& key, Token token, uint32_t count) {
 }
 
 void CountTable::set(const NGram& key, Token token, uint32_t count) {
-  if (count == 0) return;
+  if (count == 0) {
+    remove(key, token);
+    return;
+  }
   Entry& e = find_or_insert(key);
   auto it = std::lower_bound(e.followers.begin(), e.followers.end(), token,
                              [](const Follower& f, Token t) { return f.token < t; });
@@ -104,6 +107,28 @@ void CountTable::set(const NGram& key, Token token, uint32_t count) {
     insert_follower(e, it, Follower{token, count});
     e.total += count;
     e.max_count = std::max(e.max_count, count);
+  }
+}
+
+void CountTable::remove(const NGram& key, Token token) {
+  const int64_t idx = find_index(key, key.hash());
+  if (idx < 0) return;
+  Entry& e = entries_[idx];
+  auto it = std::lower_bound(e.followers.begin(), e.followers.end(), token,
+                             [](const Follower& f, Token t) { return f.token < t; });
+  if (it == e.followers.end() || it->token != token) return;
+  const uint32_t old = it->count;
+  e.followers.erase(it);
+  --n_entries_;
+  e.total -= old;
+  if (e.followers.empty()) {
+    e.total = 0;  // a saturated total cannot be unwound exactly: an empty entry starts again at 0
+    e.max_count = 0;
+    follower_bytes_ -= e.followers.capacity() * sizeof(Follower);
+    std::vector<Follower>().swap(e.followers);
+  } else if (old == e.max_count) {
+    e.max_count = 0;
+    for (const Follower& f : e.followers) e.max_count = std::max(e.max_count, f.count);
   }
 }
 
@@ -157,7 +182,6 @@ Status CountTable::check_integrity() const {
     if (find_index(e.key, e.key.hash()) != static_cast<int64_t>(idx)) {
       return Status::FormatError("key " + std::to_string(idx) + " is not found through the index");
     }
-    if (e.followers.empty()) return Status::FormatError("entry without followers");
     uint64_t total = 0;
     uint32_t max_count = 0;
     for (size_t j = 0; j < e.followers.size(); ++j) {

@@ -5,7 +5,7 @@
 namespace ngc::rows {
 
 template <typename T>
-Status validate(const T* row, size_t index, uint32_t vocab_limit, int64_t max_count) {
+Status validate(const T* row, size_t index, uint32_t vocab_limit, int64_t max_count, int64_t min_count) {
   const auto where = [&] { return "row " + std::to_string(index) + ": "; };
   const int64_t n = row[kN];
   if (n < 1 || n > kNgramMax) {
@@ -26,14 +26,15 @@ Status validate(const T* row, size_t index, uint32_t vocab_limit, int64_t max_co
                                    std::to_string(vocab_limit) + ")");
   }
   const int64_t c = row[kCount];
-  if (c < 1 || c > max_count) {
-    return Status::InvalidArgument(where() + "count " + std::to_string(c) + " is outside 1.." + std::to_string(max_count));
+  if (c < min_count || c > max_count) {
+    return Status::InvalidArgument(where() + "count " + std::to_string(c) + " is outside " + std::to_string(min_count) + ".." +
+                                   std::to_string(max_count));
   }
   return Status::Ok();
 }
 
-template Status validate<int32_t>(const int32_t*, size_t, uint32_t, int64_t);
-template Status validate<int64_t>(const int64_t*, size_t, uint32_t, int64_t);
+template Status validate<int32_t>(const int32_t*, size_t, uint32_t, int64_t, int64_t);
+template Status validate<int64_t>(const int64_t*, size_t, uint32_t, int64_t, int64_t);
 
 void append(std::vector<int32_t>* out, const NGram& key, Token follower, uint64_t count) {
   while (count > 0) {

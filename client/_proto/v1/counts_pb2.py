@@ -25,21 +25,23 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n(ngramcache/client/_proto/v1/counts.proto\x12\rngramcache.v1\"m\n\x0bPushRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x1d\n\x15tokenizer_fingerprint\x18\x02 \x01(\x0c\x12\x11\n\tclient_id\x18\x03 \x01(\t\x12\x0b\n\x03seq\x18\x04 \x01(\x04\x12\x0c\n\x04rows\x18\x05 \x01(\x0c\"\x82\x01\n\x0cPushResponse\x12\x11\n\tduplicate\x18\x01 \x01(\x08\x12\r\n\x05units\x18\x02 \x01(\r\x12\x15\n\rapplied_units\x18\x03 \x01(\r\x12\x17\n\x0f\x64uplicate_units\x18\x04 \x01(\r\x12\x0f\n\x07\x65ntries\x18\x05 \x01(\r\x12\x0f\n\x07version\x18\x06 \x01(\x04\"\x85\x01\n\x0bPullRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x1d\n\x15tokenizer_fingerprint\x18\x02 \x01(\x0c\x12\x1a\n\rsince_version\x18\x03 \x01(\x04H\x00\x88\x01\x01\x12\x16\n\x0emax_chunk_rows\x18\x04 \x01(\rB\x10\n\x0e_since_version\"?\n\x0cPullResponse\x12\x0c\n\x04rows\x18\x01 \x01(\x0c\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\x10\n\x08\x63omplete\x18\x03 \x01(\x08\x32\x8c\x01\n\x06\x43ounts\x12?\n\x04Push\x12\x1a.ngramcache.v1.PushRequest\x1a\x1b.ngramcache.v1.PushResponse\x12\x41\n\x04Pull\x12\x1a.ngramcache.v1.PullRequest\x1a\x1b.ngramcache.v1.PullResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n(ngramcache/client/_proto/v1/counts.proto\x12\rngramcache.v1\"m\n\x0bPushRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x1d\n\x15tokenizer_fingerprint\x18\x02 \x01(\x0c\x12\x11\n\tclient_id\x18\x03 \x01(\t\x12\x0b\n\x03seq\x18\x04 \x01(\x04\x12\x0c\n\x04rows\x18\x05 \x01(\x0c\"\x82\x01\n\x0cPushResponse\x12\x11\n\tduplicate\x18\x01 \x01(\x08\x12\r\n\x05units\x18\x02 \x01(\r\x12\x15\n\rapplied_units\x18\x03 \x01(\r\x12\x17\n\x0f\x64uplicate_units\x18\x04 \x01(\r\x12\x0f\n\x07\x65ntries\x18\x05 \x01(\r\x12\x0f\n\x07version\x18\x06 \x01(\x04\"\xbd\x01\n\x0bPullRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x1d\n\x15tokenizer_fingerprint\x18\x02 \x01(\x0c\x12\x1a\n\rsince_version\x18\x03 \x01(\x04H\x00\x88\x01\x01\x12\x16\n\x0emax_chunk_rows\x18\x04 \x01(\r\x12%\n\x04view\x18\x05 \x01(\x0e\x32\x17.ngramcache.v1.PullView\x12\x0f\n\x07view_id\x18\x06 \x01(\tB\x10\n\x0e_since_version\"_\n\x0cPullResponse\x12\x0c\n\x04rows\x18\x01 \x01(\x0c\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\x10\n\x08\x63omplete\x18\x03 \x01(\x08\x12\x0f\n\x07view_id\x18\x04 \x01(\t\x12\r\n\x05reset\x18\x05 \x01(\x08*4\n\x08PullView\x12\x13\n\x0fPULL_VIEW_STORE\x10\x00\x12\x13\n\x0fPULL_VIEW_DRAFT\x10\x01\x32\x8c\x01\n\x06\x43ounts\x12?\n\x04Push\x12\x1a.ngramcache.v1.PushRequest\x1a\x1b.ngramcache.v1.PushResponse\x12\x41\n\x04Pull\x12\x1a.ngramcache.v1.PullRequest\x1a\x1b.ngramcache.v1.PullResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'ngramcache.client._proto.v1.counts_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_PULLVIEW']._serialized_start=592
+  _globals['_PULLVIEW']._serialized_end=644
   _globals['_PUSHREQUEST']._serialized_start=59
   _globals['_PUSHREQUEST']._serialized_end=168
   _globals['_PUSHRESPONSE']._serialized_start=171
   _globals['_PUSHRESPONSE']._serialized_end=301
   _globals['_PULLREQUEST']._serialized_start=304
-  _globals['_PULLREQUEST']._serialized_end=437
-  _globals['_PULLRESPONSE']._serialized_start=439
-  _globals['_PULLRESPONSE']._serialized_end=502
-  _globals['_COUNTS']._serialized_start=505
-  _globals['_COUNTS']._serialized_end=645
+  _globals['_PULLREQUEST']._serialized_end=493
+  _globals['_PULLRESPONSE']._serialized_start=495
+  _globals['_PULLRESPONSE']._serialized_end=590
+  _globals['_COUNTS']._serialized_start=647
+  _globals['_COUNTS']._serialized_end=787
 # @@protoc_insertion_point(module_scope)

@@ -108,6 +108,17 @@ class CountsServicer:
         and a stream broken before its last chunk is simply pulled again from the same
         since_version (or, for a full export, from the start).
 
+        Draft view (view = PULL_VIEW_DRAFT): instead of the store's counts, the service's
+        draft view of them (docs/architecture.md, "The draft view"): only the entries that
+        can change a draft (keys whose total reaches the drafter's minimum, their top
+        followers), a count republished only when it moved by more than a set percent, and
+        a bounded number of rows. Every client pulls the same view, so its traffic and memory
+        do not grow with the fleet. Versions and `view_id` belong to the replica that serves
+        them. Rows with count 0 remove an entry (assign_rows(rows, zero_removes=True)). When
+        since_version cannot be served (another view_id: another replica or a rebuilt view;
+        or older than the view's log), the answer is the whole view with reset = true: the
+        client replaces its mirror with it instead of getting OUT_OF_RANGE.
+
         Status codes:
         - OUT_OF_RANGE: since_version is outside the history the store keeps (too old, or
         the namespace was dropped and recreated; reason RESYNC_REQUIRED). The client MUST

@@ -3,8 +3,9 @@
 // Layout: a dense vector of entries (one per distinct n-gram, in insertion order) and an
 // open-addressing index of 64-bit slots (linear probing, power-of-two capacity, load
 // <= 0.7). A slot packs the upper 32 bits of the key's hash with entry index + 1, so a probe
-// compares keys only when the hash tags agree. Nothing is ever deleted except by clear(),
-// so probing needs no tombstones. Followers of an entry are kept sorted by token.
+// compares keys only when the hash tags agree. Keys are never deleted except by clear(), so
+// probing needs no tombstones; set(key, token, 0) removes a follower, and a key left without
+// followers is not found. Followers of an entry are kept sorted by token.
 //
 // Thread-safety: none. Concurrent readers are safe only while nobody writes; callers that
 // share a table across threads MUST serialize writes against reads.
@@ -32,7 +33,7 @@ class CountTable {
  public:
   CountTable() = default;
 
-  // Finds `key`; returns false (and leaves `out` alone) when it has never been counted.
+  // Finds `key`; returns false (and leaves `out` alone) when it has no followers.
   bool find(const NGram& key, PartView* out) const { return find(key, key.hash(), out); }
   // The same with the key's hash computed by the caller (key.hash()).
   bool find(const NGram& key, uint64_t hash, PartView* out) const;
@@ -44,9 +45,12 @@ class CountTable {
 
   // Adds `count` (> 0) to follower `token` of `key`.
   void add(const NGram& key, Token token, uint32_t count);
-  // Sets follower `token` of `key` to `count` (> 0), inserting it when absent: how a mirror
-  // applies the absolute counts a store returns.
+  // Sets follower `token` of `key` to `count`, inserting it when absent: how a mirror
+  // applies the absolute counts a store returns. A count of 0 removes the follower.
   void set(const NGram& key, Token token, uint32_t count);
+
+  // Removes follower `token` of `key` when present (the key stays, without that follower).
+  void remove(const NGram& key, Token token);
 
   // llama.cpp's common_ngram_cache_update: for each n in [ngram_min, ngram_max] and each
   // position i in [max(n_tokens - n_new, n), n_tokens), the key tokens[i-n..i-1] gains one
@@ -69,10 +73,12 @@ class CountTable {
   // Checks every invariant (index <-> entries, sorted followers, totals); O(size).
   Status check_integrity() const;
 
-  // Calls fn(const NGram&, const PartView&) for every n-gram, in insertion order.
+  // Calls fn(const NGram&, const PartView&) for every n-gram with followers, in insertion order.
   template <typename Fn>
   void for_each(Fn&& fn) const {
-    for (const Entry& e : entries_) fn(e.key, view(e));
+    for (const Entry& e : entries_) {
+      if (!e.followers.empty()) fn(e.key, view(e));
+    }
   }
 
  private:
@@ -80,7 +86,7 @@ class CountTable {
     NGram key;                        // the n-gram; unique in the table
     uint64_t total = 0;               // sum of followers[*].count
     uint32_t max_count = 0;           // max of followers[*].count
-    std::vector<Follower> followers;  // sorted by token; counts > 0
+    std::vector<Follower> followers;  // sorted by token; counts > 0; empty after removals
   };
 
   static PartView view(const Entry& e) {

@@ -21,15 +21,15 @@ constexpr int kWidth = 7;
 constexpr int kN = 0, kT0 = 1, kFollower = 5, kCount = 6;
 
 // Checks row `index` (for the message) of `row`: n in 1..kNgramMax, tokens and follower in
-// [0, vocab_limit), unused slots -1, count in [1, max_count]. Works for int32 and int64
-// rows.
+// [0, vocab_limit), unused slots -1, count in [min_count, max_count] (min_count 0 only where a
+// count of 0 means "remove"). Works for int32 and int64 rows.
 template <typename T>
-Status validate(const T* row, size_t index, uint32_t vocab_limit, int64_t max_count);
+Status validate(const T* row, size_t index, uint32_t vocab_limit, int64_t max_count, int64_t min_count = 1);
 
 // Checks n rows (all of them, before the caller changes anything); the first bad row fails.
 template <typename T>
-Status validate_all(const T* rows, size_t n, uint32_t vocab_limit, int64_t max_count) {
-  for (size_t i = 0; i < n; ++i) NGC_RETURN_IF_ERROR(validate(rows + kWidth * i, i, vocab_limit, max_count));
+Status validate_all(const T* rows, size_t n, uint32_t vocab_limit, int64_t max_count, int64_t min_count = 1) {
+  for (size_t i = 0; i < n; ++i) NGC_RETURN_IF_ERROR(validate(rows + kWidth * i, i, vocab_limit, max_count, min_count));
   return Status::Ok();
 }
 

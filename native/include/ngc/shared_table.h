@@ -35,8 +35,9 @@ class SharedCountTable {
   // Adds int32 count rows (see rows.h), all checked first; tokens must be < vocab_limit.
   Status add_rows(const int32_t* rows, size_t n, uint32_t vocab_limit);
   // Sets absolute counts from int64 rows (an upsert of each (n-gram, follower)); counts
-  // above UINT32_MAX saturate.
-  Status assign_rows(const int64_t* rows, size_t n, uint32_t vocab_limit);
+  // above UINT32_MAX saturate. With `zero_removes`, a count of 0 removes the follower (a
+  // draft view's change log); without it, 0 is refused like any count outside 1..2^63-1.
+  Status assign_rows(const int64_t* rows, size_t n, uint32_t vocab_limit, bool zero_removes = false);
 
   // Runs fn(CountTable&) under the exclusive lock (for whole-table operations: update,
   // merge, clear). Keep it short: drafts wait for it.
@@ -49,7 +50,7 @@ class SharedCountTable {
 
  private:
   template <typename T, typename Apply>
-  Status apply_rows(const T* rows, size_t n, uint32_t vocab_limit, int64_t max_count, Apply&& apply);
+  Status apply_rows(const T* rows, size_t n, uint32_t vocab_limit, int64_t min_count, int64_t max_count, Apply&& apply);
 
   mutable RwLock mu_;     // readers: drafts; writer: one chunk of a change set
   std::mutex write_mu_;   // serializes writers, so a change set's chunks are not interleaved
