@@ -52,6 +52,8 @@ _HELP = {
                            "(default 25; 0: on every change)",
     "view_max_rows": "most rows of the draft view (a client's mirror); over it, the view's key minimum doubles "
                      "(default 2000000)",
+    "view_max_rows_per_second": "most rows the draft view logs per second, i.e. what each client pulls; over it, "
+                                "the view's key minimum doubles (default 20000, 1.1 MB/s)",
     "max_message_bytes": "largest gRPC message in either direction, bytes (default 64 MiB)",
     "max_file_bytes": "largest static file a Publish may upload, bytes (default 16 GiB)",
     "grace_period": "seconds in-flight calls get to finish on SIGTERM (default 10)",

@@ -58,6 +58,7 @@ class ServiceConfig:
     view_top_k: int = 8  # followers kept per key
     view_min_change_pct: int = 25  # a published count is updated when it moves by more than this %
     view_max_rows: int = 2_000_000  # rows in the view; over it, its key minimum doubles
+    view_max_rows_per_second: int = 20_000  # rows logged per second (each client's pull); over it, the same
     # Transport
     max_message_bytes: int = 64 << 20
     max_file_bytes: int = 16 << 30
@@ -81,7 +82,7 @@ class ServiceConfig:
             raise InvalidArgumentError(f"metrics_port must be in -1..65535 (-1: off, 0: any free port), got {self.metrics_port}")
         for name in ("max_sessions", "max_sessions_per_client", "max_streams_per_connection", "max_session_tokens", "max_step_tokens", "max_draft_tokens", "session_memory",
                      "max_push_rows", "max_chunk_rows", "max_message_bytes", "max_file_bytes", "store_threads",
-                     "workers", "view_top_k", "view_max_rows"):
+                     "workers", "view_top_k", "view_max_rows", "view_max_rows_per_second"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise InvalidArgumentError(f"{name} must be a positive integer, got {value!r}")
@@ -111,7 +112,7 @@ class ServiceConfig:
 
     def view_policy(self) -> ViewPolicy:
         return ViewPolicy(top_k=self.view_top_k, min_change_pct=self.view_min_change_pct, max_rows=self.view_max_rows,
-                          log_rows=2 * self.view_max_rows)
+                          max_rows_per_second=self.view_max_rows_per_second, log_rows=2 * self.view_max_rows)
 
     def check_workers(self) -> None:
         """Several workers share counts only through a shared store: refuse the embedded one."""

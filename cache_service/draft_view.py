@@ -6,9 +6,10 @@ whose total reaches the drafter's strict minimum for its size, its ``top_k`` fol
 count; a count already published is republished only when it moved by more than
 ``min_change_pct`` percent. Every client pulls the same log, so its traffic is the view's
 change rate (a row is sent O(log count) times in its life, not once per push) and its
-memory is the view's size, which ``max_rows`` bounds: over it, the view doubles its key
-minimum and starts a new incarnation (clients reload it whole). The long tail the view
-leaves out reaches drafts through the next static generation.
+memory is the view's size. Two budgets bound both whatever the fleet's size: over
+``max_rows`` rows, or over ``max_rows_per_second`` rows logged per second, the view doubles
+its key minimum (``scale``), and the change that does it removes the keys now under it. The
+long tail the view leaves out reaches drafts through the next static generation.
 
 The view lives in the service's memory, one per replica: a client that moves to another
 replica (or pulls from one that restarted) sees another ``view_id`` and reloads the view.
@@ -39,6 +40,10 @@ class ViewPolicy:
         min_change_pct: a published count is updated when it moves by more than this
             percent (0: on every change).
         max_rows: the most (key, follower) rows in the view; over it the key minimum doubles.
+        max_rows_per_second: the most rows logged per second (what each client pulls);
+            over it the key minimum doubles.
+        settle_seconds: how long the log stays under a quarter of its rate budget before the
+            key minimum halves again.
         log_rows: rows of change log kept; a client further behind reloads the view.
     """
 
@@ -46,6 +51,8 @@ class ViewPolicy:
     min_total: tuple[int, int, int, int] = (4, 3, 2, 2)
     min_change_pct: int = 25
     max_rows: int = 2_000_000
+    max_rows_per_second: int = 20_000
+    settle_seconds: float = 30.0
     log_rows: int = 4_000_000
 
     def __post_init__(self) -> None:
@@ -53,8 +60,10 @@ class ViewPolicy:
             raise ValueError(f"view top_k must be in 1..{MAX_TOP_K}, got {self.top_k}")
         if len(self.min_total) != 4 or min(self.min_total) < 1:
             raise ValueError(f"view min_total needs 4 values >= 1, got {self.min_total}")
-        if self.min_change_pct < 0 or self.max_rows < 1 or self.log_rows < 1:
-            raise ValueError("view min_change_pct must be >= 0, max_rows and log_rows >= 1")
+        if self.settle_seconds <= 0:
+            raise ValueError("view settle_seconds must be > 0")
+        if self.min_change_pct < 0 or min(self.max_rows, self.max_rows_per_second, self.log_rows) < 1:
+            raise ValueError("view min_change_pct must be >= 0, max_rows, max_rows_per_second and log_rows >= 1")
 
 
 class DraftView:
@@ -76,6 +85,7 @@ class DraftView:
         self._log: deque[tuple[int, np.ndarray]] = deque()  # (version, rows), versions increasing
         self._log_rows = 0
         self._export: tuple[str, int, np.ndarray] | None = None  # the last export: (view_id, version, rows)
+        self._quiet = 0.0  # seconds the log has stayed under a quarter of its rate budget
         self.rows_published = 0  # rows appended to the log since this object was made
         self.rebuilds = 0
         self.install(*self.build(full))
@@ -85,11 +95,43 @@ class DraftView:
 
     # worker-thread parts
 
-    def diff(self, changed: np.ndarray) -> np.ndarray:
-        """The view rows to publish for the store rows ``changed`` (already applied to the full mirror)."""
-        return self.full.view_diff(self.published, np.ascontiguousarray(changed, dtype=np.int64),
-                                   top_k=self.policy.top_k, min_total=self.min_total(self.scale),
+    def diff(self, changed: np.ndarray, seconds: float) -> tuple[np.ndarray, int]:
+        """The view rows to publish for the store rows ``changed`` (already applied to the full mirror)
+        ``seconds`` after the last diff, and the key minimum's scale they were computed at.
+
+        Over a budget, the scale doubles and the rows cover every key (removing those now under
+        the minimum). After ``policy.settle_seconds`` under a quarter of the rate budget, the
+        scale halves again if the keys that brings back fit in ``settle_seconds`` of budget.
+        """
+        scale = self.scale
+        seconds = max(seconds, 1e-3)
+        rows = self._diff(np.ascontiguousarray(changed, dtype=np.int64), scale)
+        budget = self.policy.max_rows_per_second * seconds
+        if len(rows) > budget or self.published.n_entries + self._added(rows) > self.policy.max_rows:
+            while True:
+                scale *= 2
+                rows = self._diff(None, scale)  # the removals of a scale change go out whatever their number
+                if self.published.n_entries + self._added(rows) <= self.policy.max_rows:
+                    break
+            self._quiet = 0.0
+            return rows, scale
+        self._quiet = self._quiet + seconds if len(rows) < budget / 4 else 0.0
+        if scale > 1 and self._quiet >= self.policy.settle_seconds:
+            self._quiet = 0.0
+            lower = self._diff(None, scale // 2)
+            if (len(lower) <= self.policy.max_rows_per_second * self.policy.settle_seconds
+                    and self.published.n_entries + self._added(lower) <= self.policy.max_rows):
+                return lower, scale // 2
+        return rows, scale
+
+    def _diff(self, changed: np.ndarray | None, scale: int) -> np.ndarray:
+        return self.full.view_diff(self.published, changed, top_k=self.policy.top_k, min_total=self.min_total(scale),
                                    min_change_pct=self.policy.min_change_pct)
+
+    @staticmethod
+    def _added(rows: np.ndarray) -> int:
+        """An upper bound of the rows ``rows`` adds to the view (each nonzero row may be new)."""
+        return int(np.count_nonzero(rows[:, -1]))
 
     def build(self, full: CountTable, scale: int = 1) -> tuple[CountTable, CountTable, int]:
         """A whole view of ``full`` within max_rows: (full, published, scale)."""
@@ -124,10 +166,11 @@ class DraftView:
         self._log_rows = 0
         self.rebuilds += 1
 
-    def apply(self, rows: np.ndarray) -> bool:
-        """Publish the rows `diff` returned; False when the view went over max_rows (rebuild it with `build(full, scale * 2)`)."""
+    def apply(self, rows: np.ndarray, scale: int) -> None:
+        """Publish what `diff` returned."""
+        self.scale = scale
         if not len(rows):
-            return True
+            return
         self.published.assign_rows(rows, zero_removes=True)
         self.version += 1
         self._log.append((self.version, rows))
@@ -135,7 +178,6 @@ class DraftView:
         self.rows_published += len(rows)
         while self._log_rows > self.policy.log_rows and len(self._log) > 1:
             self._log_rows -= len(self._log.popleft()[1])
-        return self.published.n_entries <= self.policy.max_rows
 
     def changes_since(self, view_id: str, version: int) -> np.ndarray | None:
         """The rows to apply after ``version`` of incarnation ``view_id`` (in order: a later row of an

@@ -54,6 +54,7 @@ class LiveNamespace:
                                max_sequences=max_sessions, max_memory=session_memory)
         self.mirror = MirrorState()
         self.view: DraftView | None = None  # made after the first export
+        self.view_refreshed = time.monotonic()  # when the view last took changes
         self.generation = 0  # of the attached static cache; 0: none
         self.dropped = False
         self._tasks: list[asyncio.Task[None]] = []
@@ -162,10 +163,14 @@ class NamespaceRegistry:
             await asyncio.to_thread(ns.dynamic.assign_rows, rows)
             ns.mirror.rows_applied += len(cs.rows)
             view = ns.view
-            if view is not None and not view.apply(await asyncio.to_thread(view.diff, rows)):
-                log.info("namespace %s: draft view over %d rows; doubling its key minimum", ns.info.name,
-                         view.policy.max_rows)
-                view.install(*await asyncio.to_thread(view.build, ns.dynamic, view.scale * 2))
+            if view is not None:
+                now = time.monotonic()
+                diff, scale = await asyncio.to_thread(view.diff, rows, now - ns.view_refreshed)
+                ns.view_refreshed = now
+                if scale != view.scale:
+                    log.info("namespace %s: draft view over its budgets (%d rows, %d rows/s); key minimum x%d",
+                             ns.info.name, view.policy.max_rows, view.policy.max_rows_per_second, scale)
+                view.apply(diff, scale)
         ns.mirror.version = cs.version
         ns.mirror.last_refresh = time.monotonic()
 

@@ -119,8 +119,8 @@ def test_draft_view_log_serves_changes_and_reloads_when_it_cannot():
     for count in (11, 12, 13, 14):
         full.add([1], 2, 1)
         changed = full.to_rows().astype(np.int64)
-        assert view.apply(view.diff(changed))
-        assert view.version == count - 9
+        view.apply(*view.diff(changed, 1.0))
+        assert view.version == count - 9 and view.scale == 1
     assert table_dict_from_rows(view.changes_since(first_id, 4)) == {(1,): {2: 14}}
     assert len(view.changes_since(first_id, view.version)) == 0
     assert view.changes_since(first_id, 1) is None  # trimmed from the 3-row log
@@ -136,6 +136,36 @@ def test_draft_view_over_max_rows_doubles_its_key_minimum():
     assert view.scale == 8  # 10 keys, then 3 (totals >= 8 at scale 8)
     assert view.published.n_entries <= 4
     assert set(table_dict(view.published)) == {(7,), (8,), (9,)}
+
+
+def test_draft_view_over_its_rate_removes_the_keys_under_twice_the_minimum():
+    full = CountTable()
+    policy = ViewPolicy(top_k=1, min_total=(1, 1, 1, 1), min_change_pct=0, max_rows=100, max_rows_per_second=5,
+                        settle_seconds=30)
+    view = DraftView(full, policy)
+    for token in range(4):
+        full.add([token], 0, 1)
+    view.apply(*view.diff(full.to_rows().astype(np.int64), 1.0))  # 4 rows: within 5 rows/s
+    assert view.scale == 1 and set(table_dict(view.published)) == {(0,), (1,), (2,), (3,)}
+    for token in range(10):
+        full.add([token], 0, 1 if token < 2 else 2)  # 10 more rows: over the rate
+    rows, scale = view.diff(full.to_rows().astype(np.int64), 1.0)
+    view.apply(rows, scale)
+    assert scale == 2  # totals: tokens 0-1 have 2, 2-3 have 3, 4-9 have 2: all >= 2 still
+    assert set(table_dict(view.published)) == {(t,) for t in range(10)}
+    full.add([50], 0, 1)
+    for token in range(20, 30):
+        full.add([token], 0, 4)
+    rows, scale = view.diff(full.to_rows().astype(np.int64), 0.5)  # 10 rows in 0.5 s: over 5 rows/s
+    view.apply(rows, scale)
+    assert scale == 4  # the keys under 4 leave in the same change
+    assert set(table_dict(view.published)) == {(t,) for t in range(20, 30)}
+    assert view.changes_since(view.view_id, 2) is not None  # no reload: clients follow the log
+    for _ in range(3):  # quiet for settle_seconds: the minimum halves if what comes back fits
+        rows, scale = view.diff(np.empty((0, 7), dtype=np.int64), 10.0)
+        view.apply(rows, scale)
+    assert view.scale == 2
+    assert set(table_dict(view.published)) == {(t,) for t in [*range(10), *range(20, 30)]}
 
 
 def table_dict_from_rows(rows: np.ndarray) -> dict[tuple[int, ...], dict[int, int]]:

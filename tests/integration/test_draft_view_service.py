@@ -80,8 +80,9 @@ def rows_of(table: CountTable) -> list[tuple[int, ...]]:
 
 
 def test_a_draft_view_mirror_drafts_exactly_like_a_full_mirror_with_fewer_rows(tmp_path: Path) -> None:
-    """top_k 64 and min_change_pct 0 keep everything that can draft: the drafts are identical."""
-    with ServiceThread(tmp_path / "data", mirror_interval=0.05, view_top_k=64, view_min_change_pct=0) as svc:
+    """top_k 64, min_change_pct 0 and no rate budget keep everything that can draft: the drafts are identical."""
+    with ServiceThread(tmp_path / "data", mirror_interval=0.05, view_top_k=64, view_min_change_pct=0,
+                       view_max_rows_per_second=10**9) as svc:
         address = f"127.0.0.1:{svc.port}"
         ns = create_namespace(address)
         with NgramClient(address, ns, (FP, VOCAB), cache_dir=tmp_path / "p", **FAST) as pusher, \
