@@ -9,7 +9,6 @@ import getpass
 import logging
 import signal
 import sys
-from collections.abc import AsyncIterator
 
 from ngramcache.client import cli as client_cli
 from ngramcache.client.errors import InvalidArgumentError
@@ -46,7 +45,7 @@ _HELP = {
                             "(default 0: it goes as soon as the store is free)",
     "push_group_rows": "most rows summed into one store unit from concurrent pushes (default 0: the store's "
                        "max_batch_rows)",
-    "mirror_interval": "seconds between two refreshes of a namespace's dynamic mirror (default 1)",
+    "mirror_interval": "seconds between two refreshes of a namespace's dynamic mirror and draft view (default 0.25)",
     "view_top_k": "followers per n-gram in the draft view clients mirror (default 8)",
     "view_min_change_pct": "a count in the draft view is republished when it moves by more than this percent "
                            "(default 25; 0: on every change)",
@@ -238,93 +237,25 @@ if __name__ == "__main__":
 
 
 def add_demo_service(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """Extends the client's `demo`: after building and replaying, serve the cache and draft remotely."""
+    """Extends the client's `demo`: after building and replaying, serve the cache to two worker processes."""
     demo = sub.choices["demo"]
     demo.description = (demo.description or "") + (
-        " Then serves the cache: starts the gRPC service on a free loopback port (embedded counts store "
-        "under the work folder), publishes the cache to it, and drafts one held-out file over a Session as "
-        "a model would consume it, printing tokens per step and step latency.")
+        " Then serves the cache: starts the gRPC service in this process (embedded counts store, loopback), "
+        "publishes the cache as generation 1, and starts two worker processes that draft locally with "
+        "NgramClient on one node (one downloads the generation, the other maps the same file). Worker A "
+        "replays held-out files, then B replays files overlapping A's, once sharing A's counts through the "
+        "service and once without; it prints acceptance and drafting cost per worker and how long an n-gram "
+        "A accepts takes to reach B's drafts, then drafts one file over a remote Session. Everything it "
+        "started is stopped and the temporary folder removed, also on Ctrl-C.")
     demo.add_argument("--no-serve", action="store_true", help="stop after the local replay (default: serve too)")
+    demo.add_argument("--port", type=client_cli._int_in(0, 65535), default=0, metavar="N",
+                      help="loopback port of the service (default 0: a free one)")
+    demo.add_argument("--probes", type=client_cli._int_in(0, 100), default=5, metavar="N",
+                      help="push-to-visible measurements, 0..100 (default 5)")
     demo.set_defaults(func=cmd_demo)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    rc = client_cli.cmd_demo(args)
-    if rc != 0 or args.no_serve:
-        return rc
-    return asyncio.run(_demo_service(args))
+    from .demo import run_demo
 
-
-async def _demo_service(args: argparse.Namespace) -> int:
-    import hashlib
-    import time
-
-    import numpy as np
-    from grpc import aio
-
-    from ngramcache import UNTAGGED
-    from ngramcache.client._proto.codec import bytes_to_tokens, tokens_to_bytes
-    from ngramcache.client._proto.v1 import (
-        admin_pb2,
-        admin_pb2_grpc,
-        drafting_pb2,
-        drafting_pb2_grpc,
-        static_files_pb2,
-        static_files_pb2_grpc,
-    )
-
-    from .server import create_server
-
-    logging.getLogger("ngramcache").setLevel(logging.WARNING)
-    config = ServiceConfig(port=0, data_dir=str(args.demo_workdir / "service"), mirror_interval=0.2)
-    service, port = await create_server(config)
-    try:
-        print(f"serving it: ngramcache.v1 on 127.0.0.1:{port} (embedded counts store in {config.data_dir})")
-        async with aio.insecure_channel(f"127.0.0.1:{port}") as ch:
-            await admin_pb2_grpc.AdminStub(ch).CreateNamespace(
-                admin_pb2.CreateNamespaceRequest(name="stdlib", tokenizer_fingerprint=UNTAGGED, vocab_size=256))
-            data = args.demo_cache.read_bytes()
-
-            async def upload() -> AsyncIterator[static_files_pb2.PublishRequest]:
-                yield static_files_pb2.PublishRequest(header=static_files_pb2.PublishHeader(
-                    namespace="stdlib", generation=1, size=len(data), sha256=hashlib.sha256(data).digest()))
-                for i in range(0, len(data), 1 << 20):
-                    yield static_files_pb2.PublishRequest(chunk=static_files_pb2.FileChunk(offset=i, data=data[i:i + (1 << 20)]))
-
-            await static_files_pb2_grpc.StaticFilesStub(ch).Publish(upload())
-            # One held-out file's worth of tokens, generated "by a model" that is the text itself:
-            # each step sends what the model accepted of the draft plus its own next token.
-            text = args.demo_test[: min(len(args.demo_test), 6000)]
-            queue: asyncio.Queue[drafting_pb2.SessionRequest | None] = asyncio.Queue()
-
-            async def requests() -> AsyncIterator[drafting_pb2.SessionRequest]:
-                while (item := await queue.get()) is not None:
-                    yield item
-
-            call = drafting_pb2_grpc.DraftingStub(ch).Session(requests())
-            await queue.put(drafting_pb2.SessionRequest(open=drafting_pb2.SessionOpen(
-                namespace="stdlib", tokenizer_fingerprint=UNTAGGED, vocab_size=256, n_draft=args.n_draft)))
-            opened = (await call.read()).opened
-            n, steps, accepted, lat = 64, 0, 0, []
-            step_tokens = text[:n]
-            while n < len(text):
-                t0 = time.perf_counter()
-                await queue.put(drafting_pb2.SessionRequest(step=drafting_pb2.SessionStep(tokens=tokens_to_bytes(step_tokens))))
-                draft = bytes_to_tokens((await call.read()).draft.tokens)
-                lat.append(time.perf_counter() - t0)
-                ok = 0
-                while ok < len(draft) and n + ok < len(text) and draft[ok] == text[n + ok]:
-                    ok += 1
-                accepted += ok
-                step_tokens = text[n:n + ok + 1]  # the accepted draft tokens and the model's next token
-                n += ok + 1
-                steps += 1
-            await queue.put(None)
-            generated = len(text) - 64
-            print(f"  remote session (generation {opened.generation}): {generated:,} tokens in {steps:,} model steps "
-                  f"= {generated / steps:.2f} tokens per step ({accepted:,} drafted tokens accepted); "
-                  f"step latency p50 {np.percentile(lat, 50) * 1e6:.0f} us over loopback")
-    finally:
-        await service.stop(grace=1.0)
-    print(f"stopped the service; try it yourself: ngramcache serve --data-dir {config.data_dir}")
-    return 0
+    return run_demo(args)

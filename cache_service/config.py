@@ -53,7 +53,7 @@ class ServiceConfig:
     max_chunk_rows: int = 65_536
     push_batch_window_ms: float = 0.0  # how long a group of pushes waits for more (0: until the store is free)
     push_group_rows: int = 0  # most rows summed into one store unit (0: the store's max_batch_rows)
-    mirror_interval: float = 1.0  # seconds between two changes_since of a namespace's mirror
+    mirror_interval: float = 0.25  # seconds between two changes_since of a namespace's mirror (and draft view updates)
     # The draft view clients mirror (cache_service/draft_view.py)
     view_top_k: int = 8  # followers kept per key
     view_min_change_pct: int = 25  # a published count is updated when it moves by more than this %

@@ -133,16 +133,6 @@ def test_workers_refuse_the_embedded_store(tmp_path):
     assert r.returncode == 2 and "needs" not in r.stdout and "--counts redis://" in r.stderr
 
 
-def test_demo_builds_serves_and_drafts_remotely(tmp_path):
-    r = subprocess.run([*CLI, "demo", "--workdir", str(tmp_path / "demo"), "--test-files", "3", "--n-ctx", "1024"],
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr
-    m = re.search(r"remote session \(generation 1\): [\d,]+ tokens in [\d,]+ model steps = ([\d.]+) tokens per step",
-                  r.stdout)
-    assert m and float(m.group(1)) > 1.2, r.stdout  # the served cache really drafts
-    assert "Traceback" not in r.stderr
-
-
 def test_store_down_at_start_serves_not_serving_until_it_comes(tmp_path):
     from redis_servers import RedisServer, free_port
 

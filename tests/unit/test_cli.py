@@ -475,6 +475,26 @@ def test_ctrl_c_in_the_demo_removes_its_empty_folder(capsys, tmp_path, monkeypat
     assert list(tmp_path.iterdir()) == []
 
 
+def test_the_demo_removes_its_temporary_folder_and_keeps_a_workdir(capsys, tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    rc, out, err = main(capsys, "demo", "--test-files", "2", "--n-ctx", "512")
+    assert rc == 0, err
+    assert "context + dynamic + static" in out and "removed" in out.splitlines()[-1]
+    assert list((tmp_path / "tmp").iterdir()) == []
+    rc, out, err = main(capsys, "demo", "--test-files", "2", "--n-ctx", "512", "--workdir", tmp_path / "kept")
+    assert rc == 0, err
+    assert StaticCache.open(tmp_path / "kept" / "stdlib.ngc").generation == 1
+    assert out.splitlines()[-1].startswith("the cache stays at")
+
+
+def test_the_demo_refuses_a_workdir_that_is_a_file(capsys, tmp_path):
+    (tmp_path / "f").write_text("x")
+    rc, _, err = main(capsys, "demo", "--workdir", tmp_path / "f")
+    assert rc == 2
+    one_line_error(err, f"--workdir {tmp_path / 'f'} is not a folder")
+
+
 def test_stats_refuses_an_input_not_longer_than_n_ctx(capsys, tmp_path):
     test = write_tokens(tmp_path / "t.bin", [1, 2, 3] * 6 + [9])  # 19 tokens
     for n_ctx in ("19", "4096"):

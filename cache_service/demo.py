@@ -1,0 +1,696 @@
+"""`ngramcache demo`, served: a service, a published generation, and two worker processes sharing counts through it.
+
+The steps after the client's local build and replay (`ngramcache.client.cli.run_local_demo`):
+start the service in this process (its own asyncio loop on a thread, a free loopback port,
+the embedded counts store), publish the cache as generation 1 of two namespaces, start two
+worker processes that draft locally with `NgramClient`, replay overlapping held-out files
+through them with and without each other's counts, measure how long an accepted n-gram
+takes to reach the other worker's drafts, and draft one file over a remote Session.
+
+Everything started here is stopped here, also on Ctrl-C: the workers run in sessions of
+their own (the terminal's Ctrl-C reaches only this process, which terminates them) and
+exit by themselves when this process dies (their stdin closes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import concurrent.futures
+import contextlib
+import errno
+import hashlib
+import json
+import logging
+import queue
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import IO, Any
+
+import numpy as np
+
+from ngramcache.client import cli as client_cli
+from ngramcache.client.errors import InvalidArgumentError, NgramCacheError
+
+from .config import ServiceConfig
+
+__all__ = ["run_demo", "worker_main"]
+
+FLEET, SOLO = "fleet", "solo"  # A and B share FLEET; B's baseline drafts from SOLO, where A never pushes
+VOCAB = 256  # byte tokens
+SERVICE_DIR, NODE_DIR = "service", "node-cache"  # under the work folder
+PROBE_TIMEOUT = 10.0  # seconds B watches for one probe's n-gram
+# Times A accepts a probe's n-gram. The drafter's strict thresholds want a 4-gram seen twice; the
+# service's draft view raises its key minimum while the fleet pushes faster than its rate budget
+# (x2 after A's replay here), so a probe that counts as a frequent n-gram stays visible whatever it is.
+MARK_REPEATS = 32
+REPLAY_TIMEOUT = 300.0  # seconds one worker step may take at most
+
+
+# --- a worker process: one node's inference worker, driven by JSON lines on stdin ---------------
+
+def _mapped_generation_files() -> list[str]:
+    """The static generation files this process maps (from /proc/self/maps; empty where there is none)."""
+    try:
+        with open("/proc/self/maps") as f:
+            return sorted({line.split(None, 5)[5].strip() for line in f
+                           if line.count(" ") >= 5 and line.rstrip().endswith(".ngc")})
+    except (OSError, IndexError):
+        return []
+
+
+class _WorkerState:
+    """The clients of one worker process and the commands it answers (see `worker_main`)."""
+
+    def __init__(self) -> None:
+        from ngramcache import NgramClient
+
+        self.clients: dict[str, NgramClient] = {}
+        self.seq = 0
+
+    def next_seq(self) -> int:
+        self.seq += 1
+        return self.seq
+
+    def handle(self, msg: dict[str, Any]) -> Iterator[dict[str, Any]]:
+        cmd = msg["cmd"]
+        if cmd == "connect":
+            yield self.connect(msg["address"], msg["namespace"], msg["cache_dir"])
+        elif cmd == "replay":
+            yield self.replay(msg["namespace"], msg["files"], msg["n_ctx"], msg["n_draft"], msg.get("after"))
+        elif cmd == "flush":
+            yield self.flush(msg["namespace"])
+        elif cmd == "mark":
+            yield self.mark(msg["namespace"], msg["tokens"])
+        elif cmd == "watch":
+            yield from self.watch(msg["namespace"], msg["probe"], msg["follower"])
+        elif cmd == "close":
+            self.close()
+            yield {"closed": True}
+        else:
+            raise InvalidArgumentError(f"unknown command {cmd!r}")
+
+    def connect(self, address: str, namespace: str, cache_dir: str) -> dict[str, Any]:
+        from ngramcache import UNTAGGED, NgramClient
+
+        t0 = time.perf_counter()
+        client = NgramClient(address, namespace, (UNTAGGED, VOCAB), cache_dir=cache_dir)
+        self.clients[namespace] = client
+        s = client.stats()
+        return {"seconds": time.perf_counter() - t0, "generation": s["generation"], "downloads": s["downloads"],
+                "downloaded_bytes": s["downloaded_bytes"], "mapped": _mapped_generation_files(),
+                "push_interval": client.config.push_interval, "pull_interval": client.config.pull_interval}
+
+    def wait_for_pulls(self, namespace: str, pulls: int) -> None:
+        """Returns after `pulls` mirror pulls completed since the call: the first may have started earlier, so two
+        guarantee one that began after everything acknowledged before the call."""
+        client = self.clients[namespace]
+        seen: set[float] = set()
+        since = time.monotonic()
+        deadline = since + 30.0
+        while len(seen) < pulls:
+            lag = client.stats()["mirror_lag_seconds"]
+            now = time.monotonic()
+            if lag is not None and now - lag > since:
+                seen.add(round(now - lag, 3))
+            if now > deadline:
+                raise NgramCacheError(f"the mirror of {namespace} did not pull for 30 s")
+            time.sleep(0.01)
+
+    def replay(self, namespace: str, files: list[str], n_ctx: int, n_draft: int,
+               after: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Replays `files` as a model generating them would be drafted for (llama-lookup-stats' simulation):
+        each file in requests of `n_ctx` tokens starting from its first token; per step, draft, accept the
+        drafted prefix that matches the text plus the model's own next token. Starts after two mirror pulls
+        and, with `after` ({"probe", "follower"}: another worker's last accept), once it drafts that n-gram."""
+        self.wait_for_pulls(namespace, 2)
+        if after is not None:
+            seen = list(self.watch(namespace, after["probe"], after["follower"]))[-1]  # "clash": drafted already
+            if seen.get("t") is None and "clash" not in seen:
+                raise NgramCacheError(f"the other worker's last n-gram did not reach {namespace} within {PROBE_TIMEOUT:g} s")
+        drafter = self.clients[namespace].drafter()
+        t_draft = 0.0
+        per_file = []
+        t_start = time.perf_counter()
+        for path in files:
+            tokens = np.frombuffer(Path(path).read_bytes(), dtype=np.uint8).astype(np.int32)
+            drafted = accepted = steps = generated = 0
+            for start in range(0, len(tokens) - 1, n_ctx):
+                chunk = tokens[start:start + n_ctx]
+                truth = chunk.tolist()
+                end = len(truth)
+                if end < 2:
+                    continue
+                seq = self.next_seq()
+                n = 1
+                drafter.accept(seq, chunk[:1])
+                while n < end:
+                    t0 = time.perf_counter()
+                    draft = drafter.draft(seq, chunk[:n], n_draft)
+                    t_draft += time.perf_counter() - t0
+                    ok = 0
+                    for token in draft.tolist()[: end - n]:
+                        if token != truth[n + ok]:
+                            break
+                        ok += 1
+                    drafted += len(draft)
+                    accepted += ok
+                    steps += 1
+                    n = min(n + ok + 1, end)  # the accepted draft tokens and the model's own next token
+                    drafter.accept(seq, chunk[:n])
+                generated += end - 1
+                drafter.reset(seq)
+            per_file.append([drafted, accepted, steps, generated])
+        return {"files": per_file, "t_draft": t_draft, "seconds": time.perf_counter() - t_start}
+
+    def flush(self, namespace: str) -> dict[str, Any]:
+        """Waits until everything accepted so far is pushed and acknowledged (applied exactly once)."""
+        client = self.clients[namespace]
+        time.sleep(2 * client.config.push_interval)  # the next drain takes what was accepted
+        deadline = time.monotonic() + 30.0
+        while True:
+            s = client.stats()
+            if s["pending_rows"] == 0 and s["acked_count"] == s["drained_count"]:
+                return {"acked_rows": s["acked_rows"], "acked_count": s["acked_count"], "dropped_rows": s["dropped_rows"]}
+            if s["dropped_rows"] or time.monotonic() > deadline:
+                raise NgramCacheError(f"pushes to {namespace} not acknowledged: {s['acked_count']:,} of "
+                                      f"{s['drained_count']:,} counts, {s['dropped_rows']:,} rows dropped")
+            time.sleep(0.01)
+
+    def mark(self, namespace: str, tokens: list[int]) -> dict[str, Any]:
+        """Accepts `tokens` in a new sequence; answers the time it did (CLOCK_MONOTONIC: one clock for every process
+        of the machine, so B's time of seeing it can be subtracted)."""
+        drafter = self.clients[namespace].drafter()
+        seq = self.next_seq()
+        t = time.monotonic()
+        drafter.accept(seq, np.array(tokens, dtype=np.int32))
+        drafter.reset(seq)
+        return {"t": t}
+
+    def watch(self, namespace: str, probe: list[int], follower: int) -> Iterator[dict[str, Any]]:
+        """Drafts after `probe` until the draft is `follower`; answers once when watching, once when seen."""
+        drafter = self.clients[namespace].drafter()
+        seq = self.next_seq()
+        tokens = np.array(probe, dtype=np.int32)
+        try:
+            if drafter.draft(seq, tokens, 1).tolist() == [follower]:
+                yield {"clash": True}  # drafted before anyone accepted it: not a new n-gram here
+                return
+            yield {"watching": True}
+            deadline = time.monotonic() + PROBE_TIMEOUT
+            while time.monotonic() < deadline:
+                if drafter.draft(seq, tokens, 1).tolist() == [follower]:
+                    yield {"t": time.monotonic()}
+                    return
+                time.sleep(0.001)
+            yield {"t": None}
+        finally:
+            drafter.reset(seq)
+
+    def close(self) -> None:
+        for client in self.clients.values():
+            client.close()
+        self.clients.clear()
+
+
+def worker_main() -> int:
+    """A demo worker process: reads one JSON command per line on stdin, writes its answers as JSON lines on
+    stdout; logs go to stderr. Ends on the close command or at the end of stdin (the demo is gone)."""
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    state = _WorkerState()
+    try:
+        for line in sys.stdin:
+            msg = json.loads(line)
+            try:
+                for reply in state.handle(msg):
+                    sys.stdout.write(json.dumps(reply) + "\n")
+                    sys.stdout.flush()
+            except NgramCacheError as e:
+                sys.stdout.write(json.dumps({"error": str(e)}) + "\n")
+                sys.stdout.flush()
+            if msg["cmd"] == "close":
+                break
+    finally:
+        state.close()
+    return 0
+
+
+# --- the demo's side: worker processes, the service thread -----------------------------------
+
+class WorkerProcess:
+    """A worker started as ``python -c``, in a session of its own: the terminal's Ctrl-C (or ``timeout -s INT``,
+    which signals the whole process group) reaches only the demo, which stops the worker in `stop`."""
+
+    def __init__(self, name: str, log_path: Path) -> None:
+        self.name = name
+        self.log_path = log_path
+        self._log: IO[str] = open(log_path, "w")  # closed in stop()
+        argv = [sys.executable, "-c",
+                "import sys; from ngramcache.cache_service.demo import worker_main; sys.exit(worker_main())"]
+        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
+                                     text=True, bufsize=1, start_new_session=True)
+        self.pid = self.proc.pid
+        self._replies: queue.Queue[dict[str, Any] | None] = queue.Queue()
+        threading.Thread(target=self._read, name=f"demo-worker-{name}", daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        with contextlib.suppress(ValueError, OSError):
+            for line in self.proc.stdout:
+                self._replies.put(json.loads(line))
+        self._replies.put(None)
+
+    def _exited(self) -> NgramCacheError:
+        try:
+            code: int | str = self.proc.wait(5)
+        except subprocess.TimeoutExpired:
+            code = "none yet"
+        with contextlib.suppress(OSError):
+            lines = [ln for ln in self.log_path.read_text().splitlines() if ln.strip()]
+            if lines:
+                return NgramCacheError(f"worker {self.name} (pid {self.pid}) exited, code {code}: {lines[-1].strip()}")
+        return NgramCacheError(f"worker {self.name} (pid {self.pid}) exited, code {code}")
+
+    def send(self, cmd: str, **fields: Any) -> None:
+        assert self.proc.stdin is not None
+        try:
+            self.proc.stdin.write(json.dumps({"cmd": cmd, **fields}) + "\n")
+            self.proc.stdin.flush()
+        except (BrokenPipeError, ValueError):
+            raise self._exited() from None
+
+    def reply(self, timeout: float = REPLAY_TIMEOUT) -> dict[str, Any]:
+        """The worker's next answer.
+
+        Raises:
+            NgramCacheError: it answered with an error, exited, or gave no answer within `timeout` seconds.
+        """
+        try:
+            r = self._replies.get(timeout=timeout)
+        except queue.Empty:
+            raise NgramCacheError(f"worker {self.name} (pid {self.pid}) gave no answer within {timeout:g} s") from None
+        if r is None:
+            raise self._exited()
+        if "error" in r:
+            raise NgramCacheError(f"worker {self.name}: {r['error']}")
+        return r
+
+    def request(self, cmd: str, timeout: float = REPLAY_TIMEOUT, **fields: Any) -> dict[str, Any]:
+        self.send(cmd, **fields)
+        return self.reply(timeout)
+
+    def close(self) -> None:
+        """Closes the worker's clients (flushing their pushes) and waits for it to exit."""
+        self.request("close", timeout=30.0)
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            raise NgramCacheError(f"worker {self.name} (pid {self.pid}) did not exit 10 s after closing") from None
+
+    def stop(self) -> None:
+        """Terminates the worker if it still runs (SIGTERM, then SIGKILL after 3 s) and reaps it."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(3)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        for pipe in (self.proc.stdin, self.proc.stdout):
+            with contextlib.suppress(OSError, ValueError):
+                if pipe is not None:
+                    pipe.close()
+        self._log.close()
+
+
+class ServiceThread:
+    """The service in this process, on an asyncio loop of its own thread (the demo's thread stays free to wait
+    on the workers)."""
+
+    def __init__(self, config: ServiceConfig) -> None:
+        from .server import Service, create_server
+
+        self.config = config
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="demo-service", daemon=True)
+        self.thread.start()
+        self.service: Service | None = None
+        self._starting: concurrent.futures.Future[tuple[Service, int]] = asyncio.run_coroutine_threadsafe(
+            create_server(config), self.loop)
+        try:
+            self.service, self.port = self._starting.result(60)
+        except BaseException as e:  # cannot listen, interrupted, ...: no thread or loop outlives the error
+            self.stop()
+            if isinstance(e, concurrent.futures.TimeoutError):
+                raise NgramCacheError("the service did not start within 60 s") from None
+            raise
+
+    def run(self, coro: Any, timeout: float) -> Any:
+        """Runs coroutine `coro` on the service's loop; returns its result.
+
+        Raises:
+            NgramCacheError: it took longer than `timeout` seconds (it is cancelled).
+        """
+        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        try:
+            return future.result(timeout)
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            raise NgramCacheError(f"the service's step took longer than {timeout:g} s") from None
+
+    def stop(self) -> None:
+        """Stops the service (in-flight calls get 0.5 s; the embedded store writes its snapshot) and the loop."""
+        if self.service is None and self._starting.done() and not self._starting.cancelled() \
+                and self._starting.exception() is None:
+            self.service = self._starting.result()[0]  # started while the demo was being interrupted
+        elif not self._starting.done():
+            self._starting.cancel()
+        if self.service is not None:
+            with contextlib.suppress(Exception):
+                self.run(self.service.stop(grace=0.5), 15)
+
+        async def cancel_rest() -> None:
+            rest = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for t in rest:
+                t.cancel()
+            await asyncio.gather(*rest, return_exceptions=True)
+
+        with contextlib.suppress(Exception):
+            self.run(cancel_rest(), 5)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+        if not self.thread.is_alive():
+            self.loop.close()
+
+
+@contextlib.contextmanager
+def _interrupted_once() -> Iterator[None]:
+    """Ctrl-C and SIGTERM raise KeyboardInterrupt once; later ones are ignored, so cleaning up is not cut short
+    (a terminal's Ctrl-C or `timeout` signal the process and its group: the same signal may arrive twice)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    fired: list[int] = []
+
+    def interrupt(sig: int, frame: object) -> None:
+        if not fired:
+            fired.append(sig)
+            raise KeyboardInterrupt
+
+    previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+# --- the steps -------------------------------------------------------------------------------
+
+async def _prepare(port: int, data: bytes) -> None:
+    """Creates both namespaces (byte tokens) and publishes `data` as generation 1 of each, over gRPC."""
+    import grpc
+    from grpc import aio
+
+    from ngramcache import UNTAGGED
+    from ngramcache.client._proto.v1 import admin_pb2, admin_pb2_grpc, static_files_pb2, static_files_pb2_grpc
+    from ngramcache.client.sync import error_from_rpc
+
+    async def upload(namespace: str) -> AsyncIterator[static_files_pb2.PublishRequest]:
+        yield static_files_pb2.PublishRequest(header=static_files_pb2.PublishHeader(
+            namespace=namespace, generation=1, size=len(data), sha256=hashlib.sha256(data).digest()))
+        for i in range(0, len(data), 1 << 20):
+            yield static_files_pb2.PublishRequest(chunk=static_files_pb2.FileChunk(offset=i, data=data[i:i + (1 << 20)]))
+
+    async with aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+        admin, files = admin_pb2_grpc.AdminStub(ch), static_files_pb2_grpc.StaticFilesStub(ch)
+        try:
+            for namespace in (FLEET, SOLO):
+                await admin.CreateNamespace(admin_pb2.CreateNamespaceRequest(
+                    name=namespace, tokenizer_fingerprint=UNTAGGED, vocab_size=VOCAB), timeout=30)
+                await files.Publish(upload(namespace), timeout=60)
+        except grpc.RpcError as e:
+            raise error_from_rpc(e) from None
+
+
+async def _remote_session(port: int, text: np.ndarray, n_draft: int) -> tuple[int, int, int, int, float]:
+    """Drafts `text` over one Session as a model consuming it would (each step sends what the model accepted of
+    the draft plus its own next token). Returns (generation, tokens generated, steps, accepted, p50 step s)."""
+    from grpc import aio
+
+    from ngramcache import UNTAGGED
+    from ngramcache.client._proto.codec import bytes_to_tokens, tokens_to_bytes
+    from ngramcache.client._proto.v1 import drafting_pb2, drafting_pb2_grpc
+
+    async with aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+        requests: asyncio.Queue[drafting_pb2.SessionRequest | None] = asyncio.Queue()
+
+        async def stream() -> AsyncIterator[drafting_pb2.SessionRequest]:
+            while (item := await requests.get()) is not None:
+                yield item
+
+        call = drafting_pb2_grpc.DraftingStub(ch).Session(stream())
+        await requests.put(drafting_pb2.SessionRequest(open=drafting_pb2.SessionOpen(
+            namespace=FLEET, tokenizer_fingerprint=UNTAGGED, vocab_size=VOCAB, n_draft=n_draft)))
+        opened = (await call.read()).opened
+        n, steps, accepted, latencies = 64, 0, 0, []
+        step_tokens = text[:n]
+        while n < len(text):
+            t0 = time.perf_counter()
+            await requests.put(drafting_pb2.SessionRequest(step=drafting_pb2.SessionStep(tokens=tokens_to_bytes(step_tokens))))
+            draft = bytes_to_tokens((await call.read()).draft.tokens)
+            latencies.append(time.perf_counter() - t0)
+            ok = 0
+            while ok < len(draft) and n + ok < len(text) and draft[ok] == text[n + ok]:
+                ok += 1
+            accepted += ok
+            step_tokens = text[n:n + ok + 1]
+            n += ok + 1
+            steps += 1
+        await requests.put(None)
+        return opened.generation, len(text) - 64, steps, accepted, float(np.percentile(latencies, 50))
+
+
+def _check_port(host: str, port: int) -> None:
+    """Raises the service's own one-line OSError when `port` has a listener already (before gRPC, which would
+    also log a line of its own)."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC binds: a TIME_WAIT port is free
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise OSError(errno.EADDRINUSE, f"cannot listen on {host}:{port}: {(e.strerror or str(e)).lower()} "
+                          "(another server on that port? --port 0 picks a free one)") from None
+
+
+def _split(held_out: list[Path]) -> tuple[list[Path], list[Path]]:
+    """A's files and B's: B's overlap A's by a third of the held-out files (all of them below 3 files)."""
+    k = len(held_out) // 3
+    return held_out[:len(held_out) - k], held_out[k:]
+
+
+def _figures(files: list[list[int]], which: list[int] | None = None) -> tuple[int, int, int, int]:
+    """(drafted, accepted, steps, generated) summed over the files (indices `which`, default all)."""
+    rows = [files[i] for i in (range(len(files)) if which is None else which)]
+    return tuple(sum(r[j] for r in rows) for j in range(4))  # type: ignore[return-value]
+
+
+def _per_step(files: list[list[int]], which: list[int] | None = None) -> float:
+    """Tokens generated per model step (one draft verified, the accepted prefix plus the model's own token)."""
+    _, _, steps, generated = _figures(files, which)
+    return generated / max(steps, 1)
+
+
+def _pct(accepted: int, drafted: int) -> float:
+    return 100.0 * accepted / max(drafted, 1)
+
+
+def _say(text: str, indent: str = "") -> None:
+    """Prints `text` wrapped at 110 columns, continuation lines indented two more spaces."""
+    print(textwrap.fill(text, 110, initial_indent=indent, subsequent_indent=indent + "  ", break_on_hyphens=False,
+                        break_long_words=False), flush=True)
+
+
+def _n(k: int, noun: str) -> str:
+    return f"{k} {noun}{'' if k == 1 else 's'}"
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:.2f} MB"
+
+
+def _serve_and_share(args: argparse.Namespace, workdir: Path, cache: Path, held_out: list[Path]) -> None:
+    """The served steps, printing as they go; everything started is stopped on the way out."""
+    logging.getLogger("ngramcache").setLevel(logging.WARNING)
+    workers: list[WorkerProcess] = []
+    service: ServiceThread | None = None
+    try:
+        # The workers import numpy, grpc and the core while the service starts.
+        for name in ("A", "B"):
+            workers.append(WorkerProcess(name, workdir / f"worker-{name}.log"))
+        a, b = workers
+        config = ServiceConfig(port=args.port, data_dir=str(workdir / SERVICE_DIR))
+        service = ServiceThread(config)
+        port = service.port
+        service.run(_prepare(port, cache.read_bytes()), 120)
+        _say(f"serving it: ngramcache.v1 on 127.0.0.1:{port} (embedded counts store in {config.data_dir}); "
+             f"published {cache.name} as generation 1 of namespaces {FLEET} and {SOLO}")
+        _share(args, workdir, port, a, b, held_out, config.mirror_interval)
+        for w in workers:
+            w.close()
+
+        text = np.frombuffer(_split(held_out)[1][0].read_bytes(), dtype=np.uint8).astype(np.int32)[:4000]
+        if len(text) > 64:
+            gen, generated, steps, _, p50 = service.run(_remote_session(port, text, args.n_draft), 120)
+            _say(f"a thin client drafting over gRPC instead (a Session on {FLEET}, generation {gen}, no tables of its "
+                 f"own): {generated:,} tokens in {steps:,} steps = {generated / steps:.2f} tokens per step; step "
+                 f"latency p50 {p50 * 1e6:.0f} us over loopback")
+    finally:
+        with client_cli.sigint_ignored():
+            for w in workers:
+                w.stop()
+            if service is not None:
+                service.stop()
+
+
+def _share(args: argparse.Namespace, workdir: Path, port: int, a: WorkerProcess, b: WorkerProcess,
+           held_out: list[Path], mirror_s: float) -> None:
+    address, node = f"127.0.0.1:{port}", str(workdir / NODE_DIR)
+    files_a, files_b = _split(held_out)
+    shared = [i for i, f in enumerate(files_b) if f in files_a]
+    others = [i for i, f in enumerate(files_b) if f not in files_a]
+
+    # Both workers start at once on one node: one downloads generation 1, the other waits on the node's lock.
+    for w in (a, b):
+        w.send("connect", address=address, namespace=FLEET, cache_dir=node)
+    conn = {w.name: w.reply(120) for w in (a, b)}
+    push_s, pull_s = conn["A"]["push_interval"], conn["A"]["pull_interval"]
+    _say(f"two worker processes, A (pid {a.pid}) and B (pid {b.pid}), draft locally with NgramClient on one node "
+         f"(generation files in {node}; push every {push_s:g} s, pull every {pull_s:g} s; the service refreshes its "
+         f"mirror every {mirror_s:g} s):")
+    downloads = sum(c["downloads"] for c in conn.values())
+    for name, c in conn.items():
+        other = "B" if name == "A" else "A"
+        how = (f"downloaded it ({_mb(c['downloaded_bytes'])}, verified, installed)" if c["downloads"]
+               else f"found it installed by {other}")
+        mapped = ", ".join(Path(m).relative_to(node).as_posix() if m.startswith(node) else m for m in c["mapped"])
+        _say(f"{name}: generation {c['generation']} of {FLEET} ready in {c['seconds']:.2f} s: {how}; maps "
+             f"{mapped or '-'}", "  ")
+    _say(f"{_n(downloads, 'download')} of generation 1 of {FLEET} for the node", "  ")
+
+    n_tokens = {f: f.stat().st_size for f in held_out}
+    _say(f"A replays {len(files_a)} held-out files ({sum(n_tokens[f] for f in files_a):,} tokens), then B "
+         f"{len(files_b)} ({sum(n_tokens[f] for f in files_b):,} tokens; {len(shared)} of these files A replayed too), "
+         f"as llama-lookup-stats simulates a model: requests of up to {args.n_ctx} tokens, n_draft "
+         f"{args.n_draft}; us/drafted is the time in draft() calls from Python:", "  ")
+    ra = a.request("replay", namespace=FLEET, files=[str(f) for f in files_a], n_ctx=args.n_ctx, n_draft=args.n_draft)
+    last = _random_ngram(np.random.default_rng(7))  # A's last accept: B's shared run starts once it drafts it
+    a.request("mark", namespace=FLEET, tokens=last["tokens"])
+    flushed = a.request("flush", namespace=FLEET)
+    solo = b.request("connect", address=address, namespace=SOLO, cache_dir=node, timeout=120)
+    rb_solo = b.request("replay", namespace=SOLO, files=[str(f) for f in files_b], n_ctx=args.n_ctx,
+                        n_draft=args.n_draft)
+    rb_fleet = b.request("replay", namespace=FLEET, files=[str(f) for f in files_b], n_ctx=args.n_ctx,
+                         n_draft=args.n_draft, after={"probe": last["probe"], "follower": last["follower"]})
+
+    print(f"  {'worker':<8}{'dynamic counts from':<30}{'drafted':>9}{'accepted':>10}{'accept %':>10}"
+          f"{'tokens/step':>13}{'us/drafted':>12}")
+    rows = [("A", f"its own ({FLEET})", ra), ("B", f"its own ({SOLO}): no sharing", rb_solo),
+            ("B", f"its own + A's ({FLEET}): sharing", rb_fleet)]
+    for name, label, r in rows:
+        drafted, accepted, steps, generated = _figures(r["files"])
+        print(f"  {name:<8}{label:<30}{drafted:>9,}{accepted:>10,}{_pct(accepted, drafted):>10.1f}"
+              f"{generated / max(steps, 1):>13.2f}{r['t_draft'] * 1e6 / max(drafted, 1):>12.3f}")
+    drafted_solo, accepted_solo = _figures(rb_solo["files"])[:2]
+    drafted_fleet, accepted_fleet = _figures(rb_fleet["files"])[:2]
+    parts = [f"{_per_step(rb_solo['files'], which):.2f} -> {_per_step(rb_fleet['files'], which):.2f} on {what}"
+             for what, which in ((f"{_n(len(shared), 'file')} A replayed too", shared), (_n(len(others), "other file"), others))
+             if which]
+    more = drafted_fleet - drafted_solo
+    why = (f" Accept % falls: with A's counts B drafts {more:,} more tokens, {_pct(accepted_fleet - accepted_solo, more):.0f}% "
+           "of them accepted." if more > 0 and _pct(accepted_fleet, drafted_fleet) < _pct(accepted_solo, drafted_solo) else "")
+    _say(f"sharing: on the same text B accepts {100 * (accepted_fleet / max(accepted_solo, 1) - 1):+.1f}% drafted tokens "
+         f"({accepted_solo:,} -> {accepted_fleet:,}), {_per_step(rb_solo['files']):.2f} -> "
+         f"{_per_step(rb_fleet['files']):.2f} tokens per model step ({', '.join(parts)}). B's two runs differ only "
+         f"in A's {flushed['acked_count']:,} counts, pushed to {FLEET} and never to {SOLO} (the same generation 1, "
+         f"which B's second client downloaded: {solo['downloads']} download).{why}", "  ")
+
+    delays = _push_to_visible(a, b, args.probes)
+    if delays:
+        _say(f"push to visible: A accepts a new n-gram ({MARK_REPEATS} times in one request), B drafts it "
+             f"{statistics.median(delays):.2f} s later (p50 of {_n(len(delays), 'probe')}, "
+             f"min {min(delays):.2f} s, max {max(delays):.2f} s)", "  ")
+
+
+def _random_ngram(rng: np.random.Generator) -> dict[str, Any]:
+    """A random 4-gram and follower: `tokens` holds it MARK_REPEATS times, `probe` ends with the 4-gram (after 4
+    random tokens)."""
+    gram = [int(t) for t in rng.integers(1, VOCAB, 4)]
+    follower = int(rng.integers(1, VOCAB))
+    return {"tokens": [*gram, follower] * MARK_REPEATS, "probe": [int(t) for t in rng.integers(1, VOCAB, 4)] + gram,
+            "follower": follower}
+
+
+def _push_to_visible(a: WorkerProcess, b: WorkerProcess, probes: int) -> list[float]:
+    """Seconds from A's accept of a new n-gram to B's first draft of it, per probe."""
+    rng = np.random.default_rng(20240601)
+    delays = []
+    for _ in range(probes):
+        for _attempt in range(10):  # a random n-gram B already drafts is not new: take another
+            ngram = _random_ngram(rng)
+            if "watching" in b.request("watch", timeout=30, namespace=FLEET, probe=ngram["probe"],
+                                       follower=ngram["follower"]):
+                break
+        else:
+            raise NgramCacheError("found no n-gram new to B in 10 tries")
+        t0 = a.request("mark", timeout=30, namespace=FLEET, tokens=ngram["tokens"])["t"]
+        seen = b.reply(PROBE_TIMEOUT + 30)["t"]
+        if seen is None:
+            raise NgramCacheError(f"B never drafted the n-gram A accepted within {PROBE_TIMEOUT:g} s")
+        delays.append(seen - t0)
+    return delays
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    """`ngramcache demo`: the client's local build and replay, then (unless --no-serve) the served steps.
+
+    Raises:
+        InvalidArgumentError: bad flags, or --workdir holds an earlier demo's service or node folder.
+        OSError: the service cannot listen (e.g. --port in use).
+        NgramCacheError: a worker or the service failed.
+    """
+    inputs = client_cli.demo_inputs(args.test_files, args.n_ctx)
+    if args.workdir is not None and not args.no_serve:
+        for sub in (SERVICE_DIR, NODE_DIR):
+            if (Path(args.workdir) / sub).exists():
+                raise InvalidArgumentError(f"--workdir {args.workdir} holds {sub}/ from an earlier demo (its counts "
+                                           "would mix into this one's): remove it or give another folder")
+    if args.port and not args.no_serve:
+        _check_port(ServiceConfig.host, args.port)
+    t0 = time.perf_counter()
+    with _interrupted_once(), client_cli.demo_workdir(args.workdir) as workdir:
+        cache = client_cli.run_local_demo(args, workdir, inputs)
+        if not args.no_serve:
+            _serve_and_share(args, workdir, cache, inputs[1])
+    took = time.perf_counter() - t0
+    if args.workdir is None and args.no_serve:
+        print(f"removed {workdir} (--workdir DIR keeps the cache)")
+    elif args.workdir is None:
+        _say(f"stopped the service and the workers, removed {workdir} ({took:.1f} s in all; --workdir DIR keeps "
+             "the cache, the service's data and the workers' logs)")
+    elif args.no_serve:
+        print(f"the cache stays at {workdir / 'stdlib.ngc'}; try: ngramcache inspect {workdir / 'stdlib.ngc'}")
+    else:
+        _say(f"stopped the service and the workers ({took:.1f} s in all); try it yourself: "
+             f"ngramcache serve --data-dir {workdir / SERVICE_DIR}")
+    return 0
