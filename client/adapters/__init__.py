@@ -1,0 +1,18 @@
+"""Engine adapters: ngramcache drafts inside transformers' ``generate()`` and llama-cpp-python's ``Llama``.
+
+Each engine is an optional extra, imported only by its own module, so importing this package
+loads no engine:
+
+- `ngramcache.client.adapters.transformers` (``pip install 'ngramcache[transformers]'``):
+  `generate`, `NgramCandidateGenerator`, `ngram_decoding`;
+- `ngramcache.client.adapters.llama_cpp` (``pip install 'ngramcache[llama-cpp]'``):
+  `NgramDraftModel`.
+
+Both take any drafter with ``draft``/``accept``/``reset`` (`ngramcache.Drafter`,
+``NgramClient(...).drafter()``, `ngramcache.RemoteDrafter`) and count what they do in a
+`DraftStats`.
+"""
+
+from ngramcache.client.adapters.sequence_feed import DrafterLike, DraftStats, SequenceFeed
+
+__all__ = ["DraftStats", "DrafterLike", "SequenceFeed"]

