@@ -7,8 +7,8 @@ count; a count already published is republished only when it moved by more than
 ``min_change_pct`` percent. Every client pulls the same log, so its traffic is the view's
 change rate (a row is sent O(log count) times in its life, not once per push) and its
 memory is the view's size. Two budgets bound both whatever the fleet's size: over
-``max_rows`` rows, or over ``max_rows_per_second`` rows logged per second, the view doubles
-its key minimum (``scale``), and the change that does it removes the keys now under it. The
+``max_rows`` rows, or over ``max_rows_per_second`` rows logged per second (a token bucket that lets a
+``burst_seconds`` burst pass), the view doubles its key minimum (``scale``), and the change that does it removes the keys now under it. The
 long tail the view leaves out reaches drafts through the next static generation.
 
 The view lives in the service's memory, one per replica: a client that moves to another
@@ -42,6 +42,8 @@ class ViewPolicy:
         max_rows: the most (key, follower) rows in the view; over it the key minimum doubles.
         max_rows_per_second: the most rows logged per second (what each client pulls);
             over it the key minimum doubles.
+        burst_seconds: the rate budget is a token bucket holding this many seconds of it, so a
+            burst (a client's first pushes) passes without raising the key minimum.
         settle_seconds: how long the log stays under a quarter of its rate budget before the
             key minimum halves again.
         log_rows: rows of change log kept; a client further behind reloads the view.
@@ -52,7 +54,8 @@ class ViewPolicy:
     min_change_pct: int = 25
     max_rows: int = 2_000_000
     max_rows_per_second: int = 20_000
-    settle_seconds: float = 30.0
+    burst_seconds: float = 10.0
+    settle_seconds: float = 10.0
     log_rows: int = 4_000_000
 
     def __post_init__(self) -> None:
@@ -60,8 +63,8 @@ class ViewPolicy:
             raise ValueError(f"view top_k must be in 1..{MAX_TOP_K}, got {self.top_k}")
         if len(self.min_total) != 4 or min(self.min_total) < 1:
             raise ValueError(f"view min_total needs 4 values >= 1, got {self.min_total}")
-        if self.settle_seconds <= 0:
-            raise ValueError("view settle_seconds must be > 0")
+        if self.settle_seconds <= 0 or self.burst_seconds < 0:
+            raise ValueError("view settle_seconds must be > 0 and burst_seconds >= 0")
         if self.min_change_pct < 0 or min(self.max_rows, self.max_rows_per_second, self.log_rows) < 1:
             raise ValueError("view min_change_pct must be >= 0, max_rows, max_rows_per_second and log_rows >= 1")
 
@@ -86,6 +89,7 @@ class DraftView:
         self._log_rows = 0
         self._export: tuple[str, int, np.ndarray] | None = None  # the last export: (view_id, version, rows)
         self._quiet = 0.0  # seconds the log has stayed under a quarter of its rate budget
+        self._credit = float(self.policy.max_rows_per_second * self.policy.burst_seconds)  # rows it may log now
         self.rows_published = 0  # rows appended to the log since this object was made
         self.rebuilds = 0
         self.install(*self.build(full))
@@ -106,15 +110,20 @@ class DraftView:
         scale = self.scale
         seconds = max(seconds, 1e-3)
         rows = self._diff(np.ascontiguousarray(changed, dtype=np.int64), scale)
-        budget = self.policy.max_rows_per_second * seconds
-        if len(rows) > budget or self.published.n_entries + self._added(rows) > self.policy.max_rows:
+        rate = self.policy.max_rows_per_second
+        budget = rate * seconds
+        # A token bucket: bursts of up to burst_seconds of budget pass (a client's first pushes).
+        self._credit = min(self._credit + budget, rate * self.policy.burst_seconds)
+        if len(rows) > self._credit or self.published.n_entries + self._added(rows) > self.policy.max_rows:
             while True:
                 scale *= 2
                 rows = self._diff(None, scale)  # the removals of a scale change go out whatever their number
                 if self.published.n_entries + self._added(rows) <= self.policy.max_rows:
                     break
             self._quiet = 0.0
+            self._credit = 0.0
             return rows, scale
+        self._credit -= len(rows)
         self._quiet = self._quiet + seconds if len(rows) < budget / 4 else 0.0
         if scale > 1 and self._quiet >= self.policy.settle_seconds:
             self._quiet = 0.0

@@ -138,7 +138,15 @@ def main() -> int:
             print(f"ratio: {ms / mb:.2f}x (target <= 1.2x); drafts identical: {len(sums) == 1} (they differ as B's "
                   "mirror takes in B's own pushes during the run, as a fleet member's does)")
 
-            # 2. push to visible
+            # 2. push to visible, on a namespace of its own: part 1's bursts (A's 30 files at once,
+            # B's replay at ~100x a worker's rate) spend the draft view's rate budget, and a view
+            # over it shares only keys counted more often than this probe's 3 times.
+            ch = grpc.insecure_channel(addr)
+            admin_pb2_grpc.AdminStub(ch).CreateNamespace(
+                admin_pb2.CreateNamespaceRequest(name="visible", tokenizer_fingerprint=UNTAGGED, vocab_size=VOCAB))
+            ch.close()
+        with NgramClient(addr, "visible", (UNTAGGED, VOCAB), cache_dir=str(tmp / "cache-a")) as a, \
+                NgramClient(addr, "visible", (UNTAGGED, VOCAB), cache_dir=str(tmp / "cache-b")) as b:
             rng = np.random.default_rng(7)
             delays = []
             for trial in range(args.trials):
@@ -158,7 +166,7 @@ def main() -> int:
                 delays.append(time.perf_counter() - t0)
                 b.drafter().reset(30_000 + trial)
             print(f"\n## Push to visible in another client's drafts ({args.trials} trials; push every "
-                  f"0.1 s, pull every 0.5 s by default)")
+                  f"0.1 s, service mirror and draft view every 0.25 s, pull every 0.5 s, by default)")
             print(f"p50 {np.percentile(delays, 50) * 1e3:.0f} ms, p99 {np.percentile(delays, 99) * 1e3:.0f} ms, "
                   f"max {max(delays) * 1e3:.0f} ms")
     finally:

@@ -117,7 +117,7 @@ def main() -> int:
     ap.add_argument("--top-k", type=int, default=8, help="the view's followers per key (default 8, the service's)")
     ap.add_argument("--min-change-pct", type=int, default=25, help="the view's republish threshold (default 25)")
     ap.add_argument("--max-rows", type=int, default=2_000_000, help="the view's row budget (default 2,000,000)")
-    ap.add_argument("--settle-seconds", type=float, default=30.0, help="the view's settle time (default 30)")
+    ap.add_argument("--settle-seconds", type=float, default=10.0, help="the view's settle time (default 10)")
     ap.add_argument("--max-rows-per-second", type=int, default=20_000,
                     help="the view's rate budget, rows a client pulls per second (default 20,000)")
     ap.add_argument("--n-ctx", type=int, default=4096, help="replay context size (default 4096)")

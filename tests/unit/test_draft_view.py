@@ -141,7 +141,7 @@ def test_draft_view_over_max_rows_doubles_its_key_minimum():
 def test_draft_view_over_its_rate_removes_the_keys_under_twice_the_minimum():
     full = CountTable()
     policy = ViewPolicy(top_k=1, min_total=(1, 1, 1, 1), min_change_pct=0, max_rows=100, max_rows_per_second=5,
-                        settle_seconds=30)
+                        burst_seconds=1, settle_seconds=30)
     view = DraftView(full, policy)
     for token in range(4):
         full.add([token], 0, 1)
