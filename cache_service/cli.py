@@ -1,4 +1,4 @@
-"""The `ngramcache` command with the service's subcommands (`serve`, `token-hash`) added to the client's."""
+"""The `ngramcache` command with the service's subcommands (`serve`, `rebuild`, `token-hash`) added to the client's."""
 
 from __future__ import annotations
 
@@ -7,11 +7,12 @@ import asyncio
 import dataclasses
 import getpass
 import logging
+import os
 import signal
 import sys
 
 from ngramcache.client import cli as client_cli
-from ngramcache.client.errors import InvalidArgumentError
+from ngramcache.client.errors import BackendUnavailableError, InvalidArgumentError
 
 from .config import ENV_PREFIX, ServiceConfig
 from .interceptors.logging import LOG_FIELDS
@@ -53,6 +54,12 @@ _HELP = {
                      "(default 2000000)",
     "view_max_rows_per_second": "most rows the draft view logs per second, i.e. what each client pulls; over it, "
                                 "the view's key minimum doubles (default 20000, 1.1 MB/s)",
+    "rebuild_every": "seconds between scheduled rebuilds of every namespace; replicas race for each namespace's "
+                     "lease and one wins (default 0: only `ngramcache rebuild` / Admin.StartRebuild)",
+    "rebuild_lease_seconds": "seconds a rebuild's lease lasts unless renewed (it is renewed every third of it; "
+                             "a replica that stalls longer is fenced off) (default 30)",
+    "advertise_address": "host:port other replicas reach this one at, recorded with the generations it builds "
+                         "(default: the address it listens on)",
     "max_message_bytes": "largest gRPC message in either direction, bytes (default 64 MiB)",
     "max_file_bytes": "largest static file a Publish may upload, bytes (default 16 GiB)",
     "grace_period": "seconds in-flight calls get to finish on SIGTERM (default 10)",
@@ -224,13 +231,98 @@ def cmd_token_hash(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_rebuild(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "rebuild", help="ask a service to fold a namespace's counts into its next static generation",
+        description="Asks the service at --server to rebuild NAMESPACE: fold its dynamic counts (and the previous "
+        "generation, and token files on the server) into the next static generation and publish it; every client "
+        "and session swaps to it. One rebuild per namespace runs at a time across all replicas (a lease in the "
+        "counts store); if one is running, this says where and exits 2 (as for every error). Shows progress until it ends (Ctrl-C stops "
+        "watching, not the rebuild). Needs a token with the admin role when the service checks tokens.")
+    p.add_argument("--namespace", required=True, metavar="NS", help="the namespace to rebuild")
+    p.add_argument("--server", required=True, metavar="HOST:PORT", help="a replica of the service")
+    p.add_argument("--tls-ca", metavar="PEM",
+                   help="connect with TLS, trusting the CA certificates in this file (default: plaintext)")
+    p.add_argument("--token", default=os.environ.get("NGC_TOKEN"),
+                   help="bearer token with the admin role (default: $NGC_TOKEN)")
+    p.add_argument("--min-count", type=int, default=1, help="leave out dynamic counts below this (default 1)")
+    p.add_argument("--ngram-size", type=int, default=0, choices=range(0, 5), metavar="N",
+                   help="tokens per key of the new file, 1..4 (default: the previous generation's, else 2)")
+    p.add_argument("--skip-previous", action="store_true", help="do not fold the previous generation in")
+    p.add_argument("--decay", type=float, default=1.0,
+                   help="multiply the previous generation's counts by this, in (0, 1] (default 1: no decay)")
+    p.add_argument("--corpus", action="append", default=[], metavar="PATH",
+                   help="token files or folders (.bin/.tokens/.npy) on the server to add; repeat for more")
+    p.add_argument("--keep", type=int, default=3, help="published generations kept, this one included (default 3)")
+    p.add_argument("--no-wait", action="store_true", help="return once the rebuild started")
+    p.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the server to answer (default 10)")
+    p.set_defaults(func=cmd_rebuild)
+
+
+def cmd_rebuild(args: argparse.Namespace) -> int:
+    import time
+
+    import grpc
+
+    from ngramcache.client._proto.v1 import admin_pb2, admin_pb2_grpc
+    from ngramcache.client.sync import error_from_rpc
+
+    if not 0 < args.decay <= 1:
+        raise InvalidArgumentError(f"--decay must be in (0, 1], got {args.decay}")
+    if args.min_count < 1 or args.keep < 1:
+        raise InvalidArgumentError("--min-count and --keep must be >= 1")
+    metadata = (("authorization", f"Bearer {args.token}"),) if args.token else ()
+    if args.tls_ca:
+        try:
+            with open(args.tls_ca, "rb") as f:
+                credentials = grpc.ssl_channel_credentials(root_certificates=f.read())
+        except OSError as e:
+            raise InvalidArgumentError(f"--tls-ca {args.tls_ca}: {e.strerror}") from None
+        channel_cm = grpc.secure_channel(args.server, credentials)
+    else:
+        channel_cm = grpc.insecure_channel(args.server)
+    with channel_cm as channel:
+        stub = admin_pb2_grpc.AdminStub(channel)
+        try:
+            grpc.channel_ready_future(channel).result(timeout=args.timeout)
+        except grpc.FutureTimeoutError:
+            raise BackendUnavailableError(f"no service answered at {args.server} within {args.timeout:g} s") from None
+        try:
+            status = stub.StartRebuild(admin_pb2.StartRebuildRequest(
+                namespace=args.namespace, min_count=args.min_count, ngram_size=args.ngram_size,
+                skip_previous=args.skip_previous, decay=args.decay, corpus=args.corpus, keep=args.keep),
+                timeout=args.timeout, metadata=metadata)
+            print(f"rebuilding {args.namespace} on {status.holder}: generation {status.generation} "
+                  f"(lease token {status.lease_token})", flush=True)
+            if args.no_wait:
+                return 0
+            shown = ""
+            while status.state == "running":
+                line = (f"  {status.phase or 'starting'}: {status.previous_rows:,} previous rows, "
+                        f"{status.dynamic_rows:,} dynamic rows, {status.corpus_tokens:,} corpus tokens")
+                if line != shown:
+                    print(line, flush=True)
+                    shown = line
+                time.sleep(0.5)
+                status = stub.GetRebuildStatus(admin_pb2.GetRebuildStatusRequest(namespace=args.namespace),
+                                               timeout=args.timeout, metadata=metadata)
+        except grpc.RpcError as e:
+            raise error_from_rpc(e) from None
+    seconds = (status.finished_unix_ms - status.started_unix_ms) / 1000
+    if status.state != "done":
+        print(f"ngramcache rebuild: error: the rebuild of {args.namespace} failed after {seconds:.1f} s: {status.error}",
+              file=sys.stderr)
+        return client_cli.EXIT_ERROR
+    print(f"published generation {status.generation} of {args.namespace} in {seconds:.1f} s: {status.n_keys:,} keys, "
+          f"{status.n_followers:,} followers, {status.file_bytes / 1e6:.2f} MB ({status.dynamic_rows:,} dynamic rows, "
+          f"{status.previous_rows:,} previous rows, {status.corpus_tokens:,} corpus tokens)")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
-    """The `ngramcache` console script: the client's commands plus `serve` and `token-hash`."""
-    return client_cli.main(argv, extra_commands=[add_demo_service, add_serve, add_token_hash])
+    """The `ngramcache` console script: the client's commands plus `serve`, `rebuild` and `token-hash`."""
+    return client_cli.main(argv, extra_commands=[add_demo_service, add_serve, add_rebuild, add_token_hash])
 
-
-if __name__ == "__main__":
-    sys.exit(main())
 
 
 # ----------------------------------------------------------------------------- the demo, served
@@ -259,3 +351,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
     return run_demo(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

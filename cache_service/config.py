@@ -59,6 +59,10 @@ class ServiceConfig:
     view_min_change_pct: int = 25  # a published count is updated when it moves by more than this %
     view_max_rows: int = 2_000_000  # rows in the view; over it, its key minimum doubles
     view_max_rows_per_second: int = 20_000  # rows logged per second (each client's pull); over it, the same
+    # Rebuilds (cache_service/rebuild.py)
+    rebuild_every: float = 0.0  # seconds between scheduled rebuilds of every namespace (0: only on request)
+    rebuild_lease_seconds: float = 30.0  # a rebuild's lease without renewal (renewed every third of it)
+    advertise_address: str = ""  # host:port other replicas reach this one at (default: host:port it binds)
     # Transport
     max_message_bytes: int = 64 << 20
     max_file_bytes: int = 16 << 30
@@ -86,7 +90,9 @@ class ServiceConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise InvalidArgumentError(f"{name} must be a positive integer, got {value!r}")
-        for name in ("session_idle_timeout", "mirror_interval", "grace_period"):
+        if not math.isfinite(self.rebuild_every) or self.rebuild_every < 0:
+            raise InvalidArgumentError(f"rebuild_every must be a number of seconds >= 0 (0: off), got {self.rebuild_every!r}")
+        for name in ("session_idle_timeout", "mirror_interval", "grace_period", "rebuild_lease_seconds"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
                 raise InvalidArgumentError(f"{name} must be a positive number of seconds, got {value!r}")

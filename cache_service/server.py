@@ -13,6 +13,8 @@ import dataclasses
 import errno
 import logging
 import os
+import secrets
+import socket
 from pathlib import Path
 
 from grpc import aio
@@ -29,7 +31,7 @@ from ngramcache.client._proto.v1 import (
     static_files_pb2,
     static_files_pb2_grpc,
 )
-from ngramcache.client.errors import BackendUnavailableError, NamespaceNotFoundError, NgramCacheError
+from ngramcache.client.errors import BackendUnavailableError, LeaseHeldError, NamespaceNotFoundError, NgramCacheError
 
 from .config import ServiceConfig
 from .counts import CountsStore, open_counts_store, redact_url
@@ -39,6 +41,7 @@ from .interceptors.logging import LoggingInterceptor
 from .interceptors.metrics import MetricsInterceptor, rpc_methods
 from .metrics import Metrics, MetricsHttpServer, start_metrics_http_server
 from .namespaces import NamespaceRegistry
+from .rebuild import Rebuilder, RebuildOptions
 from .security import server_credentials
 from .servicers.admin import AdminServicer, ServerInfo, ServerLimits
 from .servicers.counts import CountsServicer
@@ -76,6 +79,8 @@ class Service:
         self.port = 0
         self.metrics: Metrics | None = None
         self.counts: CountsServicer | None = None
+        self.rebuilder: Rebuilder | None = None
+        self._schedule: asyncio.Task[None] | None = None
         self.metrics_http: MetricsHttpServer | None = None
         self.metrics_port = 0
         self._stopped = False
@@ -106,11 +111,38 @@ class Service:
         await self.server.stop(self.config.grace_period if grace is None else grace)
         if self.metrics_http is not None:
             self.metrics_http.close()
+        if self._schedule is not None:
+            self._schedule.cancel()
+        if self.rebuilder is not None:
+            await self.rebuilder.close()
         if self.counts is not None:
             await self.counts.batcher.close()  # pushes still grouping get their answer or UNAVAILABLE
         await self.registry.close()
         await asyncio.to_thread(self.runner.close)
         log.info("stopped")
+
+    def start_schedule(self) -> None:
+        """Rebuild every namespace every ``rebuild_every`` seconds (replicas race for each lease; one wins)."""
+        if self.config.rebuild_every > 0 and self.rebuilder is not None and self._schedule is None:
+            self._schedule = asyncio.create_task(self._rebuild_loop(self.rebuilder), name="rebuild-schedule")
+
+    async def _rebuild_loop(self, rebuilder: Rebuilder) -> None:
+        store = self.runner.store
+        while True:
+            await asyncio.sleep(self.config.rebuild_every)
+            try:
+                namespaces = await self.runner.call(store.list_namespaces)
+            except NgramCacheError as e:
+                log.warning("scheduled rebuilds: cannot list namespaces: %s", e)
+                continue
+            for info in namespaces:
+                try:
+                    task = await rebuilder.start(info.name, RebuildOptions())
+                    await task
+                except (LeaseHeldError, NamespaceNotFoundError):
+                    continue  # another replica rebuilds it, or it was dropped
+                except NgramCacheError as e:
+                    log.warning("scheduled rebuild of %s not started: %s", info.name, e)
 
     async def wait_for_termination(self) -> None:
         await self.server.wait_for_termination()
@@ -164,9 +196,12 @@ async def create_server(config: ServiceConfig) -> tuple[Service, int]:
         registry.drop(namespace)
         await static_store.drop(namespace)
 
+    rebuilder = Rebuilder(runner, static_store, holder=f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}",
+                          location=config.advertise_address or config.address(), lease_ttl=config.rebuild_lease_seconds)
     admin_pb2_grpc.add_AdminServicer_to_server(
         AdminServicer(runner, server_info=ServerInfo(limits=limits, auth_required=auth is not None), on_drop=on_drop,
-                      latest_generation=lambda ns: (g.generation if (g := static_store.latest(ns)) else 0)),
+                      latest_generation=lambda ns: (g.generation if (g := static_store.latest(ns)) else 0),
+                      rebuilder=rebuilder),
         server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -185,6 +220,9 @@ async def create_server(config: ServiceConfig) -> tuple[Service, int]:
     await asyncio.to_thread(static_store.remove_leftovers, 3600.0)
     service = Service(config, server, runner, static_store, registry, health_servicer, drafting)
     service.counts = counts
+    service.rebuilder = rebuilder
+    if not config.advertise_address:
+        rebuilder.location = f"{config.host}:{port}"
     service.port = port
     service.metrics = metrics
     if config.metrics_port >= 0:
@@ -202,6 +240,7 @@ async def create_server(config: ServiceConfig) -> tuple[Service, int]:
         await service.set_serving(True)
     else:
         asyncio.get_running_loop().create_task(_wait_for_store(service))
+    service.start_schedule()
     log.info("serving ngramcache.v1 on %s:%d (pid %d), counts store %s, data dir %s", config.host, port, os.getpid(),
              redact_url(config.counts_url), data_dir.resolve())
     return service, port

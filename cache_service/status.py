@@ -17,7 +17,10 @@ from ngramcache.client.errors import (
     BackendUnavailableError,
     BatchTooOldError,
     CacheFormatError,
+    GenerationNotNewerError,
     InvalidArgumentError,
+    LeaseHeldError,
+    LeaseLostError,
     NamespaceNotFoundError,
     NgramCacheError,
     ResyncRequiredError,
@@ -36,6 +39,8 @@ SESSION_EVICTED = "SESSION_EVICTED"
 GENERATION_NOT_NEWER = "GENERATION_NOT_NEWER"
 CHECKSUM_MISMATCH = "CHECKSUM_MISMATCH"
 CACHE_FORMAT = "CACHE_FORMAT"
+LEASE_HELD = "LEASE_HELD"
+LEASE_LOST = "LEASE_LOST"
 LIMIT = "LIMIT"
 
 
@@ -77,6 +82,10 @@ _MAPPING: tuple[tuple[type[BaseException], grpc.StatusCode, str | None], ...] = 
     (TokenizerMismatchError, grpc.StatusCode.FAILED_PRECONDITION, TOKENIZER_MISMATCH),
     (ResyncRequiredError, grpc.StatusCode.OUT_OF_RANGE, RESYNC_REQUIRED),
     (CacheFormatError, grpc.StatusCode.INVALID_ARGUMENT, CACHE_FORMAT),
+    (GenerationNotNewerError, grpc.StatusCode.FAILED_PRECONDITION, GENERATION_NOT_NEWER),
+    # A rebuild is running on another replica, or lost its lease midway: try again later.
+    (LeaseHeldError, grpc.StatusCode.ABORTED, LEASE_HELD),
+    (LeaseLostError, grpc.StatusCode.ABORTED, LEASE_LOST),
     (InvalidArgumentError, grpc.StatusCode.INVALID_ARGUMENT, None),
     # The store refused the service's own credentials: the service is misconfigured, and
     # to its clients it is unavailable until an operator fixes it.

@@ -66,3 +66,19 @@ class SnapshotFormatError(CacheFormatError):
     """An embedded counts store snapshot is truncated, corrupt, or not a snapshot at all (not retriable)."""
 
     retriable = False
+
+
+class LeaseHeldError(NgramCacheError):
+    """Another replica holds the namespace's rebuild lease (a rebuild is running there); retry later."""
+
+    retriable = True
+
+
+class LeaseLostError(NgramCacheError):
+    """A rebuild lease expired or was taken over: what it protected was not published (retry the rebuild)."""
+
+    retriable = True
+
+
+class GenerationNotNewerError(NgramCacheError):
+    """A generation at or below the namespace's newest committed or published one (not retriable)."""

@@ -62,11 +62,14 @@ from .namespace import (
 from .store import (
     ApplyResult,
     ChangeSet,
+    CommittedGeneration,
     CountsStore,
     DedupWindow,
     EpochClock,
     GroupItem,
     ItemOutcome,
+    Lease,
+    LeaseTable,
     check_version,
     namespace_changed,
     no_such_namespace,
@@ -116,6 +119,7 @@ class EmbeddedCountsStore(CountsStore):
         self.path = self.config.address.path
         self._lock = threading.RLock()
         self._namespaces: dict[str, _Namespace] = {}
+        self._leases = LeaseTable()  # in this process only: one machine, one service process
         self._closed = False
         self._applies = 0
         self._stop = threading.Event()
@@ -163,6 +167,23 @@ class EmbeddedCountsStore(CountsStore):
         validate_namespace(namespace)
         with self._lock:
             return self._namespaces.pop(namespace, None) is not None
+
+    # ----------------------------------------------------------------- rebuild leases
+
+    def acquire_lease(self, namespace: str, holder: str, ttl_ms: int) -> Lease:
+        return self._leases.acquire(namespace, holder, ttl_ms)
+
+    def renew_lease(self, lease: Lease, ttl_ms: int) -> bool:
+        return self._leases.renew(lease, ttl_ms)
+
+    def release_lease(self, lease: Lease) -> bool:
+        return self._leases.release(lease)
+
+    def commit_generation(self, lease: Lease, generation: int, location: str) -> None:
+        self._leases.commit(lease, generation, location)
+
+    def committed_generation(self, namespace: str) -> CommittedGeneration:
+        return self._leases.committed(namespace)
 
     # ----------------------------------------------------------------- writes
 

@@ -66,14 +66,21 @@ from .namespace import NamespaceInfo, validate_namespace
 from .store import (
     ApplyResult,
     ChangeSet,
+    CommittedGeneration,
     CountsStore,
     GroupItem,
     ItemOutcome,
+    Lease,
     batch_too_old,
+    check_lease_args,
+    check_ttl,
     check_version,
     history_lost,
+    lease_held,
+    lease_lost,
     namespace_changed,
     no_such_namespace,
+    not_newer,
 )
 
 __all__ = ["RedisCountsStore"]
@@ -297,6 +304,38 @@ class _StaleHandle(Exception):
     """A script saw another instance id: the namespace was dropped or recreated meanwhile."""
 
 
+# Rebuild leases (KEYS: lease, fence[, gen] of one namespace, one slot). A lease is the
+# string "<holder>|<token>" with a PX expiry; the token comes from INCR on the fence key.
+_ACQUIRE = _Script("acquire_lease", """
+local cur = redis.call('GET', KEYS[1])
+if cur then
+  local holder = string.match(cur, '^(.*)|%d+$')
+  if holder ~= ARGV[1] then return {0, holder or cur, redis.call('PTTL', KEYS[1])} end
+end
+local token = redis.call('INCR', KEYS[2])
+redis.call('SET', KEYS[1], ARGV[1] .. '|' .. token, 'PX', ARGV[2])
+return {token, '', 0}
+""")
+_RENEW = _Script("renew_lease", """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+return 1
+""")
+_RELEASE = _Script("release_lease", """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+redis.call('DEL', KEYS[1])
+return 1
+""")
+# KEYS: lease, gen. ARGV: "<holder>|<token>", generation, location, token.
+_COMMIT = _Script("commit_generation", """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return {0, 'lease'} end
+local g = tonumber(redis.call('HGET', KEYS[2], 'generation') or '0')
+if tonumber(ARGV[2]) <= g then return {0, tostring(g)} end
+redis.call('HSET', KEYS[2], 'generation', ARGV[2], 'location', ARGV[3], 'token', ARGV[4])
+return {1, ''}
+""")
+
+
 class RedisCountsStore(CountsStore):
     """Counts in a standalone Redis or a Redis Cluster. Thread-safe; share one per process.
 
@@ -453,6 +492,46 @@ class RedisCountsStore(CountsStore):
                 return action(fresh)
             except _StaleHandle:
                 raise namespace_changed(namespace, "the call") from None
+
+    # ----------------------------------------------------------------- rebuild leases
+
+    def acquire_lease(self, namespace: str, holder: str, ttl_ms: int) -> Lease:
+        check_lease_args(namespace, holder, ttl_ms)
+        lease, fence, _ = schema.lease_keys(self.config.prefix, namespace)
+        token, other, left = self._run_one(_ACQUIRE, [lease, fence], [holder, ttl_ms])
+        if int(token) == 0:
+            raise lease_held(namespace, other.decode() if isinstance(other, bytes) else str(other), int(left))
+        return Lease(namespace, holder, int(token))
+
+    def renew_lease(self, lease: Lease, ttl_ms: int) -> bool:
+        check_ttl(ttl_ms)
+        key = schema.lease_keys(self.config.prefix, lease.namespace)[0]
+        return bool(self._run_one(_RENEW, [key], [f"{lease.holder}|{lease.token}", ttl_ms]))
+
+    def release_lease(self, lease: Lease) -> bool:
+        key = schema.lease_keys(self.config.prefix, lease.namespace)[0]
+        return bool(self._run_one(_RELEASE, [key], [f"{lease.holder}|{lease.token}"]))
+
+    def commit_generation(self, lease: Lease, generation: int, location: str) -> None:
+        key, _, gen = schema.lease_keys(self.config.prefix, lease.namespace)
+        ok, why = self._run_one(_COMMIT, [key, gen], [f"{lease.holder}|{lease.token}", generation, location,
+                                                      lease.token])
+        if int(ok) == 0:
+            why = why.decode() if isinstance(why, bytes) else str(why)
+            if why == "lease":
+                raise lease_lost(lease)
+            raise not_newer(lease.namespace, generation, int(why))
+
+    def committed_generation(self, namespace: str) -> CommittedGeneration:
+        validate_namespace(namespace)
+        gen = schema.lease_keys(self.config.prefix, namespace)[2]
+        with self._errors():
+            raw = self._client.hgetall(gen)
+        if not raw:
+            return CommittedGeneration(0, "", 0)
+        d = {(k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v)
+             for k, v in raw.items()}
+        return CommittedGeneration(int(d["generation"]), d.get("location", ""), int(d.get("token", 0)))
 
     # ----------------------------------------------------------------- namespaces
 

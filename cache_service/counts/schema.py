@@ -7,6 +7,9 @@ Coordinator keys, hash tag ``{NS}`` (one slot per namespace)::
 
     P:{NS}:meta     HASH    fingerprint, vocab_size, buckets, shards, instance, schema
     P:{NS}:clock    HASH    instance, cur (newest version), t (ms the current epoch opened), floor
+    P:{NS}:lease    STRING  "<holder>|<token>" with the lease's expiry (PX): who may rebuild
+    P:{NS}:fence    STRING  the last fencing token handed out (INCR)
+    P:{NS}:gen      HASH    generation, location, token: the newest committed generation
     P:{NS}:epochs   LIST    epoch numbers, newest first, trimmed to history_epochs + 1;
                             the last one is the floor: the oldest version changes_since serves
 
@@ -47,6 +50,14 @@ from .namespace import validate_namespace
 
 SCHEMA_VERSION: Final = 1
 """Version of this key schema, stored in every namespace record; a store refuses other versions."""
+
+
+def lease_keys(prefix: str, namespace: str) -> tuple[str, str, str]:
+    """(lease, fence, committed generation) keys of a namespace's rebuilds, in its coordinator slot.
+
+    Not part of one incarnation: they outlive a drop, so generation numbers keep growing.
+    """
+    return (f"{prefix}:{{{namespace}}}:lease", f"{prefix}:{{{namespace}}}:fence", f"{prefix}:{{{namespace}}}:gen")
 
 
 def meta_key(prefix: str, namespace: str) -> str:

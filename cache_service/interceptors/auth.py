@@ -95,6 +95,8 @@ RULES: dict[str, MethodRule] = {
     _method(static_files_pb2, "StaticFiles", "Publish"): MethodRule(Role.ADMIN, _first_of("header")),
     _method(admin_pb2, "Admin", "CreateNamespace"): MethodRule(Role.ADMIN, _field("name")),
     _method(admin_pb2, "Admin", "DropNamespace"): MethodRule(Role.ADMIN, _field("name")),
+    _method(admin_pb2, "Admin", "StartRebuild"): MethodRule(Role.ADMIN, _field("namespace")),
+    _method(admin_pb2, "Admin", "GetRebuildStatus"): MethodRule(None, _field("namespace")),
     # Any role: a pusher also needs the namespace's tokenizer and the server's limits.
     _method(admin_pb2, "Admin", "GetNamespace"): MethodRule(None, _field("name")),
     _method(admin_pb2, "Admin", "ListNamespaces"): MethodRule(None, None, every_namespace=True),

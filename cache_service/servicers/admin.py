@@ -1,4 +1,4 @@
-"""The Admin servicer: create, describe, list and drop namespaces, and describe the server."""
+"""The Admin servicer: create, describe, list and drop namespaces, describe the server, run rebuilds."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from ngramcache.client._proto.v1 import admin_pb2, admin_pb2_grpc
 from ngramcache.client.errors import InvalidArgumentError, NamespaceNotFoundError
 
 from ..counts.namespace import NamespaceInfo, validate_namespace
+from ..rebuild import Rebuilder, RebuildOptions, RebuildStatus
 from ..store_runner import StoreRunner
 
 PROTOCOL: Final = admin_pb2.DESCRIPTOR.package
@@ -85,8 +86,10 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
 
     def __init__(self, runner: StoreRunner, *, server_info: ServerInfo,
                  on_drop: Callable[[str], object] | None = None,
-                 latest_generation: Callable[[str], int] | None = None) -> None:
+                 latest_generation: Callable[[str], int] | None = None,
+                 rebuilder: Rebuilder | None = None) -> None:
         self._runner = runner
+        self._rebuilder = rebuilder
         self._latest_generation = latest_generation
         self._store = runner.store
         self._on_drop = on_drop
@@ -144,6 +147,36 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
     async def GetServerInfo(self, request: admin_pb2.GetServerInfoRequest,
                             context: aio.ServicerContext) -> admin_pb2.GetServerInfoResponse:
         return self._server_info
+
+    async def StartRebuild(self, request: admin_pb2.StartRebuildRequest,
+                           context: aio.ServicerContext) -> admin_pb2.RebuildStatus:
+        rebuilder = self._need_rebuilder()
+        options = RebuildOptions(min_count=request.min_count or 1, ngram_size=request.ngram_size,
+                                 include_previous=not request.skip_previous, decay=request.decay or 1.0,
+                                 corpus=tuple(request.corpus), memory_budget=request.memory_budget or (1 << 30),
+                                 keep=request.keep or 3)
+        task = await rebuilder.start(request.namespace, options)
+        status = await asyncio.shield(task) if request.wait else rebuilder.status(request.namespace)
+        return self._status_message(status, rebuilder.holder)
+
+    async def GetRebuildStatus(self, request: admin_pb2.GetRebuildStatusRequest,
+                               context: aio.ServicerContext) -> admin_pb2.RebuildStatus:
+        validate_namespace(request.namespace)
+        rebuilder = self._need_rebuilder()
+        return self._status_message(rebuilder.status(request.namespace), rebuilder.holder)
+
+    def _need_rebuilder(self) -> Rebuilder:
+        if self._rebuilder is None:
+            raise InvalidArgumentError("this server runs no rebuilds")
+        return self._rebuilder
+
+    @staticmethod
+    def _status_message(s: RebuildStatus, holder: str) -> admin_pb2.RebuildStatus:
+        return admin_pb2.RebuildStatus(
+            namespace=s.namespace, state=s.state, phase=s.phase, generation=s.generation, lease_token=s.lease_token,
+            started_unix_ms=s.started_unix_ms, finished_unix_ms=s.finished_unix_ms, previous_rows=s.previous_rows,
+            dynamic_rows=s.dynamic_rows, corpus_tokens=s.corpus_tokens, n_keys=s.n_keys, n_followers=s.n_followers,
+            file_bytes=s.file_bytes, error=s.error, holder=holder)
 
     async def _describe(self, info: NamespaceInfo) -> admin_pb2.Namespace:
         version = await self._runner.call(self._store.version, info.name)

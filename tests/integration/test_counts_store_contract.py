@@ -459,3 +459,50 @@ def test_apply_group_applies_exactly_the_units_an_interrupted_attempt_missed(sto
     assert a.units == len(set(shard.tolist())) and a.duplicates == 1 and a.applied == a.units - 1
     assert b.applied == b.units == a.units
     assert exported(store, namespace) == Counter({k: 2 * v for k, v in as_counter(full).items()})
+
+
+# --------------------------------------------------------------------------- rebuild leases
+
+
+def test_one_lease_holder_at_a_time_with_growing_fencing_tokens(store: CountsStore, namespace: str) -> None:
+    from ngramcache.client.errors import LeaseHeldError
+
+    a = store.acquire_lease(namespace, "replica-a", 10_000)
+    with pytest.raises(LeaseHeldError, match="replica-a"):
+        store.acquire_lease(namespace, "replica-b", 10_000)
+    assert store.renew_lease(a, 10_000)
+    assert store.release_lease(a)
+    assert not store.release_lease(a) and not store.renew_lease(a, 1000)
+    b = store.acquire_lease(namespace, "replica-b", 10_000)
+    assert b.token > a.token
+    again = store.acquire_lease(namespace, "replica-b", 10_000)  # the holder itself: a new token
+    assert again.token > b.token and not store.renew_lease(b, 1000)
+    store.release_lease(again)
+
+
+def test_an_expired_lease_cannot_commit_and_generations_only_grow(store: CountsStore, namespace: str) -> None:
+    from ngramcache.client.errors import GenerationNotNewerError, LeaseLostError
+
+    assert store.committed_generation(namespace).generation == 0
+    old = store.acquire_lease(namespace, "paused-leader", 150)
+    time.sleep(0.3)  # the old leader pauses past its lease
+    new = store.acquire_lease(namespace, "new-leader", 10_000)
+    store.commit_generation(new, 7, "10.0.0.2:50051")
+    committed = store.committed_generation(namespace)
+    assert (committed.generation, committed.location, committed.token) == (7, "10.0.0.2:50051", new.token)
+    with pytest.raises(LeaseLostError):
+        store.commit_generation(old, 8, "10.0.0.1:50051")  # resumes and tries to publish: fenced off
+    with pytest.raises(GenerationNotNewerError, match="7"):
+        store.commit_generation(new, 7, "10.0.0.2:50051")
+    store.commit_generation(new, 9, "here")
+    assert store.committed_generation(namespace).generation == 9
+    assert not store.renew_lease(old, 1000)
+    store.release_lease(new)
+
+
+def test_lease_arguments_are_checked(store: CountsStore, namespace: str) -> None:
+    for holder, ttl in (("", 1000), ("a|b", 1000), ("a", 0), ("a", True)):
+        with pytest.raises(InvalidArgumentError):
+            store.acquire_lease(namespace, holder, ttl)  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgumentError):
+        store.acquire_lease("bad name!", "a", 1000)

@@ -74,7 +74,7 @@ def test_every_error_says_whether_a_retry_can_help() -> None:
     assert {c.__name__ for c in classes} >= {"NamespaceNotFoundError", "BatchTooOldError",
                                              "StoreAuthenticationError", "SnapshotFormatError"}
     retriable = {c.__name__ for c in classes if c.retriable}
-    assert retriable == {"BackendUnavailableError"}
+    assert retriable == {"BackendUnavailableError", "LeaseHeldError", "LeaseLostError"}  # a rebuild may run later
 
 
 def test_the_interface_module_never_imports_a_backend() -> None:

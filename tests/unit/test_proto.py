@@ -56,6 +56,8 @@ CONTRACT: dict[str, tuple[ModuleType, ModuleType, str, dict[str, tuple[bool, boo
         "ListNamespaces": (False, False),
         "DropNamespace": (False, False),
         "GetServerInfo": (False, False),
+        "StartRebuild": (False, False),
+        "GetRebuildStatus": (False, False),
     }),
 }
 PB2 = [pb2 for pb2, _, _, _ in CONTRACT.values()]
@@ -125,8 +127,10 @@ def test_request_and_response_types() -> None:
         "List": ("ListGenerationsRequest", "ListGenerationsResponse"), "Fetch": ("FetchRequest", "FetchResponse"),
         "Watch": ("WatchRequest", "WatchResponse"), "Publish": ("PublishRequest", "PublishResponse")}
     assert types(admin_pb2, "Admin") == {
-        rpc: (f"{rpc}Request", f"{rpc}Response")
-        for rpc in ("CreateNamespace", "GetNamespace", "ListNamespaces", "DropNamespace", "GetServerInfo")}
+        **{rpc: (f"{rpc}Request", f"{rpc}Response")
+           for rpc in ("CreateNamespace", "GetNamespace", "ListNamespaces", "DropNamespace", "GetServerInfo")},
+        "StartRebuild": ("StartRebuildRequest", "RebuildStatus"),
+        "GetRebuildStatus": ("GetRebuildStatusRequest", "RebuildStatus")}
 
 
 def test_mode_is_reserved_for_later() -> None:

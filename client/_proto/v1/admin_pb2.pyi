@@ -7,6 +7,68 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class StartRebuildRequest(_message.Message):
+    __slots__ = ("namespace", "min_count", "ngram_size", "skip_previous", "decay", "corpus", "memory_budget", "keep", "wait")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    MIN_COUNT_FIELD_NUMBER: _ClassVar[int]
+    NGRAM_SIZE_FIELD_NUMBER: _ClassVar[int]
+    SKIP_PREVIOUS_FIELD_NUMBER: _ClassVar[int]
+    DECAY_FIELD_NUMBER: _ClassVar[int]
+    CORPUS_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_BUDGET_FIELD_NUMBER: _ClassVar[int]
+    KEEP_FIELD_NUMBER: _ClassVar[int]
+    WAIT_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    min_count: int
+    ngram_size: int
+    skip_previous: bool
+    decay: float
+    corpus: _containers.RepeatedScalarFieldContainer[str]
+    memory_budget: int
+    keep: int
+    wait: bool
+    def __init__(self, namespace: _Optional[str] = ..., min_count: _Optional[int] = ..., ngram_size: _Optional[int] = ..., skip_previous: _Optional[bool] = ..., decay: _Optional[float] = ..., corpus: _Optional[_Iterable[str]] = ..., memory_budget: _Optional[int] = ..., keep: _Optional[int] = ..., wait: _Optional[bool] = ...) -> None: ...
+
+class GetRebuildStatusRequest(_message.Message):
+    __slots__ = ("namespace",)
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    def __init__(self, namespace: _Optional[str] = ...) -> None: ...
+
+class RebuildStatus(_message.Message):
+    __slots__ = ("namespace", "state", "phase", "generation", "lease_token", "started_unix_ms", "finished_unix_ms", "previous_rows", "dynamic_rows", "corpus_tokens", "n_keys", "n_followers", "file_bytes", "error", "holder")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    STARTED_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    PREVIOUS_ROWS_FIELD_NUMBER: _ClassVar[int]
+    DYNAMIC_ROWS_FIELD_NUMBER: _ClassVar[int]
+    CORPUS_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    N_KEYS_FIELD_NUMBER: _ClassVar[int]
+    N_FOLLOWERS_FIELD_NUMBER: _ClassVar[int]
+    FILE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    HOLDER_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    state: str
+    phase: str
+    generation: int
+    lease_token: int
+    started_unix_ms: int
+    finished_unix_ms: int
+    previous_rows: int
+    dynamic_rows: int
+    corpus_tokens: int
+    n_keys: int
+    n_followers: int
+    file_bytes: int
+    error: str
+    holder: str
+    def __init__(self, namespace: _Optional[str] = ..., state: _Optional[str] = ..., phase: _Optional[str] = ..., generation: _Optional[int] = ..., lease_token: _Optional[int] = ..., started_unix_ms: _Optional[int] = ..., finished_unix_ms: _Optional[int] = ..., previous_rows: _Optional[int] = ..., dynamic_rows: _Optional[int] = ..., corpus_tokens: _Optional[int] = ..., n_keys: _Optional[int] = ..., n_followers: _Optional[int] = ..., file_bytes: _Optional[int] = ..., error: _Optional[str] = ..., holder: _Optional[str] = ...) -> None: ...
+
 class Namespace(_message.Message):
     __slots__ = ("name", "tokenizer_fingerprint", "vocab_size", "buckets", "shards", "instance", "latest_generation", "counts_version")
     NAME_FIELD_NUMBER: _ClassVar[int]

@@ -35,8 +35,8 @@ class AdminStub:
     under the same name is a new incarnation (another `instance`), whose count versions
     the old one's mirrors cannot pull from (OUT_OF_RANGE).
 
-    Roles: CreateNamespace and DropNamespace the admin role; the others any authenticated
-    caller. Health (grpc.health.v1.Health) and reflection need no token.
+    Roles: CreateNamespace, DropNamespace and StartRebuild the admin role; the others any
+    authenticated caller. Health (grpc.health.v1.Health) and reflection need no token.
     """
 
     def __init__(self, channel):
@@ -70,6 +70,16 @@ class AdminStub:
                 request_serializer=ngramcache_dot_client_dot___proto_dot_v1_dot_admin__pb2.GetServerInfoRequest.SerializeToString,
                 response_deserializer=ngramcache_dot_client_dot___proto_dot_v1_dot_admin__pb2.GetServerInfoResponse.FromString,
                 _registered_method=True)
+        self.StartRebuild = channel.unary_unary(
+                '/ngramcache.v1.Admin/StartRebuild',
+                request_serializer=ngramcache_dot_client_dot___proto_dot_v1_dot_admin__pb2.StartRebuildRequest.SerializeToString,
+                response_deserializer=ngramcache_dot_client_dot___proto_dot_v1_dot_admin__pb2.RebuildStatus.FromString,
+                _registered_method=True)
+        self.GetRebuildStatus = channel.unary_unary(
+                '/ngramcache.v1.Admin/GetRebuildStatus',
+                request_serializer=ngramcache_dot_client_dot___proto_dot_v1_dot_admin__pb2.GetRebuildStatusRequest.SerializeToString,
+                response_deserializer=ngramcache_dot_client_dot___proto_dot_v1_dot_admin__pb2.RebuildStatus.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -81,8 +91,8 @@ class AdminServicer:
     under the same name is a new incarnation (another `instance`), whose count versions
     the old one's mirrors cannot pull from (OUT_OF_RANGE).
 
-    Roles: CreateNamespace and DropNamespace the admin role; the others any authenticated
-    caller. Health (grpc.health.v1.Health) and reflection need no token.
+    Roles: CreateNamespace, DropNamespace and StartRebuild the admin role; the others any
+    authenticated caller. Health (grpc.health.v1.Health) and reflection need no token.
     """
 
     def CreateNamespace(self, request, context):
@@ -139,6 +149,34 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def StartRebuild(self, request, context):
+        """StartRebuild folds the namespace's dynamic counts (and the previous generation, and
+        token files the server can read) into its next static generation, on this replica,
+        and publishes it (Watch announces it; every client swaps to it). One rebuild per
+        namespace at a time across all replicas: the replica holds the namespace's lease in
+        the counts store and commits the generation number under it, so a replica whose
+        lease expired publishes nothing. Answers once the rebuild started (or, with wait,
+        ended: then state is "done" or "failed" and error says why).
+
+        Status codes: INVALID_ARGUMENT (an option out of range, a corpus path missing),
+        NOT_FOUND (no such namespace), ABORTED (reason LEASE_HELD: a rebuild of it is
+        running, here or on another replica; retry later), PERMISSION_DENIED (not admin),
+        UNAVAILABLE, UNAUTHENTICATED, DEADLINE_EXCEEDED.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetRebuildStatus(self, request, context):
+        """GetRebuildStatus tells how the last rebuild of a namespace on this replica went (or
+        how far the running one is); state "idle" when this replica ran none.
+
+        Status codes: INVALID_ARGUMENT, UNAUTHENTICATED, PERMISSION_DENIED, DEADLINE_EXCEEDED.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -167,6 +205,16 @@ def add_AdminServicer_to_server(servicer, server):
                     request_deserializer=ngramcache_dot_client_dot___proto_dot_v1_dot_admin__pb2.GetServerInfoRequest.FromString,
                     response_serializer=ngramcache_dot_client_dot___proto_dot_v1_dot_admin__pb2.GetServerInfoResponse.SerializeToString,
             ),
+            'StartRebuild': grpc.unary_unary_rpc_method_handler(
+                    servicer.StartRebuild,
+                    request_deserializer=ngramcache_dot_client_dot___proto_dot_v1_dot_admin__pb2.StartRebuildRequest.FromString,
+                    response_serializer=ngramcache_dot_client_dot___proto_dot_v1_dot_admin__pb2.RebuildStatus.SerializeToString,
+            ),
+            'GetRebuildStatus': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetRebuildStatus,
+                    request_deserializer=ngramcache_dot_client_dot___proto_dot_v1_dot_admin__pb2.GetRebuildStatusRequest.FromString,
+                    response_serializer=ngramcache_dot_client_dot___proto_dot_v1_dot_admin__pb2.RebuildStatus.SerializeToString,
+            ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
             'ngramcache.v1.Admin', rpc_method_handlers)
@@ -184,8 +232,8 @@ class Admin:
     under the same name is a new incarnation (another `instance`), whose count versions
     the old one's mirrors cannot pull from (OUT_OF_RANGE).
 
-    Roles: CreateNamespace and DropNamespace the admin role; the others any authenticated
-    caller. Health (grpc.health.v1.Health) and reflection need no token.
+    Roles: CreateNamespace, DropNamespace and StartRebuild the admin role; the others any
+    authenticated caller. Health (grpc.health.v1.Health) and reflection need no token.
     """
 
     @staticmethod
@@ -313,6 +361,60 @@ class Admin:
             '/ngramcache.v1.Admin/GetServerInfo',
             ngramcache_dot_client_dot___proto_dot_v1_dot_admin__pb2.GetServerInfoRequest.SerializeToString,
             ngramcache_dot_client_dot___proto_dot_v1_dot_admin__pb2.GetServerInfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StartRebuild(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ngramcache.v1.Admin/StartRebuild',
+            ngramcache_dot_client_dot___proto_dot_v1_dot_admin__pb2.StartRebuildRequest.SerializeToString,
+            ngramcache_dot_client_dot___proto_dot_v1_dot_admin__pb2.RebuildStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetRebuildStatus(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ngramcache.v1.Admin/GetRebuildStatus',
+            ngramcache_dot_client_dot___proto_dot_v1_dot_admin__pb2.GetRebuildStatusRequest.SerializeToString,
+            ngramcache_dot_client_dot___proto_dot_v1_dot_admin__pb2.RebuildStatus.FromString,
             options,
             channel_credentials,
             insecure,

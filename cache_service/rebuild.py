@@ -1,0 +1,275 @@
+"""Central rebuilds: fold a namespace's dynamic counts (and a corpus, and the previous generation) into its next static generation.
+
+One rebuild per namespace at a time across every replica: the rebuilding replica holds the
+namespace's lease in the counts store (renewed while it builds) and commits the new
+generation number under it before it publishes the file; a replica whose lease expired
+(paused, partitioned) is fenced off by the store and publishes nothing (`LeaseLostError`).
+The build streams through `StaticBuilder` within its memory budget: the previous
+generation (its counts times ``decay``), every dynamic row of the static file's n-gram size
+with a count >= ``min_count`` (the store's export, chunk by chunk), and the token files of
+``corpus``. The file is written under a temporary name in the namespace's folder, verified
+and published by the `StaticStore` (atomic rename, directory fsync, Watch subscribers
+woken: every session and client swaps to it), then older generations beyond ``keep`` are
+deleted (a file still mapped stays readable to its process).
+
+What the options do to drafts (see docs/operations.md): ``min_count`` drops rare pairs (a
+smaller file; pairs seen once rarely pass the static step's 50% test anyway); ``decay``
+below 1 lets old counts fade so the file follows what the fleet writes now; the dynamic
+counts stay in the store (the drafter consults them in their own step).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import math
+import secrets
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ngramcache.client import StaticBuilder, StaticCache
+from ngramcache.client.corpus import collect_inputs, is_token_file, token_streams
+from ngramcache.client.errors import InvalidArgumentError, LeaseHeldError, LeaseLostError
+from ngramcache.client.rows import COUNT, N
+
+from .counts import CountsStore
+from .counts.store import Lease
+from .static_store import StaticStore
+from .store_runner import StoreRunner
+
+log = logging.getLogger("ngramcache.service")
+
+_INT32_MAX = 2**31 - 1
+
+
+@dataclasses.dataclass(frozen=True)
+class RebuildOptions:
+    """What a rebuild folds in (every field has a default).
+
+    Attributes:
+        min_count: dynamic (n-gram, follower) counts below this are left out (>= 1).
+        ngram_size: tokens per key of the new file (1..4); 0: the previous generation's, else 2.
+        include_previous: fold the previous generation in.
+        decay: the previous generation's counts are multiplied by this (0 < decay <= 1),
+            rounded down (a count that reaches 0 is dropped).
+        corpus: token files or folders of them (.bin/.tokens/.npy) on the server to add.
+        memory_budget: the builder's budget in bytes (it spills sorted runs beyond).
+        keep: published generations kept after this one (older ones are deleted), >= 1.
+    """
+
+    min_count: int = 1
+    ngram_size: int = 0
+    include_previous: bool = True
+    decay: float = 1.0
+    corpus: tuple[str, ...] = ()
+    memory_budget: int = 1 << 30
+    keep: int = 3
+
+    def __post_init__(self) -> None:
+        if isinstance(self.min_count, bool) or not isinstance(self.min_count, int) or self.min_count < 1:
+            raise InvalidArgumentError(f"min_count must be an integer >= 1, got {self.min_count!r}")
+        if self.ngram_size not in (0, 1, 2, 3, 4):
+            raise InvalidArgumentError(f"ngram_size must be 1..4 (0: the previous generation's), got {self.ngram_size!r}")
+        if not (isinstance(self.decay, (int, float)) and math.isfinite(self.decay) and 0 < self.decay <= 1):
+            raise InvalidArgumentError(f"decay must be in (0, 1], got {self.decay!r}")
+        if self.memory_budget < 16 << 20:
+            raise InvalidArgumentError(f"memory_budget must be at least 16 MiB, got {self.memory_budget}")
+        if self.keep < 1:
+            raise InvalidArgumentError(f"keep must be >= 1, got {self.keep}")
+        for path in self.corpus:
+            if not Path(path).exists():
+                raise InvalidArgumentError(f"corpus path {path} does not exist on the server")
+
+
+@dataclasses.dataclass
+class RebuildStatus:
+    """The last (or running) rebuild of a namespace on this replica."""
+
+    namespace: str
+    state: str = "idle"  # idle, running, done, failed
+    phase: str = ""  # previous, dynamic, corpus, writing, committing, publishing
+    generation: int = 0
+    lease_token: int = 0
+    started_unix_ms: int = 0
+    finished_unix_ms: int = 0
+    previous_rows: int = 0
+    dynamic_rows: int = 0
+    corpus_tokens: int = 0
+    n_keys: int = 0
+    n_followers: int = 0
+    file_bytes: int = 0
+    error: str = ""
+
+
+class Rebuilder:
+    """Runs rebuilds for one service replica (see the module docstring).
+
+    Args:
+        runner: the executor that owns the counts store (leases, exports).
+        static_store: where generations are published.
+        holder: this replica's name in leases (unique per replica).
+        location: where other replicas can fetch what this one builds (host:port).
+        lease_ttl: seconds a lease lasts without renewal; renewed every third of it.
+    """
+
+    def __init__(self, runner: StoreRunner, static_store: StaticStore, *, holder: str, location: str,
+                 lease_ttl: float = 30.0) -> None:
+        self._runner = runner
+        self._store: CountsStore = runner.store
+        self._static = static_store
+        self.holder = holder
+        self.location = location
+        self._ttl_ms = max(1000, int(lease_ttl * 1000))
+        self._status: dict[str, RebuildStatus] = {}
+        self._tasks: dict[str, asyncio.Task[RebuildStatus]] = {}
+        self.completed = 0  # rebuilds published by this replica (metrics)
+        self.failed = 0
+
+    def status(self, namespace: str) -> RebuildStatus:
+        return dataclasses.replace(self._status.get(namespace) or RebuildStatus(namespace))
+
+    async def start(self, namespace: str, options: RebuildOptions) -> asyncio.Task[RebuildStatus]:
+        """Take the lease and start the rebuild; the task's result is the final status.
+
+        Raises:
+            LeaseHeldError: another replica (or this one) is rebuilding the namespace.
+            NamespaceNotFoundError: no such namespace.
+        """
+        running = self._tasks.get(namespace)
+        if running is not None and not running.done():
+            raise LeaseHeldError(f"a rebuild of {namespace!r} is running on this replica ({self.holder}), "
+                                 f"phase {self._status[namespace].phase}")
+        info = await self._runner.call(self._store.namespace_info, namespace)
+        lease = await self._runner.call(self._store.acquire_lease, namespace, self.holder, self._ttl_ms)
+        status = RebuildStatus(namespace, state="running", phase="starting", lease_token=lease.token,
+                               started_unix_ms=int(time.time() * 1000))
+        self._status[namespace] = status
+        task = asyncio.create_task(self._run(info, lease, options, status), name=f"rebuild:{namespace}")
+        self._tasks[namespace] = task
+        return task
+
+    async def _run(self, info: Any, lease: Lease, options: RebuildOptions, status: RebuildStatus) -> RebuildStatus:
+        renewer = asyncio.create_task(self._renew(lease))
+        tmp: Path | None = None
+        try:
+            latest = self._static.latest(info.name)
+            committed = await self._runner.call(self._store.committed_generation, info.name)
+            status.generation = max(latest.generation if latest else 0, committed.generation) + 1
+            ns_dir = self._static.namespace_dir(info.name)
+            ns_dir.mkdir(parents=True, exist_ok=True)
+            tmp = ns_dir / f"rebuild-{status.generation}-{secrets.token_hex(6)}.tmp"
+            previous = self._static.open(info.name, latest.generation) if latest and options.include_previous else None
+            ngram_size = options.ngram_size or (latest.ngram_size if latest else 2)
+            builder = StaticBuilder(tmp, info.vocab_size, ngram_size, fingerprint=bytes.fromhex(info.fingerprint),
+                                    generation=status.generation, memory_budget=options.memory_budget,
+                                    scratch_dir=ns_dir)
+            if previous is not None:
+                status.phase = "previous"
+                await asyncio.to_thread(self._add_previous, builder, previous, options.decay, status)
+            status.phase = "dynamic"
+            await self._add_dynamic(builder, info.name, ngram_size, options.min_count, status, renewer)
+            if options.corpus:
+                status.phase = "corpus"
+                await asyncio.to_thread(self._add_corpus, builder, options.corpus, status)
+            status.phase = "writing"
+            await asyncio.to_thread(builder.finish)
+            cache = StaticCache.open(tmp)
+            status.n_keys, status.n_followers, status.file_bytes = cache.n_keys, cache.n_followers, cache.file_size
+            del cache
+            if renewer.done():
+                renewer.result()  # raises LeaseLostError
+            status.phase = "committing"
+            await self._runner.call(self._store.commit_generation, lease, status.generation, self.location)
+            status.phase = "publishing"
+            await self._static.publish(info.name, tmp, fingerprint=info.fingerprint, vocab_size=info.vocab_size,
+                                       generation=status.generation)
+            tmp = None  # the store owns it now
+            await self._static.retain(info.name, options.keep)
+            status.state, status.phase = "done", ""
+            self.completed += 1
+            log.info("namespace %s: rebuilt generation %d (%d keys, %d followers, %d bytes; %d dynamic rows, "
+                     "%d previous rows, %d corpus tokens)", info.name, status.generation, status.n_keys,
+                     status.n_followers, status.file_bytes, status.dynamic_rows, status.previous_rows,
+                     status.corpus_tokens)
+        except asyncio.CancelledError:
+            status.state, status.error = "failed", "cancelled (the service is stopping)"
+            self.failed += 1
+            raise
+        except Exception as e:
+            status.state, status.error = "failed", f"{type(e).__name__}: {e}"
+            self.failed += 1
+            log.error("namespace %s: rebuild of generation %d failed: %s", info.name, status.generation, status.error)
+        finally:
+            renewer.cancel()
+            with contextlib.suppress(BaseException):
+                await renewer
+            if tmp is not None:
+                tmp.unlink(missing_ok=True)
+            with contextlib.suppress(Exception):
+                await self._runner.call(self._store.release_lease, lease)
+            status.finished_unix_ms = int(time.time() * 1000)
+        return dataclasses.replace(status)
+
+    async def _renew(self, lease: Lease) -> None:
+        """Renew the lease every third of its ttl; raise LeaseLostError when it is gone."""
+        while True:
+            await asyncio.sleep(self._ttl_ms / 3000)
+            if not await self._runner.call(self._store.renew_lease, lease, self._ttl_ms):
+                raise LeaseLostError(f"the rebuild lease of {lease.namespace!r} was lost while building")
+
+    @staticmethod
+    def _add_previous(builder: StaticBuilder, previous: StaticCache, decay: float, status: RebuildStatus) -> None:
+        if decay >= 1.0:
+            builder.add_static(previous)
+            status.previous_rows = previous.n_followers
+            return
+        rows = previous.to_rows()
+        counts = np.floor(rows[:, COUNT].astype(np.float64) * decay).astype(np.int64)
+        keep = counts > 0
+        rows = np.ascontiguousarray(rows[keep])
+        rows[:, COUNT] = counts[keep].astype(np.int32)
+        builder.add_rows(rows)
+        status.previous_rows = len(rows)
+
+    async def _add_dynamic(self, builder: StaticBuilder, namespace: str, ngram_size: int, min_count: int,
+                           status: RebuildStatus, renewer: asyncio.Task[None]) -> None:
+        parts = await self._runner.call(self._store.export, namespace)
+        try:
+            while (part := await self._runner.call(next, parts, None)) is not None:
+                if renewer.done():
+                    renewer.result()
+                rows = part[(part[:, N] == ngram_size) & (part[:, COUNT] >= min_count)]
+                if len(rows):
+                    out = rows.astype(np.int32)
+                    out[:, COUNT] = np.minimum(rows[:, COUNT], _INT32_MAX).astype(np.int32)
+                    await asyncio.to_thread(builder.add_rows, np.ascontiguousarray(out))
+                    status.dynamic_rows += len(rows)
+        finally:
+            close = getattr(parts, "close", None)
+            if close is not None:
+                with contextlib.suppress(Exception):
+                    await self._runner.call(close)
+
+    @staticmethod
+    def _add_corpus(builder: StaticBuilder, corpus: tuple[str, ...], status: RebuildStatus) -> None:
+        for item in collect_inputs(list(corpus)):
+            if not is_token_file(item.path):
+                raise InvalidArgumentError(f"{item.path}: a rebuild reads token files (.bin, .tokens, .npy), "
+                                           "not text (tokenize it with `ngramcache build` or pre-tokenize it)")
+            for stream in token_streams(item):
+                builder.begin_stream()
+                for chunk in stream:
+                    builder.add_tokens(np.ascontiguousarray(chunk, dtype=np.int32))
+                    status.corpus_tokens += len(chunk)
+
+    async def close(self) -> None:
+        for task in list(self._tasks.values()):
+            task.cancel()
+        for task in list(self._tasks.values()):
+            with contextlib.suppress(BaseException):
+                await task

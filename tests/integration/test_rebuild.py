@@ -1,0 +1,175 @@
+"""Central rebuilds against real services on loopback (embedded store, and two replicas over a real redis-server)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections import Counter
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+from service_helpers import ServiceThread  # tests/ is on sys.path (tests/conftest.py)
+
+from ngramcache import NgramClient, StaticCache
+from ngramcache.client._proto.codec import bytes_to_count_rows
+from ngramcache.client._proto.v1 import admin_pb2, admin_pb2_grpc, counts_pb2, counts_pb2_grpc
+
+pytestmark = pytest.mark.integration
+
+VOCAB = 64
+FP = bytes(range(32))
+FAST = {"pull_interval": 0.1, "push_interval": 0.05, "ready_timeout": 20.0, "close_timeout": 10.0}
+
+
+def corpus(seed: int, n: int = 3000) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    motifs = [rng.integers(0, VOCAB, rng.integers(3, 9)) for _ in range(10)]
+    return np.concatenate([motifs[i] for i in rng.integers(0, len(motifs), n // 6)]).astype(np.int32)
+
+
+def create(address: str) -> str:
+    name = "r-" + uuid.uuid4().hex[:8]
+    with grpc.insecure_channel(address) as ch:
+        admin_pb2_grpc.AdminStub(ch).CreateNamespace(
+            admin_pb2.CreateNamespaceRequest(name=name, tokenizer_fingerprint=FP, vocab_size=VOCAB), timeout=10)
+    return name
+
+
+def store_pairs(address: str, namespace: str, n: int = 2) -> Counter[tuple[int, ...]]:
+    """The store's counts of n-grams of size n: (key..., follower) -> count."""
+    with grpc.insecure_channel(address) as ch:
+        chunks = counts_pb2_grpc.CountsStub(ch).Pull(counts_pb2.PullRequest(namespace=namespace,
+                                                                            tokenizer_fingerprint=FP), timeout=30)
+        rows = np.concatenate([bytes_to_count_rows(c.rows) for c in chunks])
+    return Counter({(*r[1:1 + n], r[5]): int(r[6]) for r in rows.tolist() if r[0] == n})
+
+
+def file_pairs(path: Path) -> Counter[tuple[int, ...]]:
+    return Counter({(*r[1:1 + r[0]], r[5]): int(r[6]) for r in StaticCache.open(path).to_rows().tolist()})
+
+
+def rebuild_cli(address: str, namespace: str, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "ngramcache.cache_service.cli", "rebuild", "--namespace", namespace,
+                           "--server", address, *args], capture_output=True, text=True, timeout=120)
+
+
+def wait_until(cond, timeout: float = 15.0, what: str = "condition") -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def push_all(client: NgramClient, tokens: np.ndarray) -> None:
+    before = client.stats()["drained_count"]
+    client.drafter().accept(1, tokens)
+    wait_until(lambda: client.stats()["pending_rows"] == 0
+               and client.stats()["acked_count"] == client.stats()["drained_count"] > before, what="pushes acknowledged")
+    client.drafter().reset(1)
+
+
+def test_rebuild_folds_counts_exactly_publishes_and_clients_swap(tmp_path: Path) -> None:
+    with ServiceThread(tmp_path / "data", mirror_interval=0.05) as svc:
+        address = f"127.0.0.1:{svc.port}"
+        ns = create(address)
+        with NgramClient(address, ns, (FP, VOCAB), cache_dir=tmp_path / "cache", **FAST) as client:
+            push_all(client, corpus(1))
+            done = rebuild_cli(address, ns)
+            assert done.returncode == 0, done.stderr
+            assert "published generation 1" in done.stdout and "dynamic rows" in done.stdout
+            first = tmp_path / "data" / "static" / ns / f"{1:020d}.ngc"
+            assert file_pairs(first) == store_pairs(address, ns)  # every 2-gram count, exactly
+            wait_until(lambda: client.stats()["generation"] == 1, what="the client to swap to generation 1")
+            assert client.drafter().static is not None and client.drafter().static.generation == 1
+
+            # The previous generation halved, plus the counts (min 2): a second generation.
+            push_all(client, corpus(2))
+            expected = Counter({k: c // 2 for k, c in file_pairs(first).items() if c // 2 > 0})
+            expected.update({k: c for k, c in store_pairs(address, ns).items() if c >= 2})
+            done = rebuild_cli(address, ns, "--decay", "0.5", "--min-count", "2", "--keep", "1")
+            assert done.returncode == 0, done.stderr
+            second = tmp_path / "data" / "static" / ns / f"{2:020d}.ngc"
+            assert file_pairs(second) == expected
+            wait_until(lambda: client.stats()["generation"] == 2, what="the client to swap to generation 2")
+            assert not first.exists()  # --keep 1: the older generation is deleted
+
+
+def test_rebuild_adds_a_corpus_and_refuses_bad_options(tmp_path: Path) -> None:
+    tokens = corpus(5, 6000)
+    path = tmp_path / "corpus.bin"
+    tokens.astype("<i4").tofile(path)
+    with ServiceThread(tmp_path / "data") as svc:
+        address = f"127.0.0.1:{svc.port}"
+        ns = create(address)
+        done = rebuild_cli(address, ns, "--corpus", str(path))
+        assert done.returncode == 0, done.stderr
+        assert f"{len(tokens):,} corpus tokens" in done.stdout
+        pairs = file_pairs(tmp_path / "data" / "static" / ns / f"{1:020d}.ngc")
+        assert sum(pairs.values()) == len(tokens) - 2  # every 2-gram of the one stream
+        for args, message in ((["--corpus", str(tmp_path / "missing.bin")], "does not exist"),
+                              (["--decay", "1.5"], "--decay"), (["--min-count", "0"], "--min-count")):
+            bad = rebuild_cli(address, ns, *args)
+            assert bad.returncode == 2 and message in bad.stderr and "Traceback" not in bad.stderr
+        bad = rebuild_cli(address, "no-such-ns")
+        assert bad.returncode == 2 and "no-such-ns" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_a_held_lease_refuses_a_second_rebuild(tmp_path: Path) -> None:
+    with ServiceThread(tmp_path / "data") as svc:
+        address = f"127.0.0.1:{svc.port}"
+        ns = create(address)
+        store = svc.service.runner.store
+        lease = store.acquire_lease(ns, "another-replica", 60_000)
+        done = rebuild_cli(address, ns)
+        assert done.returncode == 2 and "another-replica" in done.stderr and "Traceback" not in done.stderr
+        store.release_lease(lease)
+        assert rebuild_cli(address, ns).returncode == 0
+
+
+def test_server_down_is_one_line(tmp_path: Path) -> None:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    done = rebuild_cli(f"127.0.0.1:{port}", "ns", "--timeout", "1")
+    assert done.returncode == 2 and "no service answered" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_two_replicas_racing_publish_each_generation_once(tmp_path: Path, redis_standalone) -> None:  # type: ignore[no-untyped-def]
+    url = redis_standalone.url
+    with ServiceThread(tmp_path / "one", counts=url) as one, ServiceThread(tmp_path / "two", counts=url) as two:
+        addresses = [f"127.0.0.1:{one.port}", f"127.0.0.1:{two.port}"]
+        ns = create(addresses[0])
+        outcomes: list[tuple[str, int, str]] = []
+        published: list[int] = []
+
+        def start(address: str) -> None:
+            with grpc.insecure_channel(address) as ch:
+                try:
+                    status = admin_pb2_grpc.AdminStub(ch).StartRebuild(
+                        admin_pb2.StartRebuildRequest(namespace=ns, wait=True), timeout=60)
+                    outcomes.append((address, status.generation, status.state))
+                except grpc.RpcError as e:
+                    outcomes.append((address, 0, e.code().name))
+
+        for _ in range(3):
+            outcomes.clear()
+            threads = [threading.Thread(target=start, args=(a,)) for a in addresses]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            done = [o for o in outcomes if o[2] == "done"]
+            assert len(done) >= 1, outcomes
+            assert all(o[2] in ("done", "ABORTED") for o in outcomes), outcomes
+            published += [g for _, g, _ in done]
+        assert len(published) == len(set(published)) and sorted(published) == published
+        committed = one.service.runner.store.committed_generation(ns)
+        assert committed.generation >= 3
