@@ -28,6 +28,17 @@ if ! command -v clang++ >/dev/null 2>&1 || ! ls "$(clang++ -print-runtime-dir)"/
     "libclang-rt-$(clang++ -dumpversion | cut -d. -f1)-dev" >/dev/null
 fi
 
+# docker-compose, which validates deploy/compose.yaml (`docker-compose config`; no container engine needed).
+if ! command -v docker-compose >/dev/null 2>&1; then
+  if [ "$(id -u)" -ne 0 ]; then
+    echo "docker-compose is missing: run 'sudo apt-get install docker-compose' (tests/integration/test_deploy.py validates deploy/compose.yaml)" >&2
+    exit 1
+  fi
+  echo "installing docker-compose (Debian package)..."
+  apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends docker-compose >/dev/null
+fi
+
 PY=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
