@@ -60,6 +60,10 @@ _HELP = {
                              "a replica that stalls longer is fenced off) (default 30)",
     "advertise_address": "host:port other replicas reach this one at, recorded with the generations it builds "
                          "(default: the address it listens on)",
+    "peer_sync_interval": "seconds between two checks for a generation another replica built, fetched from it "
+                          "(default 1)",
+    "peer_token": "bearer token (draft role) this replica fetches other replicas' generations with (default: none)",
+    "peer_tls_ca": "PEM file of the CA certificates to reach other replicas with TLS (default: plaintext)",
     "max_message_bytes": "largest gRPC message in either direction, bytes (default 64 MiB)",
     "max_file_bytes": "largest static file a Publish may upload, bytes (default 16 GiB)",
     "grace_period": "seconds in-flight calls get to finish on SIGTERM (default 10)",

@@ -63,6 +63,9 @@ class ServiceConfig:
     rebuild_every: float = 0.0  # seconds between scheduled rebuilds of every namespace (0: only on request)
     rebuild_lease_seconds: float = 30.0  # a rebuild's lease without renewal (renewed every third of it)
     advertise_address: str = ""  # host:port other replicas reach this one at (default: host:port it binds)
+    peer_sync_interval: float = 1.0  # seconds between two checks for a generation another replica committed
+    peer_token: str | None = None  # bearer token (draft role) for fetching from peers
+    peer_tls_ca: str | None = None  # PEM CA certificates to reach peers with TLS (default: plaintext)
     # Transport
     max_message_bytes: int = 64 << 20
     max_file_bytes: int = 16 << 30
@@ -92,7 +95,8 @@ class ServiceConfig:
                 raise InvalidArgumentError(f"{name} must be a positive integer, got {value!r}")
         if not math.isfinite(self.rebuild_every) or self.rebuild_every < 0:
             raise InvalidArgumentError(f"rebuild_every must be a number of seconds >= 0 (0: off), got {self.rebuild_every!r}")
-        for name in ("session_idle_timeout", "mirror_interval", "grace_period", "rebuild_lease_seconds"):
+        for name in ("session_idle_timeout", "mirror_interval", "grace_period", "rebuild_lease_seconds",
+                     "peer_sync_interval"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
                 raise InvalidArgumentError(f"{name} must be a positive number of seconds, got {value!r}")
@@ -107,6 +111,8 @@ class ServiceConfig:
                                        f"{self.push_group_rows!r}")
         if not self.data_dir:
             raise InvalidArgumentError("data_dir must name a folder")
+        if self.peer_tls_ca and not os.access(self.peer_tls_ca, os.R_OK):
+            raise InvalidArgumentError(f"peer_tls_ca {self.peer_tls_ca}: no such readable file")
         self.check_workers()
         tls = read_tls_files(self.tls_cert, self.tls_key, self.tls_client_ca)
         if self.tokens_file:

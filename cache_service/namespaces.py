@@ -25,6 +25,7 @@ from ngramcache.client.errors import NamespaceNotFoundError, NgramCacheError, Re
 
 from .counts import NamespaceInfo
 from .draft_view import DraftView, ViewPolicy
+from .peer_sync import PeerSync
 from .static_store import StaticStore
 from .store_runner import StoreRunner
 
@@ -72,13 +73,16 @@ class NamespaceRegistry:
     """
 
     def __init__(self, runner: StoreRunner, static_store: StaticStore, *, mirror_interval: float, max_sessions: int,
-                 session_memory: int, view_policy: ViewPolicy | None = None) -> None:
+                 session_memory: int, view_policy: ViewPolicy | None = None, peer_sync: PeerSync | None = None,
+                 peer_interval: float = 1.0) -> None:
         self._runner = runner
         self._static = static_store
         self._interval = mirror_interval
         self._max_sessions = max_sessions
         self._session_memory = session_memory
         self._view_policy = view_policy
+        self.peer_sync = peer_sync
+        self._peer_interval = peer_interval
         self._live: dict[str, LiveNamespace] = {}
         self._opening: dict[str, asyncio.Future[LiveNamespace]] = {}
         self._closed = False
@@ -118,12 +122,15 @@ class NamespaceRegistry:
                            view_policy=self._view_policy)
         await self._full_export(ns, ns.dynamic)
         ns.view = await asyncio.to_thread(DraftView, ns.dynamic, self._view_policy)
+        await self._sync_from_peers(ns)
         latest = self._static.latest(namespace)
         if latest is not None:
             ns.attach_static(await asyncio.to_thread(self._static.open, namespace, latest.generation), latest.generation)
         self._live[namespace] = ns
         ns._tasks.append(asyncio.create_task(self._mirror_loop(ns), name=f"mirror:{namespace}"))
         ns._tasks.append(asyncio.create_task(self._watch_loop(ns), name=f"watch:{namespace}"))
+        if self.peer_sync is not None:
+            ns._tasks.append(asyncio.create_task(self._peer_loop(ns), name=f"peers:{namespace}"))
         log.info("namespace %s live: %d mirrored rows, store version %s, generation %d", namespace,
                  ns.mirror.rows_applied, ns.mirror.version, ns.generation)
         return ns
@@ -187,6 +194,20 @@ class NamespaceRegistry:
             except Exception:
                 ns.mirror.errors += 1
                 log.exception("namespace %s: mirror refresh failed", ns.info.name)
+
+    async def _sync_from_peers(self, ns: LiveNamespace) -> None:
+        """Install a generation another replica committed, if newer than ours (errors are logged)."""
+        if self.peer_sync is None:
+            return
+        try:
+            await self.peer_sync.sync(ns.info)
+        except NgramCacheError as e:
+            log.warning("namespace %s: checking the committed generation failed: %s", ns.info.name, e)
+
+    async def _peer_loop(self, ns: LiveNamespace) -> None:
+        while not ns.dropped:
+            await asyncio.sleep(self._peer_interval)
+            await self._sync_from_peers(ns)
 
     async def _watch_loop(self, ns: LiveNamespace) -> None:
         try:

@@ -39,6 +39,7 @@ from ngramcache.client.rows import COUNT, N
 
 from .counts import CountsStore
 from .counts.store import Lease
+from .peer_sync import PeerSync
 from .static_store import StaticStore
 from .store_runner import StoreRunner
 
@@ -115,10 +116,12 @@ class Rebuilder:
         holder: this replica's name in leases (unique per replica).
         location: where other replicas can fetch what this one builds (host:port).
         lease_ttl: seconds a lease lasts without renewal; renewed every third of it.
+        peer_sync: fetches a newer generation another replica committed before building on it.
     """
 
     def __init__(self, runner: StoreRunner, static_store: StaticStore, *, holder: str, location: str,
-                 lease_ttl: float = 30.0) -> None:
+                 lease_ttl: float = 30.0, peer_sync: PeerSync | None = None) -> None:
+        self.peer_sync = peer_sync
         self._runner = runner
         self._store: CountsStore = runner.store
         self._static = static_store
@@ -157,6 +160,8 @@ class Rebuilder:
         renewer = asyncio.create_task(self._renew(lease))
         tmp: Path | None = None
         try:
+            if self.peer_sync is not None:  # fold in the newest generation, even one another replica built
+                await self.peer_sync.sync(info)
             latest = self._static.latest(info.name)
             committed = await self._runner.call(self._store.committed_generation, info.name)
             status.generation = max(latest.generation if latest else 0, committed.generation) + 1

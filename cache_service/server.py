@@ -41,6 +41,7 @@ from .interceptors.logging import LoggingInterceptor
 from .interceptors.metrics import MetricsInterceptor, rpc_methods
 from .metrics import Metrics, MetricsHttpServer, start_metrics_http_server
 from .namespaces import NamespaceRegistry
+from .peer_sync import PeerSync
 from .rebuild import Rebuilder, RebuildOptions
 from .security import server_credentials
 from .servicers.admin import AdminServicer, ServerInfo, ServerLimits
@@ -159,9 +160,12 @@ async def create_server(config: ServiceConfig) -> tuple[Service, int]:
     metrics = Metrics()
     runner = StoreRunner(store, max_workers=config.store_threads, metrics=metrics)
     static_store = StaticStore(str(data_dir / "static"))
+    peer_sync = PeerSync(runner, static_store, location=config.advertise_address or config.address(),
+                         token=config.peer_token or None, tls_ca=_read_optional(config.peer_tls_ca))
     registry = NamespaceRegistry(runner, static_store, mirror_interval=config.mirror_interval,
                                  max_sessions=config.max_sessions, session_memory=config.session_memory,
-                                 view_policy=config.view_policy())
+                                 view_policy=config.view_policy(), peer_sync=peer_sync,
+                                 peer_interval=config.peer_sync_interval)
     metrics.watch_namespaces(registry.live)
     options = [
         ("grpc.max_receive_message_length", config.max_message_bytes),
@@ -197,7 +201,8 @@ async def create_server(config: ServiceConfig) -> tuple[Service, int]:
         await static_store.drop(namespace)
 
     rebuilder = Rebuilder(runner, static_store, holder=f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}",
-                          location=config.advertise_address or config.address(), lease_ttl=config.rebuild_lease_seconds)
+                          location=config.advertise_address or config.address(), lease_ttl=config.rebuild_lease_seconds,
+                          peer_sync=peer_sync)
     admin_pb2_grpc.add_AdminServicer_to_server(
         AdminServicer(runner, server_info=ServerInfo(limits=limits, auth_required=auth is not None), on_drop=on_drop,
                       latest_generation=lambda ns: (g.generation if (g := static_store.latest(ns)) else 0),
@@ -222,7 +227,7 @@ async def create_server(config: ServiceConfig) -> tuple[Service, int]:
     service.counts = counts
     service.rebuilder = rebuilder
     if not config.advertise_address:
-        rebuilder.location = f"{config.host}:{port}"
+        rebuilder.location = peer_sync.location = f"{config.host}:{port}"
     service.port = port
     service.metrics = metrics
     if config.metrics_port >= 0:
@@ -244,6 +249,10 @@ async def create_server(config: ServiceConfig) -> tuple[Service, int]:
     log.info("serving ngramcache.v1 on %s:%d (pid %d), counts store %s, data dir %s", config.host, port, os.getpid(),
              redact_url(config.counts_url), data_dir.resolve())
     return service, port
+
+
+def _read_optional(path: str | None) -> bytes | None:
+    return Path(path).read_bytes() if path else None
 
 
 async def _wait_for_store(service: Service) -> None:

@@ -173,3 +173,42 @@ def test_two_replicas_racing_publish_each_generation_once(tmp_path: Path, redis_
         assert len(published) == len(set(published)) and sorted(published) == published
         committed = one.service.runner.store.committed_generation(ns)
         assert committed.generation >= 3
+
+
+def test_replicas_without_shared_storage_fetch_the_new_generation(tmp_path: Path, redis_standalone) -> None:  # type: ignore[no-untyped-def]
+    """Replica two fetches what replica one built, refuses a corrupt transfer, and its client swaps."""
+    url = redis_standalone.url
+    with ServiceThread(tmp_path / "one", counts=url) as one, \
+            ServiceThread(tmp_path / "two", counts=url, peer_sync_interval=2.0) as two:
+        a1, a2 = f"127.0.0.1:{one.port}", f"127.0.0.1:{two.port}"
+        ns = create(a1)
+        with NgramClient(a2, ns, (FP, VOCAB), cache_dir=tmp_path / "cache", **FAST) as client:  # on replica two
+            push_all(client, corpus(3))
+            assert rebuild_cli(a1, ns).returncode == 0
+            built = tmp_path / "one" / "static" / ns / f"{1:020d}.ngc"
+            fetched = tmp_path / "two" / "static" / ns / f"{1:020d}.ngc"
+            wait_until(fetched.exists, 10.0, "replica two to fetch generation 1")
+            assert fetched.read_bytes() == built.read_bytes()
+            wait_until(lambda: client.stats()["generation"] == 1, 10.0, "the client of replica two to swap")
+
+            # The next generation is served corrupt for a while: refused, then fetched once it is whole.
+            # (Replica two checks every 2 s; should it fetch between publish and corruption, try the next one.)
+            peers = two.service.registry.peer_sync
+            for generation in (2, 3, 4):
+                push_all(client, corpus(generation + 2))
+                assert rebuild_cli(a1, ns).returncode == 0
+                built = tmp_path / "one" / "static" / ns / f"{generation:020d}.ngc"
+                fetched = tmp_path / "two" / "static" / ns / f"{generation:020d}.ngc"
+                good = built.read_bytes()
+                bad = bytearray(good)
+                bad[len(bad) // 2] ^= 0xFF
+                refused = peers.refused
+                built.write_bytes(bytes(bad))
+                if not fetched.exists():
+                    break
+                built.write_bytes(good)
+            wait_until(lambda: peers.refused > refused, 10.0, "a corrupt transfer to be refused")
+            assert not fetched.exists()
+            built.write_bytes(good)
+            wait_until(lambda: client.stats()["generation"] == generation, 15.0, "the client to swap to it")
+            assert fetched.read_bytes() == good
