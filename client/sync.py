@@ -291,6 +291,12 @@ class _Core:
             chan = self.channel()
             try:
                 return await call(chan)
+            except asyncio.CancelledError:
+                if self.cancelled_by_us():
+                    raise
+                # The channel was closed under this call (another task moved to the next address):
+                # the same call again, on the channel now current.
+                log.debug("%s cancelled by a channel switch; retrying", what)
             except grpc.RpcError as e:
                 err = error_from_rpc(e)
                 if not err.retriable:
@@ -376,6 +382,15 @@ class _Core:
             self.chan = None
         self.files.unlock()
 
+    def cancelled_by_us(self) -> bool:
+        """Whether a CancelledError is this task's own cancellation (closing), not a call that grpc
+        cancelled because its channel was closed by a switch to another address."""
+        task = asyncio.current_task()
+        cancelling = getattr(task, "cancelling", None)  # Python 3.11+
+        if cancelling is not None and cancelling() > 0:
+            return True
+        return self.closing is not None and self.closing.is_set() and cancelling is None
+
     async def forever(self, what: str, body: Callable[[], Awaitable[None]]) -> None:
         """Run ``body`` again and again; errors are logged and retried after a backoff (never fatal)."""
         attempt = 0
@@ -384,7 +399,10 @@ class _Core:
                 await body()
                 attempt = 0
             except asyncio.CancelledError:
-                raise
+                if self.cancelled_by_us():
+                    raise
+                log.debug("ngramcache client: %s cancelled by a channel switch; again", what)  # not fatal
+                await asyncio.sleep(0.05)
             except NgramCacheError as e:
                 log.warning("ngramcache client: %s failed: %s", what, e)
                 attempt += 1

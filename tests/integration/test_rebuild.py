@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import threading
@@ -56,6 +57,13 @@ def file_pairs(path: Path) -> Counter[tuple[int, ...]]:
 def rebuild_cli(address: str, namespace: str, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "ngramcache.cache_service.cli", "rebuild", "--namespace", namespace,
                            "--server", address, *args], capture_output=True, text=True, timeout=120)
+
+
+def replace_file(path: Path, data: bytes) -> None:
+    """Swap the file's content by rename: a process that maps the old file keeps reading it intact."""
+    tmp = path.with_name(path.name + ".swap")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
 
 
 def wait_until(cond, timeout: float = 15.0, what: str = "condition") -> None:  # type: ignore[no-untyped-def]
@@ -203,12 +211,12 @@ def test_replicas_without_shared_storage_fetch_the_new_generation(tmp_path: Path
                 bad = bytearray(good)
                 bad[len(bad) // 2] ^= 0xFF
                 refused = peers.refused
-                built.write_bytes(bytes(bad))
+                replace_file(built, bytes(bad))
                 if not fetched.exists():
                     break
-                built.write_bytes(good)
+                replace_file(built, good)
             wait_until(lambda: peers.refused > refused, 10.0, "a corrupt transfer to be refused")
             assert not fetched.exists()
-            built.write_bytes(good)
+            replace_file(built, good)
             wait_until(lambda: client.stats()["generation"] == generation, 15.0, "the client to swap to it")
             assert fetched.read_bytes() == good
