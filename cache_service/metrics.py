@@ -43,6 +43,8 @@ if TYPE_CHECKING:
     from wsgiref.simple_server import WSGIServer
 
     from .namespaces import LiveNamespace
+    from .peer_sync import PeerSync
+    from .rebuild import Rebuilder
 
 RPC_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
                1.0, 2.5, 5.0, 10.0)
@@ -152,6 +154,11 @@ class Metrics:
         self.registry.register(_NamespaceCollector(live))
 
 
+    def watch_rebuilds(self, rebuilder: Rebuilder, peers: PeerSync | None = None) -> None:
+        """Report rebuilds (completed, failed, running, last duration) and peer fetches at every scrape. Call once."""
+        self.registry.register(_RebuildCollector(rebuilder, peers))
+
+
 class StoreTimer:
     """Times one counts store call; a cancelled call is not observed (it has no latency)."""
 
@@ -207,6 +214,45 @@ class _NamespaceCollector(Collector):
                                 labels=["namespace"]),
             GaugeMetricFamily("ngramcache_generation", "The static generation the namespace drafts from (0: none).",
                               labels=["namespace"]),
+        )
+
+
+class _RebuildCollector(Collector):
+    """Reads the rebuilder's counters at scrape time."""
+
+    def __init__(self, rebuilder: Rebuilder, peers: PeerSync | None) -> None:
+        self._rebuilder = rebuilder
+        self._peers = peers
+
+    def describe(self) -> Iterable[Metric]:
+        return self._families()
+
+    def collect(self) -> Iterable[Metric]:
+        done, failed, running, seconds, fetched, refused = families = self._families()
+        done.add_metric([], self._rebuilder.completed)
+        failed.add_metric([], self._rebuilder.failed)
+        for status in self._rebuilder.statuses():
+            running.add_metric([status.namespace], 1.0 if status.state == "running" else 0.0)
+            if status.finished_unix_ms:
+                seconds.add_metric([status.namespace], (status.finished_unix_ms - status.started_unix_ms) / 1000)
+        if self._peers is not None:
+            fetched.add_metric([], self._peers.fetched)
+            refused.add_metric([], self._peers.refused)
+        return families
+
+    @staticmethod
+    def _families() -> tuple[CounterMetricFamily, CounterMetricFamily, GaugeMetricFamily, GaugeMetricFamily,
+                             CounterMetricFamily, CounterMetricFamily]:
+        return (
+            CounterMetricFamily("ngramcache_rebuilds_completed", "Rebuilds this replica published."),
+            CounterMetricFamily("ngramcache_rebuilds_failed", "Rebuilds this replica started that published nothing."),
+            GaugeMetricFamily("ngramcache_rebuild_running", "1 while this replica rebuilds the namespace.",
+                              labels=["namespace"]),
+            GaugeMetricFamily("ngramcache_rebuild_last_seconds", "How long this replica's last rebuild of the "
+                              "namespace took.", labels=["namespace"]),
+            CounterMetricFamily("ngramcache_peer_fetches", "Generations installed from the replica that built them."),
+            CounterMetricFamily("ngramcache_peer_fetches_refused", "Transfers from peers refused (corrupt, truncated, "
+                                "unreachable)."),
         )
 
 

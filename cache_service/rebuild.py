@@ -133,6 +133,10 @@ class Rebuilder:
         self.completed = 0  # rebuilds published by this replica (metrics)
         self.failed = 0
 
+    def statuses(self) -> list[RebuildStatus]:
+        """A copy of the status of every namespace this replica rebuilt (for metrics)."""
+        return [dataclasses.replace(s) for s in list(self._status.values())]
+
     def status(self, namespace: str) -> RebuildStatus:
         return dataclasses.replace(self._status.get(namespace) or RebuildStatus(namespace))
 

@@ -226,6 +226,7 @@ async def create_server(config: ServiceConfig) -> tuple[Service, int]:
     service = Service(config, server, runner, static_store, registry, health_servicer, drafting)
     service.counts = counts
     service.rebuilder = rebuilder
+    metrics.watch_rebuilds(rebuilder, peer_sync)
     if not config.advertise_address:
         rebuilder.location = peer_sync.location = f"{config.host}:{port}"
     service.port = port

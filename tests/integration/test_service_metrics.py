@@ -342,6 +342,9 @@ def test_the_whole_service_serves_metrics_on_its_own_port(tmp_path: Path) -> Non
         step = drafting_pb2.SessionRequest(step=drafting_pb2.SessionStep(tokens=tokens_to_bytes([1, 2, 1, 2, 1, 2])))
         replies = list(drafting_pb2_grpc.DraftingStub(ch).Session(iter([opener, step]), timeout=10))
         drafted = len(replies[-1].draft.tokens) // 4
+        status = admin_pb2_grpc.AdminStub(ch).StartRebuild(admin_pb2.StartRebuildRequest(namespace="m", wait=True),
+                                                            timeout=60)
+        assert status.state == "done" and status.generation == 1
         ch.close()
         text = urllib.request.urlopen(f"http://127.0.0.1:{svc.service.metrics_port}/metrics", timeout=10).read().decode()
     samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
@@ -349,3 +352,7 @@ def test_the_whole_service_serves_metrics_on_its_own_port(tmp_path: Path) -> Non
     assert samples[("ngramcache_rpc_total", (("code", "OK"), ("method", "/ngramcache.v1.Drafting/Session")))] == 1
     assert samples[("ngramcache_drafted_tokens_total", ())] == drafted > 0
     assert ("ngramcache_generation", (("namespace", "m"),)) in samples
+    assert samples[("ngramcache_rebuilds_completed_total", ())] == 1
+    assert samples[("ngramcache_rebuilds_failed_total", ())] == 0
+    assert samples[("ngramcache_rebuild_running", (("namespace", "m"),))] == 0
+    assert ("ngramcache_rebuild_last_seconds", (("namespace", "m"),)) in samples
