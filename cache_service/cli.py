@@ -252,9 +252,11 @@ def add_rebuild(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     p.add_argument("--min-count", type=int, default=1, help="leave out dynamic counts below this (default 1)")
     p.add_argument("--ngram-size", type=int, default=0, choices=range(0, 5), metavar="N",
                    help="tokens per key of the new file, 1..4 (default: the previous generation's, else 2)")
-    p.add_argument("--skip-previous", action="store_true", help="do not fold the previous generation in")
+    p.add_argument("--include-previous", action="store_true",
+                   help="fold the latest generation in as well; only for one published from a corpus (folding one "
+                        "a rebuild made would count the dynamic counts twice, and is refused)")
     p.add_argument("--decay", type=float, default=1.0,
-                   help="multiply the previous generation's counts by this, in (0, 1] (default 1: no decay)")
+                   help="with --include-previous: multiply its counts by this, in (0, 1] (default 1: no decay)")
     p.add_argument("--corpus", action="append", default=[], metavar="PATH",
                    help="token files or folders (.bin/.tokens/.npy) on the server to add; repeat for more")
     p.add_argument("--keep", type=int, default=3, help="published generations kept, this one included (default 3)")
@@ -294,7 +296,7 @@ def cmd_rebuild(args: argparse.Namespace) -> int:
         try:
             status = stub.StartRebuild(admin_pb2.StartRebuildRequest(
                 namespace=args.namespace, min_count=args.min_count, ngram_size=args.ngram_size,
-                skip_previous=args.skip_previous, decay=args.decay, corpus=args.corpus, keep=args.keep),
+                include_previous=args.include_previous, decay=args.decay, corpus=args.corpus, keep=args.keep),
                 timeout=args.timeout, metadata=metadata)
             print(f"rebuilding {args.namespace} on {status.holder}: generation {status.generation} "
                   f"(lease token {status.lease_token})", flush=True)

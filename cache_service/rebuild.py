@@ -4,18 +4,22 @@ One rebuild per namespace at a time across every replica: the rebuilding replica
 namespace's lease in the counts store (renewed while it builds) and commits the new
 generation number under it before it publishes the file; a replica whose lease expired
 (paused, partitioned) is fenced off by the store and publishes nothing (`LeaseLostError`).
-The build streams through `StaticBuilder` within its memory budget: the previous
-generation (its counts times ``decay``), every dynamic row of the static file's n-gram size
-with a count >= ``min_count`` (the store's export, chunk by chunk), and the token files of
-``corpus``. The file is written under a temporary name in the namespace's folder, verified
+The build streams through `StaticBuilder` within its memory budget: every dynamic row of
+the static file's n-gram size with a count >= ``min_count`` (the store's export, chunk by
+chunk), the token files of ``corpus``, and, with ``include_previous``, the namespace's latest
+generation times ``decay`` when it was published from a corpus. The previous generation is
+not folded by default, and never when a rebuild made it: the store's counts are totals since
+the namespace began, so a generation that already holds them would count them twice. The file is written under a temporary name in the namespace's folder, verified
 and published by the `StaticStore` (atomic rename, directory fsync, Watch subscribers
 woken: every session and client swaps to it), then older generations beyond ``keep`` are
 deleted (a file still mapped stays readable to its process).
 
 What the options do to drafts (see docs/operations.md): ``min_count`` drops rare pairs (a
 smaller file; pairs seen once rarely pass the static step's 50% test anyway); ``decay``
-below 1 lets old counts fade so the file follows what the fleet writes now; the dynamic
-counts stay in the store (the drafter consults them in their own step).
+below 1 weighs a folded corpus generation down against what the fleet writes now;
+``ngram_size`` picks the static step's key length. The dynamic counts stay in the store
+(the drafter also consults them in their own step). tests/bench/bench_rebuild.py measures
+each option on a replay.
 """
 
 from __future__ import annotations
@@ -55,9 +59,10 @@ class RebuildOptions:
     Attributes:
         min_count: dynamic (n-gram, follower) counts below this are left out (>= 1).
         ngram_size: tokens per key of the new file (1..4); 0: the previous generation's, else 2.
-        include_previous: fold the previous generation in.
-        decay: the previous generation's counts are multiplied by this (0 < decay <= 1),
-            rounded down (a count that reaches 0 is dropped).
+        include_previous: fold the namespace's latest generation in too; refused when a rebuild
+            made it (its dynamic counts would be counted twice: the store's counts are totals).
+        decay: the folded generation's counts are multiplied by this (0 < decay <= 1), rounded
+            down (a count that reaches 0 is dropped).
         corpus: token files or folders of them (.bin/.tokens/.npy) on the server to add.
         memory_budget: the builder's budget in bytes (it spills sorted runs beyond).
         keep: published generations kept after this one (older ones are deleted), >= 1.
@@ -65,7 +70,7 @@ class RebuildOptions:
 
     min_count: int = 1
     ngram_size: int = 0
-    include_previous: bool = True
+    include_previous: bool = False
     decay: float = 1.0
     corpus: tuple[str, ...] = ()
     memory_budget: int = 1 << 30
@@ -172,7 +177,13 @@ class Rebuilder:
             ns_dir = self._static.namespace_dir(info.name)
             ns_dir.mkdir(parents=True, exist_ok=True)
             tmp = ns_dir / f"rebuild-{status.generation}-{secrets.token_hex(6)}.tmp"
-            previous = self._static.open(info.name, latest.generation) if latest and options.include_previous else None
+            previous = None
+            if options.include_previous and latest is not None:
+                if latest.generation <= committed.generation:
+                    raise InvalidArgumentError(
+                        f"generation {latest.generation} of {info.name!r} was made by a rebuild: folding it would count "
+                        "its dynamic counts twice (the store's counts are totals); give its corpus with --corpus instead")
+                previous = self._static.open(info.name, latest.generation)
             ngram_size = options.ngram_size or (latest.ngram_size if latest else 2)
             builder = StaticBuilder(tmp, info.vocab_size, ngram_size, fingerprint=bytes.fromhex(info.fingerprint),
                                     generation=status.generation, memory_budget=options.memory_budget,

@@ -152,7 +152,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
                            context: aio.ServicerContext) -> admin_pb2.RebuildStatus:
         rebuilder = self._need_rebuilder()
         options = RebuildOptions(min_count=request.min_count or 1, ngram_size=request.ngram_size,
-                                 include_previous=not request.skip_previous, decay=request.decay or 1.0,
+                                 include_previous=request.include_previous, decay=request.decay or 1.0,
                                  corpus=tuple(request.corpus), memory_budget=request.memory_budget or (1 << 30),
                                  keep=request.keep or 3)
         task = await rebuilder.start(request.namespace, options)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import subprocess
 import sys
@@ -16,9 +17,16 @@ import numpy as np
 import pytest
 from service_helpers import ServiceThread  # tests/ is on sys.path (tests/conftest.py)
 
-from ngramcache import NgramClient, StaticCache
+from ngramcache import NgramClient, StaticCache, build_static_from_tokens
 from ngramcache.client._proto.codec import bytes_to_count_rows
-from ngramcache.client._proto.v1 import admin_pb2, admin_pb2_grpc, counts_pb2, counts_pb2_grpc
+from ngramcache.client._proto.v1 import (
+    admin_pb2,
+    admin_pb2_grpc,
+    counts_pb2,
+    counts_pb2_grpc,
+    static_files_pb2,
+    static_files_pb2_grpc,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -52,6 +60,19 @@ def store_pairs(address: str, namespace: str, n: int = 2) -> Counter[tuple[int, 
 
 def file_pairs(path: Path) -> Counter[tuple[int, ...]]:
     return Counter({(*r[1:1 + r[0]], r[5]): int(r[6]) for r in StaticCache.open(path).to_rows().tolist()})
+
+
+def publish(address: str, namespace: str, path: Path) -> None:
+    data = path.read_bytes()
+
+    def requests():  # type: ignore[no-untyped-def]
+        yield static_files_pb2.PublishRequest(header=static_files_pb2.PublishHeader(
+            namespace=namespace, generation=StaticCache.open(path).generation, size=len(data),
+            sha256=hashlib.sha256(data).digest()))
+        yield static_files_pb2.PublishRequest(chunk=static_files_pb2.FileChunk(offset=0, data=data))
+
+    with grpc.insecure_channel(address) as ch:
+        static_files_pb2_grpc.StaticFilesStub(ch).Publish(requests(), timeout=30)
 
 
 def rebuild_cli(address: str, namespace: str, *args: str) -> subprocess.CompletedProcess[str]:
@@ -96,16 +117,24 @@ def test_rebuild_folds_counts_exactly_publishes_and_clients_swap(tmp_path: Path)
             wait_until(lambda: client.stats()["generation"] == 1, what="the client to swap to generation 1")
             assert client.drafter().static is not None and client.drafter().static.generation == 1
 
-            # The previous generation halved, plus the counts (min 2): a second generation.
+            # Folding a generation a rebuild made would count the store's counts twice: refused.
             push_all(client, corpus(2))
-            expected = Counter({k: c // 2 for k, c in file_pairs(first).items() if c // 2 > 0})
+            twice = rebuild_cli(address, ns, "--include-previous")
+            assert twice.returncode == 2 and "twice" in twice.stderr and "Traceback" not in twice.stderr
+
+            # A generation published from a corpus is folded in, halved; the counts (min 2) on top.
+            published = tmp_path / "corpus.ngc"
+            build_static_from_tokens([corpus(7)], str(published), vocab_size=VOCAB, ngram_size=2, fingerprint=FP,
+                                     generation=5)
+            publish(address, ns, published)
+            expected = Counter({k: c // 2 for k, c in file_pairs(published).items() if c // 2 > 0})
             expected.update({k: c for k, c in store_pairs(address, ns).items() if c >= 2})
-            done = rebuild_cli(address, ns, "--decay", "0.5", "--min-count", "2", "--keep", "1")
+            done = rebuild_cli(address, ns, "--include-previous", "--decay", "0.5", "--min-count", "2", "--keep", "1")
             assert done.returncode == 0, done.stderr
-            second = tmp_path / "data" / "static" / ns / f"{2:020d}.ngc"
-            assert file_pairs(second) == expected
-            wait_until(lambda: client.stats()["generation"] == 2, what="the client to swap to generation 2")
-            assert not first.exists()  # --keep 1: the older generation is deleted
+            sixth = tmp_path / "data" / "static" / ns / f"{6:020d}.ngc"
+            assert file_pairs(sixth) == expected
+            wait_until(lambda: client.stats()["generation"] == 6, what="the client to swap to generation 6")
+            assert not first.exists()  # --keep 1: the older generations are deleted
 
 
 def test_rebuild_adds_a_corpus_and_refuses_bad_options(tmp_path: Path) -> None:

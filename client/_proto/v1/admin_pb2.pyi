@@ -8,11 +8,11 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class StartRebuildRequest(_message.Message):
-    __slots__ = ("namespace", "min_count", "ngram_size", "skip_previous", "decay", "corpus", "memory_budget", "keep", "wait")
+    __slots__ = ("namespace", "min_count", "ngram_size", "include_previous", "decay", "corpus", "memory_budget", "keep", "wait")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     MIN_COUNT_FIELD_NUMBER: _ClassVar[int]
     NGRAM_SIZE_FIELD_NUMBER: _ClassVar[int]
-    SKIP_PREVIOUS_FIELD_NUMBER: _ClassVar[int]
+    INCLUDE_PREVIOUS_FIELD_NUMBER: _ClassVar[int]
     DECAY_FIELD_NUMBER: _ClassVar[int]
     CORPUS_FIELD_NUMBER: _ClassVar[int]
     MEMORY_BUDGET_FIELD_NUMBER: _ClassVar[int]
@@ -21,13 +21,13 @@ class StartRebuildRequest(_message.Message):
     namespace: str
     min_count: int
     ngram_size: int
-    skip_previous: bool
+    include_previous: bool
     decay: float
     corpus: _containers.RepeatedScalarFieldContainer[str]
     memory_budget: int
     keep: int
     wait: bool
-    def __init__(self, namespace: _Optional[str] = ..., min_count: _Optional[int] = ..., ngram_size: _Optional[int] = ..., skip_previous: _Optional[bool] = ..., decay: _Optional[float] = ..., corpus: _Optional[_Iterable[str]] = ..., memory_budget: _Optional[int] = ..., keep: _Optional[int] = ..., wait: _Optional[bool] = ...) -> None: ...
+    def __init__(self, namespace: _Optional[str] = ..., min_count: _Optional[int] = ..., ngram_size: _Optional[int] = ..., include_previous: _Optional[bool] = ..., decay: _Optional[float] = ..., corpus: _Optional[_Iterable[str]] = ..., memory_budget: _Optional[int] = ..., keep: _Optional[int] = ..., wait: _Optional[bool] = ...) -> None: ...
 
 class GetRebuildStatusRequest(_message.Message):
     __slots__ = ("namespace",)
