@@ -54,6 +54,8 @@ _HELP = {
                      "(default 2000000)",
     "view_max_rows_per_second": "most rows the draft view logs per second, i.e. what each client pulls; over it, "
                                 "the view's key minimum doubles (default 20000, 1.1 MB/s)",
+    "keep_generations": "generations each replica keeps per namespace, the newest one included: what a rebuild "
+                        "keeps unless it says otherwise, and what a replica keeps after fetching one (default 3)",
     "rebuild_every": "seconds between scheduled rebuilds of every namespace; replicas race for each namespace's "
                      "lease and one wins (default 0: only `ngramcache rebuild` / Admin.StartRebuild)",
     "rebuild_lease_seconds": "seconds a rebuild's lease lasts unless renewed (it is renewed every third of it; "
@@ -69,7 +71,8 @@ _HELP = {
     "grace_period": "seconds in-flight calls get to finish on SIGTERM (default 10)",
     "store_threads": "threads calling the counts store at once (default 8)",
     "metrics_host": "address of the Prometheus /metrics endpoint; it has no authentication (default 127.0.0.1)",
-    "metrics_port": "port of the /metrics endpoint (default -1: off; 0 picks a free one and logs it)",
+    "metrics_port": "port of the /metrics endpoint (default -1: off; 0 picks a free one and logs it; with --workers N, "
+                    "worker i serves it on port + i)",
     "log_calls": "log every call at INFO, not only failed ones (default off)",
     "workers": "server processes sharing the port (SO_REUSEPORT), all mapping the same generation files; more "
                "than 1 needs a shared counts store, --counts redis://... (default 1)",
@@ -147,7 +150,13 @@ def _serve_workers(config: ServiceConfig, args: argparse.Namespace) -> int:
     env.update({ENV_PREFIX + "WORKERS": "1", ENV_PREFIX + "REUSE_PORT": "true", ENV_PREFIX + "PORT": str(port)})
     argv = [sys.executable, "-c", "import sys; from ngramcache.cache_service.cli import main; sys.exit(main())",
             "serve", *(["--log-json"] if args.log_json else [])]
-    children = [subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=env) for _ in range(config.workers)]
+    def worker_env(i: int) -> dict[str, str]:
+        if config.metrics_port > 0:  # one /metrics per worker: the given port, then the next ones
+            return {**env, ENV_PREFIX + "METRICS_PORT": str(config.metrics_port + i)}
+        return env
+
+    children = [subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=worker_env(i))
+                for i in range(config.workers)]
     stopping: list[int] = []
 
     def relay(sig: int, frame: object) -> None:
@@ -298,8 +307,7 @@ def cmd_rebuild(args: argparse.Namespace) -> int:
                 namespace=args.namespace, min_count=args.min_count, ngram_size=args.ngram_size,
                 include_previous=args.include_previous, decay=args.decay, corpus=args.corpus, keep=args.keep),
                 timeout=args.timeout, metadata=metadata)
-            print(f"rebuilding {args.namespace} on {status.holder}: generation {status.generation} "
-                  f"(lease token {status.lease_token})", flush=True)
+            print(f"rebuilding {args.namespace} on {status.holder} (lease token {status.lease_token})", flush=True)
             if args.no_wait:
                 return 0
             shown = ""

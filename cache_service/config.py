@@ -60,6 +60,7 @@ class ServiceConfig:
     view_max_rows: int = 2_000_000  # rows in the view; over it, its key minimum doubles
     view_max_rows_per_second: int = 20_000  # rows logged per second (each client's pull); over it, the same
     # Rebuilds (cache_service/rebuild.py)
+    keep_generations: int = 3  # generations a replica keeps per namespace (rebuilds' default, and after a fetch)
     rebuild_every: float = 0.0  # seconds between scheduled rebuilds of every namespace (0: only on request)
     rebuild_lease_seconds: float = 30.0  # a rebuild's lease without renewal (renewed every third of it)
     advertise_address: str = ""  # host:port other replicas reach this one at (default: host:port it binds)
@@ -89,7 +90,7 @@ class ServiceConfig:
             raise InvalidArgumentError(f"metrics_port must be in -1..65535 (-1: off, 0: any free port), got {self.metrics_port}")
         for name in ("max_sessions", "max_sessions_per_client", "max_streams_per_connection", "max_session_tokens", "max_step_tokens", "max_draft_tokens", "session_memory",
                      "max_push_rows", "max_chunk_rows", "max_message_bytes", "max_file_bytes", "store_threads",
-                     "workers", "view_top_k", "view_max_rows", "view_max_rows_per_second"):
+                     "workers", "view_top_k", "view_max_rows", "view_max_rows_per_second", "keep_generations"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise InvalidArgumentError(f"{name} must be a positive integer, got {value!r}")

@@ -4,8 +4,8 @@ Replicas without shared storage each keep their own ``<data_dir>/static``. A reb
 its generation number in the counts store together with its builder's address
 (`CountsStore.commit_generation`); every other replica, on its next check (every
 ``interval`` seconds for each live namespace, and before it rebuilds), sees a committed
-generation above its own latest, fetches the file from that address (StaticFiles.Fetch,
-resumed from the bytes received when the stream breaks), and publishes it locally through
+generation above its own latest, fetches the file from that address (StaticFiles.Fetch; a
+broken transfer starts again from byte 0, up to ``attempts`` times a check), and publishes it locally through
 its `StaticStore`, which checks size, SHA-256 and the file itself (`verify()`) before the
 atomic rename: a corrupt transfer is refused and fetched again on the next check. Publishing
 wakes the replica's Watch subscribers, so its sessions and clients swap to the generation.
@@ -39,10 +39,12 @@ class PeerSync:
         token: a bearer token for the peers' StaticFiles (draft role), or None.
         tls_ca: PEM CA certificates to reach peers with TLS, or None for plaintext.
         attempts: Fetch calls per generation and check before giving up until the next one.
+        keep: generations kept after installing one (older ones are deleted, as the builder does).
     """
 
     def __init__(self, runner: StoreRunner, static_store: StaticStore, *, location: str, token: str | None = None,
-                 tls_ca: bytes | None = None, attempts: int = 3) -> None:
+                 tls_ca: bytes | None = None, attempts: int = 3, keep: int = 3) -> None:
+        self._keep = keep
         self._runner = runner
         self._store: CountsStore = runner.store
         self._static = static_store
@@ -64,6 +66,7 @@ class PeerSync:
             try:
                 await self._fetch(info, committed.generation, committed.location)
                 self.fetched += 1
+                await self._static.retain(info.name, self._keep)
                 log.info("namespace %s: generation %d fetched from %s", info.name, committed.generation,
                          committed.location)
                 return committed.generation

@@ -31,6 +31,7 @@ import logging
 import math
 import secrets
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -42,9 +43,9 @@ from ngramcache.client.errors import InvalidArgumentError, LeaseHeldError, Lease
 from ngramcache.client.rows import COUNT, N
 
 from .counts import CountsStore
-from .counts.store import Lease
+from .counts.store import Lease, not_newer
 from .peer_sync import PeerSync
-from .static_store import StaticStore
+from .static_store import PublishResult, StaticStore
 from .store_runner import StoreRunner
 
 log = logging.getLogger("ngramcache.service")
@@ -125,8 +126,9 @@ class Rebuilder:
     """
 
     def __init__(self, runner: StoreRunner, static_store: StaticStore, *, holder: str, location: str,
-                 lease_ttl: float = 30.0, peer_sync: PeerSync | None = None) -> None:
+                 lease_ttl: float = 30.0, peer_sync: PeerSync | None = None, default_keep: int = 3) -> None:
         self.peer_sync = peer_sync
+        self.default_keep = default_keep
         self._runner = runner
         self._store: CountsStore = runner.store
         self._static = static_store
@@ -137,6 +139,27 @@ class Rebuilder:
         self._tasks: dict[str, asyncio.Task[RebuildStatus]] = {}
         self.completed = 0  # rebuilds published by this replica (metrics)
         self.failed = 0
+
+    async def committed_publish(self, namespace: str, generation: int,
+                                publish: Callable[[], Awaitable[PublishResult]]) -> PublishResult:
+        """Run ``publish`` (a Publish of ``generation``) under the namespace's lease and commit its number.
+
+        Raises:
+            LeaseHeldError: a rebuild of the namespace is running.
+            GenerationNotNewerError: ``generation`` is below the committed one.
+        """
+        lease = await self._runner.call(self._store.acquire_lease, namespace, self.holder, self._ttl_ms)
+        try:
+            committed = await self._runner.call(self._store.committed_generation, namespace)
+            if generation < committed.generation:
+                raise not_newer(namespace, generation, committed.generation)
+            result = await publish()
+            if generation > committed.generation and not result.already_published:
+                await self._runner.call(self._store.commit_generation, lease, generation, self.location, "publish")
+            return result
+        finally:
+            with contextlib.suppress(Exception):
+                await self._runner.call(self._store.release_lease, lease)
 
     def statuses(self) -> list[RebuildStatus]:
         """A copy of the status of every namespace this replica rebuilt (for metrics)."""
@@ -179,7 +202,7 @@ class Rebuilder:
             tmp = ns_dir / f"rebuild-{status.generation}-{secrets.token_hex(6)}.tmp"
             previous = None
             if options.include_previous and latest is not None:
-                if latest.generation <= committed.generation:
+                if committed.kind == "rebuild" and latest.generation <= committed.generation:
                     raise InvalidArgumentError(
                         f"generation {latest.generation} of {info.name!r} was made by a rebuild: folding it would count "
                         "its dynamic counts twice (the store's counts are totals); give its corpus with --corpus instead")
@@ -196,6 +219,10 @@ class Rebuilder:
             if options.corpus:
                 status.phase = "corpus"
                 await asyncio.to_thread(self._add_corpus, builder, options.corpus, status)
+            if not (status.dynamic_rows or status.previous_rows or status.corpus_tokens):
+                raise InvalidArgumentError(
+                    f"nothing to fold into a generation of {info.name!r}: no dynamic counts of {ngram_size}-grams "
+                    f"with a count >= {options.min_count}, no corpus, no previous generation (the latest stays)")
             status.phase = "writing"
             await asyncio.to_thread(builder.finish)
             cache = StaticCache.open(tmp)

@@ -15,6 +15,7 @@ import logging
 import os
 import secrets
 import socket
+import time
 from pathlib import Path
 
 from grpc import aio
@@ -137,8 +138,11 @@ class Service:
                 log.warning("scheduled rebuilds: cannot list namespaces: %s", e)
                 continue
             for info in namespaces:
+                latest = self.static_store.latest(info.name)
+                if latest is not None and time.time() - latest.created_unix_ms / 1000 < 0.9 * self.config.rebuild_every:
+                    continue  # another replica rebuilt it this period (or a generation was just published)
                 try:
-                    task = await rebuilder.start(info.name, RebuildOptions())
+                    task = await rebuilder.start(info.name, RebuildOptions(keep=self.config.keep_generations))
                     await task
                 except (LeaseHeldError, NamespaceNotFoundError):
                     continue  # another replica rebuilds it, or it was dropped
@@ -161,12 +165,16 @@ async def create_server(config: ServiceConfig) -> tuple[Service, int]:
     runner = StoreRunner(store, max_workers=config.store_threads, metrics=metrics)
     static_store = StaticStore(str(data_dir / "static"))
     peer_sync = PeerSync(runner, static_store, location=config.advertise_address or config.address(),
-                         token=config.peer_token or None, tls_ca=_read_optional(config.peer_tls_ca))
+                         token=config.peer_token or None, tls_ca=_read_optional(config.peer_tls_ca),
+                         keep=config.keep_generations)
     registry = NamespaceRegistry(runner, static_store, mirror_interval=config.mirror_interval,
                                  max_sessions=config.max_sessions, session_memory=config.session_memory,
                                  view_policy=config.view_policy(), peer_sync=peer_sync,
                                  peer_interval=config.peer_sync_interval)
     metrics.watch_namespaces(registry.live)
+    rebuilder = Rebuilder(runner, static_store, holder=f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}",
+                          location=config.advertise_address or config.address(), lease_ttl=config.rebuild_lease_seconds,
+                          peer_sync=peer_sync, default_keep=config.keep_generations)
     options = [
         ("grpc.max_receive_message_length", config.max_message_bytes),
         ("grpc.max_send_message_length", config.max_message_bytes),
@@ -189,7 +197,7 @@ async def create_server(config: ServiceConfig) -> tuple[Service, int]:
                             push_group_rows=config.push_group_rows or None, registry=registry)
     counts_pb2_grpc.add_CountsServicer_to_server(counts, server)
     static_files_pb2_grpc.add_StaticFilesServicer_to_server(
-        StaticFilesServicer(static_store, runner, max_file_bytes=config.max_file_bytes), server)
+        StaticFilesServicer(static_store, runner, max_file_bytes=config.max_file_bytes, rebuilder=rebuilder), server)
     limits = ServerLimits(
         max_message_bytes=config.max_message_bytes, max_draft_tokens=config.max_draft_tokens,
         max_step_tokens=config.max_step_tokens, max_session_tokens=config.max_session_tokens,
@@ -200,9 +208,6 @@ async def create_server(config: ServiceConfig) -> tuple[Service, int]:
         registry.drop(namespace)
         await static_store.drop(namespace)
 
-    rebuilder = Rebuilder(runner, static_store, holder=f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}",
-                          location=config.advertise_address or config.address(), lease_ttl=config.rebuild_lease_seconds,
-                          peer_sync=peer_sync)
     admin_pb2_grpc.add_AdminServicer_to_server(
         AdminServicer(runner, server_info=ServerInfo(limits=limits, auth_required=auth is not None), on_drop=on_drop,
                       latest_generation=lambda ns: (g.generation if (g := static_store.latest(ns)) else 0),

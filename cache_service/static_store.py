@@ -1,6 +1,6 @@
 """StaticStore: the static generation files of each namespace on disk (publish, list, open, watch, retain, drop).
 
-Layout of the data directory (one folder per namespace)::
+Layout of the data directory (one folder per namespace; the service's is ``<its data_dir>/static``)::
 
     <data_dir>/<namespace>/00000000000000000007.ngc      generation 7: a static cache file
     <data_dir>/<namespace>/00000000000000000007.sha256   its SHA-256, in `sha256sum` format
@@ -873,6 +873,11 @@ class Upload:
         self._done = True
         try:
             await self._store._run(f.close)
+        except OSError as exc:
+            self.path.unlink(missing_ok=True)
+            if _disk_full(exc):
+                raise limit_exceeded("no disk space left for the upload") from exc
+            raise
         except BaseException:
             self.path.unlink(missing_ok=True)
             raise

@@ -82,8 +82,8 @@ def _reason(err: grpc.RpcError) -> str | None:
 def error_from_rpc(err: grpc.RpcError) -> NgramCacheError:
     """The library error for a failed call (its ``retriable`` says whether to try again).
 
-    UNAVAILABLE, DEADLINE_EXCEEDED, CANCELLED, ABORTED and RESOURCE_EXHAUSTED by a busy
-    server are retriable (`BackendUnavailableError`); NOT_FOUND of a namespace is
+    UNAVAILABLE, DEADLINE_EXCEEDED, CANCELLED and ABORTED are retriable
+    (`BackendUnavailableError`); RESOURCE_EXHAUSTED (a server limit) is not; NOT_FOUND of a namespace is
     `NamespaceNotFoundError`; FAILED_PRECONDITION for a tokenizer `TokenizerMismatchError`;
     OUT_OF_RANGE `ResyncRequiredError`; INVALID_ARGUMENT `InvalidArgumentError` (or
     `BatchTooOldError`, `CacheFormatError` by reason); anything else a non-retriable
@@ -453,9 +453,16 @@ class _Core:
         """Run ``body`` once; on an error log it and back off (the caller loops)."""
         try:
             await body()
+        except asyncio.CancelledError:
+            if self.cancelled_by_us():
+                raise
+            await asyncio.sleep(0.05)  # a call cancelled by a channel switch: again
         except NgramCacheError as e:
             log.warning("ngramcache client: %s failed: %s", what, e)
             await asyncio.sleep(self.config.backoff.delay(3) + (0.0 if e.retriable else 1.0))
+        except Exception:  # e.g. OSError: the node's cache folder is full or unwritable; never fatal
+            log.exception("ngramcache client: %s failed", what)
+            await asyncio.sleep(1.0 + self.config.backoff.delay(3))
 
     async def adopt(self, gen: static_files_pb2.Generation) -> None:
         """Make ``gen`` installed on this node (downloading it if no one did) and attach it."""

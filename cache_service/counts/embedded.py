@@ -179,8 +179,8 @@ class EmbeddedCountsStore(CountsStore):
     def release_lease(self, lease: Lease) -> bool:
         return self._leases.release(lease)
 
-    def commit_generation(self, lease: Lease, generation: int, location: str) -> None:
-        self._leases.commit(lease, generation, location)
+    def commit_generation(self, lease: Lease, generation: int, location: str, kind: str = "rebuild") -> None:
+        self._leases.commit(lease, generation, location, kind)
 
     def committed_generation(self, namespace: str) -> CommittedGeneration:
         return self._leases.committed(namespace)

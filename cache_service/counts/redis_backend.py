@@ -326,12 +326,12 @@ if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
 redis.call('DEL', KEYS[1])
 return 1
 """)
-# KEYS: lease, gen. ARGV: "<holder>|<token>", generation, location, token.
+# KEYS: lease, gen. ARGV: "<holder>|<token>", generation, location, token, kind.
 _COMMIT = _Script("commit_generation", """
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then return {0, 'lease'} end
 local g = tonumber(redis.call('HGET', KEYS[2], 'generation') or '0')
 if tonumber(ARGV[2]) <= g then return {0, tostring(g)} end
-redis.call('HSET', KEYS[2], 'generation', ARGV[2], 'location', ARGV[3], 'token', ARGV[4])
+redis.call('HSET', KEYS[2], 'generation', ARGV[2], 'location', ARGV[3], 'token', ARGV[4], 'kind', ARGV[5])
 return {1, ''}
 """)
 
@@ -512,10 +512,10 @@ class RedisCountsStore(CountsStore):
         key = schema.lease_keys(self.config.prefix, lease.namespace)[0]
         return bool(self._run_one(_RELEASE, [key], [f"{lease.holder}|{lease.token}"]))
 
-    def commit_generation(self, lease: Lease, generation: int, location: str) -> None:
+    def commit_generation(self, lease: Lease, generation: int, location: str, kind: str = "rebuild") -> None:
         key, _, gen = schema.lease_keys(self.config.prefix, lease.namespace)
         ok, why = self._run_one(_COMMIT, [key, gen], [f"{lease.holder}|{lease.token}", generation, location,
-                                                      lease.token])
+                                                      lease.token, kind])
         if int(ok) == 0:
             why = why.decode() if isinstance(why, bytes) else str(why)
             if why == "lease":
@@ -531,7 +531,8 @@ class RedisCountsStore(CountsStore):
             return CommittedGeneration(0, "", 0)
         d = {(k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v)
              for k, v in raw.items()}
-        return CommittedGeneration(int(d["generation"]), d.get("location", ""), int(d.get("token", 0)))
+        return CommittedGeneration(int(d["generation"]), d.get("location", ""), int(d.get("token", 0)),
+                                   d.get("kind", "rebuild"))
 
     # ----------------------------------------------------------------- namespaces
 

@@ -9,7 +9,7 @@ Coordinator keys, hash tag ``{NS}`` (one slot per namespace)::
     P:{NS}:clock    HASH    instance, cur (newest version), t (ms the current epoch opened), floor
     P:{NS}:lease    STRING  "<holder>|<token>" with the lease's expiry (PX): who may rebuild
     P:{NS}:fence    STRING  the last fencing token handed out (INCR)
-    P:{NS}:gen      HASH    generation, location, token: the newest committed generation
+    P:{NS}:gen      HASH    generation, location, token, kind: the newest committed generation
     P:{NS}:epochs   LIST    epoch numbers, newest first, trimmed to history_epochs + 1;
                             the last one is the floor: the oldest version changes_since serves
 

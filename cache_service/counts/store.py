@@ -103,11 +103,13 @@ class Lease:
 
 @dataclasses.dataclass(frozen=True)
 class CommittedGeneration:
-    """The newest generation committed under a lease: its number (0: none), where it was built, the token."""
+    """The newest generation committed under a lease: its number (0: none), where it was built, the
+    token, and how it was made ("rebuild", or "publish" for a file published as it is)."""
 
     generation: int
     location: str
     token: int
+    kind: str = "rebuild"
 
 
 def check_lease_args(namespace: str, holder: str, ttl_ms: int) -> None:
@@ -183,14 +185,14 @@ class LeaseTable:
             del self._leases[lease.namespace]
             return True
 
-    def commit(self, lease: Lease, generation: int, location: str) -> None:
+    def commit(self, lease: Lease, generation: int, location: str, kind: str = "rebuild") -> None:
         with self._lock:
             if not self._holds(lease):
                 raise lease_lost(lease)
             committed = self._committed.get(lease.namespace)
             if committed is not None and generation <= committed.generation:
                 raise not_newer(lease.namespace, generation, committed.generation)
-            self._committed[lease.namespace] = CommittedGeneration(generation, location, lease.token)
+            self._committed[lease.namespace] = CommittedGeneration(generation, location, lease.token, kind)
 
     def committed(self, namespace: str) -> CommittedGeneration:
         validate_namespace(namespace)
@@ -615,8 +617,8 @@ class CountsStore(abc.ABC):
         """Give ``lease`` up; False when it was already lost."""
 
     @abc.abstractmethod
-    def commit_generation(self, lease: Lease, generation: int, location: str) -> None:
-        """Record ``generation`` (built at ``location``) as the namespace's newest, under ``lease``.
+    def commit_generation(self, lease: Lease, generation: int, location: str, kind: str = "rebuild") -> None:
+        """Record ``generation`` (made by ``kind`` at ``location``) as the namespace's newest, under ``lease``.
 
         Raises:
             LeaseLostError: ``lease`` is no longer the namespace's current lease.

@@ -154,7 +154,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         options = RebuildOptions(min_count=request.min_count or 1, ngram_size=request.ngram_size,
                                  include_previous=request.include_previous, decay=request.decay or 1.0,
                                  corpus=tuple(request.corpus), memory_budget=request.memory_budget or (1 << 30),
-                                 keep=request.keep or 3)
+                                 keep=request.keep or rebuilder.default_keep)
         task = await rebuilder.start(request.namespace, options)
         status = await asyncio.shield(task) if request.wait else rebuilder.status(request.namespace)
         return self._status_message(status, rebuilder.holder)

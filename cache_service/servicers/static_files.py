@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 
 from grpc import aio
 
@@ -11,7 +11,8 @@ from ngramcache.client._proto.v1 import static_files_pb2, static_files_pb2_grpc
 from ngramcache.client.errors import InvalidArgumentError
 
 from ..counts.namespace import NamespaceInfo
-from ..static_store import GenerationInfo, StaticStore
+from ..rebuild import Rebuilder
+from ..static_store import GenerationInfo, PublishResult, StaticStore
 from ..status import limit_exceeded
 from ..store_runner import StoreRunner
 
@@ -41,10 +42,14 @@ class StaticFilesServicer(static_files_pb2_grpc.StaticFilesServicer):
         runner: the executor that owns the counts store (namespace records).
         max_file_bytes: the largest file Publish accepts (ServerLimits.max_static_file_bytes).
         chunk_bytes: bytes of a Fetch chunk, at most 1 MiB.
+        rebuilder: when given, a Publish takes the namespace's rebuild lease and commits its
+            generation number in the counts store, as a rebuild does (other replicas fetch it,
+            and no replica publishes that number again).
     """
 
     def __init__(self, store: StaticStore, runner: StoreRunner, *, max_file_bytes: int,
-                 chunk_bytes: int = MAX_CHUNK_BYTES) -> None:
+                 chunk_bytes: int = MAX_CHUNK_BYTES, rebuilder: Rebuilder | None = None) -> None:
+        self._rebuilder = rebuilder
         if max_file_bytes < 1:
             raise ValueError("max_file_bytes must be >= 1")
         if not 1 <= chunk_bytes <= MAX_CHUNK_BYTES:
@@ -101,6 +106,12 @@ class StaticFilesServicer(static_files_pb2_grpc.StaticFilesServicer):
                 if request.WhichOneof("kind") != "chunk":
                     raise InvalidArgumentError("a Publish has one header, then only chunks")
                 await upload.write(request.chunk.offset, request.chunk.data)
-            result = await upload.publish(fingerprint=namespace.fingerprint, vocab_size=namespace.vocab_size)
+            def publish() -> Awaitable[PublishResult]:
+                return upload.publish(fingerprint=namespace.fingerprint, vocab_size=namespace.vocab_size)
+
+            if self._rebuilder is not None:
+                result = await self._rebuilder.committed_publish(namespace.name, header.generation, publish)
+            else:
+                result = await publish()
         return static_files_pb2.PublishResponse(generation=generation_pb(result.generation),
                                                 already_published=result.already_published)

@@ -494,8 +494,8 @@ def test_an_expired_lease_cannot_commit_and_generations_only_grow(store: CountsS
         store.commit_generation(old, 8, "10.0.0.1:50051")  # resumes and tries to publish: fenced off
     with pytest.raises(GenerationNotNewerError, match="7"):
         store.commit_generation(new, 7, "10.0.0.2:50051")
-    store.commit_generation(new, 9, "here")
-    assert store.committed_generation(namespace).generation == 9
+    store.commit_generation(new, 9, "here", "publish")
+    assert (store.committed_generation(namespace).generation, store.committed_generation(namespace).kind) == (9, "publish")
     assert not store.renew_lease(old, 1000)
     store.release_lease(new)
 

@@ -153,6 +153,9 @@ def test_rebuild_adds_a_corpus_and_refuses_bad_options(tmp_path: Path) -> None:
                               (["--decay", "1.5"], "--decay"), (["--min-count", "0"], "--min-count")):
             bad = rebuild_cli(address, ns, *args)
             assert bad.returncode == 2 and message in bad.stderr and "Traceback" not in bad.stderr
+        empty = create(address)
+        bad = rebuild_cli(address, empty)  # no counts, no corpus: nothing to publish
+        assert bad.returncode == 2 and "nothing to fold" in bad.stderr and "Traceback" not in bad.stderr
         bad = rebuild_cli(address, "no-such-ns")
         assert bad.returncode == 2 and "no-such-ns" in bad.stderr and "Traceback" not in bad.stderr
 
@@ -166,7 +169,8 @@ def test_a_held_lease_refuses_a_second_rebuild(tmp_path: Path) -> None:
         done = rebuild_cli(address, ns)
         assert done.returncode == 2 and "another-replica" in done.stderr and "Traceback" not in done.stderr
         store.release_lease(lease)
-        assert rebuild_cli(address, ns).returncode == 0
+        after = rebuild_cli(address, ns)  # past the lease now: stops at "nothing to fold" (no counts)
+        assert after.returncode == 2 and "nothing to fold" in after.stderr
 
 
 def test_server_down_is_one_line(tmp_path: Path) -> None:
@@ -184,6 +188,10 @@ def test_two_replicas_racing_publish_each_generation_once(tmp_path: Path, redis_
     with ServiceThread(tmp_path / "one", counts=url) as one, ServiceThread(tmp_path / "two", counts=url) as two:
         addresses = [f"127.0.0.1:{one.port}", f"127.0.0.1:{two.port}"]
         ns = create(addresses[0])
+        with grpc.insecure_channel(addresses[0]) as ch:  # something to fold
+            counts_pb2_grpc.CountsStub(ch).Push(counts_pb2.PushRequest(
+                namespace=ns, tokenizer_fingerprint=FP, client_id="c", seq=0,
+                rows=np.array([[2, 1, 2, -1, -1, 3, 4]], dtype="<i4").tobytes()), timeout=10)
         outcomes: list[tuple[str, int, str]] = []
         published: list[int] = []
 
@@ -249,3 +257,11 @@ def test_replicas_without_shared_storage_fetch_the_new_generation(tmp_path: Path
             replace_file(built, good)
             wait_until(lambda: client.stats()["generation"] == generation, 15.0, "the client to swap to it")
             assert fetched.read_bytes() == good
+
+            # A generation published to replica one is committed too: replica two fetches it.
+            path = tmp_path / "published.ngc"
+            build_static_from_tokens([corpus(9)], str(path), vocab_size=VOCAB, ngram_size=2, fingerprint=FP,
+                                     generation=generation + 10)
+            publish(a1, ns, path)
+            wait_until(lambda: client.stats()["generation"] == generation + 10, 15.0, "replica two to fetch a Publish")
+            assert one.service.runner.store.committed_generation(ns).generation == generation + 10

@@ -342,6 +342,11 @@ def test_the_whole_service_serves_metrics_on_its_own_port(tmp_path: Path) -> Non
         step = drafting_pb2.SessionRequest(step=drafting_pb2.SessionStep(tokens=tokens_to_bytes([1, 2, 1, 2, 1, 2])))
         replies = list(drafting_pb2_grpc.DraftingStub(ch).Session(iter([opener, step]), timeout=10))
         drafted = len(replies[-1].draft.tokens) // 4
+        from ngramcache.client._proto.v1 import counts_pb2, counts_pb2_grpc
+
+        counts_pb2_grpc.CountsStub(ch).Push(counts_pb2.PushRequest(
+            namespace="m", tokenizer_fingerprint=bytes(32), client_id="c", seq=0,
+            rows=np.array([[2, 1, 2, -1, -1, 1, 3]], dtype="<i4").tobytes()), timeout=10)
         status = admin_pb2_grpc.AdminStub(ch).StartRebuild(admin_pb2.StartRebuildRequest(namespace="m", wait=True),
                                                             timeout=60)
         assert status.state == "done" and status.generation == 1
