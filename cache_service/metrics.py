@@ -23,6 +23,12 @@ Metrics (docs for each in its HELP text):
     ngramcache_mirror_rows{namespace}          gauge      (n-gram, follower) rows in the mirror
     ngramcache_mirror_errors_total{namespace}  counter    failed mirror refreshes
     ngramcache_generation{namespace}           gauge      static generation drafted from (0: none)
+    ngramcache_rebuilds_completed_total        counter    rebuilds this replica published
+    ngramcache_rebuilds_failed_total           counter    rebuilds this replica started that published nothing
+    ngramcache_rebuild_running{namespace}      gauge      1 while this replica rebuilds the namespace
+    ngramcache_rebuild_last_seconds{namespace} gauge      how long its last rebuild of the namespace took
+    ngramcache_peer_fetches_total              counter    generations installed from the replica that built them
+    ngramcache_peer_fetches_refused_total      counter    transfers from peers refused (corrupt, truncated, unreachable)
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ from ngramcache.client._core import MAX_DRAFT
 from ngramcache.client._proto.codec import bytes_to_tokens, tokens_to_bytes
 from ngramcache.client._proto.v1 import drafting_pb2, drafting_pb2_grpc
 from ngramcache.client.errors import InvalidArgumentError
-from ngramcache.client.sync import HasTokenizer, error_from_rpc
+from ngramcache.client.sync import HasTokenizer, channel_credentials, error_from_rpc
 
 _CLOSE = object()
 
@@ -69,6 +69,7 @@ class RemoteDrafter:
         token: a bearer token, or None.
         timeout: seconds a session may last at most (None: no deadline).
         channel: an existing channel to use instead of opening one to `address`.
+        tls_ca, tls_cert, tls_key: TLS as for `NgramClient` (PEM paths or bytes; None: plaintext).
 
     Raises (from the calls):
         TokenizerMismatchError, NamespaceNotFoundError, BackendUnavailableError (retriable),
@@ -76,14 +77,22 @@ class RemoteDrafter:
     """
 
     def __init__(self, address: str, namespace: str, tokenizer: HasTokenizer | tuple[bytes, int], *,
-                 token: str | None = None, timeout: float | None = None, channel: grpc.Channel | None = None) -> None:
+                 token: str | None = None, timeout: float | None = None, channel: grpc.Channel | None = None,
+                 tls_ca: str | bytes | None = None, tls_cert: str | bytes | None = None,
+                 tls_key: str | bytes | None = None) -> None:
         if isinstance(tokenizer, tuple):
             self._fingerprint, self._vocab_size = bytes(tokenizer[0]), int(tokenizer[1])
         else:
             self._fingerprint, self._vocab_size = bytes(tokenizer.fingerprint), int(tokenizer.vocab_size)
         self._namespace = namespace
         self._own_channel = channel is None
-        self._channel = channel if channel is not None else grpc.insecure_channel(address)
+        credentials = channel_credentials(tls_ca, tls_cert, tls_key)
+        if channel is not None:
+            self._channel = channel
+        elif credentials is not None:
+            self._channel = grpc.secure_channel(address, credentials)
+        else:
+            self._channel = grpc.insecure_channel(address)
         self._stub = drafting_pb2_grpc.DraftingStub(self._channel)  # type: ignore[no-untyped-call]
         self._metadata: tuple[tuple[str, str], ...] = (("authorization", f"Bearer {token}"),) if token else ()
         self._timeout = timeout

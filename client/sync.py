@@ -51,7 +51,7 @@ from ngramcache.client.errors import (
 from ngramcache.client.rows import COUNT, DELTA_DTYPE, KEY_WIDTH, ROW_WIDTH
 from ngramcache.client.static_files import GenerationFiles
 
-__all__ = ["Backoff", "ClientConfig", "NgramClient", "aggregate_rows", "error_from_rpc"]
+__all__ = ["Backoff", "ClientConfig", "NgramClient", "aggregate_rows", "channel_credentials", "error_from_rpc"]
 
 log = logging.getLogger(__name__)
 
@@ -140,6 +140,10 @@ class ClientConfig:
         fingerprint, vocab_size: the client's tokenizer (must be the namespace's).
         cache_dir: where generation files are kept (``<cache_dir>/<namespace>/``), shared by a node.
         token: a bearer token, or None.
+        tls_ca: PEM file (or bytes) of the CA certificates to trust: connect with TLS. None
+            (default): plaintext, for a service on loopback or a private network.
+        tls_cert, tls_key: PEM files (or bytes) of a client certificate and its key, for a
+            service that requires mutual TLS (with tls_ca).
         mirror: what the dynamic mirror holds: ``"draft"`` (default) the service's draft view,
             only what can change a draft, bounded in rows whatever the fleet's size; ``"full"``
             every count of the store (traffic and memory grow with the fleet).
@@ -163,6 +167,9 @@ class ClientConfig:
     vocab_size: int
     cache_dir: str
     token: str | None = None
+    tls_ca: str | bytes | None = None
+    tls_cert: str | bytes | None = None
+    tls_key: str | bytes | None = None
     mirror: str = "draft"
     pull_interval: float = 0.5
     push_interval: float = 0.1
@@ -178,8 +185,30 @@ class ClientConfig:
     drafter_options: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        if (self.tls_cert is None) != (self.tls_key is None) or (self.tls_cert is not None and self.tls_ca is None):
+            raise InvalidArgumentError("tls_cert and tls_key go together, and with tls_ca")
         if self.mirror not in ("draft", "full"):
             raise InvalidArgumentError(f"mirror must be 'draft' or 'full', got {self.mirror!r}")
+
+
+def _pem(value: str | bytes | None, what: str) -> bytes | None:
+    if value is None or isinstance(value, bytes):
+        return value
+    try:
+        with open(value, "rb") as f:
+            return f.read()
+    except OSError as e:
+        raise InvalidArgumentError(f"{what} {value}: {e.strerror}") from None
+
+
+def channel_credentials(ca: str | bytes | None, cert: str | bytes | None = None,
+                        key: str | bytes | None = None) -> grpc.ChannelCredentials | None:
+    """TLS credentials trusting the PEM CA certificates ``ca`` (a path or the bytes), with a client
+    certificate for mutual TLS; None (plaintext) when ``ca`` is None."""
+    if ca is None:
+        return None
+    return grpc.ssl_channel_credentials(root_certificates=_pem(ca, "tls_ca"), private_key=_pem(key, "tls_key"),
+                                        certificate_chain=_pem(cert, "tls_cert"))
 
 
 def aggregate_rows(rows: NDArray[np.int32]) -> NDArray[np.int32]:
@@ -221,12 +250,13 @@ class _Stats:
 class _Channel:
     """The current channel and its stubs; `epoch` counts switches."""
 
-    def __init__(self, address: str, epoch: int) -> None:
+    def __init__(self, address: str, epoch: int, credentials: grpc.ChannelCredentials | None = None) -> None:
         self.address = address
         self.epoch = epoch
-        self.channel = aio.insecure_channel(address, options=[
-            ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
-            ("grpc.max_reconnect_backoff_ms", 1000), ("grpc.max_receive_message_length", 64 << 20)])
+        options = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+                   ("grpc.max_reconnect_backoff_ms", 1000), ("grpc.max_receive_message_length", 64 << 20)]
+        self.channel = (aio.secure_channel(address, credentials, options=options) if credentials is not None
+                        else aio.insecure_channel(address, options=options))
         self.admin = admin_pb2_grpc.AdminStub(self.channel)  # type: ignore[no-untyped-call]  # generated, untyped
         self.counts = counts_pb2_grpc.CountsStub(self.channel)  # type: ignore[no-untyped-call]  # generated, untyped
         self.files = static_files_pb2_grpc.StaticFilesStub(self.channel)  # type: ignore[no-untyped-call]  # generated, untyped
@@ -244,6 +274,7 @@ class _Core:
         self.files = GenerationFiles(config.cache_dir, config.namespace)
         self.client_id = f"ngc-{uuid.uuid4().hex}"
         self.metadata = (("authorization", f"Bearer {config.token}"),) if config.token else ()
+        self.credentials = channel_credentials(config.tls_ca, config.tls_cert, config.tls_key)
         self._addr = 0
         self.chan: _Channel | None = None
         self.pending: deque[NDArray[np.int32]] = deque()
@@ -261,7 +292,7 @@ class _Core:
 
     def channel(self) -> _Channel:
         if self.chan is None:
-            self.chan = _Channel(self.config.addresses[self._addr], 0)
+            self.chan = _Channel(self.config.addresses[self._addr], 0, self.credentials)
             with self.lock:
                 self.stats.address = self.chan.address
         return self.chan
@@ -272,7 +303,7 @@ class _Core:
         if old is None or old.epoch != epoch:
             return
         self._addr = (self._addr + 1) % len(self.config.addresses)
-        self.chan = _Channel(self.config.addresses[self._addr], epoch + 1)
+        self.chan = _Channel(self.config.addresses[self._addr], epoch + 1, self.credentials)
         with self.lock:
             self.stats.reconnects += 1
             self.stats.address = self.chan.address
@@ -769,7 +800,7 @@ class NgramClient:
             ``(fingerprint, vocab_size)`` pair.
         cache_dir: the node's generation cache (default ``$XDG_CACHE_HOME/ngramcache``).
         token: a bearer token, or None.
-        **options: more `ClientConfig` fields.
+        **options: more `ClientConfig` fields (``tls_ca`` for TLS, ``mirror``, intervals, ...).
 
     Raises:
         TokenizerMismatchError: the namespace is bound to another tokenizer.

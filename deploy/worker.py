@@ -85,8 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--address", required=True, help="HOST:PORT of the service (plaintext gRPC)")
     p.add_argument("--namespace", default="demo", help="the cache namespace (default demo)")
     p.add_argument("--create", action="store_true", help="create the namespace (byte tokens) when it does not exist")
-    p.add_argument("--token", default=os.environ.get("NGRAMCACHE_TOKEN") or None,
-                   help="bearer token (default: $NGRAMCACHE_TOKEN; none)")
+    p.add_argument("--token", default=os.environ.get("NGC_TOKEN") or None,
+                   help="bearer token (default: $NGC_TOKEN; none)")
     p.add_argument("--text", type=Path, default=Path(sysconfig.get_paths()["stdlib"]),
                    help="folder of .py files to replay (default: this Python's standard library)")
     p.add_argument("--cache-dir", default=os.path.join(os.environ.get("TMPDIR", "/tmp"), "ngramcache-worker"),

@@ -14,6 +14,7 @@ import functools
 import hashlib
 import itertools
 import logging
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -514,3 +515,33 @@ def test_tokens_over_mutual_tls(pki: tuple[Pki, Issued, Issued, Issued], tmp_pat
         # the certificate alone is no token
         assert refused(lambda: call_push(s, ALPHA, None)).code() == grpc.StatusCode.UNAUTHENTICATED
         channel.close()
+
+
+def test_clients_sync_and_draft_over_tls_and_mutual_tls(pki: tuple[Pki, Issued, Issued, Issued], tmp_path: Path) -> None:
+    """NgramClient and RemoteDrafter reach a TLS service trusting its CA, and a mutual-TLS one with a certificate."""
+
+    from ngramcache import NgramClient, RemoteDrafter
+
+    ca, server, client_cert, _ = pki
+    fp = bytes(32)
+    fast = {"pull_interval": 0.1, "push_interval": 0.05, "ready_timeout": 20.0}
+    for mutual in (False, True):
+        extra = {"tls_client_ca": str(ca.ca.cert)} if mutual else {}
+        mine = {"tls_cert": str(client_cert.cert), "tls_key": str(client_cert.key)} if mutual else {}
+        with ServiceThread(tmp_path / f"data-{mutual}", tls_cert=str(server.cert), tls_key=str(server.key),
+                           **extra) as svc:
+            address = f"127.0.0.1:{svc.port}"
+            admin_pb2_grpc.AdminStub(_tls(svc.port, ca.ca.cert, client_cert if mutual else None)).CreateNamespace(
+                admin_pb2.CreateNamespaceRequest(name="tls", tokenizer_fingerprint=fp, vocab_size=16), timeout=10)
+            text = np.array([1, 2, 3, 4, 5] * 8, dtype=np.int32)
+            with NgramClient(address, "tls", (fp, 16), cache_dir=tmp_path / f"cache-{mutual}", tls_ca=str(ca.ca.cert),
+                             **mine, **fast) as a, \
+                    NgramClient(address, "tls", (fp, 16), cache_dir=tmp_path / f"cache2-{mutual}",
+                                tls_ca=ca.ca.cert.read_bytes(), **mine, **fast) as b:
+                a.drafter().accept(1, text)
+                deadline = time.monotonic() + 10
+                while b.drafter().draft(1, np.array([9, 1, 2, 3], dtype=np.int32), 4).size == 0:
+                    assert time.monotonic() < deadline, "B never drafted A's counts over TLS"
+                    time.sleep(0.05)
+            with RemoteDrafter(address, "tls", (fp, 16), tls_ca=str(ca.ca.cert), **mine) as remote:
+                assert remote.draft(1, text, 4).tolist() == [1, 2, 3, 4]
