@@ -12,18 +12,14 @@ from __future__ import annotations
 
 import os
 import re
-import signal
-import subprocess
-import sys
-import sysconfig
 import threading
 import time
 from pathlib import Path
 
 import grpc
-import numpy as np
 import pytest
-from redis_servers import RedisClusterProcesses, free_port  # tests/ is on sys.path
+from fleet_helpers import NS, Replica, Worker, stdlib_texts  # tests/ is on sys.path
+from redis_servers import RedisClusterProcesses
 
 from ngramcache import UNTAGGED, NgramClient
 from ngramcache.client._proto.codec import bytes_to_count_rows
@@ -32,94 +28,10 @@ from ngramcache.client._proto.v1 import admin_pb2, admin_pb2_grpc, counts_pb2, c
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 DURABLE = ["--appendonly", "yes", "--appendfsync", "always"]
-NS = "fleet"
 VOCAB = 256
 RUN_SECONDS = float(os.environ.get("NGC_FLEET_SECONDS", "60"))
 CLIENT = {"pull_interval": 0.25, "push_interval": 0.1, "ready_timeout": 30.0, "close_timeout": 30.0,
           "connect_timeout": 20.0}
-
-
-class Replica:
-    """One `ngramcache serve` process, as a node would run it."""
-
-    def __init__(self, tmp: Path, index: int, counts: str) -> None:
-        self.port = free_port()
-        self.address = f"127.0.0.1:{self.port}"
-        self.data_dir = tmp / f"replica-{index}"
-        self.log = tmp / f"replica-{index}.log"
-        with open(self.log, "w") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "ngramcache.cache_service.cli", "serve", "--port", str(self.port),
-                 "--data-dir", str(self.data_dir), "--counts", counts, "--mirror-interval", "0.25",
-                 "--peer-sync-interval", "0.5", "--rebuild-lease-seconds", "6",
-                 *(["--log-calls"] if os.environ.get("NGC_FLEET_DEBUG") else [])],
-                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-        deadline = time.monotonic() + 30
-        while "serving ngramcache.v1" not in self.log.read_text():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"replica {index} did not start:\n{self.log.read_text()}")
-            time.sleep(0.1)
-
-    def generation_file(self, generation: int) -> Path:
-        return self.data_dir / "static" / NS / f"{generation:020d}.ngc"
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def kill(self) -> None:
-        self.proc.kill()
-        self.proc.wait(10)
-
-    def stop(self) -> None:
-        if self.alive():
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.kill()
-
-
-def stdlib_texts() -> list[np.ndarray]:
-    lib = Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(p for p in lib.glob("*.py") if p.stat().st_size > 4000)[:120]
-    return [np.frombuffer(p.read_bytes(), dtype=np.uint8).astype(np.int32) for p in files]
-
-
-class Worker(threading.Thread):
-    """A client drafting and accepting real text, as an inference worker does, counting failures and stalls."""
-
-    def __init__(self, index: int, client: NgramClient, texts: list[np.ndarray], stop: threading.Event) -> None:
-        super().__init__(name=f"worker-{index}", daemon=True)
-        self.index, self.client, self.texts, self.stop_event = index, client, texts, stop
-        self.drafts = self.failures = self.accepted = 0
-        self.slowest = 0.0
-        self.errors: list[str] = []
-
-    def run(self) -> None:
-        drafter = self.client.drafter()
-        k = self.index * 17
-        seq = self.index * 1_000_000
-        while not self.stop_event.is_set():
-            text = self.texts[k % len(self.texts)]
-            k += 1
-            seq += 1
-            for pos in range(64, len(text), 48):
-                if self.stop_event.is_set():
-                    break
-                prefix = text[:pos]
-                t0 = time.perf_counter()
-                try:
-                    draft = drafter.draft(seq, prefix, 8)
-                    drafter.accept(seq, prefix)
-                except Exception as e:  # a failed draft is what this test exists to catch
-                    self.failures += 1
-                    self.errors.append(f"{type(e).__name__}: {e}")
-                    continue
-                self.slowest = max(self.slowest, time.perf_counter() - t0)
-                self.drafts += 1
-                self.accepted += int(np.sum(np.cumprod(draft == text[pos:pos + len(draft)]))) if len(draft) else 0
-                time.sleep(0.002)
-            drafter.reset(seq)
 
 
 def replace_file(path: Path, data: bytes) -> None:
