@@ -98,7 +98,8 @@ class Worker(threading.Thread):
                     continue
                 self.slowest = max(self.slowest, time.perf_counter() - t0)
                 self.drafts += 1
-                self.accepted += int(np.sum(np.cumprod(draft == text[pos:pos + len(draft)]))) if len(draft) else 0
+                truth = text[pos:pos + len(draft)]
+                self.accepted += int(np.sum(np.cumprod(draft[:len(truth)] == truth)))
                 time.sleep(0.002)
             drafter.reset(seq)
 
