@@ -14,7 +14,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
-from service_helpers import ServiceThread  # tests/ is on sys.path (tests/conftest.py)
+from service_helpers import ServiceThread, wait_until  # tests/ is on sys.path (tests/conftest.py)
 
 from ngramcache import (
     CountTable,
@@ -109,14 +109,6 @@ def fleet(tmp_path: Path) -> Iterator[Fleet]:
         ch = grpc.insecure_channel(f"127.0.0.1:{svc.port}")
         yield Fleet(tmp_path, svc, ch)
         ch.close()
-
-
-def wait_until(cond, timeout: float = 10.0, what: str = "condition") -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.02)
 
 
 def test_fetches_maps_and_drafts_like_a_local_drafter(fleet: Fleet) -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
-from service_helpers import ServiceThread  # tests/ is on sys.path (tests/conftest.py)
+from service_helpers import ServiceThread, wait_until  # tests/ is on sys.path (tests/conftest.py)
 
 from ngramcache import CountTable, NgramClient
 from ngramcache.client._proto.codec import bytes_to_count_rows
@@ -65,14 +65,6 @@ def store_rows(address: str, namespace: str) -> int:
         chunks = counts_pb2_grpc.CountsStub(ch).Pull(counts_pb2.PullRequest(
             namespace=namespace, tokenizer_fingerprint=FP), timeout=30)
         return sum(len(bytes_to_count_rows(c.rows)) for c in chunks)
-
-
-def wait_until(cond, timeout: float = 15.0, what: str = "condition") -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
 
 
 def rows_of(table: CountTable) -> list[tuple[int, ...]]:

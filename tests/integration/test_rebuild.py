@@ -7,7 +7,6 @@ import os
 import subprocess
 import sys
 import threading
-import time
 import uuid
 from collections import Counter
 from pathlib import Path
@@ -15,7 +14,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
-from service_helpers import ServiceThread  # tests/ is on sys.path (tests/conftest.py)
+from service_helpers import ServiceThread, wait_until  # tests/ is on sys.path (tests/conftest.py)
 
 from ngramcache import NgramClient, StaticCache, build_static_from_tokens
 from ngramcache.client._proto.codec import bytes_to_count_rows
@@ -85,14 +84,6 @@ def replace_file(path: Path, data: bytes) -> None:
     tmp = path.with_name(path.name + ".swap")
     tmp.write_bytes(data)
     os.replace(tmp, path)
-
-
-def wait_until(cond, timeout: float = 15.0, what: str = "condition") -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
 
 
 def push_all(client: NgramClient, tokens: np.ndarray) -> None:
