@@ -11,7 +11,9 @@ import numpy
 from numpy.typing import NDArray
 
 
-FORMAT_VERSION: int = 1
+FORMAT_VERSION: int = 2
+
+MATCH_DEFAULTS: dict = ...
 
 MAX_DRAFT: int = 256
 
@@ -73,6 +75,22 @@ class StaticCache:
 
     @property
     def file_size(self) -> int: ...
+
+    @property
+    def index_depth(self) -> int:
+        """
+        The corpus index's depth (the longest match it finds); 0: the file has no corpus index.
+        """
+
+    @property
+    def n_indexed(self) -> int:
+        """Corpus tokens in the corpus index (0: none)."""
+
+    def corpus_match(self, tokens: NDArray[numpy.int32]) -> tuple[int, int]:
+        """
+        The longest suffix of `tokens` (at most index_depth tokens) that the corpus index holds:
+        (its length, how many times it occurs). (0, 0) when none, or without a corpus index.
+        """
 
     @property
     def sections(self) -> list[dict[str, int | str]]:
@@ -198,7 +216,7 @@ class Drafter:
     threads (the GIL is released); calls for one sequence are serialized.
     """
 
-    def __init__(self, static: StaticCache | None = None, dynamic: CountTable | None = None, *, fingerprint: bytes | None = None, vocab_size: int | None = None, ngram_min: int = 1, ngram_max: int = 4, track_deltas: bool = False, max_sequences: int = 0, idle_ttl: float = 0.0, max_memory: int = 0) -> None:
+    def __init__(self, static: StaticCache | None = None, dynamic: CountTable | None = None, *, fingerprint: bytes | None = None, vocab_size: int | None = None, ngram_min: int = 1, ngram_max: int = 4, track_deltas: bool = False, max_sequences: int = 0, idle_ttl: float = 0.0, max_memory: int = 0, mode: str = 'compatible', match_params: dict[str, float] | None = None) -> None:
         """
         Args:
             static: a StaticCache, or None.
@@ -211,6 +229,10 @@ class Drafter:
             max_sequences: most sequences kept (0: unlimited); beyond, the least recently used is evicted.
             idle_ttl: seconds after which an unused sequence is evicted by evict_idle() (0: never).
             max_memory: most bytes of context tables (0: unlimited); beyond, least recently used go.
+            mode: 'compatible' (llama.cpp's drafts, token for token) or 'match' (longest matches over
+                the sequence, earlier sequences and the static file's corpus index, with the count
+                tables competing; more accepted tokens per step, and draft_tree()).
+            match_params: overrides of the match mode's tuning (MATCH_DEFAULTS); rarely needed.
 
         Raises:
             TokenizerMismatchError: `fingerprint` or `vocab_size` differs from the static cache's.
@@ -221,6 +243,17 @@ class Drafter:
         Drafts up to `n_draft` tokens to follow `tokens` (the whole sequence so far, int32) of
         sequence `seq`. Returns an int32 array, empty when nothing passes the thresholds.
         """
+
+    def draft_tree(self, seq: int, tokens: NDArray[numpy.int32], budget: int = 16) -> tuple[NDArray[numpy.int32], NDArray[numpy.int32]]:
+        """
+        Drafts a tree of at most `budget` nodes (match mode) for engines that verify a tree in one
+        pass: (tokens, parents), node i is tokens[i] and follows node parents[i] (-1: follows the
+        sequence). Parents come before their children.
+        """
+
+    @property
+    def mode(self) -> str:
+        """'compatible' or 'match'."""
 
     def draft_batch(self, seqs: Sequence[int], tokens: Sequence[NDArray[numpy.int32]], n_draft: int = 8) -> tuple[NDArray[numpy.int32], NDArray[numpy.int32]]:
         """
@@ -304,7 +337,7 @@ class StaticBuilder:
     Not thread-safe: use one builder from one thread; it sorts on `threads` threads.
     """
 
-    def __init__(self, path: str | os.PathLike[str], vocab_size: int, ngram_size: int = 2, *, fingerprint: bytes, generation: int = 0, memory_budget: int = 1 << 30, scratch_dir: str | os.PathLike[str] = '', threads: int = 0, max_fan_in: int = 64) -> None:
+    def __init__(self, path: str | os.PathLike[str], vocab_size: int, ngram_size: int = 2, *, fingerprint: bytes, generation: int = 0, memory_budget: int = 1 << 30, scratch_dir: str | os.PathLike[str] = '', threads: int = 0, max_fan_in: int = 64, corpus_index: bool = False, index_depth: int = 32) -> None:
         """
         Args:
             path: the static cache to write (atomically, at finish()).
@@ -316,6 +349,10 @@ class StaticBuilder:
             scratch_dir: where runs go (default: beside `path`).
             threads: sorting threads (0: all cores).
             max_fan_in: runs merged at once; more runs are merged in passes.
+            corpus_index: also index the tokens added for the match mode (format version 2). It
+                takes half the budget, 32 bytes a token while sorting; tokens past that are counted
+                but not indexed (stats['n_not_indexed']).
+            index_depth: the longest match the index finds (1..64).
         """
 
     def begin_stream(self) -> None:
@@ -363,11 +400,15 @@ def export_llama(cache: StaticCache, path: str | os.PathLike) -> None:
     Writes `cache` in llama.cpp's format (loadable with llama-lookup's -lcs), atomically.
     """
 
-def replay(tokens: NDArray[numpy.int32], n_ctx: int, n_draft: int, ngram_min: int, ngram_max: int, static: StaticCache | None, dynamic: CountTable, dump_drafts: bool = False) -> dict[str, Any]:
+def replay(tokens: NDArray[numpy.int32], n_ctx: int, n_draft: int, ngram_min: int, ngram_max: int, static: StaticCache | None, dynamic: CountTable, dump_drafts: bool = False, mode: str = 'compatible', tree_budget: int = 0, match_params: dict[str, float] | None = None) -> dict[str, Any]:
     """
     llama-lookup-stats' replay of `tokens` in chunks of n_ctx; merges each chunk's context
     table into `dynamic`. Returns counters and timings (and with dump_drafts, every call's
     drafted tokens, each call's followed by -1).
+
+    mode: 'compatible' (llama.cpp's drafts) or 'match' (longest-match drafts); tree_budget > 0
+    (match mode): tree drafts of at most that many nodes, scored by their longest accepted
+    path. match_params: overrides of the match mode's tuning (MATCH_DEFAULTS names them).
     """
 
 def write_file_atomic(path: str | os.PathLike[str], data: bytes) -> None:
@@ -384,9 +425,10 @@ def ngram_hash(ngram: Sequence[int]) -> int:
     The hash count tables use for `ngram` (for tests that need colliding keys).
     """
 
-def build_static_from_tokens(streams: list[NDArray[numpy.int32]], path: str | os.PathLike[str], vocab_size: int, ngram_size: int = 2, *, fingerprint: bytes, generation: int = 0) -> None:
+def build_static_from_tokens(streams: list[NDArray[numpy.int32]], path: str | os.PathLike[str], vocab_size: int, ngram_size: int = 2, *, fingerprint: bytes, generation: int = 0, corpus_index: bool = False) -> None:
     """
     Counts the (ngram_size-gram, follower) pairs of each int32 token stream (n-grams never span
     two streams) and writes a static cache to `path` atomically (temporary file, fsync, rename).
-    `fingerprint` is the tokenizer's (32 bytes), or UNTAGGED for raw tokens.
+    `fingerprint` is the tokenizer's (32 bytes), or UNTAGGED for raw tokens. With corpus_index,
+    the file also indexes the streams for the match mode (format version 2).
     """

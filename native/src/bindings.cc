@@ -26,6 +26,7 @@
 #include "ngc/drafter.h"
 #include "ngc/file_util.h"
 #include "ngc/llama_format.h"
+#include "ngc/match.h"
 #include "ngc/replay.h"
 #include "ngc/rows.h"
 #include "ngc/sequences.h"
@@ -133,6 +134,47 @@ void check_ngram_range(int ngram_min, int ngram_max) {
   }
 }
 
+// The drafting mode by name: false for "compatible", true for "match".
+bool parse_mode(const std::string& mode) {
+  if (mode == "compatible") return false;
+  if (mode == "match") return true;
+  invalid("mode must be 'compatible' or 'match', got '" + mode + "'");
+  return false;
+}
+
+// The match mode's tuning, defaults overridden by a dict of {name: number} (tests and
+// benchmarks tune with it; users keep the defaults).
+ngc::MatchParams match_params_from(nb::handle overrides) {
+  ngc::MatchParams p;
+  if (overrides.is_none()) return p;
+  if (!nb::isinstance<nb::dict>(overrides)) invalid("match_params must be a dict or None");
+  for (auto [k, v] : nb::borrow<nb::dict>(overrides)) {
+    const std::string key = nb::cast<std::string>(k);
+    const double x = nb::cast<double>(v);
+    auto in = [&](double lo, double hi) {
+      if (!(x >= lo && x <= hi)) invalid("match_params['" + key + "'] must be in " + std::to_string(lo) + ".." + std::to_string(hi));
+      return x;
+    };
+    if (key == "min_match") p.min_match = static_cast<int>(in(1, 64));
+    else if (key == "max_match") p.max_match = static_cast<int>(in(2, 1024));
+    else if (key == "max_chain") p.max_chain = static_cast<int>(in(1, 1 << 16));
+    else if (key == "max_candidates") p.max_candidates = static_cast<int>(in(1, 64));
+    else if (key == "prior") p.prior = in(0, 1e6);
+    else if (key == "min_prob") p.min_prob = in(0, 1);
+    else if (key == "tree_min_prob") p.tree_min_prob = in(0, 1);
+    else if (key == "length_factor") p.length_factor = in(0.01, 1e6);
+    else if (key == "fallback") p.fallback = in(0, 1) != 0;
+    else if (key == "extend") p.extend = in(0, 1) != 0;
+    else if (key == "count_option") p.count_option = in(0, 1) != 0;
+    else if (key == "count_prior") p.count_prior = in(0, 1e6);
+    else if (key == "max_options") p.max_options = static_cast<int>(in(1, 8));
+    else if (key == "history_tokens") p.history_tokens = static_cast<size_t>(in(0, 1e9));
+    else if (key == "corpus_min_match") p.corpus_min_match = static_cast<int>(in(1, 64));
+    else invalid("match_params has no '" + key + "'");
+  }
+  return p;
+}
+
 void check_tokens(const Token* p, size_t n, uint32_t vocab, const char* what) {
   for (size_t i = 0; i < n; ++i) {
     if (p[i] < 0 || static_cast<uint32_t>(p[i]) >= vocab) {
@@ -173,6 +215,8 @@ nb::dict build_stats(const ngc::BuildStats& st) {
   d["bytes_spilled"] = st.bytes_spilled;
   d["n_keys"] = st.n_keys;
   d["n_merge_passes"] = st.n_merge_passes;
+  d["n_indexed"] = st.n_indexed;
+  d["n_not_indexed"] = st.n_not_indexed;
   return d;
 }
 
@@ -310,6 +354,26 @@ nb::bytes fingerprint_bytes(const uint8_t* fp) { return nb::bytes(reinterpret_ca
 NB_MODULE(_core, m) {
   m.doc() = "The compiled ngramcache core: count tables, static caches and the drafter.";
   m.attr("FORMAT_VERSION") = ngc::format::kVersion;
+  {
+    const ngc::MatchParams p;
+    nb::dict d;
+    d["min_match"] = p.min_match;
+    d["corpus_min_match"] = p.corpus_min_match;
+    d["max_match"] = p.max_match;
+    d["max_chain"] = p.max_chain;
+    d["max_candidates"] = p.max_candidates;
+    d["max_options"] = p.max_options;
+    d["prior"] = p.prior;
+    d["count_prior"] = p.count_prior;
+    d["min_prob"] = p.min_prob;
+    d["tree_min_prob"] = p.tree_min_prob;
+    d["length_factor"] = p.length_factor;
+    d["history_tokens"] = p.history_tokens;
+    d["count_option"] = p.count_option;
+    d["extend"] = p.extend;
+    d["fallback"] = p.fallback;
+    m.attr("MATCH_DEFAULTS") = d;
+  }
   m.attr("MAX_DRAFT") = ngc::kMaxDraft;
   m.attr("NGRAM_MAX") = ngc::kNgramMax;
   m.attr("MAX_VOCAB") = ngc::kMaxVocab;
@@ -347,11 +411,29 @@ NB_MODULE(_core, m) {
       .def_prop_ro("n_tokens", [](const PyStaticCache& c) { return c.cache->info().n_tokens; })
       .def_prop_ro("n_overflow", [](const PyStaticCache& c) { return c.cache->info().n_overflow; })
       .def_prop_ro("file_size", [](const PyStaticCache& c) { return c.cache->info().file_size; })
+      .def_prop_ro("index_depth", [](const PyStaticCache& c) { return c.cache->info().index_depth; },
+                   "The corpus index's depth (the longest match it finds); 0: the file has no corpus index.")
+      .def_prop_ro("n_indexed", [](const PyStaticCache& c) { return c.cache->info().n_suffixes; },
+                   "Corpus tokens in the corpus index (0: none).")
+      .def(
+          "corpus_match",
+          [](const PyStaticCache& c, nb::handle tokens) {
+            TokenView v = as_tokens(tokens, "tokens");
+            check_tokens(v.data, v.size, c.cache->info().vocab_size, "tokens");
+            const ngc::CorpusIndex& ix = c.cache->corpus();
+            const ngc::CorpusMatch m = ngc::corpus_longest_match(ix, v.data, v.size, ix.depth);
+            return nb::make_tuple(m.length, m.hi - m.lo);
+          },
+          nb::sig("def corpus_match(self, tokens: NDArray[numpy.int32]) -> tuple[int, int]"), "tokens"_a,
+          "The longest suffix of `tokens` (at most index_depth tokens) that the corpus index holds:\n"
+          "(its length, how many times it occurs). (0, 0) when none, or without a corpus index.")
       .def_prop_ro(
           "sections",
           [](const PyStaticCache& c) {
             nb::list out;
-            for (const ngc::SectionInfo& s : c.cache->info().sections) {
+            const ngc::StaticInfo& info = c.cache->info();
+            for (uint32_t i = 0; i < info.n_sections; ++i) {
+              const ngc::SectionInfo& s = info.sections[i];
               nb::dict d;
               d["name"] = ngc::format::section_name(s.id);
               d["offset"] = s.offset;
@@ -608,7 +690,7 @@ NB_MODULE(_core, m) {
           "__init__",
           [](PyDrafter* d, nb::object static_cache, nb::object dynamic, std::optional<nb::bytes> fingerprint,
              std::optional<int64_t> vocab_size, int ngram_min, int ngram_max, bool track_deltas, int64_t max_sequences,
-             double idle_ttl, int64_t max_memory) {
+             double idle_ttl, int64_t max_memory, const std::string& mode, nb::object match_params) {
             check_ngram_range(ngram_min, ngram_max);
             PyStaticCache* sc = as_static_cache(static_cache, "static");
             PyCountTable* dyn = as_count_table(dynamic, "dynamic");
@@ -642,6 +724,10 @@ NB_MODULE(_core, m) {
             if (max_memory < 0) invalid("max_memory must be >= 0 bytes (0: unlimited), got " + std::to_string(max_memory));
             o.ngram_min = ngram_min;
             o.ngram_max = ngram_max;
+            o.mode = parse_mode(mode) ? ngc::DraftMode::kMatch : ngc::DraftMode::kCompatible;
+            o.match = match_params_from(match_params);
+            o.match.ngram_min = ngram_min;
+            o.match.ngram_max = ngram_max;
             o.track_deltas = track_deltas;
             o.limits.max_sequences = static_cast<size_t>(max_sequences);
             o.limits.idle_ttl_ms = static_cast<int64_t>(idle_ttl * 1000.0);
@@ -656,10 +742,11 @@ NB_MODULE(_core, m) {
           },
           nb::sig("def __init__(self, static: StaticCache | None = None, dynamic: CountTable | None = None, *, "
                   "fingerprint: bytes | None = None, vocab_size: int | None = None, ngram_min: int = 1, ngram_max: int = 4, "
-                  "track_deltas: bool = False, max_sequences: int = 0, idle_ttl: float = 0.0, max_memory: int = 0) -> None"),
+                  "track_deltas: bool = False, max_sequences: int = 0, idle_ttl: float = 0.0, max_memory: int = 0, "
+                  "mode: str = 'compatible', match_params: dict[str, float] | None = None) -> None"),
           "static"_a = nb::none(), "dynamic"_a = nb::none(), nb::kw_only(), "fingerprint"_a = nb::none(), "vocab_size"_a = nb::none(),
           "ngram_min"_a = 1, "ngram_max"_a = 4, "track_deltas"_a = false, "max_sequences"_a = 0, "idle_ttl"_a = 0.0,
-          "max_memory"_a = 0,
+          "max_memory"_a = 0, "mode"_a = "compatible", "match_params"_a = nb::none(),
           "Args:\n    static: a StaticCache, or None.\n    dynamic: a CountTable (the dynamic table), or None.\n"
           "    fingerprint: the tokenizer's fingerprint (32 bytes; UNTAGGED for raw tokens); taken from\n"
           "        `static` when omitted, and checked against it when given.\n"
@@ -668,7 +755,11 @@ NB_MODULE(_core, m) {
           "    track_deltas: keep the counts accepted since the last drain_deltas().\n"
           "    max_sequences: most sequences kept (0: unlimited); beyond, the least recently used is evicted.\n"
           "    idle_ttl: seconds after which an unused sequence is evicted by evict_idle() (0: never).\n"
-          "    max_memory: most bytes of context tables (0: unlimited); beyond, least recently used go.\n\n"
+          "    max_memory: most bytes of context tables (0: unlimited); beyond, least recently used go.\n"
+          "    mode: 'compatible' (llama.cpp's drafts, token for token) or 'match' (longest matches over\n"
+          "        the sequence, earlier sequences and the static file's corpus index, with the count\n"
+          "        tables competing; more accepted tokens per step, and draft_tree()).\n"
+          "    match_params: overrides of the match mode's tuning (MATCH_DEFAULTS); rarely needed.\n\n"
           "Raises:\n    TokenizerMismatchError: `fingerprint` or `vocab_size` differs from the static cache's.")
       .def(
           "draft",
@@ -691,6 +782,29 @@ NB_MODULE(_core, m) {
           nb::sig("def draft(self, seq: int, tokens: NDArray[numpy.int32], n_draft: int = 8) -> NDArray[numpy.int32]"), "seq"_a, "tokens"_a, "n_draft"_a = 8,
           "Drafts up to `n_draft` tokens to follow `tokens` (the whole sequence so far, int32) of\n"
           "sequence `seq`. Returns an int32 array, empty when nothing passes the thresholds.")
+      .def(
+          "draft_tree",
+          [](PyDrafter& d, int64_t seq, nb::handle tokens, int budget) {
+            TokenView v = as_tokens(tokens, "tokens");
+            ngc::DraftTree tree;
+            Status s;
+            {
+              nb::gil_scoped_release release;
+              s = d.drafter->draft_tree(seq, v.data, v.size, budget, &tree);
+            }
+            check(s);
+            const size_t n = tree.tokens.size();
+            return nb::make_tuple(to_numpy(std::move(tree.tokens), {n}), to_numpy(std::move(tree.parents), {n}));
+          },
+          nb::sig("def draft_tree(self, seq: int, tokens: NDArray[numpy.int32], budget: int = 16) -> "
+                  "tuple[NDArray[numpy.int32], NDArray[numpy.int32]]"),
+          "seq"_a, "tokens"_a, "budget"_a = 16,
+          "Drafts a tree of at most `budget` nodes (match mode) for engines that verify a tree in one\n"
+          "pass: (tokens, parents), node i is tokens[i] and follows node parents[i] (-1: follows the\n"
+          "sequence). Parents come before their children.")
+      .def_prop_ro("mode", [](PyDrafter& d) {
+        return std::string(d.drafter->options().mode == ngc::DraftMode::kMatch ? "match" : "compatible");
+      }, "'compatible' or 'match'.")
       .def(
           "draft_batch",
           [](PyDrafter& d, const std::vector<int64_t>& seqs, nb::sequence token_arrays, int n_draft) {
@@ -812,8 +926,14 @@ NB_MODULE(_core, m) {
       .def(
           "__init__",
           [](PyStaticBuilder* self, const Path& path, int64_t vocab_size, int ngram_size, nb::bytes fingerprint,
-             int64_t generation, int64_t memory_budget, const Path& scratch_dir, int threads, int max_fan_in) {
+             int64_t generation, int64_t memory_budget, const Path& scratch_dir, int threads, int max_fan_in, bool corpus_index,
+             int index_depth) {
             ngc::BuilderOptions o;
+            if (index_depth < 1 || index_depth > static_cast<int>(ngc::format::kMaxIndexDepth)) {
+              invalid("index_depth must be in 1.." + std::to_string(ngc::format::kMaxIndexDepth) + ", got " + std::to_string(index_depth));
+            }
+            o.corpus_index = corpus_index;
+            o.index_depth = static_cast<uint32_t>(index_depth);
             o.header = make_header(vocab_size, ngram_size, fingerprint, generation);
             const int64_t physical = static_cast<int64_t>(sysconf(_SC_PHYS_PAGES)) * sysconf(_SC_PAGE_SIZE);
             if (memory_budget <= 0 || (physical > 0 && memory_budget > physical)) {
@@ -830,16 +950,21 @@ NB_MODULE(_core, m) {
           },
           nb::sig("def __init__(self, path: str | os.PathLike[str], vocab_size: int, ngram_size: int = 2, *, fingerprint: bytes, "
                   "generation: int = 0, memory_budget: int = 1 << 30, scratch_dir: str | os.PathLike[str] = '', threads: int = 0, "
-                  "max_fan_in: int = 64) -> None"),
+                  "max_fan_in: int = 64, corpus_index: bool = False, index_depth: int = 32) -> None"),
           "path"_a, "vocab_size"_a, "ngram_size"_a = 2, nb::kw_only(), "fingerprint"_a,
           "generation"_a = 0, "memory_budget"_a = uint64_t{1} << 30, "scratch_dir"_a = "", "threads"_a = 0, "max_fan_in"_a = 64,
+          "corpus_index"_a = false, "index_depth"_a = 32,
           "Args:\n    path: the static cache to write (atomically, at finish()).\n"
           "    vocab_size: every token must be below it (1..2^24).\n    ngram_size: tokens per key (1..4).\n"
           "    fingerprint: the tokenizer's fingerprint (32 bytes), or UNTAGGED for raw tokens.\n"
           "    generation: the generation number (>= 0).\n"
           "    memory_budget: bytes of buffers at most (>= 16 MiB); beyond it, sorted runs go to disk.\n"
           "    scratch_dir: where runs go (default: beside `path`).\n    threads: sorting threads (0: all cores).\n"
-          "    max_fan_in: runs merged at once; more runs are merged in passes.")
+          "    max_fan_in: runs merged at once; more runs are merged in passes.\n"
+          "    corpus_index: also index the tokens added for the match mode (format version 2). It\n"
+          "        takes half the budget, 32 bytes a token while sorting; tokens past that are counted\n"
+          "        but not indexed (stats['n_not_indexed']).\n"
+          "    index_depth: the longest match the index finds (1..64).")
       .def("begin_stream", [](PyStaticBuilder& b) { b.get().begin_stream(); },
            "Starts a new stream (an input file): n-grams never span two streams.")
       .def(
@@ -993,8 +1118,13 @@ NB_MODULE(_core, m) {
   m.def(
       "replay",
       [](nb::handle tokens, int64_t n_ctx, int n_draft, int ngram_min, int ngram_max, nb::object static_cache,
-         PyCountTable& dynamic, bool dump_drafts) {
+         PyCountTable& dynamic, bool dump_drafts, const std::string& mode, int tree_budget, nb::object match_params) {
         check_ngram_range(ngram_min, ngram_max);
+        const bool match = parse_mode(mode);
+        if (tree_budget < 0 || tree_budget > ngc::kMaxDraft) {
+          invalid("tree_budget must be in 0.." + std::to_string(ngc::kMaxDraft) + ", got " + std::to_string(tree_budget));
+        }
+        if (tree_budget > 0 && !match) invalid("tree drafts need mode='match'");
         if (n_draft < 1 || n_draft > ngc::kMaxDraft) {
           invalid("n_draft must be in 1.." + std::to_string(ngc::kMaxDraft) + ", got " + std::to_string(n_draft));
         }
@@ -1011,12 +1141,21 @@ NB_MODULE(_core, m) {
         p.n_draft = n_draft;
         p.ngram_min = ngram_min;
         p.ngram_max = ngram_max;
+        ngc::MatchParams mp = match_params_from(match_params);
+        mp.n_draft = n_draft;
+        mp.ngram_min = ngram_min;
+        mp.ngram_max = ngram_max;
         std::vector<Token> drafts;
         ngc::ReplayStats r;
         {
           nb::gil_scoped_release release;
           dynamic.shared->write([&](ngc::CountTable& table) {
-            r = ngc::replay(v.data, v.size, static_cast<size_t>(n_ctx), p, st, &table, dump_drafts ? &drafts : nullptr);
+            if (match) {
+              r = ngc::replay_match(v.data, v.size, static_cast<size_t>(n_ctx), mp, tree_budget, st, &table,
+                                    dump_drafts ? &drafts : nullptr);
+            } else {
+              r = ngc::replay(v.data, v.size, static_cast<size_t>(n_ctx), p, st, &table, dump_drafts ? &drafts : nullptr);
+            }
           });
         }
         nb::dict out;
@@ -1033,11 +1172,16 @@ NB_MODULE(_core, m) {
         return out;
       },
       nb::sig("def replay(tokens: NDArray[numpy.int32], n_ctx: int, n_draft: int, ngram_min: int, ngram_max: int, "
-              "static: StaticCache | None, dynamic: CountTable, dump_drafts: bool = False) -> dict[str, typing.Any]"),
+              "static: StaticCache | None, dynamic: CountTable, dump_drafts: bool = False, mode: str = 'compatible', "
+              "tree_budget: int = 0, match_params: dict[str, float] | None = None) -> dict[str, typing.Any]"),
       "tokens"_a, "n_ctx"_a, "n_draft"_a, "ngram_min"_a, "ngram_max"_a, "static"_a.none(), "dynamic"_a, "dump_drafts"_a = false,
+      "mode"_a = "compatible", "tree_budget"_a = 0, "match_params"_a = nb::none(),
       "llama-lookup-stats' replay of `tokens` in chunks of n_ctx; merges each chunk's context\n"
       "table into `dynamic`. Returns counters and timings (and with dump_drafts, every call's\n"
-      "drafted tokens, each call's followed by -1).");
+      "drafted tokens, each call's followed by -1).\n\n"
+      "mode: 'compatible' (llama.cpp's drafts) or 'match' (longest-match drafts); tree_budget > 0\n"
+      "(match mode): tree drafts of at most that many nodes, scored by their longest accepted\n"
+      "path. match_params: overrides of the match mode's tuning (MATCH_DEFAULTS names them).");
 
   m.def(
       "write_file_atomic",
@@ -1067,7 +1211,8 @@ NB_MODULE(_core, m) {
 
   m.def(
       "build_static_from_tokens",
-      [](nb::list streams, const Path& path, int64_t vocab_size, int ngram_size, nb::bytes fingerprint, int64_t generation) {
+      [](nb::list streams, const Path& path, int64_t vocab_size, int ngram_size, nb::bytes fingerprint, int64_t generation,
+         bool corpus_index) {
         ngc::StaticHeader h = make_header(vocab_size, ngram_size, fingerprint, generation);
         std::vector<TokenView> views;
         std::vector<ngc::TokenStream> refs;
@@ -1076,14 +1221,16 @@ NB_MODULE(_core, m) {
         Status s;
         {
           nb::gil_scoped_release release;
-          s = ngc::build_static(refs, h, path.string());
+          s = ngc::build_static(refs, h, path.string(), corpus_index);
         }
         check(s);
       },
       nb::sig("def build_static_from_tokens(streams: list[NDArray[numpy.int32]], path: str | os.PathLike[str], vocab_size: int, "
-              "ngram_size: int = 2, *, fingerprint: bytes, generation: int = 0) -> None"),
+              "ngram_size: int = 2, *, fingerprint: bytes, generation: int = 0, corpus_index: bool = False) -> None"),
       "streams"_a, "path"_a, "vocab_size"_a, "ngram_size"_a = 2, nb::kw_only(), "fingerprint"_a, "generation"_a = 0,
+      "corpus_index"_a = false,
       "Counts the (ngram_size-gram, follower) pairs of each int32 token stream (n-grams never span\n"
       "two streams) and writes a static cache to `path` atomically (temporary file, fsync, rename).\n"
-      "`fingerprint` is the tokenizer's (32 bytes), or UNTAGGED for raw tokens.");
+      "`fingerprint` is the tokenizer's (32 bytes), or UNTAGGED for raw tokens. With corpus_index,\n"
+      "the file also indexes the streams for the match mode (format version 2).");
 }

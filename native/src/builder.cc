@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "ngc/file_util.h"
+#include "ngc/match.h"
 
 namespace ngc {
 namespace {
@@ -218,6 +219,12 @@ class BuilderImpl : public Builder {
     in_stream_ = 0;
     window_ = 0;
     ++stats_.n_streams;
+    if (!text_.empty() && text_.back() != format::kSeparator) text_.push_back(format::kSeparator);
+  }
+
+  void set_index_capacity(uint64_t tokens) {
+    index_capacity_ = tokens;
+    text_.reserve(std::min<uint64_t>(tokens, uint64_t{1} << 24));
   }
 
   Status add_tokens(const Token* data, size_t n) override {
@@ -229,6 +236,14 @@ class BuilderImpl : public Builder {
       }
     }
     stats_.n_tokens += n;
+    if (opt_.corpus_index) {
+      // The index keeps whole tokens up to its share; separators count against it too.
+      const uint64_t room = index_capacity_ > text_.size() ? index_capacity_ - text_.size() : 0;
+      const size_t take = static_cast<size_t>(std::min<uint64_t>(room, n));
+      for (size_t i = 0; i < take; ++i) text_.push_back(static_cast<uint32_t>(data[i]));
+      stats_.n_indexed += take;
+      stats_.n_not_indexed += n - take;
+    }
     const uint64_t before = in_stream_;
     for (size_t i = 0; i < n; ++i) {
       window_ = ((window_ << bits_) | static_cast<Word>(static_cast<uint32_t>(data[i]))) & pair_mask_;
@@ -260,6 +275,12 @@ class BuilderImpl : public Builder {
   }
 
   Status finish() override {
+    CorpusArrays index;
+    if (opt_.corpus_index) {
+      while (!text_.empty() && text_.back() == format::kSeparator) text_.pop_back();
+      if (stats_.n_indexed > 0) build_corpus_index(text_, opt_.header.vocab_size, opt_.index_depth, &index);
+      NGC_RETURN_IF_ERROR(poll());
+    }
     sort_buffer();
     sort_weighted();
     // Too many runs for one merge: merge them in groups into longer runs first.
@@ -311,6 +332,9 @@ class BuilderImpl : public Builder {
     if (has_key) NGC_RETURN_IF_ERROR(flush_key());
     stats_.n_keys = writer->n_keys();
     stats_.n_merge_passes = merge_passes_;
+    if (!index.suffixes.empty()) {
+      writer->set_corpus_index(std::move(text_), std::move(index.suffixes), std::move(index.buckets), opt_.index_depth);
+    }
     return writer->finish();
   }
 
@@ -383,6 +407,8 @@ class BuilderImpl : public Builder {
   BuildStats stats_;
   bool tokens_unknown_ = false;          // the header records n_tokens 0 ("unknown")
   std::function<bool()> interrupted_;    // polled by finish(); may be empty
+  std::vector<uint32_t> text_;           // the corpus index's TEXT (when opt_.corpus_index)
+  uint64_t index_capacity_ = 0;          // most TEXT entries
   uint64_t polled_ = 0;                  // pairs merged since the last poll
 
   Status poll() {
@@ -395,9 +421,11 @@ class BuilderImpl : public Builder {
 
 }  // namespace
 
-Status build_static(const std::vector<TokenStream>& streams, const StaticHeader& header, const std::string& path) {
+Status build_static(const std::vector<TokenStream>& streams, const StaticHeader& header, const std::string& path,
+                    bool corpus_index) {
   BuilderOptions o;
   o.header = header;
+  o.corpus_index = corpus_index;
   std::unique_ptr<Builder> b;
   NGC_RETURN_IF_ERROR(Builder::create(o, path, &b));
   for (const TokenStream& s : streams) {
@@ -414,6 +442,9 @@ Status Builder::create(const BuilderOptions& o, const std::string& path, std::un
     return Status::InvalidArgument("vocab_size must be in 1..2^24, got " + str(h.vocab_size));
   }
   if (o.max_fan_in < 2 || o.max_fan_in > 1024) return Status::InvalidArgument("max_fan_in must be in 2..1024");
+  if (o.corpus_index && (o.index_depth < 1 || o.index_depth > format::kMaxIndexDepth)) {
+    return Status::InvalidArgument("index_depth must be in 1.." + str(format::kMaxIndexDepth) + ", got " + str(o.index_depth));
+  }
   if (o.memory_budget < kMinBudget) {
     return Status::InvalidArgument("memory budget " + str(o.memory_budget) + " bytes is below the minimum of 16 MiB");
   }
@@ -421,14 +452,19 @@ Status Builder::create(const BuilderOptions& o, const std::string& path, std::un
   // Fixed costs besides the pair buffer: the writer's ROWS (4 bytes per vocabulary entry)
   // and I/O buffers, and the merge's read buffers (max_fan_in + a few).
   const uint64_t fixed = uint64_t{h.vocab_size} * 4 + (uint64_t(o.max_fan_in) + 16) * kIoBuffer;
-  const uint64_t usable = o.memory_budget > fixed + (8ull << 20) ? o.memory_budget - fixed : (8ull << 20);
+  uint64_t usable = o.memory_budget > fixed + (8ull << 20) ? o.memory_budget - fixed : (8ull << 20);
+  // The corpus index takes half: its text, ranks, sort entries and result, 32 bytes a token.
+  const uint64_t index_tokens = o.corpus_index ? std::min<uint64_t>(usable / 2 / 32, format::kSeparator - 1) : 0;
+  if (o.corpus_index) usable -= usable / 2;
   // Three quarters for pairs of count 1, a quarter for weighted records (imports, merges).
   if ((h.ngram_size + 1) * bits <= 64) {
     *out = std::make_unique<BuilderImpl<uint64_t>>(o, path, bits, usable * 3 / 4 / sizeof(uint64_t),
                                                    usable / 4 / sizeof(Record<uint64_t>));
+    static_cast<BuilderImpl<uint64_t>*>(out->get())->set_index_capacity(index_tokens);
   } else {
     using U128 = unsigned __int128;
     *out = std::make_unique<BuilderImpl<U128>>(o, path, bits, usable * 3 / 4 / sizeof(U128), usable / 4 / sizeof(Record<U128>));
+    static_cast<BuilderImpl<U128>*>(out->get())->set_index_capacity(index_tokens);
   }
   return Status::Ok();
 }

@@ -112,7 +112,63 @@ int draft(const Token* seq, size_t n_seq, const CountTable* context, const Count
 }
 
 Drafter::Drafter(const DrafterOptions& options)
-    : options_(options), seqs_(options.ngram_min, options.ngram_max, options.track_deltas, options.limits) {}
+    : options_(options),
+      seqs_(options.ngram_min, options.ngram_max, options.track_deltas, options.limits, options.mode == DraftMode::kMatch) {}
+
+Status Drafter::accept(int64_t seq, const Token* tokens, size_t n) {
+  if (options_.mode != DraftMode::kMatch) return seqs_.accept(seq, tokens, n, options_.vocab_size);
+  return seqs_.accept(seq, tokens, n, options_.vocab_size, [&](const Token* fresh, size_t n_new) {
+    const size_t bound = options_.match.history_tokens;
+    if (bound == 0) return;
+    std::unique_lock lock(history_mu_);
+    if (!history_any_ || history_seq_ != seq) {
+      const Token separator = -1;
+      history_.append(&separator, 1);
+      history_seq_ = seq;
+      history_any_ = true;
+    }
+    history_.append(fresh, n_new);
+    if (history_.size() > bound + bound / 2) history_.keep_last(bound);  // amortized: every bound/2 tokens
+  });
+}
+
+size_t Drafter::memory_bytes() const {
+  std::shared_lock lock(history_mu_);
+  return seqs_.memory_bytes() + history_.memory_bytes();
+}
+
+Status Drafter::check_tail(const Token* tokens, size_t n) const {
+  // Only the tail is read by the compatible mode (the whole sequence may be long): check
+  // just that. The match mode reads further back, but only compares those tokens.
+  const size_t window = std::min<size_t>(n, kNgramMax);
+  for (size_t i = n - window; i < n; ++i) {
+    if (tokens[i] < 0 || static_cast<uint32_t>(tokens[i]) >= options_.vocab_size) {
+      return Status::InvalidArgument("tokens[" + std::to_string(i) + "] = " + std::to_string(tokens[i]) +
+                                     " is outside the vocabulary [0, " + std::to_string(options_.vocab_size) + ")");
+    }
+  }
+  return Status::Ok();
+}
+
+Status Drafter::draft_tree(int64_t seq, const Token* tokens, size_t n, int budget, DraftTree* tree) const {
+  tree->clear();
+  if (options_.mode != DraftMode::kMatch) return Status::InvalidArgument("tree drafts need the match mode");
+  if (budget < 1 || budget > kMaxDraft) {
+    return Status::InvalidArgument("budget must be in 1.." + std::to_string(kMaxDraft) + ", got " + std::to_string(budget));
+  }
+  NGC_RETURN_IF_ERROR(check_tail(tokens, n));
+  MatchParams p = options_.match;
+  p.n_draft = budget;
+  std::shared_lock tables(tables_mu_);
+  std::shared_lock<RwLock> dyn_lock;
+  if (dynamic_) dyn_lock = dynamic_->read();
+  seqs_.with_tables(seq, [&](const CountTable* context, const SeqIndex* index) {
+    std::shared_lock history(history_mu_);
+    MatchTables t{index, &history_, context, dynamic_ ? &dynamic_->table() : nullptr, static_.get()};
+    return ngc::draft_tree(tokens, n, t, p, budget, tree);
+  });
+  return Status::Ok();
+}
 
 Status Drafter::set_static(std::shared_ptr<const StaticCache> cache) {
   if (cache) {
@@ -155,14 +211,7 @@ Status Drafter::draft(int64_t seq, const Token* tokens, size_t n, int n_draft, T
   if (n_draft < 1 || n_draft > kMaxDraft) {
     return Status::InvalidArgument("n_draft must be in 1.." + std::to_string(kMaxDraft) + ", got " + std::to_string(n_draft));
   }
-  // Only the tail is read (the whole sequence may be long): check just that.
-  const size_t window = std::min<size_t>(n, kNgramMax);
-  for (size_t i = n - window; i < n; ++i) {
-    if (tokens[i] < 0 || static_cast<uint32_t>(tokens[i]) >= options_.vocab_size) {
-      return Status::InvalidArgument("tokens[" + std::to_string(i) + "] = " + std::to_string(tokens[i]) +
-                                     " is outside the vocabulary [0, " + std::to_string(options_.vocab_size) + ")");
-    }
-  }
+  NGC_RETURN_IF_ERROR(check_tail(tokens, n));
   DraftParams p;
   p.n_draft = n_draft;
   p.ngram_min = options_.ngram_min;
@@ -171,6 +220,16 @@ Status Drafter::draft(int64_t seq, const Token* tokens, size_t n, int n_draft, T
   std::shared_lock<RwLock> dyn_lock;
   if (dynamic_) dyn_lock = dynamic_->read();
   const CountTable* dyn = dynamic_ ? &dynamic_->table() : nullptr;
+  if (options_.mode == DraftMode::kMatch) {
+    MatchParams mp = options_.match;
+    mp.n_draft = n_draft;
+    *n_out = seqs_.with_tables(seq, [&](const CountTable* context, const SeqIndex* index) {
+      std::shared_lock history(history_mu_);
+      const MatchTables t{index, &history_, context, dyn, static_.get()};
+      return ngc::draft_match(tokens, n, t, mp, out);
+    });
+    return Status::Ok();
+  }
   *n_out = seqs_.with_context(seq, [&](const CountTable* context) {
     return ngc::draft(tokens, n, context, dyn, static_.get(), p, out);
   });

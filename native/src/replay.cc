@@ -59,4 +59,88 @@ ReplayStats replay(const Token* tokens, size_t n_tokens, size_t n_ctx, const Dra
   return st;
 }
 
+ReplayStats replay_match(const Token* tokens, size_t n_tokens, size_t n_ctx, const MatchParams& params, int tree_budget,
+                         const StaticCache* static_cache, CountTable* dynamic, std::vector<Token>* drafts) {
+  ReplayStats st;
+  CountTable context;
+  SeqIndex index;
+  SeqIndex history;  // the chunks before this one, as earlier requests are to a worker
+  DraftTree tree;
+  MatchTables tables;
+  tables.sequence = &index;
+  tables.history = &history;
+  tables.context = &context;
+  tables.dynamic = dynamic;
+  tables.static_cache = static_cache;
+  std::vector<Token> output;
+  output.reserve(n_ctx);
+  Token draft_buf[kMaxDraft];
+  for (size_t start = 0; n_ctx > 0 && start + n_ctx < n_tokens; start += n_ctx) {
+    const Token* chunk = tokens + start;
+    output.assign(1, chunk[0]);
+    index.clear();
+    index.extend(output.data(), output.size());
+    auto append = [&](Token t) {
+      output.push_back(t);
+      const uint64_t t0 = now_ns();
+      context.update(output.data(), output.size(), 1, params.ngram_min, params.ngram_max);
+      index.extend(output.data(), output.size());
+      st.t_draft_ns += now_ns() - t0;
+    };
+    while (output.size() < n_ctx) {
+      const uint64_t t0 = now_ns();
+      int n;
+      if (tree_budget > 0) {
+        n = draft_tree(output.data(), output.size(), tables, params, tree_budget, &tree);
+      } else {
+        n = draft_match(output.data(), output.size(), tables, params, draft_buf);
+      }
+      const uint64_t dt = now_ns() - t0;
+      st.t_draft_ns += dt;
+      st.t_draft_only_ns += dt;
+      ++st.n_draft_calls;
+      st.n_drafted += static_cast<uint64_t>(n);
+      if (drafts) {
+        const Token* d = tree_budget > 0 ? tree.tokens.data() : draft_buf;
+        drafts->insert(drafts->end(), d, d + n);
+        drafts->push_back(-1);
+      }
+      if (tree_budget > 0) {
+        // Down the tree while a child of the current node is the stream's next token.
+        int node = -1;
+        while (output.size() < n_ctx) {
+          const Token want = chunk[output.size()];
+          int next = -1;
+          for (int i = node + 1; i < n; ++i) {
+            if (tree.parents[i] == node && tree.tokens[i] == want) {
+              next = i;
+              break;
+            }
+          }
+          if (next < 0) break;
+          ++st.n_accept;
+          append(want);
+          node = next;
+        }
+      } else {
+        for (int j = 0; j < n && output.size() < n_ctx; ++j) {
+          if (chunk[output.size()] != draft_buf[j]) break;
+          ++st.n_accept;
+          append(draft_buf[j]);
+        }
+      }
+      if (output.size() < n_ctx) append(chunk[output.size()]);
+    }
+    dynamic->merge(context);
+    context.clear();
+    const Token separator = -1;
+    history.append(&separator, 1);
+    history.append(output.data(), output.size());
+    if (params.history_tokens == 0) history.clear();
+    history.keep_last(params.history_tokens);
+    ++st.n_chunks;
+  }
+  return st;
+}
+
 }  // namespace ngc

@@ -8,8 +8,8 @@
 
 namespace ngc {
 
-SequenceSet::SequenceSet(int ngram_min, int ngram_max, bool track_deltas, SequenceLimits limits)
-    : ngram_min_(ngram_min), ngram_max_(ngram_max), track_deltas_(track_deltas), limits_(limits) {}
+SequenceSet::SequenceSet(int ngram_min, int ngram_max, bool track_deltas, SequenceLimits limits, bool index_sequences)
+    : ngram_min_(ngram_min), ngram_max_(ngram_max), track_deltas_(track_deltas), index_sequences_(index_sequences), limits_(limits) {}
 
 int64_t SequenceSet::now_ns() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch()).count();
@@ -22,7 +22,8 @@ std::shared_ptr<SequenceSet::Seq> SequenceSet::find(int64_t seq) const {
   return it == sh.map.end() ? nullptr : it->second;
 }
 
-Status SequenceSet::accept(int64_t seq, const Token* tokens, size_t n_tokens, uint32_t vocab) {
+Status SequenceSet::accept(int64_t seq, const Token* tokens, size_t n_tokens, uint32_t vocab,
+                           const std::function<void(const Token*, size_t)>& on_new) {
   for (;;) {
     std::shared_ptr<Seq> s = find(seq);
     if (!s) {
@@ -71,8 +72,10 @@ Status SequenceSet::accept(int64_t seq, const Token* tokens, size_t n_tokens, ui
       if (n_tokens == done) return Status::Ok();
       const size_t n_new = n_tokens - done;
       s->context.update(tokens, n_tokens, n_new, ngram_min_, ngram_max_);
+      if (index_sequences_) s->index.extend(tokens, n_tokens);
       s->n_counted = n_tokens;
-      const size_t now = s->context.memory_bytes();
+      if (on_new) on_new(tokens + done, n_new);
+      const size_t now = s->context.memory_bytes() + s->index.memory_bytes();
       grew = now - s->bytes;
       s->bytes = now;
       // Counted under the sequence's lock, so an eviction (which takes it) sees these bytes.

@@ -9,6 +9,7 @@
 #include <cerrno>
 #include <cstring>
 #include <string>
+#include <vector>
 
 #include "ngc/checksum.h"
 
@@ -33,6 +34,9 @@ uint64_t expected_length(uint32_t id, const StaticInfo& h) {
     case format::kTotals: return h.n_keys * 4;
     case format::kFollowers: return h.n_followers * 4;
     case format::kOverflow: return h.n_overflow * 8;
+    case format::kText: return h.n_text * 4;
+    case format::kSuffixes: return h.n_suffixes * 4;
+    case format::kBuckets: return h.index_depth == 0 ? 0 : (uint64_t{h.vocab_size} + 1) * 4;
     default: return 0;
   }
 }
@@ -90,25 +94,28 @@ Status StaticCache::validate_header() {
     }() + ", expected 0x01020304: file written on a machine of the other byte order, or corrupt");
   }
   info_.format_version = read_le<uint32_t>(h + format::off::kVersion);
-  if (info_.format_version != format::kVersion) {
+  if (info_.format_version < 1 || info_.format_version > format::kVersion) {
     return Status::FormatError("unsupported format version " + str(info_.format_version) +
-                               " (this build reads version " + str(format::kVersion) + ")");
+                               " (this build reads versions 1 to " + str(format::kVersion) + ")");
   }
   const uint32_t header_size = read_le<uint32_t>(h + format::off::kHeaderSize);
   const uint32_t n_sections = read_le<uint32_t>(h + format::off::kNumSections);
   if (header_size != format::kHeaderSize) {
     return Status::FormatError("header size is " + str(header_size) + ", expected " + str(format::kHeaderSize));
   }
-  if (n_sections != format::kNumSections) {
-    return Status::FormatError("section count is " + str(n_sections) + ", expected " + str(format::kNumSections));
+  const uint32_t want_sections = info_.format_version == 1 ? format::kNumSectionsV1 : format::kNumSections;
+  if (n_sections != want_sections) {
+    return Status::FormatError("section count is " + str(n_sections) + ", format version " + str(info_.format_version) +
+                               " has " + str(want_sections));
   }
+  info_.n_sections = n_sections;
   const uint64_t table_end = uint64_t{format::kHeaderSize} + uint64_t{n_sections} * format::kSectionEntrySize;
   if (table_end > size_) {
     return Status::FormatError("truncated: the section table ends at byte " + str(table_end) +
                                " but the file has " + str(size_) + " bytes");
   }
   // The header checksum covers bytes [0, 120) and the section table.
-  uint8_t scratch[format::kHeaderSize + format::kNumSections * format::kSectionEntrySize];
+  uint8_t scratch[format::kHeaderSize + format::kNumSections * format::kSectionEntrySize];  // room for the largest table
   std::memcpy(scratch, h, table_end);
   std::memset(scratch + format::off::kHeaderChecksum, 0, 8);
   const uint64_t stored = read_le<uint64_t>(h + format::off::kHeaderChecksum);
@@ -126,6 +133,15 @@ Status StaticCache::validate_header() {
   info_.n_overflow = read_le<uint64_t>(h + format::off::kNumOverflow);
   info_.token_bits = read_le<uint32_t>(h + format::off::kTokenBits);
   info_.file_size = read_le<uint64_t>(h + format::off::kFileSize);
+  const uint32_t flags = read_le<uint32_t>(h + format::off::kFlags);
+  if (info_.format_version == 1 ? flags != 0 : (flags >> 8) != 0 || (flags & 0xFF) > format::kMaxIndexDepth) {
+    return Status::FormatError("flags 0x" + [&] {
+      char buf[16];
+      std::snprintf(buf, sizeof buf, "%08x", flags);
+      return std::string(buf);
+    }() + " are not valid for format version " + str(info_.format_version));
+  }
+  info_.index_depth = flags & 0xFF;
 
   if (info_.ngram_size < 1 || info_.ngram_size > kNgramMax) {
     return Status::FormatError("n-gram size " + str(info_.ngram_size) + " is outside 1..4");
@@ -181,6 +197,20 @@ Status StaticCache::validate_header() {
       return Status::FormatError("section " + name + " (offset " + str(s.offset) + ", length " + str(s.length) +
                                  ") extends past the end of the file (" + str(size_) + " bytes)");
     }
+    if (s.id == format::kText || s.id == format::kSuffixes) {
+      // Their counts are their lengths (the header has no field for them).
+      if (s.length % 4 != 0 || s.length / 4 >= format::kSeparator) {
+        return Status::FormatError("section " + name + " is " + str(s.length) + " bytes: not a whole number of entries below 2^32 - 1");
+      }
+      (s.id == format::kText ? info_.n_text : info_.n_suffixes) = s.length / 4;
+      if (s.id == format::kSuffixes && info_.n_suffixes > info_.n_text) {
+        return Status::FormatError("SUFFIXES has " + str(info_.n_suffixes) + " entries, more than TEXT's " + str(info_.n_text));
+      }
+      if ((info_.index_depth == 0) != (s.length == 0)) {
+        return Status::FormatError("section " + name + " is " + str(s.length) + " bytes but the index depth is " +
+                                   str(info_.index_depth) + " (both or neither must be zero)");
+      }
+    }
     const uint64_t want = expected_length(s.id, info_);
     if (s.length != want) {
       return Status::FormatError("section " + name + " is " + str(s.length) + " bytes, the header counts imply " + str(want));
@@ -197,6 +227,15 @@ Status StaticCache::validate_header() {
   totals_ = ptr(3);
   followers_ = ptr(4);
   overflow_ = ptr(5);
+  if (info_.index_depth > 0) {
+    corpus_.text = ptr(6);
+    corpus_.n_text = info_.n_text;
+    corpus_.suffixes = ptr(7);
+    corpus_.n_suffixes = info_.n_suffixes;
+    corpus_.buckets = ptr(8);
+    corpus_.vocab = info_.vocab_size;
+    corpus_.depth = info_.index_depth;
+  }
   return Status::Ok();
 }
 
@@ -307,7 +346,8 @@ Status StaticCache::key_at(uint64_t i, NGram* key, StaticPart* part) const {
 }
 
 Status StaticCache::verify() const {
-  for (const SectionInfo& s : info_.sections) {
+  for (uint32_t i = 0; i < info_.n_sections; ++i) {
+    const SectionInfo& s = info_.sections[i];
     if (checksum64(base_ + s.offset, s.length) != s.checksum) {
       return Status::FormatError(std::string("checksum mismatch in section ") + format::section_name(s.id) +
                                  ": the file is corrupt");
@@ -365,6 +405,45 @@ Status StaticCache::verify() const {
       best = std::max(best, c);
     }
     if (std::min<uint64_t>(total, UINT32_MAX) != part.total) return Status::FormatError("TOTALS of key " + str(i) + " is wrong");
+  }
+  return verify_corpus();
+}
+
+Status StaticCache::verify_corpus() const {
+  const CorpusIndex& c = corpus_;
+  if (c.empty()) return Status::Ok();
+  const uint32_t V = info_.vocab_size;
+  uint64_t n_tokens = 0;
+  for (uint64_t p = 0; p < c.n_text; ++p) {
+    if (c.text[p] == format::kSeparator) continue;
+    if (c.text[p] >= V) return Status::FormatError("TEXT[" + str(p) + "] is outside the vocabulary");
+    ++n_tokens;
+  }
+  if (n_tokens != c.n_suffixes) return Status::FormatError("SUFFIXES does not have one entry per TEXT token");
+  if (c.buckets[0] != 0 || c.buckets[V] != c.n_suffixes) return Status::FormatError("BUCKETS does not span SUFFIXES");
+  for (uint32_t t = 0; t < V; ++t) {
+    if (c.buckets[t] > c.buckets[t + 1]) return Status::FormatError("BUCKETS is not monotone at token " + str(t));
+  }
+  // Each position once (a bitmap), in its bucket, and not before the one before it over the
+  // first D tokens (entries equal over those may come in any order).
+  std::vector<uint64_t> seen((c.n_text + 63) / 64, 0);
+  uint32_t t = 0;
+  for (uint64_t i = 0; i < c.n_suffixes; ++i) {
+    const uint32_t p = c.suffixes[i];
+    if (p >= c.n_text || c.text[p] == format::kSeparator) return Status::FormatError("SUFFIXES[" + str(i) + "] is not a token position");
+    if (seen[p / 64] >> (p % 64) & 1) return Status::FormatError("SUFFIXES lists position " + str(p) + " twice");
+    seen[p / 64] |= uint64_t{1} << (p % 64);
+    while (i >= c.buckets[t + 1]) ++t;  // terminates: buckets[V] == n_suffixes > i
+    if (c.text[p] != t) return Status::FormatError("SUFFIXES[" + str(i) + "] is outside its bucket");
+    if (i == c.buckets[t]) continue;
+    const uint32_t q = c.suffixes[i - 1];
+    int order = 0;  // of q against p over the first D tokens read backwards
+    for (uint32_t j = 0; j < c.depth && order == 0; ++j) {
+      const uint32_t a = c.at(int64_t{q} - j), b = c.at(int64_t{p} - j);
+      if (a != b) order = a < b ? -1 : 1;
+      if (a == format::kSeparator && b == format::kSeparator) break;  // equal: both ended
+    }
+    if (order > 0) return Status::FormatError("SUFFIXES is not sorted at entry " + str(i));
   }
   return Status::Ok();
 }

@@ -128,18 +128,35 @@ Status StaticWriter::finish() {
     acc += c;
   }
   for (Spill& s : spills_) NGC_RETURN_IF_ERROR(s.flush());
-  uint64_t lengths[format::kNumSections] = {rows_.size() * 4ull};
-  uint64_t sums[format::kNumSections] = {checksum64(rows_.data(), rows_.size() * 4)};
-  for (uint32_t i = 1; i < format::kNumSections; ++i) {
-    lengths[i] = spills_[i - 1].bytes;
-    sums[i] = spills_[i - 1].sum.digest();
+  const bool indexed = depth_ > 0;
+  if (indexed) {
+    if (depth_ > format::kMaxIndexDepth || text_.size() >= format::kSeparator || suffixes_.empty() ||
+        suffixes_.size() > text_.size() || buckets_.size() != uint64_t{header_.vocab_size} + 1 ||
+        buckets_.back() != suffixes_.size()) {
+      return Status::InvalidArgument("the corpus index is malformed (depth " + str(depth_) + ", " + str(text_.size()) +
+                                     " text entries, " + str(suffixes_.size()) + " suffixes)");
+    }
+  }
+  const uint32_t n_sections = indexed ? format::kNumSections : format::kNumSectionsV1;
+  const std::vector<uint32_t>* in_memory[format::kNumSections] = {&rows_, nullptr, nullptr, nullptr, nullptr, nullptr,
+                                                                  &text_, &suffixes_, &buckets_};
+  uint64_t lengths[format::kNumSections] = {};
+  uint64_t sums[format::kNumSections] = {};
+  for (uint32_t i = 0; i < n_sections; ++i) {
+    if (in_memory[i]) {
+      lengths[i] = in_memory[i]->size() * 4ull;
+      sums[i] = checksum64(in_memory[i]->data(), lengths[i]);
+    } else {
+      lengths[i] = spills_[i - 1].bytes;
+      sums[i] = spills_[i - 1].sum.digest();
+    }
   }
 
-  const uint64_t table_end = uint64_t{format::kHeaderSize} + format::kNumSections * format::kSectionEntrySize;
+  const uint64_t table_end = uint64_t{format::kHeaderSize} + n_sections * format::kSectionEntrySize;
   uint8_t head[format::kHeaderSize + format::kNumSections * format::kSectionEntrySize] = {};
   uint64_t offsets[format::kNumSections];
   uint64_t pos = table_end;
-  for (uint32_t i = 0; i < format::kNumSections; ++i) {
+  for (uint32_t i = 0; i < n_sections; ++i) {
     pos = (pos + 7) & ~uint64_t{7};
     offsets[i] = pos;
     pos += lengths[i];
@@ -147,12 +164,12 @@ Status StaticWriter::finish() {
   const uint64_t file_size = pos;
 
   std::memcpy(head + format::off::kMagic, format::kMagic, 8);
-  put_le<uint32_t>(head + format::off::kVersion, format::kVersion);
+  put_le<uint32_t>(head + format::off::kVersion, indexed ? format::kVersion : format::kVersionNoIndex);
   put_le<uint32_t>(head + format::off::kEndian, format::kEndianMarker);
   put_le<uint32_t>(head + format::off::kHeaderSize, format::kHeaderSize);
   put_le<uint32_t>(head + format::off::kNgramSize, header_.ngram_size);
   put_le<uint32_t>(head + format::off::kVocabSize, header_.vocab_size);
-  put_le<uint32_t>(head + format::off::kNumSections, format::kNumSections);
+  put_le<uint32_t>(head + format::off::kNumSections, n_sections);
   std::memcpy(head + format::off::kFingerprint, header_.fingerprint, format::kFingerprintSize);
   put_le<uint64_t>(head + format::off::kGeneration, header_.generation);
   put_le<uint64_t>(head + format::off::kNumKeys, n_keys_);
@@ -160,9 +177,9 @@ Status StaticWriter::finish() {
   put_le<uint64_t>(head + format::off::kNumTokens, header_.n_tokens);
   put_le<uint64_t>(head + format::off::kNumOverflow, n_overflow_);
   put_le<uint32_t>(head + format::off::kTokenBits, 32 - count_bits_);
-  put_le<uint32_t>(head + format::off::kFlags, 0);
+  put_le<uint32_t>(head + format::off::kFlags, depth_);  // version 1: 0
   put_le<uint64_t>(head + format::off::kFileSize, file_size);
-  for (uint32_t i = 0; i < format::kNumSections; ++i) {
+  for (uint32_t i = 0; i < n_sections; ++i) {
     uint8_t* e = head + format::kHeaderSize + i * format::kSectionEntrySize;
     put_le<uint32_t>(e, i + 1);
     put_le<uint64_t>(e + 8, offsets[i]);
@@ -177,10 +194,10 @@ Status StaticWriter::finish() {
   uint64_t written = table_end;
   static const uint8_t zeros[8] = {};
   std::vector<uint8_t> chunk(4 << 20);
-  for (uint32_t i = 0; i < format::kNumSections; ++i) {
+  for (uint32_t i = 0; i < n_sections; ++i) {
     if (offsets[i] > written) NGC_RETURN_IF_ERROR(out->write(zeros, offsets[i] - written));
-    if (i == 0) {
-      NGC_RETURN_IF_ERROR(out->write(rows_.data(), lengths[0]));
+    if (in_memory[i]) {
+      if (lengths[i] > 0) NGC_RETURN_IF_ERROR(out->write(in_memory[i]->data(), lengths[i]));
     } else {
       const int in = spills_[i - 1].fd;
       uint64_t left = lengths[i];

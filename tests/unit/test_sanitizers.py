@@ -56,7 +56,8 @@ def test_hostile_input_tests_pass_under_asan_and_ubsan(tmp_path):
     env = dict(os.environ, LD_PRELOAD=f"{asan}:{ubsan}", ASAN_OPTIONS="detect_leaks=0:abort_on_error=1",
                UBSAN_OPTIONS="print_stacktrace=1", PYTHONPATH=str(tmp_path))
     tests = [ROOT / "tests/unit" / name for name in
-             ("test_static_format.py", "test_count_table.py", "test_drafter.py", "test_llama_format.py", "test_builder.py")]
+             ("test_static_format.py", "test_count_table.py", "test_drafter.py", "test_llama_format.py", "test_builder.py",
+              "test_match_mode.py")]
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "asan_core", "-p", "no:cacheprovider", *map(str, tests)],
                        cwd=ROOT, env=env, capture_output=True, text=True)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]

@@ -157,8 +157,15 @@ def test_llama_cpp_file_is_not_a_static_cache(tmp_path):
 
 def test_unknown_version(tmp_path, good):
     data = bytearray(good[0])
+    struct.pack_into("<I", data, 8, 3)
+    with pytest.raises(CacheFormatError, match="unsupported format version 3"):
+        open_bytes(tmp_path, reseal(data))
+
+
+def test_version_2_needs_its_nine_sections(tmp_path, good):
+    data = bytearray(good[0])
     struct.pack_into("<I", data, 8, 2)
-    with pytest.raises(CacheFormatError, match="unsupported format version 2"):
+    with pytest.raises(CacheFormatError, match="section count is 6, format version 2 has 9"):
         open_bytes(tmp_path, reseal(data))
 
 

@@ -17,6 +17,7 @@
 #include <memory>
 
 #include "ngc/count_table.h"
+#include "ngc/match.h"
 #include "ngc/ngram.h"
 #include "ngc/rwlock.h"
 #include "ngc/sequences.h"
@@ -49,6 +50,11 @@ struct DraftParams {
 int draft(const Token* seq, size_t n_seq, const CountTable* context, const CountTable* dynamic,
           const StaticCache* static_cache, const DraftParams& params, Token* out);
 
+enum class DraftMode : uint8_t {
+  kCompatible,  // llama.cpp's drafts, token for token (draft() above)
+  kMatch,       // longest-match drafts (match.h)
+};
+
 struct DrafterOptions {
   uint32_t vocab_size = 0;                       // token ids are < it; 1..kMaxVocab
   uint8_t fingerprint[kFingerprintSize] = {};    // the tokenizer; all zero = untagged
@@ -56,6 +62,8 @@ struct DrafterOptions {
   int ngram_max = 4;
   bool track_deltas = false;                     // keep accepted counts for drain_deltas
   SequenceLimits limits;                         // bounds on the per-sequence tables
+  DraftMode mode = DraftMode::kCompatible;
+  MatchParams match;                             // the match mode's tuning (n_draft is per call)
 };
 
 // Drafter: one worker's (or one service replica's) drafting state: the per-sequence context
@@ -83,15 +91,18 @@ class Drafter {
   // Drafts up to n_draft (1..kMaxDraft) tokens after tokens[0..n) of sequence `seq` into
   // `out` (room for n_draft); `*n_out` is how many. Checks the tail tokens it reads.
   Status draft(int64_t seq, const Token* tokens, size_t n, int n_draft, Token* out, int* n_out) const;
-  // See SequenceSet::accept.
-  Status accept(int64_t seq, const Token* tokens, size_t n) { return seqs_.accept(seq, tokens, n, options_.vocab_size); }
+  // Drafts a tree of at most `budget` (1..kMaxDraft) nodes (match mode only; match.h).
+  Status draft_tree(int64_t seq, const Token* tokens, size_t n, int budget, DraftTree* tree) const;
+  // See SequenceSet::accept. In the match mode the new tokens also join the history that
+  // other sequences match against (bounded by match.history_tokens).
+  Status accept(int64_t seq, const Token* tokens, size_t n);
 
   SequenceSet& sequences() { return seqs_; }
   const SequenceSet& sequences() const { return seqs_; }
   const DrafterOptions& options() const { return options_; }
   // Heap bytes of this drafter's own tables (context tables); the static cache is mapped
   // and shared, the dynamic table belongs to its owner.
-  size_t memory_bytes() const { return seqs_.memory_bytes(); }
+  size_t memory_bytes() const;
 
  private:
   const DrafterOptions options_;
@@ -99,6 +110,14 @@ class Drafter {
   mutable RwLock tables_mu_;                   // guards the two pointers below
   std::shared_ptr<const StaticCache> static_;  // may be null
   std::shared_ptr<SharedCountTable> dynamic_;  // may be null
+  // The match mode's history: the sequences' accepted tokens, the latest last, a separator
+  // where the sequence changes. Lock order: a sequence's lock, then this one.
+  mutable RwLock history_mu_;
+  SeqIndex history_;
+  int64_t history_seq_ = 0;
+  bool history_any_ = false;
+  // Checks the tokens a draft reads first (the last kNgramMax).
+  Status check_tail(const Token* tokens, size_t n) const;
 };
 
 }  // namespace ngc

@@ -7,6 +7,7 @@
 
 #include "ngc/count_table.h"
 #include "ngc/drafter.h"
+#include "ngc/match.h"
 #include "ngc/static_cache.h"
 
 namespace ngc {
@@ -30,5 +31,12 @@ struct ReplayStats {
 // When `drafts` is non-null, each call's drafted tokens are appended to it followed by -1.
 ReplayStats replay(const Token* tokens, size_t n_tokens, size_t n_ctx, const DraftParams& params,
                    const StaticCache* static_cache, CountTable* dynamic, std::vector<Token>* drafts);
+
+// The same replay in the match mode (match.h): each chunk also keeps a SeqIndex of its
+// output. With tree_budget > 0 each step drafts a tree of at most that many nodes and
+// accepts its longest path that equals the stream's next tokens (n_drafted counts nodes;
+// `drafts` gets each tree's tokens).
+ReplayStats replay_match(const Token* tokens, size_t n_tokens, size_t n_ctx, const MatchParams& params, int tree_budget,
+                         const StaticCache* static_cache, CountTable* dynamic, std::vector<Token>* drafts);
 
 }  // namespace ngc

@@ -16,12 +16,14 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <unordered_map>
 #include <vector>
 
 #include "ngc/count_table.h"
+#include "ngc/seq_index.h"
 #include "ngc/status.h"
 
 namespace ngc {
@@ -34,23 +36,32 @@ struct SequenceLimits {
 
 class SequenceSet {
  public:
-  SequenceSet(int ngram_min, int ngram_max, bool track_deltas, SequenceLimits limits);
+  // With index_sequences, each sequence also keeps a SeqIndex of its tokens (match mode).
+  SequenceSet(int ngram_min, int ngram_max, bool track_deltas, SequenceLimits limits, bool index_sequences = false);
 
   // Counts the tokens of sequence `seq` that are new since its last accept: `tokens` is the
   // whole sequence so far, of which the first n_counted were counted before. Fails (and
   // changes nothing) when the sequence is shorter than what was counted, or when a token
   // that would be counted is outside [0, vocab).
-  Status accept(int64_t seq, const Token* tokens, size_t n_tokens, uint32_t vocab);
+  // `on_new`, when given, is called with the new tokens under the sequence's lock.
+  Status accept(int64_t seq, const Token* tokens, size_t n_tokens, uint32_t vocab,
+                const std::function<void(const Token*, size_t)>& on_new = nullptr);
 
   // Calls fn(const CountTable* context) with the context table of `seq` (null when the
   // sequence is unknown) held stable, and marks the sequence used. Returns fn's result.
   template <typename Fn>
   auto with_context(int64_t seq, Fn&& fn) const {
+    return with_tables(seq, [&](const CountTable* context, const SeqIndex*) { return fn(context); });
+  }
+  // The same with fn(const CountTable* context, const SeqIndex* index) (index null unless
+  // the set indexes sequences).
+  template <typename Fn>
+  auto with_tables(int64_t seq, Fn&& fn) const {
     std::shared_ptr<Seq> s = find(seq);
-    if (!s) return fn(static_cast<const CountTable*>(nullptr));
+    if (!s) return fn(static_cast<const CountTable*>(nullptr), static_cast<const SeqIndex*>(nullptr));
     std::lock_guard lock(s->mu);
     s->last_used_ns.store(now_ns(), std::memory_order_relaxed);
-    return fn(static_cast<const CountTable*>(&s->context));
+    return fn(static_cast<const CountTable*>(&s->context), index_sequences_ ? &s->index : nullptr);
   }
 
   // How many tokens of `seq` have been counted (0 for an unknown sequence).
@@ -76,6 +87,7 @@ class SequenceSet {
   struct alignas(64) Seq {  // own cache lines: sequences of different threads never share one
     std::mutex mu;                         // guards context and n_counted
     CountTable context;                    // n-grams of this sequence's accepted tokens
+    SeqIndex index;                        // their positions (match mode only)
     size_t n_counted = 0;                  // tokens of the sequence already counted
     size_t bytes = 0;                      // context.memory_bytes() at the last accept
     bool evicted = false;                  // erased from the set; an accept must start anew
@@ -102,6 +114,7 @@ class SequenceSet {
   const int ngram_min_;
   const int ngram_max_;
   const bool track_deltas_;
+  const bool index_sequences_;
   const SequenceLimits limits_;
   mutable Shard shards_[kShards];
   std::atomic<size_t> n_seqs_{0};

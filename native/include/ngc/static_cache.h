@@ -36,7 +36,30 @@ struct StaticInfo {
   uint64_t n_overflow = 0;
   uint32_t token_bits = 0;
   uint64_t file_size = 0;
-  SectionInfo sections[format::kNumSections];
+  uint32_t n_sections = 0;       // 6 (version 1) or 9 (version 2)
+  uint32_t index_depth = 0;      // the corpus index's depth D; 0: no index
+  uint64_t n_text = 0;           // TEXT entries (tokens and separators)
+  uint64_t n_suffixes = 0;       // SUFFIXES entries (indexed tokens)
+  SectionInfo sections[format::kNumSections];  // the first n_sections are valid
+};
+
+// The corpus index of a version-2 file (static_format.h, sections 7-9), borrowed from the
+// mapping: valid while the StaticCache lives. Lengths are validated at open; the values
+// are not (a reader bounds-checks each one it uses: see match.h).
+struct CorpusIndex {
+  const uint32_t* text = nullptr;
+  uint64_t n_text = 0;
+  const uint32_t* suffixes = nullptr;
+  uint64_t n_suffixes = 0;
+  const uint32_t* buckets = nullptr;  // vocab + 1 entries
+  uint32_t vocab = 0;
+  uint32_t depth = 0;                 // 0: no index
+
+  bool empty() const { return n_suffixes == 0 || depth == 0; }
+  // TEXT[q], or kSeparator outside [0, n_text).
+  uint32_t at(int64_t q) const {
+    return (q >= 0 && static_cast<uint64_t>(q) < n_text) ? text[q] : format::kSeparator;
+  }
 };
 
 // The followers of one key. Borrowed from the mapping: valid while the StaticCache lives.
@@ -87,6 +110,9 @@ class StaticCache {
     return (b < e && e <= info_.n_followers) ? e - b : 0;
   }
 
+  // The corpus index (empty for a version-1 file).
+  const CorpusIndex& corpus() const { return corpus_; }
+
   // Bytes of the mapping (the file size).
   size_t mapped_bytes() const { return size_; }
 
@@ -106,6 +132,8 @@ class StaticCache {
   const uint32_t* totals_ = nullptr;
   const uint32_t* followers_ = nullptr;
   const uint32_t* overflow_ = nullptr;  // pairs (follower_index, count)
+  CorpusIndex corpus_;
+  Status verify_corpus() const;
 };
 
 }  // namespace ngc

@@ -1,4 +1,4 @@
-// The static cache file format, version 1, byte by byte.
+// The static cache file format, versions 1 and 2, byte by byte.
 //
 // A static cache is an immutable file of n-gram -> follower counts (llama.cpp's "static"
 // table), memory-mapped read-only and shared by every process of a node. Every integer is
@@ -9,12 +9,12 @@
 //   offset size  field
 //   ------ ----  -----------------------------------------------------------------------
 //        0    8  magic            "NGCSTAT\0"
-//        8    4  format_version   1
+//        8    4  format_version   1, or 2 when the file has a corpus index (sections 7-9)
 //       12    4  endian_marker    0x01020304 (bytes 04 03 02 01 on disk)
 //       16    4  header_size      128: the section table starts here
 //       20    4  ngram_size       k, tokens per key, 1..4 (2 by default, as llama.cpp)
 //       24    4  vocab_size       V; every token id in the file is < V; 1 <= V <= 2^24
-//       28    4  n_sections       6 in version 1
+//       28    4  n_sections       6 in version 1, 9 in version 2
 //       32   32  fingerprint      the tokenizer fingerprint (opaque 32 bytes)
 //       64    8  generation       the generation number of this file in its namespace
 //       72    8  n_keys           K, distinct k-grams; K < 2^32
@@ -23,7 +23,9 @@
 //       96    8  n_overflow       O, follower counts too large for their packed field
 //      104    4  token_bits       b = bits of a packed follower's token = bit width of V-1
 //                                 (at least 1); the count field has c = 32 - b >= 8 bits
-//      108    4  flags            0 (reserved)
+//      108    4  flags            version 1: 0 (reserved). Version 2: bits 0-7 are the
+//                                 corpus index's depth D (see SUFFIXES), 0 when sections
+//                                 7-9 are empty; bits 8-31 are 0
 //      112    8  file_size        the size of the whole file in bytes
 //      120    8  header_checksum  checksum64 of bytes [0, 120) followed by the section
 //                                 table
@@ -47,6 +49,27 @@
 //                OVERFLOW; otherwise it is the count (>= 1).
 //   6 OVERFLOW   {u32 follower_index, u32 count}[O], sorted by follower_index.
 //
+// Version 2 adds the corpus index, for longest-match drafting (match.h). Either all three
+// sections are empty (no index; D == 0) or none is (1 <= D <= 64):
+//
+//   7 TEXT       u32[T]: the indexed corpus tokens, its streams one after another with
+//                kSeparator (0xFFFFFFFF) between two streams. T < 2^32 - 1; every other
+//                value is < V. T is TEXT's length / 4.
+//   8 SUFFIXES   u32[N]: every position p of TEXT that holds a token (not a separator),
+//                N of them, sorted by the tokens read backwards from p: TEXT[p],
+//                TEXT[p-1], ..., compared over the first D of them, a separator or the
+//                start of TEXT counting as a value above every token and ending the
+//                string (two strings that both end there are equal). Entries equal over
+//                those D tokens may come in any order (the builder orders them by the
+//                tokens further back, then by p). So the positions where a given string
+//                of at most D tokens ends are one contiguous run. N is SUFFIXES' length / 4.
+//   9 BUCKETS    u32[V + 1]: the positions p with TEXT[p] == t are SUFFIXES[BUCKETS[t],
+//                BUCKETS[t+1]). BUCKETS[0] == 0, non-decreasing, BUCKETS[V] == N.
+//
+// Sizes: TEXT + SUFFIXES are 8 bytes per indexed token (2x the corpus's token bytes).
+// A version-2 file without an index is never written (the writer writes version 1), so
+// every reader of version 1 reads every file that has no index.
+//
 // Opening validates the header, the header checksum, the section table and that every
 // section's length equals what the counts imply: O(1) in the file size. Section checksums
 // are checked by verify() (O(size)), when a file is built, downloaded or asked for.
@@ -61,11 +84,15 @@
 namespace ngc::format {
 
 constexpr char kMagic[8] = {'N', 'G', 'C', 'S', 'T', 'A', 'T', '\0'};
-constexpr uint32_t kVersion = 1;
+constexpr uint32_t kVersion = 2;          // the newest version read and written
+constexpr uint32_t kVersionNoIndex = 1;   // written when the file has no corpus index
 constexpr uint32_t kEndianMarker = 0x01020304;
 constexpr uint32_t kHeaderSize = 128;
 constexpr uint32_t kSectionEntrySize = 32;
-constexpr uint32_t kNumSections = 6;
+constexpr uint32_t kNumSectionsV1 = 6;
+constexpr uint32_t kNumSections = 9;       // the most sections of any version (version 2)
+constexpr uint32_t kSeparator = 0xFFFFFFFFu;  // TEXT: between two streams
+constexpr uint32_t kMaxIndexDepth = 64;
 constexpr uint32_t kMaxVocab = ::ngc::kMaxVocab;
 constexpr uint32_t kFingerprintSize = ::ngc::kFingerprintSize;
 
@@ -76,6 +103,9 @@ enum SectionId : uint32_t {
   kTotals = 4,
   kFollowers = 5,
   kOverflow = 6,
+  kText = 7,
+  kSuffixes = 8,
+  kBuckets = 9,
 };
 
 inline const char* section_name(uint32_t id) {
@@ -86,6 +116,9 @@ inline const char* section_name(uint32_t id) {
     case kTotals: return "TOTALS";
     case kFollowers: return "FOLLOWERS";
     case kOverflow: return "OVERFLOW";
+    case kText: return "TEXT";
+    case kSuffixes: return "SUFFIXES";
+    case kBuckets: return "BUCKETS";
     default: return "UNKNOWN";
   }
 }

@@ -41,6 +41,16 @@ class StaticWriter {
   // Writes every section and the header, fsyncs, and renames onto `path`.
   Status finish();
 
+  // Adds a corpus index (static_format.h, version 2): `text` with its SUFFIXES and
+  // BUCKETS (match.h: build_corpus_index) sorted to `depth` (1..kMaxIndexDepth). The
+  // file is then written as version 2. Checked by finish().
+  void set_corpus_index(std::vector<uint32_t> text, std::vector<uint32_t> suffixes, std::vector<uint32_t> buckets, uint32_t depth) {
+    text_ = std::move(text);
+    suffixes_ = std::move(suffixes);
+    buckets_ = std::move(buckets);
+    depth_ = depth;
+  }
+
   void set_n_tokens(uint64_t n) { header_.n_tokens = n; }
   uint64_t n_keys() const { return n_keys_; }
 
@@ -75,7 +85,9 @@ class StaticWriter {
   uint64_t n_followers_ = 0;
   uint64_t n_overflow_ = 0;
   std::vector<uint32_t> rows_;   // keys per first token until finish() prefix-sums them
-  Spill spills_[format::kNumSections - 1];  // KEYS, STARTS, TOTALS, FOLLOWERS, OVERFLOW
+  Spill spills_[format::kNumSectionsV1 - 1];  // KEYS, STARTS, TOTALS, FOLLOWERS, OVERFLOW
+  std::vector<uint32_t> text_, suffixes_, buckets_;  // the corpus index; empty: none
+  uint32_t depth_ = 0;
 };
 
 }  // namespace ngc

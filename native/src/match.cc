@@ -1,0 +1,479 @@
+#include "ngc/match.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "ngc/drafter.h"
+
+namespace ngc {
+namespace {
+
+constexpr int kMaxCandidates = 64;  // candidates are bits of a uint64_t in draft_tree
+constexpr int kMaxOptions = 16;
+
+enum class Source : uint8_t { kSequence, kHistory, kCorpus };
+
+// One way to continue: the occurrences of one match (a suffix of the sequence of
+// `length` tokens). The draft follows them forward.
+struct Option {
+  uint32_t length = 0;              // tokens matched
+  int n = 0;
+  uint32_t pos[kMaxCandidates];     // where each occurrence ends
+  Source src[kMaxCandidates];       // in which text
+};
+
+// The text each source's occurrences continue into.
+struct Sources {
+  const Token* seq;
+  size_t n_seq;
+  const SeqIndex* sequence;  // may be null
+  const SeqIndex* history;   // may be null
+  const CorpusIndex* corpus; // may be null or empty
+};
+
+// The token `depth` places after the occurrence ending at `pos`, or -1 when its text ends
+// there. For the sequence, the text goes on into `path` (n_path tokens: the draft so far).
+Token next_token(const Sources& s, Source src, uint32_t pos, int depth, const Token* path, int n_path) {
+  const uint64_t q = uint64_t{pos} + 1 + static_cast<uint64_t>(depth);
+  switch (src) {
+    case Source::kCorpus: {
+      const uint32_t t = s.corpus->at(static_cast<int64_t>(q));
+      return t < s.corpus->vocab ? static_cast<Token>(t) : -1;  // separator, end, or a damaged entry
+    }
+    case Source::kHistory:
+      return q < s.history->size() ? s.history->tokens()[q] : -1;  // -1 also at a separator
+    case Source::kSequence:
+    default:
+      if (q < s.n_seq) return s.seq[q];
+      return q - s.n_seq < static_cast<uint64_t>(n_path) ? path[q - s.n_seq] : -1;
+  }
+}
+
+// The occurrences of the tail's matches in a hash-chain index, most recent first, with
+// their lengths (appended to pos/src/len_of, at most kMaxCandidates in all).
+void chain_matches(const Sources& s, Source src, const MatchParams& p, uint32_t* pos, Source* srcs, uint32_t* len_of, int* n) {
+  const SeqIndex& index = src == Source::kSequence ? *s.sequence : *s.history;
+  const Token* text = src == Source::kSequence ? s.seq : index.tokens();
+  const size_t n_text = src == Source::kSequence ? s.n_seq : index.size();
+  const size_t n_seq = s.n_seq;
+  if (n_seq < 2) return;
+  int visited = 0;
+  for (uint32_t e = index.head(s.seq[n_seq - 2], s.seq[n_seq - 1]); e != 0 && visited < p.max_chain;
+       e = index.prev(e - 1), ++visited) {
+    const size_t i = e - 1;
+    // In the sequence, the occurrence must end before the tail does (and be in what was given).
+    if (i + 1 >= n_text) continue;
+    uint32_t len = 0;
+    const uint32_t most = static_cast<uint32_t>(std::min<size_t>({static_cast<size_t>(p.max_match), i + 1, n_seq - 1}));
+    while (len < most && text[i - len] == s.seq[n_seq - 1 - len]) ++len;
+    if (len < static_cast<uint32_t>(p.min_match) || len < 2) continue;  // a hash collision (or a separator)
+    int slot = *n;
+    if (*n == kMaxCandidates) {
+      // Full: replace the shortest (the most recent of those) when this one is longer.
+      slot = 0;
+      for (int k = 1; k < *n; ++k) if (len_of[k] < len_of[slot]) slot = k;
+      if (len <= len_of[slot]) continue;
+    } else {
+      ++*n;
+    }
+    pos[slot] = static_cast<uint32_t>(i);
+    srcs[slot] = src;
+    len_of[slot] = len;
+  }
+}
+
+// Options from the sequence and the history together (one text to the drafter): for each
+// of the longest distinct match lengths, the occurrences at least that long.
+void text_options(const Sources& s, const MatchParams& p, Option* out, int* n_out) {
+  uint32_t pos[kMaxCandidates], len_of[kMaxCandidates];
+  Source srcs[kMaxCandidates];
+  int n = 0;
+  if (s.sequence) chain_matches(s, Source::kSequence, p, pos, srcs, len_of, &n);
+  if (s.history && s.history->size() > 0) chain_matches(s, Source::kHistory, p, pos, srcs, len_of, &n);
+  uint32_t lengths[kMaxCandidates];
+  int n_lengths = 0;
+  for (int k = 0; k < n; ++k) {
+    int j = 0;
+    while (j < n_lengths && lengths[j] != len_of[k]) ++j;
+    if (j == n_lengths) lengths[n_lengths++] = len_of[k];
+  }
+  std::sort(lengths, lengths + n_lengths, [](uint32_t a, uint32_t b) { return a > b; });
+  for (int l = 0; l < std::min(n_lengths, p.max_options) && *n_out < kMaxOptions; ++l) {
+    Option& o = out[(*n_out)++];
+    o.length = lengths[l];
+    o.n = 0;
+    for (int k = 0; k < n && o.n < p.max_candidates; ++k) {
+      if (len_of[k] >= lengths[l]) {
+        o.pos[o.n] = pos[k];
+        o.src[o.n++] = srcs[k];
+      }
+    }
+  }
+}
+
+// Options from the corpus index: the runs of the longest matches whose runs differ.
+void corpus_options(const Sources& s, const MatchParams& p, Option* out, int* n_out) {
+  const CorpusIndex& ix = *s.corpus;
+  CorpusMatch runs[format::kMaxIndexDepth + 1];
+  const int deepest = corpus_matches(ix, s.seq, s.n_seq, static_cast<uint32_t>(p.max_match), runs);
+  uint64_t last_size = 0;
+  int taken = 0;
+  for (int j = deepest; j >= p.corpus_min_match && taken < p.max_options && *n_out < kMaxOptions; --j) {
+    const CorpusMatch& m = runs[j];
+    const uint64_t size = m.hi - m.lo;
+    if (size == last_size) continue;  // the same occurrences as a longer match
+    last_size = size;
+    ++taken;
+    Option& o = out[(*n_out)++];
+    o.length = m.length;
+    const uint64_t take = std::min<uint64_t>(size, static_cast<uint64_t>(p.max_candidates));
+    o.n = static_cast<int>(take);
+    for (uint64_t k = 0; k < take; ++k) {
+      o.pos[k] = ix.suffixes[m.lo + k * size / take];  // spread over the run
+      o.src[k] = Source::kCorpus;
+    }
+  }
+}
+
+int gather_options(const Sources& s, const MatchParams& p, Option* out) {
+  int n = 0;
+  text_options(s, p, out, &n);
+  if (s.corpus && !s.corpus->empty()) corpus_options(s, p, out, &n);
+  return n;
+}
+
+// The probability that the next token is the most frequent one: its share of the
+// occurrences that go on, shrunk towards 0 by a prior that a longer match needs less of.
+double share(int count, int live, uint32_t length, const MatchParams& p) {
+  return count / (live + p.prior / std::max<uint32_t>(length, 1));
+}
+
+// Follows one option forward greedily: the draft in out[0..), its length, and its score
+// (the expected number of accepted tokens: the sum of each prefix's probability).
+int walk(const Sources& s, const Option& o, const MatchParams& p, int limit, Token* out, double* score, double* last_prob) {
+  uint64_t mask = o.n == 64 ? ~uint64_t{0} : (uint64_t{1} << o.n) - 1;
+  double prob = 1.0;
+  *last_prob = 1.0;
+  *score = 0;
+  int n_out = 0;
+  Token next_of[kMaxCandidates];
+  Token distinct[kMaxCandidates];
+  int counts[kMaxCandidates];
+  while (n_out < limit) {
+    int n_distinct = 0, live = 0, best = -1;
+    for (int k = 0; k < o.n; ++k) {
+      next_of[k] = (mask >> k & 1) ? next_token(s, o.src[k], o.pos[k], n_out, out, n_out) : -1;
+      if (next_of[k] < 0) continue;
+      ++live;
+      int d = 0;
+      while (d < n_distinct && distinct[d] != next_of[k]) ++d;
+      if (d == n_distinct) {
+        distinct[n_distinct] = next_of[k];
+        counts[n_distinct++] = 0;
+      }
+      ++counts[d];
+      if (best < 0 || counts[d] > counts[best]) best = d;  // ties: the earlier occurrence's
+    }
+    if (live == 0) break;
+    prob *= share(counts[best], live, o.length, p);
+    if (prob < p.min_prob) break;
+    *score += prob;
+    *last_prob = prob;
+    out[n_out++] = distinct[best];
+    for (int k = 0; k < o.n; ++k) {
+      if (next_of[k] != distinct[best]) mask &= ~(uint64_t{1} << k);
+    }
+  }
+  return n_out;
+}
+
+// The count tables' walk: each token the best follower of the longest n-gram at the tail
+// of sequence + draft that the context table (else the dynamic table) knows, with its
+// share of the counts as its probability. Exact frequencies for short matches, where the
+// occurrences a chain finds are a sample.
+int count_walk(const Token* seq, size_t n_seq, const CountTable* context, const CountTable* dynamic, const MatchParams& p,
+               int limit, double min_prob, Token* out, double* score, double* probs = nullptr, double start_prob = 1.0) {
+  *score = 0;
+  if (!context && !dynamic) return 0;
+  Token buf[kNgramMax + kMaxDraft];
+  const size_t head = std::min<size_t>(n_seq, kNgramMax);
+  std::copy(seq + n_seq - head, seq + n_seq, buf);
+  double prob = start_prob;
+  int n_out = 0;
+  while (n_out < limit) {
+    const size_t avail = head + static_cast<size_t>(n_out);
+    const Token* tail = buf + avail;
+    PartView part;
+    int found = 0;
+    for (int n = std::min<int>(p.ngram_max, static_cast<int>(avail)); n >= p.ngram_min && !found; --n) {
+      const NGram g = NGram::from(tail - n, n);
+      const uint64_t h = g.hash();
+      if ((context && context->find(g, h, &part)) || (dynamic && dynamic->find(g, h, &part))) found = n;
+    }
+    if (!found) break;
+    Token best = -1;
+    for (uint32_t j = 0; j < part.size; ++j) {
+      if (part.followers[j].count == part.max_count) {  // the lowest token of the most frequent
+        best = part.followers[j].token;
+        break;
+      }
+    }
+    prob *= part.max_count / (part.total + p.count_prior / found);
+    if (best < 0 || prob < min_prob) break;
+    *score += prob;
+    if (probs) probs[n_out] = prob;
+    buf[avail] = best;
+    out[n_out++] = best;
+  }
+  return n_out;
+}
+
+int max_length_for(const MatchParams& p, uint32_t match_length, int limit) {
+  const double cap = std::ceil(p.length_factor * match_length);
+  return cap < limit ? std::max(1, static_cast<int>(cap)) : limit;
+}
+
+int fallback(const Token* seq, size_t n_seq, const CountTable* context, const CountTable* dynamic, const StaticCache* st,
+             const MatchParams& p, int n_draft, Token* out) {
+  if (!p.fallback) return 0;
+  DraftParams dp;
+  dp.n_draft = n_draft;
+  dp.ngram_min = p.ngram_min;
+  dp.ngram_max = p.ngram_max;
+  return draft(seq, n_seq, context, dynamic, st, dp, out);
+}
+
+}  // namespace
+
+int corpus_matches(const CorpusIndex& ix, const Token* tail, size_t n, uint32_t max_length, CorpusMatch* runs) {
+  if (ix.empty() || n == 0) return 0;
+  const uint32_t t0 = static_cast<uint32_t>(tail[n - 1]);
+  if (t0 >= ix.vocab) return 0;
+  uint64_t lo = ix.buckets[t0], hi = ix.buckets[t0 + 1];
+  if (lo >= hi || hi > ix.n_suffixes) return 0;  // none, or a damaged BUCKETS
+  runs[1] = {1, lo, hi};
+  const uint64_t limit = std::min<uint64_t>({max_length, ix.depth, n});
+  uint64_t j = 1;
+  for (; j < limit; ++j) {
+    // The run is sorted by the token j places back (a separator above every token).
+    const uint32_t want = static_cast<uint32_t>(tail[n - 1 - j]);
+    auto back = [&](uint64_t i) { return ix.at(static_cast<int64_t>(ix.suffixes[i]) - static_cast<int64_t>(j)); };
+    uint64_t a = lo, b = hi;
+    while (a < b) {
+      const uint64_t mid = a + (b - a) / 2;
+      if (back(mid) < want) a = mid + 1; else b = mid;
+    }
+    const uint64_t first = a;
+    b = hi;
+    while (a < b) {
+      const uint64_t mid = a + (b - a) / 2;
+      if (back(mid) <= want) a = mid + 1; else b = mid;
+    }
+    if (a == first) break;
+    lo = first;
+    hi = a;
+    runs[j + 1] = {static_cast<uint32_t>(j + 1), lo, hi};
+  }
+  return static_cast<int>(j);
+}
+
+CorpusMatch corpus_longest_match(const CorpusIndex& ix, const Token* tail, size_t n, uint32_t max_length) {
+  CorpusMatch runs[format::kMaxIndexDepth + 1];
+  const int deepest = corpus_matches(ix, tail, n, max_length, runs);
+  return deepest > 0 ? runs[deepest] : CorpusMatch{};
+}
+
+int draft_match(const Token* seq, size_t n_seq, const MatchTables& t, const MatchParams& p, Token* out) {
+  const Sources s{seq, n_seq, t.sequence, t.history, t.static_cache ? &t.static_cache->corpus() : nullptr};
+  Option options[kMaxOptions];
+  const int n_options = gather_options(s, p, options);
+  // The option whose draft has the most expected accepted tokens.
+  double best_score = 0;
+  int n_out = 0;
+  Token buf[kMaxDraft];
+  double best_last = 1.0;
+  for (int i = 0; i < n_options; ++i) {
+    double score, last;
+    const int n = walk(s, options[i], p, max_length_for(p, options[i].length, p.n_draft), buf, &score, &last);
+    if (n > 0 && score > best_score) {
+      best_score = score;
+      best_last = last;
+      n_out = n;
+      std::copy(buf, buf + n, out);
+    }
+  }
+  bool counted = false;
+  if (p.count_option) {
+    double score;
+    const int n = count_walk(seq, n_seq, t.context, t.dynamic, p, p.n_draft, p.min_prob, buf, &score);
+    if (n > 0 && score > best_score) {
+      best_score = score;
+      n_out = n;
+      counted = true;
+      std::copy(buf, buf + n, out);
+    }
+  }
+  if (p.extend && n_out > 0 && !counted && n_out < p.n_draft) {
+    // A match's draft ended: the count tables go on from its end, at its probability.
+    Token tail[kNgramMax + kMaxDraft];
+    const size_t keep = std::min<size_t>(n_seq, kNgramMax);
+    std::copy(seq + n_seq - keep, seq + n_seq, tail);
+    std::copy(out, out + n_out, tail + keep);
+    double score;
+    n_out += count_walk(tail, keep + n_out, t.context, t.dynamic, p, p.n_draft - n_out, p.min_prob, out + n_out, &score, nullptr,
+                        best_last);
+    return n_out;
+  }
+  if (n_out == 0) return fallback(seq, n_seq, t.context, t.dynamic, t.static_cache, p, p.n_draft, out);
+  if (p.extend && n_out < p.n_draft) {
+    // The tail of sequence + draft, contiguous, for the compatible steps.
+    Token tail[2 * kNgramMax + kMaxDraft];
+    const size_t keep = std::min<size_t>(n_seq, 2 * kNgramMax);
+    std::copy(seq + n_seq - keep, seq + n_seq, tail);
+    std::copy(out, out + n_out, tail + keep);
+    n_out += fallback(tail, keep + n_out, t.context, t.dynamic, t.static_cache, p, p.n_draft - n_out, out + n_out);
+  }
+  return n_out;
+}
+
+int draft_tree(const Token* seq, size_t n_seq, const MatchTables& t, const MatchParams& p, int budget, DraftTree* tree) {
+  tree->clear();
+  const Sources s{seq, n_seq, t.sequence, t.history, t.static_cache ? &t.static_cache->corpus() : nullptr};
+  Option options[kMaxOptions];
+  const int n_options = gather_options(s, p, options);
+  // Best first over every option: the most probable continuation not yet in the tree
+  // becomes the next node; continuations that two options share are one node.
+  struct Pending {
+    double prob;
+    int parent;      // node index, -1: the root
+    int depth;       // of the pending node (0: a child of the root)
+    Token token;
+    int option;
+    uint64_t mask;   // the option's occurrences that agree with its path
+  };
+  std::vector<Pending> pending;
+  Token path[kMaxDraft + 1];
+  Token next_of[kMaxCandidates];
+  auto expand = [&](int parent, int depth, double prob, int opt, uint64_t mask) {
+    const Option& o = options[opt];
+    if (depth >= max_length_for(p, o.length, kMaxDraft)) return;
+    int n_path = 0;
+    for (int v = parent; v >= 0; v = tree->parents[v]) ++n_path;
+    for (int v = parent, i = n_path - 1; v >= 0; v = tree->parents[v], --i) path[i] = tree->tokens[v];
+    int live = 0;
+    for (int k = 0; k < o.n; ++k) {
+      next_of[k] = (mask >> k & 1) ? next_token(s, o.src[k], o.pos[k], depth, path, n_path) : -1;
+      if (next_of[k] >= 0) ++live;
+    }
+    uint64_t left = mask;
+    for (int k = 0; k < o.n; ++k) {
+      if (!(left >> k & 1) || next_of[k] < 0) continue;
+      uint64_t child = 0;
+      for (int j = k; j < o.n; ++j) {
+        if ((left >> j & 1) && next_of[j] == next_of[k]) child |= uint64_t{1} << j;
+      }
+      left &= ~child;
+      const double q = prob * share(__builtin_popcountll(child), live, o.length, p);
+      if (q >= p.tree_min_prob) pending.push_back({q, parent, depth, next_of[k], opt, child});
+    }
+  };
+  for (int i = 0; i < n_options; ++i) {
+    const uint64_t all = options[i].n == 64 ? ~uint64_t{0} : (uint64_t{1} << options[i].n) - 1;
+    expand(-1, 0, 1.0, i, all);
+  }
+  // The count tables' walk is one more branch: a chain whose k-th token is pending as
+  // option kChain + k once the one before it is a node.
+  constexpr int kChain = 1 << 20;
+  Token chain[kMaxDraft];
+  double chain_prob[kMaxDraft];
+  double chain_score = 0;
+  const int n_chain = p.count_option ? count_walk(seq, n_seq, t.context, t.dynamic, p, budget, p.tree_min_prob, chain, &chain_score, chain_prob) : 0;
+  if (n_chain > 0) pending.push_back({chain_prob[0], -1, 0, chain[0], kChain, 0});
+  while (static_cast<int>(tree->tokens.size()) < budget && !pending.empty()) {
+    size_t best = 0;
+    for (size_t i = 1; i < pending.size(); ++i) {
+      if (pending[i].prob > pending[best].prob) best = i;
+    }
+    const Pending node = pending[best];
+    pending[best] = pending.back();
+    pending.pop_back();
+    // The same token under the same parent from another option: already a node.
+    int existing = -1;
+    for (int i = 0; i < static_cast<int>(tree->tokens.size()); ++i) {
+      if (tree->parents[i] == node.parent && tree->tokens[i] == node.token) existing = i;
+    }
+    if (existing < 0) {
+      tree->tokens.push_back(node.token);
+      tree->parents.push_back(node.parent);
+      existing = static_cast<int>(tree->tokens.size()) - 1;
+    }
+    if (node.option >= kChain) {
+      const int k = node.option - kChain + 1;
+      if (k < n_chain) pending.push_back({chain_prob[k], existing, node.depth + 1, chain[k], kChain + k, 0});
+    } else {
+      expand(existing, node.depth + 1, node.prob, node.option, node.mask);
+    }
+  }
+  if (tree->tokens.empty()) {
+    Token buf[kMaxDraft];
+    const int n = fallback(seq, n_seq, t.context, t.dynamic, t.static_cache, p, budget, buf);
+    for (int i = 0; i < n; ++i) {
+      tree->tokens.push_back(buf[i]);
+      tree->parents.push_back(i - 1);
+    }
+  }
+  return static_cast<int>(tree->tokens.size());
+}
+
+void build_corpus_index(const std::vector<uint32_t>& text, uint32_t vocab, uint32_t depth, CorpusArrays* out) {
+  constexpr uint32_t kEnd = format::kSeparator;  // ranks: the end of a stream is above every token
+  const size_t n = text.size();
+  std::vector<uint32_t> rank(n);
+  size_t m = 0;
+  for (size_t p = 0; p < n; ++p) {
+    rank[p] = text[p];  // a token, or kEnd for a separator
+    m += text[p] != kEnd;
+  }
+  struct Entry {
+    uint64_t key;
+    uint32_t pos;
+    bool operator<(const Entry& o) const { return key != o.key ? key < o.key : pos < o.pos; }
+  };
+  std::vector<Entry> e(m);
+  // Prefix doubling: after the round with step h, entries are sorted by their first 2h
+  // tokens read backwards (a stream's start ends the string).
+  for (uint64_t h = 1;; h *= 2) {
+    size_t k = 0;
+    int64_t last_sep = -1;
+    for (size_t p = 0; p < n; ++p) {
+      if (text[p] == kEnd) {
+        last_sep = static_cast<int64_t>(p);
+        continue;
+      }
+      const uint64_t in_stream = static_cast<uint64_t>(static_cast<int64_t>(p) - last_sep - 1);  // tokens before p in its stream
+      const uint32_t second = in_stream >= h ? rank[p - h] : kEnd;
+      e[k++] = {uint64_t{rank[p]} << 32 | second, static_cast<uint32_t>(p)};
+    }
+    std::sort(e.begin(), e.end());
+    bool distinct = true;
+    for (size_t i = 0; i < m; ++i) {
+      if (i > 0 && e[i].key == e[i - 1].key) {
+        rank[e[i].pos] = rank[e[i - 1].pos];
+        distinct = false;
+      } else {
+        rank[e[i].pos] = static_cast<uint32_t>(i);
+      }
+    }
+    if (distinct || 2 * h >= depth) break;
+  }
+  rank = std::vector<uint32_t>();
+  out->suffixes.resize(m);
+  out->buckets.assign(uint64_t{vocab} + 1, 0);
+  for (size_t i = 0; i < m; ++i) {
+    out->suffixes[i] = e[i].pos;
+    ++out->buckets[text[e[i].pos] + 1];
+  }
+  for (uint32_t t = 0; t < vocab; ++t) out->buckets[t + 1] += out->buckets[t];
+}
+
+}  // namespace ngc
