@@ -180,7 +180,7 @@ def test_header_flags_and_lengths(tmp_path, corpus):
         open_bytes(tmp_path, reseal(bad))
     bad = bytearray(data)
     i = NAMES.index("SUFFIXES")
-    _, off, length, _ = table(data)[i]
+    length = table(data)[i][2]
     struct.pack_into("<Q", bad, HEADER + i * ENTRY + 16, length + 2)
     with pytest.raises(CacheFormatError, match="SUFFIXES is .* not a whole number of entries"):
         open_bytes(tmp_path, reseal(bad))
@@ -271,7 +271,7 @@ def test_random_damage_never_reads_out_of_bounds(tmp_path, corpus):
 def test_match_mode_copies_the_sequence_the_history_and_the_corpus(tmp_path):
     d = Drafter(vocab_size=100, fingerprint=UNTAGGED, mode="match")
     assert d.mode == "match"
-    seq = np.array(list(range(1, 13)) + [1, 2, 3], dtype=np.int32)
+    seq = np.array([*range(1, 13), 1, 2, 3], dtype=np.int32)
     d.accept(0, seq)
     assert list(d.draft(0, seq, 3)) == [4, 5, 6]
     # Another sequence matches what sequence 0 wrote (the history).
