@@ -459,7 +459,8 @@ def cmd_build(args: argparse.Namespace) -> int:
         raise InvalidArgumentError("text inputs need --tokenizer SPEC (a tokenizer.json path or tiktoken:<encoding>)")
     vocab, fingerprint, source = _vocab_and_fingerprint(args, tokenizer)
     builder = StaticBuilder(args.output, vocab, args.ngram_size, fingerprint=fingerprint, generation=args.generation,
-                            memory_budget=args.memory_budget, scratch_dir=args.scratch_dir or "", threads=args.threads)
+                            memory_budget=args.memory_budget, scratch_dir=args.scratch_dir or "", threads=args.threads,
+                            corpus_index=args.corpus_index, index_depth=args.index_depth)
     total = sum(i.size for i in items)
     t0 = time.perf_counter()
     t_tokenize = 0.0
@@ -483,7 +484,8 @@ def cmd_build(args: argparse.Namespace) -> int:
                 _add_tokens(builder, item.path, tokens, 0, vocab, source)
                 progress.update(item.size, len(tokens))
     if not args.quiet:
-        print("merging sorted runs and writing the file...", file=sys.stderr)
+        print(("sorting the corpus index, " if args.corpus_index else "") + "merging sorted runs and writing the file...",
+              file=sys.stderr)
     stats = builder.finish()
     elapsed = time.perf_counter() - t0
     cache = StaticCache.open(args.output)
@@ -495,6 +497,8 @@ def cmd_build(args: argparse.Namespace) -> int:
         "n_followers": cache.n_followers,
         "file_bytes": cache.file_size,
         "runs_spilled": stats["n_runs"],
+        "n_indexed": stats["n_indexed"],
+        "n_not_indexed": stats["n_not_indexed"],
         "seconds": round(elapsed, 3),
         "tokenize_seconds": round(t_tokenize, 3),
         "tokens_per_second": round(stats["n_tokens"] / max(elapsed, 1e-9)),
@@ -506,6 +510,12 @@ def cmd_build(args: argparse.Namespace) -> int:
         print(f"wrote {args.output}: {cache.n_keys:,} keys, {cache.n_followers:,} followers from "
               f"{stats['n_tokens']:,} tokens in {elapsed:.2f} s (tokenizing {t_tokenize:.2f} s); "
               f"{cache.file_size / 1e6:.1f} MB; {stats['n_runs']} runs spilled; peak RSS {result['peak_rss_mb']:.0f} MB")
+        if args.corpus_index:
+            print(f"corpus index: {stats['n_indexed']:,} tokens, matches up to {cache.index_depth} tokens (format "
+                  f"version 2; drafters use it with mode 'match')")
+    if args.corpus_index and stats["n_not_indexed"] and not args.quiet:
+        print(f"warning: {stats['n_not_indexed']:,} tokens past the index's half of --memory-budget were counted but "
+              f"not indexed (32 bytes a token while sorting); raise --memory-budget to index them all", file=sys.stderr)
     return 0
 
 
@@ -572,14 +582,22 @@ def cmd_stats(args: argparse.Namespace) -> int:
         except (CacheFormatError, InvalidArgumentError) as e:
             raise type(e)(f"--dynamic {_named(args.dynamic, str(e))} (a llama.cpp cache file, as llama-lookup -lcd "
                           "writes, for the same tokenizer)") from None
+    if args.tree_budget and args.mode != "match":
+        raise InvalidArgumentError("--tree-budget needs --mode match (the compatible mode drafts a line)")
+    if args.mode == "match" and static is not None and static.index_depth == 0:
+        print(f"note: {args.static} has no corpus index (build it with --corpus-index); the match mode uses its "
+              "2-gram counts only", file=sys.stderr)
     reading: AbstractContextManager[None] = _reading_static(args.static) if args.static else nullcontext()
     with reading:
         r = replay(tokens, args.n_ctx, args.n_draft, args.ngram_min, args.ngram_max, static, dynamic,
-                   args.dump_drafts is not None)
+                   args.dump_drafts is not None, mode=args.mode, tree_budget=args.tree_budget)
     if args.dump_drafts is not None:
         _write_lines_atomically(args.dump_drafts, _draft_lines(r["drafts"]))
     drafted = r["n_drafted"]
+    steps = r["n_draft_calls"]
     out = {
+        "mode": args.mode,
+        "tree_budget": args.tree_budget,
         "n_input": len(tokens),
         "n_ctx": args.n_ctx,
         "n_draft": args.n_draft,
@@ -587,6 +605,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
         "n_drafted": drafted,
         "n_accept": r["n_accept"],
         "accept_pct": round(100.0 * r["n_accept"] / drafted, 3) if drafted else 0.0,
+        "tokens_per_step": round(r["n_chunks"] * (args.n_ctx - 1) / steps, 4) if steps else 0.0,
         "t_load_ms": round(t_load_ms, 4),
         "t_draft_ms": round(r["t_draft_ns"] / 1e6, 3),
         "us_per_drafted": round(r["t_draft_ns"] / 1e3 / drafted, 4) if drafted else None,
@@ -625,6 +644,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         "n_followers": cache.n_followers,
         "n_tokens": n_tokens,
         "n_overflow": cache.n_overflow,
+        "index_depth": cache.index_depth,
+        "n_indexed": cache.n_indexed,
         "file_size": cache.file_size,
         "open_ms": round(t_open_ms, 4),
         "verified": bool(args.verify),
@@ -790,6 +811,13 @@ def build_parser(extra_commands: Iterable[CommandHook] = ()) -> argparse.Argumen
                             "(default: the output's folder)")
     build.add_argument("--threads", type=_int_in(0, 1024), default=0, metavar="N",
                        help="sorting threads, 0 for all cores (default 0)")
+    build.add_argument("--corpus-index", action="store_true",
+                       help="also index the corpus for the match mode's longest matches (format version 2; about 8 "
+                            "bytes per token in the file). The index takes half of --memory-budget, 32 bytes a "
+                            "token while it is sorted; tokens past that are counted but not indexed (a warning says "
+                            "how many)")
+    build.add_argument("--index-depth", type=_int_in(1, 64), default=32, metavar="D",
+                       help="with --corpus-index: the longest match the index finds, 1..64 tokens (default 32)")
     build.add_argument("--json", action="store_true",
                        help="print one JSON object of figures (tokens, keys, bytes, seconds, peak RSS) instead of "
                             "the summary")
@@ -822,6 +850,13 @@ def build_parser(extra_commands: Iterable[CommandHook] = ()) -> argparse.Argumen
     stats.add_argument("--tokenizer", metavar="SPEC",
                        help="tokenizes a text TEST (a tokenizer.json path or tiktoken:<encoding>); must match the "
                             "static cache's fingerprint")
+    stats.add_argument("--mode", choices=("compatible", "match"), default="compatible",
+                       help="compatible: llama.cpp's drafts, token for token (default); match: longest matches over "
+                            "the sequence, earlier chunks and the static file's corpus index, with the count tables "
+                            "competing")
+    stats.add_argument("--tree-budget", type=_int_in(0, MAX_DRAFT), default=0, metavar="N",
+                       help="with --mode match: draft trees of at most N nodes and accept each tree's longest path "
+                            "that matches the text (n_drafted counts nodes); 0 (default) drafts a line")
     stats.add_argument("--json", action="store_true", help="print one JSON object instead of one figure per line")
     stats.add_argument("--dump-drafts", metavar="PATH",
                        help="also write one line per draft call: the drafted tokens in decimal (empty when none); "

@@ -3,6 +3,7 @@ brute force, every hostile case its format doc names) and the longest-match draf
 
 from __future__ import annotations
 
+import json
 import struct
 
 import numpy as np
@@ -333,3 +334,43 @@ def test_replay_in_the_match_mode_counts_linear_and_tree_drafts(tmp_path):
     assert (drafts == -1).sum() == tree["n_draft_calls"]
     with pytest.raises(InvalidArgumentError, match="tree drafts need mode='match'"):
         _core.replay(stream, 900, 8, 1, 4, None, dyn, tree_budget=4)
+
+
+# --- the commands
+
+
+def cli(capsys, *args):
+    from ngramcache.client import cli as cli_module
+
+    rc = cli_module.main([str(a) for a in args])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_build_stats_and_inspect_in_the_match_mode(tmp_path, capsys):
+    rng = np.random.default_rng(9)
+    block = rng.integers(0, 500, 2000)
+    tokens = np.concatenate([block, rng.integers(0, 500, 3000), block, rng.integers(0, 500, 3000)]).astype(np.int32)
+    src = tmp_path / "corpus.npy"
+    np.save(src, tokens[:5000])
+    test = tmp_path / "test.npy"
+    np.save(test, tokens)
+    out = tmp_path / "c.ngc"
+    rc, _, err = cli(capsys, "build", src, "-o", out, "--vocab-size", 500, "--fingerprint", "untagged", "--corpus-index",
+                     "--index-depth", 16)
+    assert rc == 0, err
+    rc, text, _ = cli(capsys, "inspect", out, "--verify", "--json")
+    info = json.loads(text)
+    assert info["format_version"] == 2 and info["index_depth"] == 16 and info["n_indexed"] == 5000
+    figures = {}
+    for mode, budget in (("compatible", 0), ("match", 0), ("match", 8)):
+        rc, text, err = cli(capsys, "stats", "--input", test, "--static", out, "--n-ctx", 4096, "--mode", mode,
+                            "--tree-budget", budget, "--json")
+        assert rc == 0, err
+        figures[mode, budget] = json.loads(text)
+    for (mode, budget), f in figures.items():
+        assert f["mode"] == mode and f["tree_budget"] == budget and f["tokens_per_step"] > 1
+    # The second copy of the block is in the corpus: the match mode copies it from the index.
+    assert figures["match", 0]["n_accept"] > 1500
+    rc, _, err = cli(capsys, "stats", "--input", test, "--tree-budget", 8)
+    assert rc == 2 and "--tree-budget needs --mode match" in err
