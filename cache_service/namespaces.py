@@ -53,6 +53,8 @@ class LiveNamespace:
         self.dynamic = CountTable()
         self.drafter = Drafter(dynamic=self.dynamic, fingerprint=self.fingerprint, vocab_size=info.vocab_size,
                                max_sequences=max_sessions, max_memory=session_memory)
+        self._limits = (max_sessions, session_memory)
+        self._match_drafter: Drafter | None = None  # made on the first match-mode session
         self.mirror = MirrorState()
         self.view: DraftView | None = None  # made after the first export
         self.view_refreshed = time.monotonic()  # when the view last took changes
@@ -63,7 +65,31 @@ class LiveNamespace:
     def attach_static(self, cache: object, generation: int) -> None:
         if generation > self.generation:
             self.drafter.set_static(cache)  # type: ignore[arg-type]
+            if self._match_drafter is not None:
+                self._match_drafter.set_static(cache)  # type: ignore[arg-type]
             self.generation = generation
+
+    def set_dynamic(self, table: CountTable) -> None:
+        """Swaps in a new dynamic mirror for every drafter of the namespace."""
+        self.dynamic = table
+        self.drafter.set_dynamic(table)
+        if self._match_drafter is not None:
+            self._match_drafter.set_dynamic(table)
+
+    def drafter_for(self, mode: str) -> Drafter:
+        """The namespace's drafter of `mode` ("compatible" or "match"): both share the dynamic
+        mirror and the static generation; the match one also keeps the namespace's recent
+        sequences (its history) for every session to match against."""
+        if mode == "compatible":
+            return self.drafter
+        if self._match_drafter is None:
+            d = Drafter(dynamic=self.dynamic, fingerprint=self.fingerprint, vocab_size=self.info.vocab_size,
+                        max_sequences=self._limits[0], max_memory=self._limits[1], mode="match")
+            cache = self.drafter.static
+            if cache is not None:
+                d.set_static(cache)
+            self._match_drafter = d
+        return self._match_drafter
 
 
 class NamespaceRegistry:
@@ -160,8 +186,7 @@ class NamespaceRegistry:
             log.warning("namespace %s: mirror too far behind the store; resyncing from a full export", ns.info.name)
             fresh = CountTable()
             await self._full_export(ns, fresh)
-            ns.dynamic = fresh
-            ns.drafter.set_dynamic(fresh)
+            ns.set_dynamic(fresh)
             if ns.view is not None:
                 ns.view.install(*await asyncio.to_thread(ns.view.build, fresh, ns.view.scale))
             return

@@ -12,7 +12,7 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import grpc
 import numpy as np
@@ -25,6 +25,12 @@ from ngramcache.client.errors import InvalidArgumentError
 from ngramcache.client.sync import HasTokenizer, channel_credentials, error_from_rpc
 
 _CLOSE = object()
+_MODES = {"compatible": drafting_pb2.DRAFT_MODE_COMPATIBLE, "match": drafting_pb2.DRAFT_MODE_MATCH}
+
+
+class _Reply(NamedTuple):
+    tokens: NDArray[np.int32]
+    parents: bytes  # int32 little-endian, for a tree; empty for a line
 
 
 class _Session:
@@ -39,9 +45,9 @@ class _Session:
         self.generation = next(self._replies).opened.generation
         self.sent = 0  # tokens of the sequence the service holds
 
-    def step(self, tokens: NDArray[np.int32], n_draft: int) -> drafting_pb2.SessionDraft:
+    def step(self, tokens: NDArray[np.int32], n_draft: int, tree_budget: int = 0) -> drafting_pb2.SessionDraft:
         self._queue.put(drafting_pb2.SessionRequest(step=drafting_pb2.SessionStep(
-            tokens=tokens_to_bytes(tokens), n_draft=n_draft)))
+            tokens=tokens_to_bytes(tokens), n_draft=n_draft, tree_budget=tree_budget)))
         reply = next(self._replies).draft
         self.generation = reply.generation
         return reply
@@ -70,6 +76,9 @@ class RemoteDrafter:
         timeout: seconds a session may last at most (None: no deadline).
         channel: an existing channel to use instead of opening one to `address`.
         tls_ca, tls_cert, tls_key: TLS as for `NgramClient` (PEM paths or bytes; None: plaintext).
+        mode: "compatible" (llama.cpp's drafts) or "match" (longest-match drafts, and
+            `draft_tree`), as `ngramcache.Drafter` has them; the service must list the
+            capability "drafting.match_mode" (an older one drafts compatibly).
 
     Raises (from the calls):
         TokenizerMismatchError, NamespaceNotFoundError, BackendUnavailableError (retriable),
@@ -79,7 +88,10 @@ class RemoteDrafter:
     def __init__(self, address: str, namespace: str, tokenizer: HasTokenizer | tuple[bytes, int], *,
                  token: str | None = None, timeout: float | None = None, channel: grpc.Channel | None = None,
                  tls_ca: str | bytes | None = None, tls_cert: str | bytes | None = None,
-                 tls_key: str | bytes | None = None) -> None:
+                 tls_key: str | bytes | None = None, mode: str = "compatible") -> None:
+        if mode not in _MODES:
+            raise InvalidArgumentError(f"mode must be 'compatible' or 'match', got {mode!r}")
+        self._mode = mode
         if isinstance(tokenizer, tuple):
             self._fingerprint, self._vocab_size = bytes(tokenizer[0]), int(tokenizer[1])
         else:
@@ -112,17 +124,36 @@ class RemoteDrafter:
     def _open(self, n_draft: int) -> _Session:
         request = drafting_pb2.SessionRequest(open=drafting_pb2.SessionOpen(
             namespace=self._namespace, tokenizer_fingerprint=self._fingerprint, vocab_size=self._vocab_size,
-            n_draft=n_draft))
+            n_draft=n_draft, mode=_MODES[self._mode]))
         try:
             return _Session(self._stub, request, self._metadata, self._timeout)
         except grpc.RpcError as e:
             raise error_from_rpc(e) from None
+
+    @property
+    def mode(self) -> str:
+        """"compatible" or "match"."""
+        return self._mode
 
     def draft(self, seq: int, tokens: NDArray[np.int32], n_draft: int = 8) -> NDArray[np.int32]:
         """Drafts up to `n_draft` tokens after `tokens` (the whole sequence so far, int32);
         only the tokens the service has not seen yet are sent."""
         if not 1 <= n_draft <= MAX_DRAFT:
             raise InvalidArgumentError(f"n_draft must be in 1..{MAX_DRAFT}, got {n_draft}")
+        return self._step(seq, tokens, n_draft, 0).tokens
+
+    def draft_tree(self, seq: int, tokens: NDArray[np.int32],
+                   budget: int = 16) -> tuple[NDArray[np.int32], NDArray[np.int32]]:
+        """A tree of at most `budget` nodes (match mode), as `Drafter.draft_tree` returns it:
+        (tokens, parents), node i follows node parents[i] (-1: the sequence)."""
+        if self._mode != "match":
+            raise InvalidArgumentError("tree drafts need the match mode (RemoteDrafter(..., mode='match'))")
+        if not 1 <= budget <= MAX_DRAFT:
+            raise InvalidArgumentError(f"budget must be in 1..{MAX_DRAFT}, got {budget}")
+        reply = self._step(seq, tokens, budget, budget)
+        return reply.tokens, bytes_to_tokens(reply.parents).copy()
+
+    def _step(self, seq: int, tokens: NDArray[np.int32], n_draft: int, tree_budget: int) -> _Reply:
         tokens = np.ascontiguousarray(tokens, dtype=np.int32)
         with self._seq_lock(seq):
             for attempt in range(2):
@@ -132,10 +163,9 @@ class RemoteDrafter:
                         session.close()
                     session = self._sessions[seq] = self._open(n_draft)
                 try:
-                    reply = session.step(tokens[session.sent:], n_draft)
+                    reply = session.step(tokens[session.sent:], n_draft, tree_budget)
                     session.sent = len(tokens)
-                    drafted: NDArray[np.int32] = bytes_to_tokens(reply.tokens).copy()
-                    return drafted
+                    return _Reply(bytes_to_tokens(reply.tokens).copy(), reply.parents)
                 except grpc.RpcError as e:
                     del self._sessions[seq]
                     if e.code() == grpc.StatusCode.ABORTED and attempt == 0:

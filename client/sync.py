@@ -158,6 +158,9 @@ class ClientConfig:
         close_timeout: how long `close` spends flushing pushes.
         rpc_timeout: deadline of a unary call (pushes, List, GetNamespace).
         backoff: the retry policy while calls fail retriably.
+        mode: the drafter's mode, ``"compatible"`` (default: llama.cpp's drafts) or ``"match"``
+            (longest matches over the sequence, earlier sequences and the static generation's
+            corpus index; also ``drafter().draft_tree``).
         drafter_options: more keyword arguments of the `Drafter` (max_sequences, idle_ttl, ...).
     """
 
@@ -182,9 +185,12 @@ class ClientConfig:
     close_timeout: float = 10.0
     rpc_timeout: float = 10.0
     backoff: Backoff = Backoff()
+    mode: str = "compatible"
     drafter_options: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        if self.mode not in ("compatible", "match"):
+            raise InvalidArgumentError(f"mode must be 'compatible' or 'match', got {self.mode!r}")
         if (self.tls_cert is None) != (self.tls_key is None) or (self.tls_cert is not None and self.tls_ca is None):
             raise InvalidArgumentError("tls_cert and tls_key go together, and with tls_ca")
         if self.mirror not in ("draft", "full"):
@@ -824,7 +830,7 @@ class NgramClient:
                                    vocab_size=int(vocab_size), cache_dir=os.fspath(cache_dir), token=token, **options)
         table = CountTable()
         self._drafter = Drafter(dynamic=table, fingerprint=self.config.fingerprint, vocab_size=self.config.vocab_size,
-                                track_deltas=True, **self.config.drafter_options)
+                                track_deltas=True, mode=self.config.mode, **self.config.drafter_options)
         self._core = _Core(self.config, self._drafter, table)
         self._loop = asyncio.new_event_loop()
         self._started = threading.Event()

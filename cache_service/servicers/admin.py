@@ -21,8 +21,8 @@ from ..store_runner import StoreRunner
 PROTOCOL: Final = admin_pb2.DESCRIPTOR.package
 """The wire package served: "ngramcache.v1"."""
 
-V1_CAPABILITIES: Final = ("drafting.session", "drafting.draft", "counts.push", "counts.pull", "static_files.fetch",
-                          "static_files.watch", "static_files.publish", "admin")
+V1_CAPABILITIES: Final = ("drafting.session", "drafting.draft", "drafting.match_mode", "drafting.tree", "counts.push",
+                          "counts.pull", "static_files.fetch", "static_files.watch", "static_files.publish", "admin")
 """Every capability of a complete v1 server (admin.proto, GetServerInfoResponse.capabilities)."""
 
 DEFAULT_PAGE_SIZE: Final = 100

@@ -30,6 +30,14 @@ def _check_n_draft(n_draft: int, what: str) -> int:
     return n_draft
 
 
+def _mode_of(mode: int, what: str) -> str:
+    if mode in (drafting_pb2.DRAFT_MODE_UNSPECIFIED, drafting_pb2.DRAFT_MODE_COMPATIBLE):
+        return "compatible"
+    if mode == drafting_pb2.DRAFT_MODE_MATCH:
+        return "match"
+    raise InvalidArgumentError(f"{what} is {mode}, not a DraftMode this server knows (0, 1 or 2)")
+
+
 def _check_tokenizer(ns: LiveNamespace, fingerprint: bytes, vocab_size: int) -> None:
     if len(fingerprint) != 32:
         raise InvalidArgumentError(f"tokenizer_fingerprint must be 32 bytes, got {len(fingerprint)}")
@@ -153,8 +161,10 @@ class DraftingServicer(drafting_pb2_grpc.DraftingServicer):
             raise InvalidArgumentError("the first request of a Session must be `open`")
         op = first.open
         default_n_draft = _check_n_draft(op.n_draft, "open.n_draft")
+        mode = _mode_of(op.mode, "open.mode")
         ns = await self._registry.get(op.namespace)
         _check_tokenizer(ns, op.tokenizer_fingerprint, op.vocab_size)
+        drafter = ns.drafter_for(mode)
         if self.active_sessions >= self._max_sessions:
             raise limit_exceeded(f"the server holds its maximum of {self._max_sessions} sessions; retry later or use Draft")
         client = _client_of(context)
@@ -184,6 +194,11 @@ class DraftingServicer(drafting_pb2_grpc.DraftingServicer):
                 if n + len(new) > self._max_session_tokens:
                     raise limit_exceeded(f"a session's sequence holds at most {self._max_session_tokens} tokens")
                 n_draft = _check_n_draft(req.step.n_draft, "step.n_draft") if req.step.n_draft else default_n_draft
+                tree_budget = req.step.tree_budget
+                if tree_budget:
+                    _check_n_draft(tree_budget, "step.tree_budget")
+                    if mode != "match":
+                        raise InvalidArgumentError("step.tree_budget needs a session opened with DRAFT_MODE_MATCH")
                 if n + len(new) > len(seq):
                     seq = np.resize(seq, max(2 * len(seq), n + len(new)))
                 seq[n:n + len(new)] = new
@@ -191,15 +206,20 @@ class DraftingServicer(drafting_pb2_grpc.DraftingServicer):
                 # accept() checks every new token against the vocabulary before counting any;
                 # the sequence grows only once it has succeeded.
                 if len(new) > _INLINE_ACCEPT_TOKENS:
-                    await asyncio.to_thread(ns.drafter.accept, sid, tokens)
+                    await asyncio.to_thread(drafter.accept, sid, tokens)
                 else:
-                    ns.drafter.accept(sid, tokens)
+                    drafter.accept(sid, tokens)
                 n += len(new)
-                draft = ns.drafter.draft(sid, tokens, n_draft)
+                parents = b""
+                if tree_budget:
+                    draft, tree_parents = drafter.draft_tree(sid, tokens, tree_budget)
+                    parents = tokens_to_bytes(tree_parents)
+                else:
+                    draft = drafter.draft(sid, tokens, n_draft)
                 if self._metrics is not None:
                     self._metrics.drafted(len(draft))
                 yield drafting_pb2.SessionResponse(draft=drafting_pb2.SessionDraft(
-                    tokens=tokens_to_bytes(draft), generation=ns.generation, sequence_length=n))
+                    tokens=tokens_to_bytes(draft), generation=ns.generation, sequence_length=n, parents=parents))
         finally:
             self.active_sessions -= 1
             left = self._per_client[client] - 1
@@ -207,13 +227,15 @@ class DraftingServicer(drafting_pb2_grpc.DraftingServicer):
                 self._per_client[client] = left
             else:
                 del self._per_client[client]
-            ns.drafter.reset(sid)
+            drafter.reset(sid)
 
     async def Draft(self, request: drafting_pb2.DraftRequest,
                     context: aio.ServicerContext) -> drafting_pb2.DraftResponse:
         n_draft = _check_n_draft(request.n_draft, "n_draft")
+        mode = _mode_of(request.mode, "mode")
         ns = await self._registry.get(request.namespace)
         _check_tokenizer(ns, request.tokenizer_fingerprint, request.vocab_size)
+        drafter = ns.drafter_for(mode)
         tokens = bytes_to_tokens(request.tokens)
         if len(tokens) > self._max_draft_tokens:
             raise limit_exceeded(f"Draft takes at most {self._max_draft_tokens} tokens, got {len(tokens)}; "
@@ -222,12 +244,12 @@ class DraftingServicer(drafting_pb2_grpc.DraftingServicer):
         sid = next(self._ids)  # a throwaway sequence: its context table is freed below
         try:
             if len(tokens) > _INLINE_ACCEPT_TOKENS:
-                await asyncio.to_thread(ns.drafter.accept, sid, tokens)
+                await asyncio.to_thread(drafter.accept, sid, tokens)
             else:
-                ns.drafter.accept(sid, tokens)
-            draft = ns.drafter.draft(sid, tokens, n_draft)
+                drafter.accept(sid, tokens)
+            draft = drafter.draft(sid, tokens, n_draft)
         finally:
-            ns.drafter.reset(sid)
+            drafter.reset(sid)
         if self._metrics is not None:
             self._metrics.drafted(len(draft))
         return drafting_pb2.DraftResponse(tokens=tokens_to_bytes(draft), generation=ns.generation)

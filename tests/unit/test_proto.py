@@ -133,13 +133,17 @@ def test_request_and_response_types() -> None:
         "GetRebuildStatus": ("GetRebuildStatusRequest", "RebuildStatus")}
 
 
-def test_mode_is_reserved_for_later() -> None:
+def test_mode_took_the_numbers_reserved_for_it() -> None:
+    # Fields 5 and 6 were reserved for `mode` in the first release; the match mode took them,
+    # so a server of that release ignores the field and drafts in the compatible mode.
     fdp = file_proto(drafting_pb2)
     messages = {m.name: m for m in fdp.message_type}
     for message, number in (("SessionOpen", 5), ("DraftRequest", 6)):
         m = messages[message]
-        assert [(r.start, r.end) for r in m.reserved_range] == [(number, number + 1)]
-        assert list(m.reserved_name) == ["mode"]
+        assert not list(m.reserved_range) and not list(m.reserved_name)
+        field = {f.name: f for f in m.field}["mode"]
+        assert field.number == number and field.type_name.endswith("DraftMode")
+    assert drafting_pb2.DRAFT_MODE_UNSPECIFIED == 0 and drafting_pb2.DRAFT_MODE_MATCH == 2
 
 
 def test_since_version_has_presence() -> None:

@@ -25,29 +25,31 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n*ngramcache/client/_proto/v1/drafting.proto\x12\rngramcache.v1\"p\n\x0eSessionRequest\x12*\n\x04open\x18\x01 \x01(\x0b\x32\x1a.ngramcache.v1.SessionOpenH\x00\x12*\n\x04step\x18\x02 \x01(\x0b\x32\x1a.ngramcache.v1.SessionStepH\x00\x42\x06\n\x04kind\"p\n\x0bSessionOpen\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x1d\n\x15tokenizer_fingerprint\x18\x02 \x01(\x0c\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x0f\n\x07n_draft\x18\x04 \x01(\rJ\x04\x08\x05\x10\x06R\x04mode\".\n\x0bSessionStep\x12\x0e\n\x06tokens\x18\x01 \x01(\x0c\x12\x0f\n\x07n_draft\x18\x02 \x01(\r\"w\n\x0fSessionResponse\x12.\n\x06opened\x18\x01 \x01(\x0b\x32\x1c.ngramcache.v1.SessionOpenedH\x00\x12,\n\x05\x64raft\x18\x02 \x01(\x0b\x32\x1b.ngramcache.v1.SessionDraftH\x00\x42\x06\n\x04kind\"\x85\x01\n\rSessionOpened\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x17\n\x0fmax_step_tokens\x18\x03 \x01(\r\x12\x1a\n\x12max_session_tokens\x18\x04 \x01(\x04\x12\x17\n\x0fidle_timeout_ms\x18\x05 \x01(\r\"K\n\x0cSessionDraft\x12\x0e\n\x06tokens\x18\x01 \x01(\x0c\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x17\n\x0fsequence_length\x18\x03 \x01(\x04\"\x81\x01\n\x0c\x44raftRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x1d\n\x15tokenizer_fingerprint\x18\x02 \x01(\x0c\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x0e\n\x06tokens\x18\x04 \x01(\x0c\x12\x0f\n\x07n_draft\x18\x05 \x01(\rJ\x04\x08\x06\x10\x07R\x04mode\"3\n\rDraftResponse\x12\x0e\n\x06tokens\x18\x01 \x01(\x0c\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x32\x9c\x01\n\x08\x44rafting\x12L\n\x07Session\x12\x1d.ngramcache.v1.SessionRequest\x1a\x1e.ngramcache.v1.SessionResponse(\x01\x30\x01\x12\x42\n\x05\x44raft\x12\x1b.ngramcache.v1.DraftRequest\x1a\x1c.ngramcache.v1.DraftResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n*ngramcache/client/_proto/v1/drafting.proto\x12\rngramcache.v1\"p\n\x0eSessionRequest\x12*\n\x04open\x18\x01 \x01(\x0b\x32\x1a.ngramcache.v1.SessionOpenH\x00\x12*\n\x04step\x18\x02 \x01(\x0b\x32\x1a.ngramcache.v1.SessionStepH\x00\x42\x06\n\x04kind\"\x8c\x01\n\x0bSessionOpen\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x1d\n\x15tokenizer_fingerprint\x18\x02 \x01(\x0c\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x0f\n\x07n_draft\x18\x04 \x01(\r\x12&\n\x04mode\x18\x05 \x01(\x0e\x32\x18.ngramcache.v1.DraftMode\"C\n\x0bSessionStep\x12\x0e\n\x06tokens\x18\x01 \x01(\x0c\x12\x0f\n\x07n_draft\x18\x02 \x01(\r\x12\x13\n\x0btree_budget\x18\x03 \x01(\r\"w\n\x0fSessionResponse\x12.\n\x06opened\x18\x01 \x01(\x0b\x32\x1c.ngramcache.v1.SessionOpenedH\x00\x12,\n\x05\x64raft\x18\x02 \x01(\x0b\x32\x1b.ngramcache.v1.SessionDraftH\x00\x42\x06\n\x04kind\"\x85\x01\n\rSessionOpened\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x17\n\x0fmax_step_tokens\x18\x03 \x01(\r\x12\x1a\n\x12max_session_tokens\x18\x04 \x01(\x04\x12\x17\n\x0fidle_timeout_ms\x18\x05 \x01(\r\"\\\n\x0cSessionDraft\x12\x0e\n\x06tokens\x18\x01 \x01(\x0c\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x17\n\x0fsequence_length\x18\x03 \x01(\x04\x12\x0f\n\x07parents\x18\x04 \x01(\x0c\"\x9d\x01\n\x0c\x44raftRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x1d\n\x15tokenizer_fingerprint\x18\x02 \x01(\x0c\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x0e\n\x06tokens\x18\x04 \x01(\x0c\x12\x0f\n\x07n_draft\x18\x05 \x01(\r\x12&\n\x04mode\x18\x06 \x01(\x0e\x32\x18.ngramcache.v1.DraftMode\"3\n\rDraftResponse\x12\x0e\n\x06tokens\x18\x01 \x01(\x0c\x12\x12\n\ngeneration\x18\x02 \x01(\x04*X\n\tDraftMode\x12\x1a\n\x16\x44RAFT_MODE_UNSPECIFIED\x10\x00\x12\x19\n\x15\x44RAFT_MODE_COMPATIBLE\x10\x01\x12\x14\n\x10\x44RAFT_MODE_MATCH\x10\x02\x32\x9c\x01\n\x08\x44rafting\x12L\n\x07Session\x12\x1d.ngramcache.v1.SessionRequest\x1a\x1e.ngramcache.v1.SessionResponse(\x01\x30\x01\x12\x42\n\x05\x44raft\x12\x1b.ngramcache.v1.DraftRequest\x1a\x1c.ngramcache.v1.DraftResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'ngramcache.client._proto.v1.drafting_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_DRAFTMODE']._serialized_start=951
+  _globals['_DRAFTMODE']._serialized_end=1039
   _globals['_SESSIONREQUEST']._serialized_start=61
   _globals['_SESSIONREQUEST']._serialized_end=173
-  _globals['_SESSIONOPEN']._serialized_start=175
-  _globals['_SESSIONOPEN']._serialized_end=287
-  _globals['_SESSIONSTEP']._serialized_start=289
-  _globals['_SESSIONSTEP']._serialized_end=335
-  _globals['_SESSIONRESPONSE']._serialized_start=337
-  _globals['_SESSIONRESPONSE']._serialized_end=456
-  _globals['_SESSIONOPENED']._serialized_start=459
-  _globals['_SESSIONOPENED']._serialized_end=592
-  _globals['_SESSIONDRAFT']._serialized_start=594
-  _globals['_SESSIONDRAFT']._serialized_end=669
-  _globals['_DRAFTREQUEST']._serialized_start=672
-  _globals['_DRAFTREQUEST']._serialized_end=801
-  _globals['_DRAFTRESPONSE']._serialized_start=803
-  _globals['_DRAFTRESPONSE']._serialized_end=854
-  _globals['_DRAFTING']._serialized_start=857
-  _globals['_DRAFTING']._serialized_end=1013
+  _globals['_SESSIONOPEN']._serialized_start=176
+  _globals['_SESSIONOPEN']._serialized_end=316
+  _globals['_SESSIONSTEP']._serialized_start=318
+  _globals['_SESSIONSTEP']._serialized_end=385
+  _globals['_SESSIONRESPONSE']._serialized_start=387
+  _globals['_SESSIONRESPONSE']._serialized_end=506
+  _globals['_SESSIONOPENED']._serialized_start=509
+  _globals['_SESSIONOPENED']._serialized_end=642
+  _globals['_SESSIONDRAFT']._serialized_start=644
+  _globals['_SESSIONDRAFT']._serialized_end=736
+  _globals['_DRAFTREQUEST']._serialized_start=739
+  _globals['_DRAFTREQUEST']._serialized_end=896
+  _globals['_DRAFTRESPONSE']._serialized_start=898
+  _globals['_DRAFTRESPONSE']._serialized_end=949
+  _globals['_DRAFTING']._serialized_start=1042
+  _globals['_DRAFTING']._serialized_end=1198
 # @@protoc_insertion_point(module_scope)
