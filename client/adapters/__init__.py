@@ -10,7 +10,9 @@ loads no engine:
 
 Both take any drafter with ``draft``/``accept``/``reset`` (`ngramcache.Drafter`,
 ``NgramClient(...).drafter()``, `ngramcache.RemoteDrafter`) and count what they do in a
-`DraftStats`.
+`DraftStats`. The drafter brings its mode: ``Drafter(..., mode="match")``,
+``NgramClient(..., mode="match")`` or ``RemoteDrafter(..., mode="match")`` makes them draft
+longest matches (both engines verify a line, so they use `draft`, not `draft_tree`).
 """
 
 from ngramcache.client.adapters.sequence_feed import DrafterLike, DraftStats, SequenceFeed

@@ -98,6 +98,19 @@ def test_output_equals_plain_greedy_and_drafts_are_accepted(smollm2, static_cach
     assert_counted_once(drafter, 7, out[0])
 
 
+@pytest.mark.slow
+def test_match_mode_output_equals_plain_greedy(smollm2, static_cache, plain_outputs):
+    """The adapters take the mode of the drafter they are given: the match mode verifies the same."""
+    model, tok = smollm2
+    spec = PROMPT_FUNCTIONS[0]
+    ids = prompt_ids(tok, spec)
+    drafter = Drafter(static=static_cache, dynamic=CountTable(), mode="match")
+    stats = DraftStats()
+    out = generate(model, ids, drafter, seq_id=3, n_draft=8, max_new_tokens=NEW_TOKENS, stats=stats)
+    assert torch.equal(out, plain_outputs[spec])
+    assert stats.accepted > 0 and stats.steps + stats.accepted == stats.tokens
+
+
 class StaticOnly:
     """A drafter that never counts the sequence: its drafts come from the static cache alone."""
 
