@@ -6,13 +6,14 @@
 //   2. sealed (seal.h): the header checksum and every in-bounds section checksum
 //      recomputed, so the mutations reach the structural checks behind them.
 // After a successful open every reader path runs (key_at over all keys, find on keys from
-// the file and from the input, token_at/count_at/count_of, followers_of). When verify()
+// the file and from the input, token_at/count_at/count_of, followers_of, and for a
+// version-2 file the corpus index's longest matches, drafts and trees). When verify()
 // accepts the file, the readers must also agree with each other (see check_consistent).
 //
 // Out-of-bounds reads of the mapping: ASan does not see into mmap'd memory, so the
 // target is linked with -Wl,--wrap=mmap,--wrap=munmap and the core's mapping of the
 // fuzz input becomes a heap copy of exactly the file's size. After open() returns, the
-// bytes outside the six sections (header, section table, padding) are poisoned too: no
+// bytes outside the sections (header, section table, padding) are poisoned too: no
 // reader may touch them once the header has been parsed.
 
 #include <sanitizer/asan_interface.h>
@@ -29,6 +30,7 @@
 
 #include "fuzz_support.h"
 #include "seal.h"
+#include "ngc/match.h"
 #include "ngc/static_cache.h"
 #include "ngc/static_format.h"
 
@@ -99,6 +101,29 @@ uint64_t read_part(const ngc::StaticCache& c, const ngc::StaticPart& part) {
   return sum;
 }
 
+// The corpus index's readers (version 2): longest matches, drafts and trees over tails
+// taken from the input (reduced into the vocabulary) and from TEXT itself.
+void exercise_corpus(const ngc::StaticCache& c, const uint8_t* data, size_t size) {
+  const ngc::CorpusIndex& ix = c.corpus();
+  if (ix.empty()) return;
+  const uint32_t V = c.info().vocab_size;
+  ngc::MatchTables tables;
+  tables.static_cache = &c;
+  ngc::MatchParams params;
+  params.n_draft = 8;
+  ngc::DraftTree tree;
+  std::vector<ngc::Token> tail;
+  for (size_t at = 0, n = 0; at + 4 <= size && n < 16; at += 37, ++n) {
+    tail.clear();
+    for (size_t j = at; j + 4 <= size && tail.size() < 12; j += 4) tail.push_back(static_cast<ngc::Token>(le32(data + j) % V));
+    const ngc::CorpusMatch m = ngc::corpus_longest_match(ix, tail.data(), tail.size(), ix.depth);
+    NGC_FUZZ_CHECK(m.length <= tail.size() && m.length <= ix.depth && m.lo <= m.hi && m.hi <= ix.n_suffixes);
+    ngc::Token out[8];
+    NGC_FUZZ_CHECK(ngc::draft_match(tail.data(), tail.size(), tables, params, out) <= 8);
+    NGC_FUZZ_CHECK(ngc::draft_tree(tail.data(), tail.size(), tables, params, 8, &tree) <= 8);
+  }
+}
+
 // Every reader on a file that opened: never an out-of-bounds read, whatever the sections hold.
 void exercise(const ngc::StaticCache& c, const uint8_t* data, size_t size) {
   const ngc::StaticInfo& info = c.info();
@@ -129,6 +154,7 @@ void exercise(const ngc::StaticCache& c, const uint8_t* data, size_t size) {
       if (c.find(k, &found) == ngc::FindResult::kFound) read_part(c, found);
     }
   }
+  exercise_corpus(c, data, size);
 }
 
 // What verify() promises: on a file it accepts, the readers agree with each other.
@@ -173,6 +199,18 @@ void check_consistent(const ngc::StaticCache& c) {
     NGC_FUZZ_CHECK(c.find(key.tokens, &found) == ngc::FindResult::kFound);
     NGC_FUZZ_CHECK(same_part(found, part));
   }
+  // A verified index finds every string of its text: the tail ending at each token
+  // position (within its stream, at most the depth) matches at least that long.
+  const ngc::CorpusIndex& ix = c.corpus();
+  for (uint64_t p = 0; p < ix.n_text && p < 256; ++p) {
+    if (ix.text[p] == ngc::format::kSeparator) continue;
+    std::vector<ngc::Token> tail;
+    for (uint64_t q = p + 1; q-- > 0 && ix.text[q] != ngc::format::kSeparator && tail.size() < ix.depth;) {
+      tail.insert(tail.begin(), static_cast<ngc::Token>(ix.text[q]));
+    }
+    const ngc::CorpusMatch m = ngc::corpus_longest_match(ix, tail.data(), tail.size(), ix.depth);
+    NGC_FUZZ_CHECK(m.length == tail.size() && m.hi > m.lo);
+  }
 }
 
 void check_file(ngc::fuzz::MemFile& file, const uint8_t* data, size_t size) {
@@ -192,7 +230,8 @@ void check_file(ngc::fuzz::MemFile& file, const uint8_t* data, size_t size) {
   NGC_FUZZ_CHECK(cache->mapped_bytes() == size && g_block_size == size);
   // From here on only the sections are readable.
   ASAN_POISON_MEMORY_REGION(g_block, g_block_size);
-  for (const ngc::SectionInfo& sec : cache->info().sections) ASAN_UNPOISON_MEMORY_REGION(g_block + sec.offset, sec.length);
+  const ngc::StaticInfo& info = cache->info();
+  for (uint32_t i = 0; i < info.n_sections; ++i) ASAN_UNPOISON_MEMORY_REGION(g_block + info.sections[i].offset, info.sections[i].length);
 
   const bool verified = cache->verify().ok();
   exercise(*cache, data, size);

@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "ngc/builder.h"
 #include "ngc/llama_format.h"
 #include "ngc/static_cache.h"
 #include "ngc/static_writer.h"
@@ -87,6 +88,36 @@ int main(int argc, char** argv) {
         if (!s.ok()) return fail(llama_dir, s);
         n_files += 2;
       }
+    }
+  }
+  // Version-2 files: small corpora with their index (depths 1-32, one to three streams).
+  for (uint32_t V : {2u, 5u, 40u}) {
+    for (uint32_t depth : {1u, 3u, 32u}) {
+      std::vector<std::vector<ngc::Token>> streams(1 + rng() % 3);
+      for (auto& st : streams) {
+        st.resize(1 + rng() % 60);
+        for (auto& t : st) t = static_cast<ngc::Token>(rng() % V);
+      }
+      ngc::BuilderOptions o;
+      o.header.ngram_size = 2;
+      o.header.vocab_size = V;
+      o.corpus_index = true;
+      o.index_depth = depth;
+      o.threads = 1;
+      const std::string path = static_dir + "/index_v" + std::to_string(V) + "_d" + std::to_string(depth) + ".ngc";
+      std::unique_ptr<ngc::Builder> b;
+      ngc::Status s = ngc::Builder::create(o, path, &b);
+      for (const auto& st : streams) {
+        if (!s.ok()) break;
+        b->begin_stream();
+        s = b->add_tokens(st.data(), st.size());
+      }
+      if (s.ok()) s = b->finish();
+      std::unique_ptr<ngc::StaticCache> cache;
+      if (s.ok()) s = ngc::StaticCache::open(path, &cache);
+      if (s.ok()) s = cache->verify();
+      if (!s.ok()) return fail(path, s);
+      ++n_files;
     }
   }
   std::ofstream(llama_dir + "/empty.bin");
