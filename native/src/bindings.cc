@@ -167,6 +167,7 @@ ngc::MatchParams match_params_from(nb::handle overrides) {
     else if (key == "extend") p.extend = in(0, 1) != 0;
     else if (key == "count_option") p.count_option = in(0, 1) != 0;
     else if (key == "count_prior") p.count_prior = in(0, 1e6);
+    else if (key == "corpus_prior") p.corpus_prior = in(0, 1e6);
     else if (key == "max_options") p.max_options = static_cast<int>(in(1, 8));
     else if (key == "history_tokens") p.history_tokens = static_cast<size_t>(in(0, 1e9));
     else if (key == "corpus_min_match") p.corpus_min_match = static_cast<int>(in(1, 64));
@@ -365,6 +366,7 @@ NB_MODULE(_core, m) {
     d["max_options"] = p.max_options;
     d["prior"] = p.prior;
     d["count_prior"] = p.count_prior;
+    d["corpus_prior"] = p.corpus_prior;
     d["min_prob"] = p.min_prob;
     d["tree_min_prob"] = p.tree_min_prob;
     d["length_factor"] = p.length_factor;

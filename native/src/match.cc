@@ -144,8 +144,9 @@ int gather_options(const Sources& s, const MatchParams& p, Option* out) {
 
 // The probability that the next token is the most frequent one: its share of the
 // occurrences that go on, shrunk towards 0 by a prior that a longer match needs less of.
-double share(int count, int live, uint32_t length, const MatchParams& p) {
-  return count / (live + p.prior / std::max<uint32_t>(length, 1));
+double share(int count, int live, const Option& o, const MatchParams& p) {
+  const double prior = o.n > 0 && o.src[0] == Source::kCorpus ? p.corpus_prior : p.prior;
+  return count / (live + prior / std::max<uint32_t>(o.length, 1));
 }
 
 // Follows one option forward greedily: the draft in out[0..), its length, and its score
@@ -175,7 +176,7 @@ int walk(const Sources& s, const Option& o, const MatchParams& p, int limit, Tok
       if (best < 0 || counts[d] > counts[best]) best = d;  // ties: the earlier occurrence's
     }
     if (live == 0) break;
-    prob *= share(counts[best], live, o.length, p);
+    prob *= share(counts[best], live, o, p);
     if (prob < p.min_prob) break;
     *score += prob;
     *last_prob = prob;
@@ -373,7 +374,7 @@ int draft_tree(const Token* seq, size_t n_seq, const MatchTables& t, const Match
         if ((left >> j & 1) && next_of[j] == next_of[k]) child |= uint64_t{1} << j;
       }
       left &= ~child;
-      const double q = prob * share(__builtin_popcountll(child), live, o.length, p);
+      const double q = prob * share(__builtin_popcountll(child), live, o, p);
       if (q >= p.tree_min_prob) pending.push_back({q, parent, depth, next_of[k], opt, child});
     }
   };

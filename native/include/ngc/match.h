@@ -43,8 +43,9 @@ struct MatchParams {
   int max_candidates = 8;    // occurrences followed per match (1..64)
   int max_options = 2;       // match lengths tried per source (their drafts compete)
   double prior = 1.0;        // added to the live occurrences, over the match length, in a token's probability
+  double corpus_prior = 2.0; // the same for the corpus index's occurrences (trusted less)
   double count_prior = 1.0;  // the same for the count tables, over the n-gram size
-  double min_prob = 0.3;     // the least probability of the whole linear draft
+  double min_prob = 0.25;    // the least probability of the whole linear draft
   double tree_min_prob = 0.05;  // the least probability of a tree node (the budget bounds the tree)
   double length_factor = 1;  // a match of L tokens drafts at most ceil(factor x L) tokens
   size_t history_tokens = size_t{1} << 20;  // earlier sequences' tokens kept for matches
