@@ -265,7 +265,19 @@ int corpus_matches(const CorpusIndex& ix, const Token* tail, size_t n, uint32_t 
       if (back(mid) < want) a = mid + 1; else b = mid;
     }
     const uint64_t first = a;
+    // The end of the equal entries: gallop from `first` (the run narrows fast, so the
+    // sub-run is usually short), then binary search the last gap.
+    uint64_t step = 1;
     b = hi;
+    while (a < hi && back(a) == want) {
+      const uint64_t next = a + step;
+      if (next >= hi || back(next) != want) {
+        b = std::min(next, hi);
+        break;
+      }
+      a = next + 1;
+      step *= 2;
+    }
     while (a < b) {
       const uint64_t mid = a + (b - a) / 2;
       if (back(mid) <= want) a = mid + 1; else b = mid;
