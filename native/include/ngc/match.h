@@ -1,24 +1,31 @@
-// The "match" drafting mode: longest-match lookups over the sequence itself and over the
-// static file's corpus index, continued by the most frequent continuation.
+// The "match" drafting mode: copy what followed earlier occurrences of the sequence's
+// tail, from three texts, and let the count tables compete.
 //
-// A step finds the longest suffix of sequence + draft that occurred before:
-//   - in the sequence, through a SeqIndex (a hash chain of the positions of each bigram,
-//     as LZ77 compressors keep one), comparing backwards from each of the most recent
-//     max_chain positions;
-//   - in the corpus, through the corpus index (static_format.h: TEXT, SUFFIXES, BUCKETS),
-//     narrowing a sorted run of positions one token further back at a time.
-// The longer match wins (the sequence's on ties, or when the corpus's is only one token
-// longer). Its occurrences (up to max_candidates, spread evenly over a long run) are the
-// candidates; the draft follows them forward, each token the most frequent next token of
-// the candidates still agreeing with the draft. A token is drafted only while the
-// estimated probability that the whole draft so far is right stays at or above min_prob:
-// each token multiplies it by agree / (live + prior), so one occurrence supports a short
-// draft and many agreeing ones a long draft. A match also caps the draft at
-// length_factor x its length. With no match of min_match tokens, the step drafts as the
-// compatible mode does (drafter.h) from the same tables.
+// A step looks up the tail of the sequence:
+//   - in the sequence itself and in the drafter's earlier sequences (the history), through
+//     SeqIndex hash chains (seq_index.h): the most recent max_chain occurrences of the last
+//     two tokens, each compared backwards to find how long it matches;
+//   - in the corpus index of the static file (static_format.h: TEXT, SUFFIXES, BUCKETS):
+//     a sorted run of positions narrowed one token further back at a time, every match
+//     length's run kept (corpus_matches).
+// Each source gives options: its max_options longest distinct match lengths, each with up
+// to max_candidates occurrences (spread evenly over a long run). An option's draft follows
+// its occurrences forward: each token is the most frequent next token of the occurrences
+// still agreeing with the draft, with probability agree / (live + prior / L) (prior is
+// corpus_prior for the corpus; L the match length), and the draft goes on while the product
+// of those probabilities stays >= min_prob, for at most ceil(length_factor x L) tokens. The
+// count tables' walk (count_option: the best follower of the longest n-gram the context,
+// else the dynamic table, knows at the tail, probability count / (total + count_prior / n))
+// is one more option. The option with the most expected accepted tokens (the sum of its
+// prefix probabilities) wins; with none, the step drafts as the compatible mode does
+// (drafter.h) from the same tables (fallback).
 //
-// draft_tree() grows a tree instead: the most probable unexpanded continuation first,
-// until `budget` nodes, for engines that verify a tree in one pass.
+// draft_tree() grows every option at once, best first: the most probable continuation not
+// yet in the tree becomes the next node (one node for the same token under the same parent)
+// until `budget` nodes or tree_min_prob, for engines that verify a tree in one pass.
+//
+// Every read of TEXT, SUFFIXES and BUCKETS is bounds-checked: a damaged index gives shorter
+// matches or none, never an out-of-bounds read.
 #pragma once
 
 #include <cstddef>
