@@ -36,7 +36,10 @@ async def _abort(exc: BaseException, context: aio.ServicerContext, method: str) 
 
 def _passes_through(exc: BaseException) -> bool:
     # context.abort raises an AbortError-like exception that grpc handles; cancellation too.
-    return isinstance(exc, asyncio.CancelledError) or type(exc).__module__.startswith("grpc")
+    # GeneratorExit is grpc closing a response stream whose call has ended (the client
+    # cancelled or went away): the call is gone, so aborting it is wrong (grpc.aio crashed
+    # on it, a NULL dereference in cygrpc, when a client dropped a Pull stream).
+    return isinstance(exc, (asyncio.CancelledError, GeneratorExit)) or type(exc).__module__.startswith("grpc")
 
 
 class _Malformed:
