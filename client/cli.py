@@ -450,6 +450,8 @@ def _add_tokens(builder: StaticBuilder, path: Path, tokens: np.ndarray, start: i
 
 
 def cmd_build(args: argparse.Namespace) -> int:
+    if args.index_depth is not None and not args.corpus_index:
+        raise InvalidArgumentError("--index-depth sets the depth of the corpus index: add --corpus-index")
     items = corpus.collect_inputs(args.inputs)
     check_output(args.output, args.inputs)
     if args.scratch_dir is not None:
@@ -460,7 +462,7 @@ def cmd_build(args: argparse.Namespace) -> int:
     vocab, fingerprint, source = _vocab_and_fingerprint(args, tokenizer)
     builder = StaticBuilder(args.output, vocab, args.ngram_size, fingerprint=fingerprint, generation=args.generation,
                             memory_budget=args.memory_budget, scratch_dir=args.scratch_dir or "", threads=args.threads,
-                            corpus_index=args.corpus_index, index_depth=args.index_depth)
+                            corpus_index=args.corpus_index, index_depth=args.index_depth or 32)
     total = sum(i.size for i in items)
     t0 = time.perf_counter()
     t_tokenize = 0.0
@@ -816,7 +818,7 @@ def build_parser(extra_commands: Iterable[CommandHook] = ()) -> argparse.Argumen
                             "bytes per token in the file). The index takes half of --memory-budget, 32 bytes a "
                             "token while it is sorted; tokens past that are counted but not indexed (a warning says "
                             "how many)")
-    build.add_argument("--index-depth", type=_int_in(1, 64), default=32, metavar="D",
+    build.add_argument("--index-depth", type=_int_in(1, 64), default=None, metavar="D",
                        help="with --corpus-index: the longest match the index finds, 1..64 tokens (default 32)")
     build.add_argument("--json", action="store_true",
                        help="print one JSON object of figures (tokens, keys, bytes, seconds, peak RSS) instead of "

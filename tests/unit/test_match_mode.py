@@ -375,3 +375,6 @@ def test_build_stats_and_inspect_in_the_match_mode(tmp_path, capsys):
     assert figures["match", 0]["n_accept"] > 1500
     rc, _, err = cli(capsys, "stats", "--input", test, "--tree-budget", 8)
     assert rc == 2 and "--tree-budget needs --mode match" in err
+    rc, _, err = cli(capsys, "build", src, "-o", tmp_path / "d.ngc", "--vocab-size", 500, "--fingerprint", "untagged",
+                     "--index-depth", 8)
+    assert rc == 2 and "add --corpus-index" in err and not (tmp_path / "d.ngc").exists()
