@@ -98,11 +98,11 @@ class PeerDrafter:
         """The request finished."""
 
     def draft(self, context: TokenSeq, n_draft: int) -> list[int]:
-        raise NotImplementedError
+        raise TypeError(f"{self.name} drafts no lines (it is a tree method: replay calls draft_tree)")
 
     def draft_tree(self, context: TokenSeq, n_draft: int) -> tuple[list[int], list[int]]:
         """Token ids and, for each, the index of its parent (-1: a child of the root)."""
-        raise NotImplementedError
+        raise TypeError(f"{self.name} drafts no trees (set tree = True and override draft_tree)")
 
 
 class VllmNgram(PeerDrafter):
