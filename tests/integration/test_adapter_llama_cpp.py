@@ -19,7 +19,7 @@ from model_helpers import (  # tests/ is on sys.path (tests/conftest.py)
 from ngramcache import UNTAGGED, CountTable, Drafter, StaticCache, build_static_from_tokens
 from ngramcache.client.adapters.llama_cpp import DraftStats, NgramDraftModel
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.engine]
 
 NEW_TOKENS = 48
 VOCAB = 50

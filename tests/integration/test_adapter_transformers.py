@@ -23,7 +23,7 @@ from ngramcache import UNTAGGED, CountTable, Drafter, RemoteDrafter, StaticCache
 from ngramcache.client._proto.v1 import admin_pb2, admin_pb2_grpc
 from ngramcache.client.adapters.transformers import DraftStats, NgramCandidateGenerator, generate, ngram_decoding
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.engine]
 
 NEW_TOKENS = 48
 
