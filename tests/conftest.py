@@ -5,7 +5,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from isolation import pytest_configure, pytest_runtest_logreport, pytest_runtest_protocol  # noqa: E402
+from isolation import pytest_configure, pytest_runtest_logreport, pytest_runtest_protocol
 
 __all__ = ["pytest_configure", "pytest_runtest_logreport", "pytest_runtest_protocol", "pytest_terminal_summary"]
 
