@@ -1,1 +1,1 @@
-"""ngramcache's service side: the dynamic counts store and (later) the gRPC server."""
+"""ngramcache's service side: the gRPC server (`server.create_server`), its servicers and interceptors, the counts store (`counts/`), static generations, rebuilds and the service's commands."""

@@ -10,10 +10,12 @@ import logging
 import os
 import signal
 import sys
+from pathlib import Path
 
 from ngramcache.client import cli as client_cli
-from ngramcache.client.errors import BackendUnavailableError, InvalidArgumentError
+from ngramcache.client.errors import InvalidArgumentError
 
+from .admin_commands import add_namespace, add_publish, add_rebuild
 from .config import ENV_PREFIX, ServiceConfig
 from .interceptors.logging import LOG_FIELDS
 from .security import ALL_NAMESPACES, MIN_TOKEN_CHARS, Role, new_token, token_sha256, token_toml
@@ -56,6 +58,8 @@ _HELP = {
                                 "the view's key minimum doubles (default 20000, 1.1 MB/s)",
     "keep_generations": "generations each replica keeps per namespace, the newest one included: what a rebuild "
                         "keeps unless it says otherwise, and what a replica keeps after fetching one (default 3)",
+    "corpus_root": "folders (separated by ':') whose token files a rebuild request may name with --corpus; a path "
+                   "outside them is refused (default: none, so rebuilds read only the store's counts; docs/security.md)",
     "rebuild_every": "seconds between scheduled rebuilds of every namespace; replicas race for each namespace's "
                      "lease and one wins (default 0: only `ngramcache rebuild` / Admin.StartRebuild)",
     "rebuild_lease_seconds": "seconds a rebuild's lease lasts unless renewed (it is renewed every third of it; "
@@ -120,9 +124,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
     root = logging.getLogger("ngramcache")
     root.handlers[:] = [handler]
     root.setLevel(logging.INFO)
-    if config.workers > 1:
-        return _serve_workers(config, args)
-    return asyncio.run(_serve(config))
+    from .data_lock import HELD_BY_PARENT_ENV, DataDirLock
+
+    lock = DataDirLock(config.data_dir)
+    if os.environ.get(HELD_BY_PARENT_ENV) != str(Path(config.data_dir).resolve()):
+        lock.acquire()  # a second server on this data directory exits 2 here, in one line
+    try:
+        if config.workers > 1:
+            return _serve_workers(config, args)
+        return asyncio.run(_serve(config))
+    finally:
+        lock.release()
 
 
 def _free_port(host: str) -> int:
@@ -148,6 +160,9 @@ def _serve_workers(config: ServiceConfig, args: argparse.Namespace) -> int:
         if value is not None:
             env[ENV_PREFIX + f.name.upper()] = str(value).lower() if isinstance(value, bool) else str(value)
     env.update({ENV_PREFIX + "WORKERS": "1", ENV_PREFIX + "REUSE_PORT": "true", ENV_PREFIX + "PORT": str(port)})
+    from .data_lock import HELD_BY_PARENT_ENV
+
+    env[HELD_BY_PARENT_ENV] = str(Path(config.data_dir).resolve())  # this process holds the data directory's lock
     argv = [sys.executable, "-c", "import sys; from ngramcache.cache_service.cli import main; sys.exit(main())",
             "serve", *(["--log-json"] if args.log_json else [])]
     def worker_env(i: int) -> dict[str, str]:
@@ -188,8 +203,6 @@ def _serve_workers(config: ServiceConfig, args: argparse.Namespace) -> int:
 async def _serve(config: ServiceConfig) -> int:
     from .server import create_server
 
-    service, port = await create_server(config)
-    print(f"ngramcache serve: listening on {config.host}:{port}", flush=True)
     stop = asyncio.Event()
     got: list[int] = []
     loop = asyncio.get_running_loop()
@@ -198,8 +211,11 @@ async def _serve(config: ServiceConfig) -> int:
         got.append(sig)
         stop.set()
 
+    # Before the server starts and says so: a SIGTERM right after "listening" drains, never kills.
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal, sig)
+    service, port = await create_server(config)
+    print(f"ngramcache serve: listening on {config.host}:{port}", flush=True)
     waiter = asyncio.create_task(service.wait_for_termination())
     stopper = asyncio.create_task(stop.wait())
     await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)
@@ -244,98 +260,10 @@ def cmd_token_hash(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_rebuild(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser(
-        "rebuild", help="ask a service to fold a namespace's counts into its next static generation",
-        description="Asks the service at --server to rebuild NAMESPACE: fold its dynamic counts (and the previous "
-        "generation, and token files on the server) into the next static generation and publish it; every client "
-        "and session swaps to it. One rebuild per namespace runs at a time across all replicas (a lease in the "
-        "counts store); if one is running, this says where and exits 2 (as for every error). Shows progress until it ends (Ctrl-C stops "
-        "watching, not the rebuild). Needs a token with the admin role when the service checks tokens.")
-    p.add_argument("--namespace", required=True, metavar="NS", help="the namespace to rebuild")
-    p.add_argument("--server", required=True, metavar="HOST:PORT", help="a replica of the service")
-    p.add_argument("--tls-ca", metavar="PEM",
-                   help="connect with TLS, trusting the CA certificates in this file (default: plaintext)")
-    p.add_argument("--token", default=os.environ.get("NGC_TOKEN"),
-                   help="bearer token with the admin role (default: $NGC_TOKEN)")
-    p.add_argument("--min-count", type=int, default=1, help="leave out dynamic counts below this (default 1)")
-    p.add_argument("--ngram-size", type=int, default=0, choices=range(0, 5), metavar="N",
-                   help="tokens per key of the new file, 1..4 (default: the previous generation's, else 2)")
-    p.add_argument("--include-previous", action="store_true",
-                   help="fold the latest generation in as well; only for one published from a corpus (folding one "
-                        "a rebuild made would count the dynamic counts twice, and is refused)")
-    p.add_argument("--decay", type=float, default=1.0,
-                   help="with --include-previous: multiply its counts by this, in (0, 1] (default 1: no decay)")
-    p.add_argument("--corpus", action="append", default=[], metavar="PATH",
-                   help="token files or folders (.bin/.tokens/.npy) on the server to add; repeat for more")
-    p.add_argument("--keep", type=int, default=3, help="published generations kept, this one included (default 3)")
-    p.add_argument("--no-wait", action="store_true", help="return once the rebuild started")
-    p.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the server to answer (default 10)")
-    p.set_defaults(func=cmd_rebuild)
-
-
-def cmd_rebuild(args: argparse.Namespace) -> int:
-    import time
-
-    import grpc
-
-    from ngramcache.client._proto.v1 import admin_pb2, admin_pb2_grpc
-    from ngramcache.client.sync import error_from_rpc
-
-    if not 0 < args.decay <= 1:
-        raise InvalidArgumentError(f"--decay must be in (0, 1], got {args.decay}")
-    if args.min_count < 1 or args.keep < 1:
-        raise InvalidArgumentError("--min-count and --keep must be >= 1")
-    metadata = (("authorization", f"Bearer {args.token}"),) if args.token else ()
-    if args.tls_ca:
-        try:
-            with open(args.tls_ca, "rb") as f:
-                credentials = grpc.ssl_channel_credentials(root_certificates=f.read())
-        except OSError as e:
-            raise InvalidArgumentError(f"--tls-ca {args.tls_ca}: {e.strerror}") from None
-        channel_cm = grpc.secure_channel(args.server, credentials)
-    else:
-        channel_cm = grpc.insecure_channel(args.server)
-    with channel_cm as channel:
-        stub = admin_pb2_grpc.AdminStub(channel)
-        try:
-            grpc.channel_ready_future(channel).result(timeout=args.timeout)
-        except grpc.FutureTimeoutError:
-            raise BackendUnavailableError(f"no service answered at {args.server} within {args.timeout:g} s") from None
-        try:
-            status = stub.StartRebuild(admin_pb2.StartRebuildRequest(
-                namespace=args.namespace, min_count=args.min_count, ngram_size=args.ngram_size,
-                include_previous=args.include_previous, decay=args.decay, corpus=args.corpus, keep=args.keep),
-                timeout=args.timeout, metadata=metadata)
-            print(f"rebuilding {args.namespace} on {status.holder} (lease token {status.lease_token})", flush=True)
-            if args.no_wait:
-                return 0
-            shown = ""
-            while status.state == "running":
-                line = (f"  {status.phase or 'starting'}: {status.previous_rows:,} previous rows, "
-                        f"{status.dynamic_rows:,} dynamic rows, {status.corpus_tokens:,} corpus tokens")
-                if line != shown:
-                    print(line, flush=True)
-                    shown = line
-                time.sleep(0.5)
-                status = stub.GetRebuildStatus(admin_pb2.GetRebuildStatusRequest(namespace=args.namespace),
-                                               timeout=args.timeout, metadata=metadata)
-        except grpc.RpcError as e:
-            raise error_from_rpc(e) from None
-    seconds = (status.finished_unix_ms - status.started_unix_ms) / 1000
-    if status.state != "done":
-        print(f"ngramcache rebuild: error: the rebuild of {args.namespace} failed after {seconds:.1f} s: {status.error}",
-              file=sys.stderr)
-        return client_cli.EXIT_ERROR
-    print(f"published generation {status.generation} of {args.namespace} in {seconds:.1f} s: {status.n_keys:,} keys, "
-          f"{status.n_followers:,} followers, {status.file_bytes / 1e6:.2f} MB ({status.dynamic_rows:,} dynamic rows, "
-          f"{status.previous_rows:,} previous rows, {status.corpus_tokens:,} corpus tokens)")
-    return 0
-
-
 def main(argv: list[str] | None = None) -> int:
     """The `ngramcache` console script: the client's commands plus `serve`, `rebuild` and `token-hash`."""
-    return client_cli.main(argv, extra_commands=[add_demo_service, add_serve, add_rebuild, add_token_hash])
+    return client_cli.main(argv, extra_commands=[add_demo_service, add_serve, add_rebuild, add_namespace, add_publish,
+                                                 add_token_hash])
 
 
 
@@ -354,9 +282,9 @@ def add_demo_service(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         "A accepts takes to reach B's drafts, then drafts one file over a remote Session. Everything it "
         "started is stopped and the temporary folder removed, also on Ctrl-C.")
     demo.add_argument("--no-serve", action="store_true", help="stop after the local replay (default: serve too)")
-    demo.add_argument("--port", type=client_cli._int_in(0, 65535), default=0, metavar="N",
+    demo.add_argument("--port", type=client_cli.int_in(0, 65535), default=0, metavar="N",
                       help="loopback port of the service (default 0: a free one)")
-    demo.add_argument("--probes", type=client_cli._int_in(0, 100), default=5, metavar="N",
+    demo.add_argument("--probes", type=client_cli.int_in(0, 100), default=5, metavar="N",
                       help="push-to-visible measurements, 0..100 (default 5)")
     demo.set_defaults(func=cmd_demo)
 

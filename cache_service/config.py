@@ -25,6 +25,15 @@ from .security import load_tokens, read_tls_files
 ENV_PREFIX = "NGC_"
 
 
+# Upper bounds of the numeric settings: what gRPC's int32 channel arguments take, and intervals past
+# which a setting no longer does its job (a mirror refreshed once a day is no mirror).
+_INT_MAX = {"max_message_bytes": 2**31 - 1, "max_streams_per_connection": 2**31 - 1, "max_sessions": 10**7,
+            "max_sessions_per_client": 10**7, "store_threads": 1024, "workers": 256, "view_top_k": 64,
+            "keep_generations": 10**6}
+_SECONDS_MAX = {"session_idle_timeout": 7 * 86400.0, "mirror_interval": 60.0, "grace_period": 3600.0,
+                "rebuild_lease_seconds": 3600.0, "peer_sync_interval": 3600.0, "rebuild_every": 30 * 86400.0}
+
+
 @dataclasses.dataclass
 class ServiceConfig:
     """Settings of one service process (see ``ngramcache serve --help`` for each)."""
@@ -60,6 +69,7 @@ class ServiceConfig:
     view_max_rows: int = 2_000_000  # rows in the view; over it, its key minimum doubles
     view_max_rows_per_second: int = 20_000  # rows logged per second (each client's pull); over it, the same
     # Rebuilds (cache_service/rebuild.py)
+    corpus_root: str | None = None  # folders (":"-separated) a rebuild request may name corpus files under; "": none
     keep_generations: int = 3  # generations a replica keeps per namespace (rebuilds' default, and after a fetch)
     rebuild_every: float = 0.0  # seconds between scheduled rebuilds of every namespace (0: only on request)
     rebuild_lease_seconds: float = 30.0  # a rebuild's lease without renewal (renewed every third of it)
@@ -92,15 +102,18 @@ class ServiceConfig:
                      "max_push_rows", "max_chunk_rows", "max_message_bytes", "max_file_bytes", "store_threads",
                      "workers", "view_top_k", "view_max_rows", "view_max_rows_per_second", "keep_generations"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise InvalidArgumentError(f"{name} must be a positive integer, got {value!r}")
-        if not math.isfinite(self.rebuild_every) or self.rebuild_every < 0:
-            raise InvalidArgumentError(f"rebuild_every must be a number of seconds >= 0 (0: off), got {self.rebuild_every!r}")
+            top = _INT_MAX.get(name, 1 << 62)
+            if not isinstance(value, int) or not 1 <= value <= top:
+                raise InvalidArgumentError(f"{name} must be an integer in 1..{top}, got {value!r}")
+        if not math.isfinite(self.rebuild_every) or not 0 <= self.rebuild_every <= _SECONDS_MAX["rebuild_every"]:
+            raise InvalidArgumentError(f"rebuild_every must be a number of seconds in 0..{_SECONDS_MAX['rebuild_every']:g} "
+                                       f"(0: off), got {self.rebuild_every!r}")
         for name in ("session_idle_timeout", "mirror_interval", "grace_period", "rebuild_lease_seconds",
                      "peer_sync_interval"):
             value = getattr(self, name)
-            if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-                raise InvalidArgumentError(f"{name} must be a positive number of seconds, got {value!r}")
+            longest = _SECONDS_MAX[name]
+            if not isinstance(value, (int, float)) or not math.isfinite(value) or not 0 < value <= longest:
+                raise InvalidArgumentError(f"{name} must be a number of seconds in (0, {longest:g}], got {value!r}")
         if not 1 <= self.view_top_k <= 64:
             raise InvalidArgumentError(f"view_top_k must be in 1..64, got {self.view_top_k!r}")
         if not isinstance(self.view_min_change_pct, int) or self.view_min_change_pct < 0:
@@ -219,6 +232,8 @@ def _read_file(path: str) -> dict[str, Any]:
         raise InvalidArgumentError(f"--config {path}: is a folder, not a TOML file") from None
     except tomllib.TOMLDecodeError as e:
         raise InvalidArgumentError(f"--config {path}: not valid TOML: {e}") from None
+    except UnicodeDecodeError:
+        raise InvalidArgumentError(f"--config {path}: not a text (TOML) file") from None
     unknown = sorted(set(doc) - set(_FIELDS))
     if unknown:
         raise InvalidArgumentError(f"--config {path}: unknown setting(s) {', '.join(unknown)}; known: {', '.join(_FIELDS)}")

@@ -424,7 +424,7 @@ async def _prepare(port: int, data: bytes) -> None:
 
     from ngramcache import UNTAGGED
     from ngramcache.client._proto.v1 import admin_pb2, admin_pb2_grpc, static_files_pb2, static_files_pb2_grpc
-    from ngramcache.client.sync import error_from_rpc
+    from ngramcache.client.transport import error_from_rpc
 
     async def upload(namespace: str) -> AsyncIterator[static_files_pb2.PublishRequest]:
         yield static_files_pb2.PublishRequest(header=static_files_pb2.PublishHeader(

@@ -21,6 +21,7 @@ from grpc import aio
 
 from ngramcache.client._proto.v1 import static_files_pb2, static_files_pb2_grpc
 from ngramcache.client.errors import BackendUnavailableError, NgramCacheError
+from ngramcache.client.transport import auth_metadata
 
 from .counts import CountsStore, NamespaceInfo
 from .static_store import StaticStore
@@ -49,7 +50,7 @@ class PeerSync:
         self._store: CountsStore = runner.store
         self._static = static_store
         self.location = location
-        self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        self._metadata = auth_metadata(token)
         self._credentials = grpc.ssl_channel_credentials(root_certificates=tls_ca) if tls_ca else None
         self._attempts = attempts
         self.fetched = 0  # generations installed from peers (metrics)

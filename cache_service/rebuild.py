@@ -42,6 +42,7 @@ from ngramcache.client.corpus import collect_inputs, is_token_file, token_stream
 from ngramcache.client.errors import InvalidArgumentError, LeaseHeldError, LeaseLostError
 from ngramcache.client.rows import COUNT, N
 
+from .confinement import check_under_roots, confine_corpus
 from .counts import CountsStore
 from .counts.store import Lease, not_newer
 from .peer_sync import PeerSync
@@ -88,9 +89,8 @@ class RebuildOptions:
             raise InvalidArgumentError(f"memory_budget must be at least 16 MiB, got {self.memory_budget}")
         if self.keep < 1:
             raise InvalidArgumentError(f"keep must be >= 1, got {self.keep}")
-        for path in self.corpus:
-            if not Path(path).exists():
-                raise InvalidArgumentError(f"corpus path {path} does not exist on the server")
+        # The corpus paths are checked by the Rebuilder against its corpus roots (confinement.py), after the
+        # namespace: an error here would tell a caller which paths exist.
 
 
 @dataclasses.dataclass
@@ -123,11 +123,15 @@ class Rebuilder:
         location: where other replicas can fetch what this one builds (host:port).
         lease_ttl: seconds a lease lasts without renewal; renewed every third of it.
         peer_sync: fetches a newer generation another replica committed before building on it.
+        corpus_roots: the folders a rebuild's corpus paths must lie under (resolved; none: no
+            corpus paths are taken).
     """
 
     def __init__(self, runner: StoreRunner, static_store: StaticStore, *, holder: str, location: str,
-                 lease_ttl: float = 30.0, peer_sync: PeerSync | None = None, default_keep: int = 3) -> None:
+                 lease_ttl: float = 30.0, peer_sync: PeerSync | None = None, default_keep: int = 3,
+                 corpus_roots: tuple[str, ...] = ()) -> None:
         self.peer_sync = peer_sync
+        self.corpus_roots = corpus_roots
         self.default_keep = default_keep
         self._runner = runner
         self._store: CountsStore = runner.store
@@ -180,6 +184,7 @@ class Rebuilder:
             raise LeaseHeldError(f"a rebuild of {namespace!r} is running on this replica ({self.holder}), "
                                  f"phase {self._status[namespace].phase}")
         info = await self._runner.call(self._store.namespace_info, namespace)
+        options = dataclasses.replace(options, corpus=confine_corpus(options.corpus, self.corpus_roots))
         lease = await self._runner.call(self._store.acquire_lease, namespace, self.holder, self._ttl_ms)
         status = RebuildStatus(namespace, state="running", phase="starting", lease_token=lease.token,
                                started_unix_ms=int(time.time() * 1000))
@@ -191,6 +196,8 @@ class Rebuilder:
     async def _run(self, info: Any, lease: Lease, options: RebuildOptions, status: RebuildStatus) -> RebuildStatus:
         renewer = asyncio.create_task(self._renew(lease))
         tmp: Path | None = None
+        # The state a poll sees stays "running" until the lease is released and the finish time set.
+        final_state, final_error = "failed", "ended unexpectedly"
         try:
             if self.peer_sync is not None:  # fold in the newest generation, even one another replica built
                 await self.peer_sync.sync(info)
@@ -218,7 +225,7 @@ class Rebuilder:
             await self._add_dynamic(builder, info.name, ngram_size, options.min_count, status, renewer)
             if options.corpus:
                 status.phase = "corpus"
-                await asyncio.to_thread(self._add_corpus, builder, options.corpus, status)
+                await asyncio.to_thread(self._add_corpus, builder, options.corpus, status, self.corpus_roots)
             if not (status.dynamic_rows or status.previous_rows or status.corpus_tokens):
                 raise InvalidArgumentError(
                     f"nothing to fold into a generation of {info.name!r}: no dynamic counts of {ngram_size}-grams "
@@ -237,20 +244,21 @@ class Rebuilder:
                                        generation=status.generation)
             tmp = None  # the store owns it now
             await self._static.retain(info.name, options.keep)
-            status.state, status.phase = "done", ""
+            status.phase = ""
+            final_state, final_error = "done", ""
             self.completed += 1
             log.info("namespace %s: rebuilt generation %d (%d keys, %d followers, %d bytes; %d dynamic rows, "
                      "%d previous rows, %d corpus tokens)", info.name, status.generation, status.n_keys,
                      status.n_followers, status.file_bytes, status.dynamic_rows, status.previous_rows,
                      status.corpus_tokens)
         except asyncio.CancelledError:
-            status.state, status.error = "failed", "cancelled (the service is stopping)"
+            final_error = "cancelled (the service is stopping)"
             self.failed += 1
             raise
         except Exception as e:
-            status.state, status.error = "failed", f"{type(e).__name__}: {e}"
+            final_error = f"{type(e).__name__}: {e}"
             self.failed += 1
-            log.error("namespace %s: rebuild of generation %d failed: %s", info.name, status.generation, status.error)
+            log.error("namespace %s: rebuild of generation %d failed: %s", info.name, status.generation, final_error)
         finally:
             renewer.cancel()
             with contextlib.suppress(BaseException):
@@ -259,7 +267,9 @@ class Rebuilder:
                 tmp.unlink(missing_ok=True)
             with contextlib.suppress(Exception):
                 await self._runner.call(self._store.release_lease, lease)
-            status.finished_unix_ms = int(time.time() * 1000)
+            status.finished_unix_ms = max(int(time.time() * 1000), status.started_unix_ms)
+            status.error = final_error
+            status.state = final_state  # last: a poll that sees it done or failed sees the rest too
         return dataclasses.replace(status)
 
     async def _renew(self, lease: Lease) -> None:
@@ -303,8 +313,10 @@ class Rebuilder:
                     await self._runner.call(close)
 
     @staticmethod
-    def _add_corpus(builder: StaticBuilder, corpus: tuple[str, ...], status: RebuildStatus) -> None:
+    def _add_corpus(builder: StaticBuilder, corpus: tuple[str, ...], status: RebuildStatus,
+                    roots: tuple[str, ...]) -> None:
         for item in collect_inputs(list(corpus)):
+            check_under_roots(str(item.path), roots)  # a file in a named folder may link out of the roots
             if not is_token_file(item.path):
                 raise InvalidArgumentError(f"{item.path}: a rebuild reads token files (.bin, .tokens, .npy), "
                                            "not text (tokenize it with `ngramcache build` or pre-tokenize it)")

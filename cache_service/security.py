@@ -191,6 +191,8 @@ def load_tokens(path: str) -> TokenTable:
         raise InvalidArgumentError(f"{where}: not readable (permission denied)") from None
     except tomllib.TOMLDecodeError as e:
         raise InvalidArgumentError(f"{where}: not valid TOML: {e}") from None
+    except UnicodeDecodeError:
+        raise InvalidArgumentError(f"{where}: not a text (TOML) file") from None
     unknown = sorted(set(doc) - {"token"})
     if unknown:
         raise InvalidArgumentError(f"{where}: unknown top-level key(s) {', '.join(unknown)}; tokens are [[token]] tables")

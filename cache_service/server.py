@@ -35,6 +35,7 @@ from ngramcache.client._proto.v1 import (
 from ngramcache.client.errors import BackendUnavailableError, LeaseHeldError, NamespaceNotFoundError, NgramCacheError
 
 from .config import ServiceConfig
+from .confinement import parse_roots
 from .counts import CountsStore, open_counts_store, redact_url
 from .interceptors.auth import AuthInterceptor
 from .interceptors.errors import ErrorInterceptor
@@ -174,7 +175,8 @@ async def create_server(config: ServiceConfig) -> tuple[Service, int]:
     metrics.watch_namespaces(registry.live)
     rebuilder = Rebuilder(runner, static_store, holder=f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}",
                           location=config.advertise_address or config.address(), lease_ttl=config.rebuild_lease_seconds,
-                          peer_sync=peer_sync, default_keep=config.keep_generations)
+                          peer_sync=peer_sync, default_keep=config.keep_generations,
+                          corpus_roots=parse_roots(config.corpus_root))
     options = [
         ("grpc.max_receive_message_length", config.max_message_bytes),
         ("grpc.max_send_message_length", config.max_message_bytes),

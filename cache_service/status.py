@@ -13,35 +13,26 @@ import dataclasses
 
 import grpc
 
-from ngramcache.client.errors import (
-    BackendUnavailableError,
-    BatchTooOldError,
-    CacheFormatError,
-    GenerationNotNewerError,
-    InvalidArgumentError,
-    LeaseHeldError,
-    LeaseLostError,
-    NamespaceNotFoundError,
-    NgramCacheError,
-    ResyncRequiredError,
-    StoreAuthenticationError,
-    TokenizerMismatchError,
+from ngramcache.client.errors import NgramCacheError, StoreAuthenticationError
+from ngramcache.client.wire_errors import (  # the reasons, re-exported for the servicers
+    BATCH_TOO_OLD,
+    CACHE_FORMAT,
+    CHECKSUM_MISMATCH,
+    GENERATION_NOT_NEWER,
+    LEASE_HELD,
+    LEASE_LOST,
+    LIMIT,
+    NAMESPACE_NOT_FOUND,
+    REASON_KEY,
+    RESYNC_REQUIRED,
+    SESSION_EVICTED,
+    TOKENIZER_MISMATCH,
+    WIRE_ERRORS,
 )
 
-REASON_KEY = "ngc-error-reason"
-
-# Reasons (docs/protocol.md): set where one code has several causes.
-TOKENIZER_MISMATCH = "TOKENIZER_MISMATCH"
-BATCH_TOO_OLD = "BATCH_TOO_OLD"
-RESYNC_REQUIRED = "RESYNC_REQUIRED"
-NAMESPACE_NOT_FOUND = "NAMESPACE_NOT_FOUND"
-SESSION_EVICTED = "SESSION_EVICTED"
-GENERATION_NOT_NEWER = "GENERATION_NOT_NEWER"
-CHECKSUM_MISMATCH = "CHECKSUM_MISMATCH"
-CACHE_FORMAT = "CACHE_FORMAT"
-LEASE_HELD = "LEASE_HELD"
-LEASE_LOST = "LEASE_LOST"
-LIMIT = "LIMIT"
+__all__ = ["BATCH_TOO_OLD", "CACHE_FORMAT", "CHECKSUM_MISMATCH", "GENERATION_NOT_NEWER", "LEASE_HELD", "LEASE_LOST",
+           "LIMIT", "NAMESPACE_NOT_FOUND", "REASON_KEY", "RESYNC_REQUIRED", "SESSION_EVICTED", "TOKENIZER_MISMATCH",
+           "ServiceError", "Status", "limit_exceeded", "status_of"]
 
 
 class ServiceError(NgramCacheError):
@@ -75,31 +66,33 @@ class Status:
         return ((REASON_KEY, self.reason),) if self.reason else ()
 
 
-# Most specific first: subclasses before their bases.
+# The wire error table, and before it the errors that exist only on this side. The store refused
+# the service's own credentials: the service is misconfigured, and to its clients it is
+# unavailable until an operator fixes it (it arrives as BackendUnavailableError).
 _MAPPING: tuple[tuple[type[BaseException], grpc.StatusCode, str | None], ...] = (
-    (NamespaceNotFoundError, grpc.StatusCode.NOT_FOUND, NAMESPACE_NOT_FOUND),
-    (BatchTooOldError, grpc.StatusCode.INVALID_ARGUMENT, BATCH_TOO_OLD),
-    (TokenizerMismatchError, grpc.StatusCode.FAILED_PRECONDITION, TOKENIZER_MISMATCH),
-    (ResyncRequiredError, grpc.StatusCode.OUT_OF_RANGE, RESYNC_REQUIRED),
-    (CacheFormatError, grpc.StatusCode.INVALID_ARGUMENT, CACHE_FORMAT),
-    (GenerationNotNewerError, grpc.StatusCode.FAILED_PRECONDITION, GENERATION_NOT_NEWER),
-    # A rebuild is running on another replica, or lost its lease midway: try again later.
-    (LeaseHeldError, grpc.StatusCode.ABORTED, LEASE_HELD),
-    (LeaseLostError, grpc.StatusCode.ABORTED, LEASE_LOST),
-    (InvalidArgumentError, grpc.StatusCode.INVALID_ARGUMENT, None),
-    # The store refused the service's own credentials: the service is misconfigured, and
-    # to its clients it is unavailable until an operator fixes it.
     (StoreAuthenticationError, grpc.StatusCode.UNAVAILABLE, None),
-    (BackendUnavailableError, grpc.StatusCode.UNAVAILABLE, None),
+    *WIRE_ERRORS,
 )
 
 
+MAX_MESSAGE = 1024
+"""Longest status message sent: a message quoting a huge client-supplied value must not push the
+trailers past gRPC's metadata limit (the call would end RESOURCE_EXHAUSTED instead)."""
+
+
 def status_of(exc: BaseException) -> Status:
-    """The status a call that raised `exc` ends with.
+    """The status a call that raised `exc` ends with (its message cut to `MAX_MESSAGE` characters).
 
     Library errors map by class; `ServiceError` carries its own code; anything else is a
     bug and ends INTERNAL with its type and message (never a traceback on the wire).
     """
+    status = _status_of(exc)
+    if len(status.message) > MAX_MESSAGE:
+        status = dataclasses.replace(status, message=status.message[:MAX_MESSAGE - 20] + "... (message cut)")
+    return status
+
+
+def _status_of(exc: BaseException) -> Status:
     if isinstance(exc, ServiceError):
         return Status(exc.code, str(exc), exc.reason)
     for cls, code, reason in _MAPPING:

@@ -11,7 +11,6 @@ from ngramcache.client._core import (
     Drafter,
     StaticBuilder,
     StaticCache,
-    build_static_from_tokens,
     checksum64,
     export_llama,
     import_llama,
@@ -19,6 +18,8 @@ from ngramcache.client._core import (
     ngram_hash,
     replay,
 )
+from ngramcache.client.admin import AdminClient
+from ngramcache.client.build import BuildResult, IndexBudgetWarning, build_static_from_tokens
 from ngramcache.client.errors import (
     BackendUnavailableError,
     BatchTooOldError,
@@ -48,13 +49,16 @@ __all__ = [
     "MAX_VOCAB",
     "NGRAM_MAX",
     "UNTAGGED",
+    "AdminClient",
     "BackendUnavailableError",
     "BatchTooOldError",
+    "BuildResult",
     "CacheFormatError",
     "ClientConfig",
     "CountTable",
     "Drafter",
     "GenerationNotNewerError",
+    "IndexBudgetWarning",
     "InvalidArgumentError",
     "LeaseHeldError",
     "LeaseLostError",

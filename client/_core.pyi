@@ -425,10 +425,13 @@ def ngram_hash(ngram: Sequence[int]) -> int:
     The hash count tables use for `ngram` (for tests that need colliding keys).
     """
 
-def build_static_from_tokens(streams: list[NDArray[numpy.int32]], path: str | os.PathLike[str], vocab_size: int, ngram_size: int = 2, *, fingerprint: bytes, generation: int = 0, corpus_index: bool = False) -> None:
+def build_static_from_tokens(streams: list[NDArray[numpy.int32]], path: str | os.PathLike[str], vocab_size: int, ngram_size: int = 2, *, fingerprint: bytes, generation: int = 0, corpus_index: bool = False, memory_budget: int = 1 << 30) -> dict[str, int]:
     """
     Counts the (ngram_size-gram, follower) pairs of each int32 token stream (n-grams never span
     two streams) and writes a static cache to `path` atomically (temporary file, fsync, rename).
     `fingerprint` is the tokenizer's (32 bytes), or UNTAGGED for raw tokens. With corpus_index,
-    the file also indexes the streams for the match mode (format version 2).
+    the file also indexes the streams for the match mode (format version 2), within half of
+    `memory_budget` (32 bytes a token): tokens past it are counted but not indexed.
+    Returns the build's statistics (n_tokens, n_keys, n_indexed, n_not_indexed, ...);
+    `ngramcache.build_static_from_tokens` also warns when tokens were left out of the index.
     """

@@ -3,10 +3,32 @@
 This is the public API. It is installed as the top-level `ngramcache` package (its source
 lives in client/_toplevel.py, installed by native/CMakeLists.txt, because the repository's top-level layout is fixed); the client
 library is `ngramcache.client` and the service `ngramcache.cache_service`.
+
+The names are those of `ngramcache.client`, imported on first use (PEP 562), so importing a
+submodule (the console script's entry point, say) does not load numpy, grpc and the core first.
 """
 
-from ngramcache.client import *  # noqa: F403
-from ngramcache.client import __all__ as _client_all
-from ngramcache.client import __version__
+from __future__ import annotations
 
-__all__ = [*_client_all, "__version__"]  # noqa: PLE0604 - the client's names, re-exported
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ngramcache.client import *  # noqa: F403
+    from ngramcache.client import __version__  # noqa: F401
+
+
+def __getattr__(name: str) -> Any:
+    client = importlib.import_module("ngramcache.client")
+    if name == "__all__":
+        value: Any = [*client.__all__, "__version__"]
+    elif name == "__version__" or name in client.__all__:
+        value = getattr(client, name)
+    else:
+        raise AttributeError(f"module 'ngramcache' has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__getattr__("__all__")})

@@ -11,6 +11,7 @@ import argparse
 import errno
 import glob
 import json
+import math
 import os
 import resource
 import secrets
@@ -160,7 +161,7 @@ def _gib(n: float) -> str:
 
 # --- argparse types: a bad value is refused with the flag's name, before any work -------------
 
-def _int_in(lo: int, hi: int | None = None) -> Callable[[str], int]:
+def int_in(lo: int, hi: int | None = None) -> Callable[[str], int]:
     """An argparse type: a whole number in lo..hi (no upper bound when hi is None)."""
     def parse(text: str) -> int:
         try:
@@ -171,6 +172,19 @@ def _int_in(lo: int, hi: int | None = None) -> Callable[[str], int]:
             small = hi is not None and hi < 1 << 32  # a range worth showing whole
             bound = f"in {lo}..{hi}" if small else f"at least {lo}" if value < lo else f"at most {hi}"
             raise argparse.ArgumentTypeError(f"must be {bound}, got {value}")
+        return value
+    return parse
+
+
+def seconds_in(lo: float, hi: float) -> Callable[[str], float]:
+    """An argparse type: a finite number of seconds in (lo, hi] (nan, inf and overflowing values refused)."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+        if not math.isfinite(value) or not lo < value <= hi:
+            raise argparse.ArgumentTypeError(f"must be a number of seconds in ({lo:g}, {hi:g}], got {text[:40]}")
         return value
     return parse
 
@@ -231,6 +245,39 @@ def _outputs_of(args: argparse.Namespace) -> list[str]:
     return [o for o in outs if o]
 
 
+_OUTPUT_FLAGS = {"output": "-o", "dump_drafts": "--dump-drafts"}
+
+
+def _inputs_of(args: argparse.Namespace) -> list[str]:
+    """Every file a command's arguments name that exists and is not one of its outputs: tokenizers,
+    token files, configs, TLS files, caches. Whatever an option is for, a file it names is read;
+    folders count only as the command's positional inputs (a --scratch-dir is no input)."""
+    found: list[str] = []
+    for name, value in vars(args).items():
+        if name in _OUTPUT_FLAGS or name in ("func", "guard", "command"):
+            continue
+        for item in value if isinstance(value, (list, tuple)) else [value]:
+            if not isinstance(item, (str, Path)) or not str(item):
+                continue
+            if os.path.isfile(item) or (name in ("inputs", "input") and os.path.lexists(item)):
+                found.append(str(item))
+    return found
+
+
+def check_outputs_against_inputs(args: argparse.Namespace) -> None:
+    """The one input/output guard of every command: no output may be a file the command reads
+    (compared by device and inode: symlinks, hard links and other spellings are caught).
+
+    Raises:
+        InvalidArgumentError: naming the output's flag, the output and the input.
+    """
+    inputs = _inputs_of(args)
+    for name, flag in _OUTPUT_FLAGS.items():
+        output = getattr(args, name, None)
+        if isinstance(output, str) and output:
+            check_output(output, inputs, flag)
+
+
 def _write_lines_atomically(path: str, lines: Iterable[str]) -> None:
     """Writes `lines` to a temporary file beside `path`, then renames it: never a partial file."""
     tmp = f"{path}.tmp.{os.getpid()}.{secrets.token_hex(4)}"
@@ -238,6 +285,12 @@ def _write_lines_atomically(path: str, lines: Iterable[str]) -> None:
         with open(tmp, "x") as f:
             f.writelines(lines)
         os.replace(tmp, path)
+    except OSError as e:
+        with suppress(OSError):
+            os.unlink(tmp)
+        if e.filename is None:  # a write or close that failed (a full disk): name the output, not a temporary
+            raise OSError(e.errno, e.strerror, path) from None
+        raise
     except BaseException:
         with suppress(OSError):
             os.unlink(tmp)
@@ -400,7 +453,7 @@ def _peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # ru_maxrss is KiB on Linux
 
 
-def _load_tokenizer(spec: str | None) -> Tokenizer | None:
+def load_tokenizer_spec(spec: str | None) -> Tokenizer | None:
     if spec is None:
         return None
     from ngramcache.client.tokenizer import load_tokenizer
@@ -425,7 +478,7 @@ def _show_fingerprint(fp: bytes) -> str:
     return "untagged" if fp == UNTAGGED else fp.hex()
 
 
-def _vocab_and_fingerprint(args: argparse.Namespace, tokenizer: Tokenizer | None) -> tuple[int, bytes, str]:
+def vocab_and_fingerprint(args: argparse.Namespace, tokenizer: Tokenizer | None) -> tuple[int, bytes, str]:
     """The vocabulary size and fingerprint a new file records (from --tokenizer, or given explicitly),
     and where the vocabulary comes from, for messages."""
     if tokenizer is not None:
@@ -456,25 +509,29 @@ def cmd_build(args: argparse.Namespace) -> int:
     check_output(args.output, args.inputs)
     if args.scratch_dir is not None:
         check_folder(args.scratch_dir, "--scratch-dir")
-    tokenizer = _load_tokenizer(args.tokenizer)
+    tokenizer = load_tokenizer_spec(args.tokenizer)
     if tokenizer is None and any(i.kind == "text" for i in items):
         raise InvalidArgumentError("text inputs need --tokenizer SPEC (a tokenizer.json path or tiktoken:<encoding>)")
-    vocab, fingerprint, source = _vocab_and_fingerprint(args, tokenizer)
+    vocab, fingerprint, source = vocab_and_fingerprint(args, tokenizer)
     builder = StaticBuilder(args.output, vocab, args.ngram_size, fingerprint=fingerprint, generation=args.generation,
                             memory_budget=args.memory_budget, scratch_dir=args.scratch_dir or "", threads=args.threads,
                             corpus_index=args.corpus_index, index_depth=args.index_depth or 32)
     total = sum(i.size for i in items)
     t0 = time.perf_counter()
     t_tokenize = 0.0
+    longest = 0  # tokens of the longest stream: with none above ngram_size there is no pair to count
     with Progress("build", total, "B", quiet=args.quiet) as progress:
         for item in (i for i in items if i.kind != "text"):
             position = 0  # in tokens, from the start of the file
             for stream in corpus.token_streams(item):
                 builder.begin_stream()
+                length = 0
                 for chunk in stream:
                     _add_tokens(builder, item.path, chunk, position, vocab, source)
                     position += len(chunk)
+                    length += len(chunk)
                     progress.update(4 * len(chunk), len(chunk))
+                longest = max(longest, length)
         text_items = [i for i in items if i.kind == "text"]
         for batch in corpus.text_batches(text_items):
             assert tokenizer is not None  # checked above: text inputs need --tokenizer
@@ -484,7 +541,12 @@ def cmd_build(args: argparse.Namespace) -> int:
             for item, tokens in zip(batch, encoded):
                 builder.begin_stream()
                 _add_tokens(builder, item.path, tokens, 0, vocab, source)
+                longest = max(longest, len(tokens))
                 progress.update(item.size, len(tokens))
+    if longest <= args.ngram_size:
+        raise InvalidArgumentError(
+            f"nothing to build: no input stream holds more than {args.ngram_size} tokens (the longest has {longest}), "
+            f"so there is no ({args.ngram_size}-gram, follower) pair to count; {args.output} was not written")
     if not args.quiet:
         print(("sorting the corpus index, " if args.corpus_index else "") + "merging sorted runs and writing the file...",
               file=sys.stderr)
@@ -550,7 +612,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
         check_input_file(args.static, "--static")
     if args.dump_drafts is not None:
         check_output(args.dump_drafts, [p for p in (args.input, args.static, args.dynamic) if p], flag="--dump-drafts")
-    tokenizer = _load_tokenizer(args.tokenizer)
+    tokenizer = load_tokenizer_spec(args.tokenizer)
     static = None
     t_load_ms = 0.0
     if args.static:
@@ -706,8 +768,10 @@ def cmd_merge(args: argparse.Namespace) -> int:
 def cmd_import_llama(args: argparse.Namespace) -> int:
     check_input_file(args.input, "input")
     check_output(args.output, [args.input])
-    tokenizer = _load_tokenizer(args.tokenizer)
-    vocab, fingerprint, _ = _vocab_and_fingerprint(args, tokenizer)
+    if os.path.getsize(args.input) == 0:
+        raise InvalidArgumentError(f"{args.input} is empty: a llama.cpp cache with no n-grams; {args.output} was not written")
+    tokenizer = load_tokenizer_spec(args.tokenizer)
+    vocab, fingerprint, _ = vocab_and_fingerprint(args, tokenizer)
     # llama.cpp's format does not say how many tokens were counted: the file records 0 (unknown).
     builder = StaticBuilder(args.output, vocab, args.ngram_size, fingerprint=fingerprint, generation=args.generation,
                             memory_budget=args.memory_budget)
@@ -732,11 +796,11 @@ def cmd_export_llama(args: argparse.Namespace) -> int:
 
 # --- the parser -------------------------------------------------------------------------------
 
-def _tokenizer_options(p: argparse.ArgumentParser) -> None:
+def tokenizer_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokenizer", metavar="SPEC",
                    help="a Hugging Face tokenizer.json path, or tiktoken:<encoding> (cl100k_base, qwen, qwen3.5); "
                         "gives the vocabulary size and the tokenizer fingerprint recorded in the file")
-    p.add_argument("--vocab-size", type=_int_in(1, MAX_VOCAB), metavar="V",
+    p.add_argument("--vocab-size", type=int_in(1, MAX_VOCAB), metavar="V",
                    help=f"vocabulary size (1..{MAX_VOCAB}), for token inputs without --tokenizer; with it, must agree")
     p.add_argument("--fingerprint", metavar="HEX",
                    help="tokenizer fingerprint recorded in the file, for token inputs without --tokenizer: 64 hex "
@@ -767,8 +831,8 @@ def build_parser(extra_commands: Iterable[CommandHook] = ()) -> argparse.Argumen
         "unexpected error. Outputs are written atomically and never replace an input.",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    generation = _int_in(0, MAX_GENERATION)
-    ngram_size = _int_in(1, NGRAM_MAX)
+    generation = int_in(0, MAX_GENERATION)
+    ngram_size = int_in(1, NGRAM_MAX)
 
     demo = sub.add_parser(
         "demo",
@@ -779,11 +843,11 @@ def build_parser(extra_commands: Iterable[CommandHook] = ()) -> argparse.Argumen
     demo.add_argument("--workdir", metavar="DIR",
                       help="folder to write the cache (stdlib.ngc) and the demo's other files in, created if "
                            "missing and kept (default: a new temporary folder, removed at the end, also on Ctrl-C)")
-    demo.add_argument("--n-ctx", type=_int_in(2), default=4096, metavar="N",
+    demo.add_argument("--n-ctx", type=int_in(2), default=4096, metavar="N",
                       help="replay chunk size in tokens (the workers' request length), at least 2 (default 4096)")
-    demo.add_argument("--n-draft", type=_int_in(1, MAX_DRAFT), default=8, metavar="N",
+    demo.add_argument("--n-draft", type=int_in(1, MAX_DRAFT), default=8, metavar="N",
                       help=f"tokens drafted per call at most, 1..{MAX_DRAFT} (default 8)")
-    demo.add_argument("--test-files", type=_int_in(1), default=20, metavar="N",
+    demo.add_argument("--test-files", type=int_in(1), default=20, metavar="N",
                       help="held-out files replayed, at least 1; served, worker A replays the first two thirds "
                            "of them and B the last two thirds (default 20)")
     demo.set_defaults(func=cmd_demo)
@@ -802,7 +866,7 @@ def build_parser(extra_commands: Iterable[CommandHook] = ()) -> argparse.Argumen
                        "recursively; hidden entries skipped)")
     build.add_argument("-o", "--output", required=True, metavar="OUT",
                        help="the static cache to write (replaced atomically if it exists)")
-    _tokenizer_options(build)
+    tokenizer_options(build)
     build.add_argument("--ngram-size", type=ngram_size, default=2, metavar="K",
                        help=f"tokens per key, 1..{NGRAM_MAX} (default 2, as llama.cpp)")
     _budget_option(build, "counting")
@@ -811,14 +875,14 @@ def build_parser(extra_commands: Iterable[CommandHook] = ()) -> argparse.Argumen
     build.add_argument("--scratch-dir", metavar="DIR",
                        help="an existing folder for the sorted runs that spill beyond --memory-budget "
                             "(default: the output's folder)")
-    build.add_argument("--threads", type=_int_in(0, 1024), default=0, metavar="N",
+    build.add_argument("--threads", type=int_in(0, 1024), default=0, metavar="N",
                        help="sorting threads, 0 for all cores (default 0)")
     build.add_argument("--corpus-index", action="store_true",
                        help="also index the corpus for the match mode's longest matches (format version 2; about 8 "
                             "bytes per token in the file). The index takes half of --memory-budget, 32 bytes a "
                             "token while it is sorted; tokens past that are counted but not indexed (a warning says "
                             "how many)")
-    build.add_argument("--index-depth", type=_int_in(1, 64), default=None, metavar="D",
+    build.add_argument("--index-depth", type=int_in(1, 64), default=None, metavar="D",
                        help="with --corpus-index: the longest match the index finds, 1..64 tokens (default 32)")
     build.add_argument("--json", action="store_true",
                        help="print one JSON object of figures (tokens, keys, bytes, seconds, peak RSS) instead of "
@@ -841,13 +905,13 @@ def build_parser(extra_commands: Iterable[CommandHook] = ()) -> argparse.Argumen
     stats.add_argument("--dynamic", metavar="FILE",
                        help="a dynamic cache in llama.cpp's format (llama-lookup -lcd) loaded first (default: none, "
                             "the dynamic table starts empty)")
-    stats.add_argument("--n-ctx", type=_int_in(2), default=4096, metavar="N",
+    stats.add_argument("--n-ctx", type=int_in(2), default=4096, metavar="N",
                        help="chunk size in tokens, at least 2 (default 4096)")
-    stats.add_argument("--n-draft", type=_int_in(1, MAX_DRAFT), default=8, metavar="N",
+    stats.add_argument("--n-draft", type=int_in(1, MAX_DRAFT), default=8, metavar="N",
                        help=f"tokens drafted per call at most, 1..{MAX_DRAFT} (default 8)")
-    stats.add_argument("--ngram-min", type=_int_in(1, NGRAM_MAX), default=1, metavar="N",
+    stats.add_argument("--ngram-min", type=int_in(1, NGRAM_MAX), default=1, metavar="N",
                        help=f"shortest context/dynamic n-gram in tokens, 1..{NGRAM_MAX} (default 1)")
-    stats.add_argument("--ngram-max", type=_int_in(1, NGRAM_MAX), default=4, metavar="N",
+    stats.add_argument("--ngram-max", type=int_in(1, NGRAM_MAX), default=4, metavar="N",
                        help=f"longest context/dynamic n-gram in tokens, 1..{NGRAM_MAX} (default 4)")
     stats.add_argument("--tokenizer", metavar="SPEC",
                        help="tokenizes a text TEST (a tokenizer.json path or tiktoken:<encoding>); must match the "
@@ -856,7 +920,7 @@ def build_parser(extra_commands: Iterable[CommandHook] = ()) -> argparse.Argumen
                        help="compatible: llama.cpp's drafts, token for token (default); match: longest matches over "
                             "the sequence, earlier chunks and the static file's corpus index, with the count tables "
                             "competing")
-    stats.add_argument("--tree-budget", type=_int_in(0, MAX_DRAFT), default=0, metavar="N",
+    stats.add_argument("--tree-budget", type=int_in(0, MAX_DRAFT), default=0, metavar="N",
                        help="with --mode match: draft trees of at most N nodes and accept each tree's longest path "
                             "that matches the text (n_drafted counts nodes); 0 (default) drafts a line")
     stats.add_argument("--json", action="store_true", help="print one JSON object instead of one figure per line")
@@ -905,7 +969,7 @@ def build_parser(extra_commands: Iterable[CommandHook] = ()) -> argparse.Argumen
     imp.add_argument("input", metavar="IN", help="a llama.cpp cache file")
     imp.add_argument("-o", "--output", required=True, metavar="OUT",
                      help="the static cache to write (replaced atomically if it exists)")
-    _tokenizer_options(imp)
+    tokenizer_options(imp)
     imp.add_argument("--ngram-size", type=ngram_size, default=2, metavar="K",
                      help=f"tokens per key, 1..{NGRAM_MAX} (default 2)")
     imp.add_argument("--generation", type=generation, default=0, metavar="N",
@@ -944,6 +1008,7 @@ def main(argv: list[str] | None = None, extra_commands: Iterable[CommandHook] = 
         args = build_parser(extra_commands).parse_args(argv)
         name = f"ngramcache {args.command}"
         args.guard = guard
+        check_outputs_against_inputs(args)
         for path in _outputs_of(args):
             guard.expect(path)
         command: Callable[[argparse.Namespace], int] = args.func

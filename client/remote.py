@@ -22,7 +22,8 @@ from ngramcache.client._core import MAX_DRAFT
 from ngramcache.client._proto.codec import bytes_to_tokens, tokens_to_bytes
 from ngramcache.client._proto.v1 import drafting_pb2, drafting_pb2_grpc
 from ngramcache.client.errors import InvalidArgumentError
-from ngramcache.client.sync import HasTokenizer, channel_credentials, error_from_rpc
+from ngramcache.client.sync.config import HasTokenizer
+from ngramcache.client.transport import auth_metadata, channel_credentials, error_from_rpc, open_channel
 
 _CLOSE = object()
 _MODES = {"compatible": drafting_pb2.DRAFT_MODE_COMPATIBLE, "match": drafting_pb2.DRAFT_MODE_MATCH}
@@ -98,15 +99,9 @@ class RemoteDrafter:
             self._fingerprint, self._vocab_size = bytes(tokenizer.fingerprint), int(tokenizer.vocab_size)
         self._namespace = namespace
         self._own_channel = channel is None
-        credentials = channel_credentials(tls_ca, tls_cert, tls_key)
-        if channel is not None:
-            self._channel = channel
-        elif credentials is not None:
-            self._channel = grpc.secure_channel(address, credentials)
-        else:
-            self._channel = grpc.insecure_channel(address)
+        self._channel = channel if channel is not None else open_channel(address, channel_credentials(tls_ca, tls_cert, tls_key))
         self._stub = drafting_pb2_grpc.DraftingStub(self._channel)  # type: ignore[no-untyped-call]
-        self._metadata: tuple[tuple[str, str], ...] = (("authorization", f"Bearer {token}"),) if token else ()
+        self._metadata = auth_metadata(token)
         self._timeout = timeout
         self._sessions: dict[int, _Session] = {}
         self._locks: dict[int, threading.Lock] = {}

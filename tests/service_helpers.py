@@ -7,12 +7,17 @@ in a thread so a test talks to it through ordinary synchronous gRPC channels::
     with ServerThread([(counts_pb2_grpc.add_CountsServicer_to_server, servicer)]) as server:
         stub = counts_pb2_grpc.CountsStub(server.channel())
 
-`ServiceThread` runs the whole service instead (`create_server` with a `ServiceConfig`).
+`ServiceThread` runs the whole service instead (`create_server` with a `ServiceConfig`);
+`start_serve` runs `ngramcache serve` as a process, as a user does.
 """
 
 from __future__ import annotations
 
 import asyncio
+import re
+import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Coroutine, Iterable, Sequence
@@ -26,12 +31,33 @@ from ngramcache.cache_service.config import ServiceConfig
 from ngramcache.cache_service.interceptors.errors import ErrorInterceptor
 from ngramcache.cache_service.server import Service, create_server
 
-__all__ = ["Registration", "ServerThread", "ServiceThread", "start_server"]
+__all__ = ["SERVE_CLI", "Registration", "ServerThread", "ServiceThread", "start_serve", "start_server", "stop_serve"]
 
 T = TypeVar("T")
 
 Registration = tuple[Callable[[Any, aio.Server], None], object]
 """(generated ``add_<Service>Servicer_to_server`` function, servicer instance)."""
+
+
+SERVE_CLI = [sys.executable, "-c", "import sys; from ngramcache.cache_service.cli import main; sys.exit(main())"]
+
+
+def start_serve(data_dir: Path, *extra: str) -> tuple[subprocess.Popen[str], int]:
+    """Starts `ngramcache serve --port 0 --data-dir DATA_DIR EXTRA...`; returns the process and its port."""
+    p = subprocess.Popen([*SERVE_CLI, "serve", "--port", "0", "--data-dir", str(data_dir), *extra],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert p.stdout is not None
+    line = p.stdout.readline()
+    m = re.search(r"listening on 127\.0\.0\.1:(\d+)", line)
+    assert m, (line, p.stderr.read() if p.poll() is not None and p.stderr else "")
+    return p, int(m.group(1))
+
+
+def stop_serve(p: subprocess.Popen[str], sig: int = signal.SIGTERM) -> tuple[int, str]:
+    """Sends `sig` to a `start_serve` process and waits; returns its exit status and stderr."""
+    p.send_signal(sig)
+    _, err = p.communicate(timeout=30)
+    return p.returncode, err
 
 
 async def start_server(registrations: Iterable[Registration], *,

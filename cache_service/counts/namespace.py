@@ -67,9 +67,12 @@ class NamespaceInfo:
 
 
 def validate_namespace(namespace: str) -> str:
-    """Return ``namespace`` if it is 1..64 characters of [A-Za-z0-9_.-], else raise InvalidArgumentError."""
-    if not isinstance(namespace, str) or not _NAMESPACE_RE.fullmatch(namespace):
-        raise InvalidArgumentError(f"namespace must be 1..64 characters of [A-Za-z0-9_.-], got {namespace!r}")
+    """Return ``namespace`` if it is 1..64 characters of [A-Za-z0-9_.-], not only dots (``.`` and ``..`` name
+    folders), else raise InvalidArgumentError."""
+    if not isinstance(namespace, str) or not _NAMESPACE_RE.fullmatch(namespace) or not namespace.strip("."):
+        shown = repr(namespace[:64]) + (f"... ({len(namespace)} characters)" if len(namespace) > 64 else "") \
+            if isinstance(namespace, str) else type(namespace).__name__
+        raise InvalidArgumentError(f"namespace must be 1..64 characters of [A-Za-z0-9_.-], not only dots, got {shown}")
     return namespace
 
 

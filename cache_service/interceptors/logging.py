@@ -84,7 +84,7 @@ class LoggingInterceptor(ObservingInterceptor):
         if not self._log.isEnabledFor(level):
             return
         method = _printable(call.method)
-        peer = _printable(call.context.peer()) if call.context is not None else None
+        peer = _printable(call.peer) if call.peer is not None else None
         namespace = namespace_of(call.request)
         reason = call.reason if call.reason is not None and _REASON_RE.fullmatch(call.reason) else None
         duration_ms = round(call.seconds * 1000, 3)

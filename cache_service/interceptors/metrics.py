@@ -49,7 +49,7 @@ class MetricsInterceptor(ObservingInterceptor):
         self._seen: set[str] = set()
 
     def _label(self, call: FinishedCall) -> str:
-        if call.context is None:  # no handler: whatever the client sent
+        if not call.handled:  # no handler: whatever the client sent
             return OTHER
         if self._methods is not None:
             return call.method if call.method in self._methods else OTHER

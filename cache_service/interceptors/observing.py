@@ -20,6 +20,10 @@ sits inside the ErrorInterceptor) included::
 
 A method no handler serves (UNIMPLEMENTED, answered by gRPC itself) is reported at once
 with no context and a zero duration.
+
+Nothing is read from the call itself after it ended: grpc's C layer frees the call when a
+cancelled stream ends, and ``context.peer()`` then dereferences NULL (the process dies, exit
+139), so the peer is read when the handler starts and carried in `FinishedCall.peer`.
 """
 
 from __future__ import annotations
@@ -49,9 +53,10 @@ class FinishedCall:
     method: str  # the full method name as the client sent it ("/ngramcache.v1.Drafting/Draft")
     code: grpc.StatusCode  # the final status
     seconds: float  # from the handler's start to its end (0 when no handler ran)
-    context: aio.ServicerContext | None  # None when no handler ran (an unknown method)
+    handled: bool  # False when no handler ran (an unknown method)
     request: Any = None  # the request, or a stream's first one; only when `observe_requests`
     reason: str | None = None  # the ngc-error-reason of a failed call, if it has one
+    peer: str | None = None  # the client's address, read when the call started (None: unknown)
 
 
 def final_status(exc: BaseException | None, context: aio.ServicerContext) -> tuple[grpc.StatusCode, str | None]:
@@ -116,7 +121,7 @@ class ObservingInterceptor(aio.ServerInterceptor):
         method: str = handler_call_details.method
         if handler is None:
             try:
-                self.finished(FinishedCall(method, grpc.StatusCode.UNIMPLEMENTED, 0.0, None))
+                self.finished(FinishedCall(method, grpc.StatusCode.UNIMPLEMENTED, 0.0, False))
             except Exception:
                 log.exception("%s: observing an unknown method failed", type(self).__name__)
             return handler
@@ -151,15 +156,24 @@ class ObservingInterceptor(aio.ServerInterceptor):
             return first, first
         return request_or_iterator, None
 
+    @staticmethod
+    def _peer(context: aio.ServicerContext) -> str | None:
+        """The client's address, read while the call is alive (never after: module docstring)."""
+        try:
+            peer = context.peer()
+        except Exception:
+            return None
+        return peer if isinstance(peer, str) else None
+
     def _end(self, method: str, exc: BaseException | None, context: aio.ServicerContext, start: float,
-             request: Any, first: _FirstRequest | None) -> None:
+             request: Any, first: _FirstRequest | None, peer: str | None) -> None:
         if first is not None:
             request = first.first
         elif not self.observe_requests:
             request = None
         try:
             code, reason = final_status(exc, context)
-            self.finished(FinishedCall(method, code, time.perf_counter() - start, context, request, reason))
+            self.finished(FinishedCall(method, code, time.perf_counter() - start, True, request, reason, peer))
         except Exception:  # an observer's bug must not change the call's outcome
             log.exception("%s: observing %s failed", type(self).__name__, method)
 
@@ -167,6 +181,7 @@ class ObservingInterceptor(aio.ServerInterceptor):
                     streaming: bool) -> Callable[..., Awaitable[Any]]:
         async def handler(request_or_iterator: Any, context: aio.ServicerContext) -> Any:
             start = time.perf_counter()
+            peer = self._peer(context)
             requests, first = self._requests(request_or_iterator, streaming)
             error: BaseException | None = None
             try:
@@ -175,7 +190,7 @@ class ObservingInterceptor(aio.ServerInterceptor):
                 error = exc
                 raise
             finally:
-                self._end(method, error, context, start, request_or_iterator, first)
+                self._end(method, error, context, start, request_or_iterator, first, peer)
 
         return handler
 
@@ -183,6 +198,7 @@ class ObservingInterceptor(aio.ServerInterceptor):
                      streaming: bool) -> Callable[..., AsyncIterator[Any]]:
         async def handler(request_or_iterator: Any, context: aio.ServicerContext) -> AsyncIterator[Any]:
             start = time.perf_counter()
+            peer = self._peer(context)
             requests, first = self._requests(request_or_iterator, streaming)
             error: BaseException | None = None
             try:
@@ -195,7 +211,7 @@ class ObservingInterceptor(aio.ServerInterceptor):
                 error = exc
                 raise
             finally:
-                self._end(method, error, context, start, request_or_iterator, first)
+                self._end(method, error, context, start, request_or_iterator, first, peer)
 
         return handler
 

@@ -163,6 +163,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
                                context: aio.ServicerContext) -> admin_pb2.RebuildStatus:
         validate_namespace(request.namespace)
         rebuilder = self._need_rebuilder()
+        await self._runner.call(self._store.namespace_info, request.namespace)  # NOT_FOUND for an unknown one
         return self._status_message(rebuilder.status(request.namespace), rebuilder.holder)
 
     def _need_rebuilder(self) -> Rebuilder:

@@ -1214,25 +1214,34 @@ NB_MODULE(_core, m) {
   m.def(
       "build_static_from_tokens",
       [](nb::list streams, const Path& path, int64_t vocab_size, int ngram_size, nb::bytes fingerprint, int64_t generation,
-         bool corpus_index) {
+         bool corpus_index, int64_t memory_budget) {
         ngc::StaticHeader h = make_header(vocab_size, ngram_size, fingerprint, generation);
+        if (memory_budget < int64_t{16} << 20) {
+          invalid("memory_budget must be at least 16 MiB, got " + std::to_string(memory_budget));
+        }
         std::vector<TokenView> views;
         std::vector<ngc::TokenStream> refs;
         for (size_t i = 0; i < streams.size(); ++i) views.push_back(as_tokens(streams[i], ("streams[" + std::to_string(i) + "]").c_str()));
         for (const TokenView& v : views) refs.push_back({v.data, v.size});
         Status s;
+        ngc::BuildStats st;
         {
           nb::gil_scoped_release release;
-          s = ngc::build_static(refs, h, path.string(), corpus_index);
+          s = ngc::build_static(refs, h, path.string(), corpus_index, static_cast<uint64_t>(memory_budget), &st);
         }
         check(s);
+        return build_stats(st);
       },
       nb::sig("def build_static_from_tokens(streams: list[NDArray[numpy.int32]], path: str | os.PathLike[str], vocab_size: int, "
-              "ngram_size: int = 2, *, fingerprint: bytes, generation: int = 0, corpus_index: bool = False) -> None"),
+              "ngram_size: int = 2, *, fingerprint: bytes, generation: int = 0, corpus_index: bool = False, "
+              "memory_budget: int = 1 << 30) -> dict[str, int]"),
       "streams"_a, "path"_a, "vocab_size"_a, "ngram_size"_a = 2, nb::kw_only(), "fingerprint"_a, "generation"_a = 0,
-      "corpus_index"_a = false,
+      "corpus_index"_a = false, "memory_budget"_a = int64_t{1} << 30,
       "Counts the (ngram_size-gram, follower) pairs of each int32 token stream (n-grams never span\n"
       "two streams) and writes a static cache to `path` atomically (temporary file, fsync, rename).\n"
       "`fingerprint` is the tokenizer's (32 bytes), or UNTAGGED for raw tokens. With corpus_index,\n"
-      "the file also indexes the streams for the match mode (format version 2).");
+      "the file also indexes the streams for the match mode (format version 2), within half of\n"
+      "`memory_budget` (32 bytes a token): tokens past it are counted but not indexed.\n"
+      "Returns the build's statistics (n_tokens, n_keys, n_indexed, n_not_indexed, ...);\n"
+      "`ngramcache.build_static_from_tokens` also warns when tokens were left out of the index.");
 }

@@ -34,9 +34,12 @@ class ScratchFile {
   ~ScratchFile() {
     if (fd_ >= 0) ::close(fd_);
   }
-  Status open(const std::string& dir) { return open_scratch_file(dir, &fd_); }
+  Status open(const std::string& dir) {
+    dir_ = dir;
+    return open_scratch_file(dir, &fd_);
+  }
   Status write(const void* data, size_t n) {
-    NGC_RETURN_IF_ERROR(write_all(fd_, data, n, "a sorted run to scratch space"));
+    NGC_RETURN_IF_ERROR(write_all(fd_, data, n, "a sorted run to scratch space in " + dir_));
     bytes_ += n;
     return Status::Ok();
   }
@@ -51,8 +54,9 @@ class ScratchFile {
   uint64_t bytes() const { return bytes_; }
 
  private:
-  int fd_ = -1;
+  int fd_ = -1;          // owned; the file is unlinked at once, so it has no name
   uint64_t bytes_ = 0;
+  std::string dir_;      // its folder, for error messages
 };
 
 // Appends records to a scratch file through a buffer, summing equal consecutive pairs.
@@ -422,17 +426,20 @@ class BuilderImpl : public Builder {
 }  // namespace
 
 Status build_static(const std::vector<TokenStream>& streams, const StaticHeader& header, const std::string& path,
-                    bool corpus_index) {
+                    bool corpus_index, uint64_t memory_budget, BuildStats* stats) {
   BuilderOptions o;
   o.header = header;
   o.corpus_index = corpus_index;
+  o.memory_budget = memory_budget;
   std::unique_ptr<Builder> b;
   NGC_RETURN_IF_ERROR(Builder::create(o, path, &b));
   for (const TokenStream& s : streams) {
     b->begin_stream();
     NGC_RETURN_IF_ERROR(b->add_tokens(s.data, s.size));
   }
-  return b->finish();
+  NGC_RETURN_IF_ERROR(b->finish());
+  if (stats != nullptr) *stats = b->stats();
+  return Status::Ok();
 }
 
 Status Builder::create(const BuilderOptions& o, const std::string& path, std::unique_ptr<Builder>* out) {

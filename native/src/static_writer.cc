@@ -23,7 +23,8 @@ void put_le(uint8_t* p, T v) {
 
 }  // namespace
 
-Status StaticWriter::Spill::open(const std::string& dir) {
+Status StaticWriter::Spill::open(const std::string& folder) {
+  dir = folder;
   NGC_RETURN_IF_ERROR(open_scratch_file(dir, &fd));
   buf.reserve(kFlushBytes + 8);
   return Status::Ok();
@@ -33,7 +34,7 @@ Status StaticWriter::Spill::flush() {
   if (buf.empty()) return Status::Ok();
   sum.update(buf.data(), buf.size());
   bytes += buf.size();
-  Status s = write_all(fd, buf.data(), buf.size(), "a scratch file");
+  Status s = write_all(fd, buf.data(), buf.size(), "a scratch file in " + dir);
   buf.clear();
   return s;
 }

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import os
 import socket
 import threading
 import time
@@ -330,3 +331,98 @@ def test_a_service_that_is_down_is_reported_within_connect_timeout(tmp_path):
     with pytest.raises(BackendUnavailableError, match=r"no ngramcache service answered at 127\.0\.0\.1:\d+ within 1 s"):
         NgramClient(f"127.0.0.1:{port}", "ns", (bytes(32), 10), cache_dir=str(tmp_path), connect_timeout=1.0)
     assert _time.monotonic() - t0 < 10
+
+
+def test_close_counts_what_it_could_not_deliver(tmp_path: Path) -> None:
+    """A replica that stops answering (SIGSTOP) while close() flushes: every n-gram occurrence the client
+    drained is acknowledged or in dropped_count, pending_rows is 0 afterwards, and one log line says so."""
+    import logging
+    import signal
+
+    from service_helpers import start_serve, stop_serve
+
+    p, port = start_serve(tmp_path / "data")
+    stopped = False
+    try:
+        address = f"127.0.0.1:{port}"
+        with grpc.insecure_channel(address) as ch:
+            admin_pb2_grpc.AdminStub(ch).CreateNamespace(
+                admin_pb2.CreateNamespaceRequest(name="ns", tokenizer_fingerprint=FP, vocab_size=VOCAB), timeout=10)
+        client = NgramClient(address, "ns", (FP, VOCAB), cache_dir=tmp_path / "cache",
+                             **{**FAST, "close_timeout": 3.0, "rpc_timeout": 30.0})
+        client.drafter().accept(1, corpus(1))
+        wait_until(lambda: client.stats()["acked_count"] == client.stats()["drained_count"] > 0, what="first pushes")
+        os.kill(p.pid, signal.SIGSTOP)
+        stopped = True
+        client.drafter().accept(2, corpus(2))
+        wait_until(lambda: client.stats()["pushed_rows"] > client.stats()["acked_rows"], what="a push in flight")
+        records: list[logging.LogRecord] = []
+        handler = logging.Handler()
+        handler.emit = records.append  # type: ignore[method-assign]
+        logging.getLogger("ngramcache").addHandler(handler)
+        try:
+            started = time.monotonic()
+            client.close()
+            took = time.monotonic() - started
+        finally:
+            logging.getLogger("ngramcache").removeHandler(handler)
+        s = client.stats()
+        assert took < 3.0 + 5.0, took
+        assert s["pending_rows"] == 0, s
+        assert s["dropped_count"] > 0 and s["dropped_rows"] > 0, s
+        assert s["drained_count"] == s["acked_count"] + s["dropped_count"], s
+        lines = [r.getMessage() for r in records if "could not deliver" in r.getMessage()]
+        assert len(lines) == 1 and "dropped_rows" in lines[0], [r.getMessage() for r in records]
+    finally:
+        if stopped:
+            os.kill(p.pid, signal.SIGCONT)
+        stop_serve(p)
+
+
+def test_a_hung_replica_is_left_within_failover_timeout(tmp_path: Path, redis_standalone) -> None:  # type: ignore[no-untyped-def]
+    """Two replicas on one redis-server; the client's replica is stopped (SIGSTOP: it answers nothing,
+    no UNAVAILABLE ever comes): the client moves to the other within failover_timeout and its pushes
+    go on there, each counted once."""
+    import signal
+
+    from service_helpers import start_serve, stop_serve
+
+    url = redis_standalone.url
+    ns = "hung-" + uuid.uuid4().hex[:8]
+    first, port1 = start_serve(tmp_path / "one", "--counts", url)
+    second, port2 = start_serve(tmp_path / "two", "--counts", url)
+    stopped = False
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port1}") as ch:
+            admin_pb2_grpc.AdminStub(ch).CreateNamespace(
+                admin_pb2.CreateNamespaceRequest(name=ns, tokenizer_fingerprint=FP, vocab_size=VOCAB), timeout=10)
+        addresses = [f"127.0.0.1:{port1}", f"127.0.0.1:{port2}"]
+        with NgramClient(addresses, ns, (FP, VOCAB), cache_dir=tmp_path / "cache",
+                         **{**FAST, "failover_timeout": 2.0}) as client:
+            client.drafter().accept(1, corpus(1))
+            wait_until(lambda: client.stats()["acked_count"] == client.stats()["drained_count"] > 0, what="pushes")
+            assert client.stats()["address"] == addresses[0]
+            os.kill(first.pid, signal.SIGSTOP)
+            stopped = True
+            started = time.monotonic()
+            client.drafter().accept(2, corpus(2))
+            wait_until(lambda: client.stats()["address"] == addresses[1], 15.0, "the client to leave the hung replica")
+            took = time.monotonic() - started
+            wait_until(lambda: client.stats()["acked_count"] == client.stats()["drained_count"], 20.0,
+                       what="the pushes to be acknowledged by the second replica")
+            s = client.stats()
+            assert s["reconnects"] >= 1 and s["dropped_rows"] == 0, s
+            assert took < 2.0 + 6.0, took
+            wait_until(lambda: client.stats()["mirror_lag_seconds"] is not None
+                       and client.stats()["mirror_lag_seconds"] < 2.0, 10.0, "the mirror to be fresh again")
+        # Exactly once: the store holds every occurrence the client drained, no more.
+        with grpc.insecure_channel(f"127.0.0.1:{port2}") as ch:
+            chunks = counts_pb2_grpc.CountsStub(ch).Pull(counts_pb2.PullRequest(namespace=ns, tokenizer_fingerprint=FP),
+                                                         timeout=30)
+            stored = sum(int(bytes_to_count_rows(c.rows)[:, COUNT].sum()) for c in chunks)
+        assert stored == s["drained_count"], (stored, s)
+    finally:
+        if stopped:
+            os.kill(first.pid, signal.SIGCONT)
+        stop_serve(first)
+        stop_serve(second)

@@ -132,7 +132,7 @@ def test_rebuild_adds_a_corpus_and_refuses_bad_options(tmp_path: Path) -> None:
     tokens = corpus(5, 6000)
     path = tmp_path / "corpus.bin"
     tokens.astype("<i4").tofile(path)
-    with ServiceThread(tmp_path / "data") as svc:
+    with ServiceThread(tmp_path / "data", corpus_root=str(tmp_path)) as svc:
         address = f"127.0.0.1:{svc.port}"
         ns = create(address)
         done = rebuild_cli(address, ns, "--corpus", str(path))
@@ -140,7 +140,7 @@ def test_rebuild_adds_a_corpus_and_refuses_bad_options(tmp_path: Path) -> None:
         assert f"{len(tokens):,} corpus tokens" in done.stdout
         pairs = file_pairs(tmp_path / "data" / "static" / ns / f"{1:020d}.ngc")
         assert sum(pairs.values()) == len(tokens) - 2  # every 2-gram of the one stream
-        for args, message in ((["--corpus", str(tmp_path / "missing.bin")], "does not exist"),
+        for args, message in ((["--corpus", str(tmp_path / "missing.bin")], "not a readable file or folder under this server's corpus roots"),
                               (["--decay", "1.5"], "--decay"), (["--min-count", "0"], "--min-count")):
             bad = rebuild_cli(address, ns, *args)
             assert bad.returncode == 2 and message in bad.stderr and "Traceback" not in bad.stderr
@@ -256,3 +256,116 @@ def test_replicas_without_shared_storage_fetch_the_new_generation(tmp_path: Path
             publish(a1, ns, path)
             wait_until(lambda: client.stats()["generation"] == generation + 10, 15.0, "replica two to fetch a Publish")
             assert one.service.runner.store.committed_generation(ns).generation == generation + 10
+
+
+def test_status_says_done_only_after_the_lease_is_released_and_the_finish_time_set(tmp_path: Path) -> None:
+    tokens = corpus(3, 4000)
+    path = tmp_path / "corpus.bin"
+    tokens.astype("<i4").tofile(path)
+    with ServiceThread(tmp_path / "data", corpus_root=str(tmp_path)) as svc:
+        address = f"127.0.0.1:{svc.port}"
+        ns = create(address)
+        store = svc.service.runner.store
+        release = store.release_lease
+
+        def slow_release(lease):  # type: ignore[no-untyped-def]
+            import time
+
+            time.sleep(1.0)  # widens the window between the build's end and the lease's release
+            return release(lease)
+
+        store.release_lease = slow_release
+        with grpc.insecure_channel(address) as ch:
+            admin = admin_pb2_grpc.AdminStub(ch)
+            admin.StartRebuild(admin_pb2.StartRebuildRequest(namespace=ns, corpus=[str(path)]), timeout=30)
+            seen = set()
+            for _ in range(2000):
+                st = admin.GetRebuildStatus(admin_pb2.GetRebuildStatusRequest(namespace=ns), timeout=10)
+                seen.add(st.state)
+                if st.state == "done":
+                    assert st.finished_unix_ms >= st.started_unix_ms > 0, st
+                    probe = store.acquire_lease(ns, "probe", 10_000)  # free: the rebuild released it
+                    store.release_lease(probe)
+                    break
+                assert st.state == "running", st
+        assert "done" in seen and "running" in seen, seen
+        done = rebuild_cli(address, ns, "--corpus", str(path))
+        assert done.returncode == 0, done.stderr
+        seconds = float(done.stdout.rsplit(" in ", 1)[1].split()[0])
+        assert seconds > 0, done.stdout
+
+
+def test_rebuild_status_of_an_unknown_or_hostile_namespace_is_refused(tmp_path: Path) -> None:
+    with ServiceThread(tmp_path / "data") as svc, grpc.insecure_channel(f"127.0.0.1:{svc.port}") as ch:
+        admin = admin_pb2_grpc.AdminStub(ch)
+        for name, codes in (("nosuch", {grpc.StatusCode.NOT_FOUND}),
+                            (".", {grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT}),
+                            ("..", {grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT}),
+                            ("x" * 20_000, {grpc.StatusCode.INVALID_ARGUMENT})):
+            with pytest.raises(grpc.RpcError) as e:
+                admin.GetRebuildStatus(admin_pb2.GetRebuildStatusRequest(namespace=name), timeout=10)
+            assert e.value.code() in codes, (name[:10], e.value.code(), e.value.details()[:200])
+            assert len(e.value.details()) <= 1024
+        with pytest.raises(grpc.RpcError) as e:  # a huge name anywhere: a short message, not a metadata overflow
+            admin.CreateNamespace(admin_pb2.CreateNamespaceRequest(name="y" * 20_000, tokenizer_fingerprint=FP,
+                                                                   vocab_size=VOCAB), timeout=10)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "20000 characters" in e.value.details()
+
+
+@pytest.mark.parametrize("timeout", ["nan", "inf", "9" * 400, "0", "-1"])
+def test_rebuild_timeout_must_be_finite_and_in_range(timeout: str) -> None:
+    r = rebuild_cli("127.0.0.1:1", "ns", "--timeout", timeout)
+    assert r.returncode == 2 and "--timeout" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_corpus_paths_are_confined_to_the_corpus_roots_and_tell_nothing(tmp_path: Path) -> None:
+    """A namespace-limited admin token cannot make the server read a file outside --corpus-root; a path outside,
+    missing, too long or through a link out of the root all get one PERMISSION_DENIED text; an unknown namespace
+    is NOT_FOUND before any path is looked at."""
+    from service_helpers import start_serve, stop_serve
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_service_auth import token, write_tokens_file
+
+    root = tmp_path / "corpus"
+    root.mkdir()
+    corpus(5, 3000).astype("<i4").tofile(root / "ok.bin")
+    secret = tmp_path / "other-party" / "tokens.bin"
+    secret.parent.mkdir()
+    corpus(6, 3000).astype("<i4").tofile(secret)
+    (root / "link.bin").symlink_to(secret)
+    tokens = write_tokens_file(tmp_path / "tokens.toml")  # "all_alpha": admin on alpha only
+    p, port = start_serve(tmp_path / "data", "--tokens-file", str(tokens), "--corpus-root", str(root))
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+            admin = admin_pb2_grpc.AdminStub(ch)
+            meta = (("authorization", f"Bearer {token('all_alpha')}"),)
+            admin.CreateNamespace(admin_pb2.CreateNamespaceRequest(name="alpha", tokenizer_fingerprint=FP,
+                                                                   vocab_size=VOCAB), timeout=10, metadata=meta)
+            texts = set()
+            for path in (str(secret), "/nonexistent", "/etc/passwd", "/" + "x" * 300, str(root / "link.bin"),
+                         str(root / "missing.bin")):
+                with pytest.raises(grpc.RpcError) as e:
+                    admin.StartRebuild(admin_pb2.StartRebuildRequest(namespace="alpha", corpus=[path]), timeout=10,
+                                       metadata=meta)
+                assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED, (path[:20], e.value.details())
+                texts.add(e.value.details().replace(repr(path[:80]), "P").replace("...", ""))
+            assert len(texts) == 1, texts
+            # a folder under the root holding a link out of it: refused when the rebuild reads it
+            status = admin.StartRebuild(admin_pb2.StartRebuildRequest(namespace="alpha", corpus=[str(root)], wait=True),
+                                        timeout=30, metadata=meta)
+            assert status.state == "failed" and "corpus roots" in status.error, status
+            assert not (tmp_path / "data" / "static" / "alpha").exists() or not any(
+                (tmp_path / "data" / "static" / "alpha").glob("*.ngc"))  # nothing published
+            # an unknown namespace, whatever the path: NOT_FOUND, never INTERNAL
+            admin_all = (("authorization", f"Bearer {token('admin_all')}"),)
+            with pytest.raises(grpc.RpcError) as e:
+                admin.StartRebuild(admin_pb2.StartRebuildRequest(namespace="nope", corpus=["/" + "x" * 300]),
+                                   timeout=10, metadata=admin_all)
+            assert e.value.code() == grpc.StatusCode.NOT_FOUND, e.value.details()
+            # inside the root: taken
+            done = admin.StartRebuild(admin_pb2.StartRebuildRequest(namespace="alpha", corpus=[str(root / "ok.bin")],
+                                                                    wait=True), timeout=60, metadata=meta)
+            assert done.state == "done" and done.corpus_tokens > 0, done
+    finally:
+        stop_serve(p)

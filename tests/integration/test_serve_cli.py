@@ -13,6 +13,7 @@ import grpc
 import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from service_helpers import SERVE_CLI, start_serve, stop_serve  # tests/ is on sys.path (tests/conftest.py)
 
 from ngramcache.client._proto.codec import bytes_to_count_rows, delta_rows_to_bytes
 from ngramcache.client._proto.v1 import admin_pb2, admin_pb2_grpc, counts_pb2, counts_pb2_grpc
@@ -20,23 +21,8 @@ from ngramcache.client._proto.v1 import admin_pb2, admin_pb2_grpc, counts_pb2, c
 pytestmark = pytest.mark.integration
 
 FP = bytes(32)
-CLI = [sys.executable, "-c", "import sys; from ngramcache.cache_service.cli import main; sys.exit(main())"]
-
-
-def start(data_dir, *extra: str) -> tuple[subprocess.Popen[str], int]:
-    p = subprocess.Popen([*CLI, "serve", "--port", "0", "--data-dir", str(data_dir), *extra],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    assert p.stdout is not None
-    line = p.stdout.readline()
-    m = re.search(r"listening on 127\.0\.0\.1:(\d+)", line)
-    assert m, (line, p.stderr.read() if p.poll() is not None else "")
-    return p, int(m.group(1))
-
-
-def stop(p: subprocess.Popen[str], sig: int = signal.SIGTERM) -> tuple[int, str]:
-    p.send_signal(sig)
-    _, err = p.communicate(timeout=30)
-    return p.returncode, err
+CLI = SERVE_CLI
+start, stop = start_serve, stop_serve
 
 
 def test_serve_health_push_sigterm_restart_keeps_acknowledged_counts(tmp_path):
@@ -77,9 +63,19 @@ def test_serve_health_push_sigterm_restart_keeps_acknowledged_counts(tmp_path):
     (["--port", "70000"], "port must be in 0..65535"),
     (["--host", "0.0.0.0"], "not a loopback address"),
     (["--config", "/nonexistent.toml"], "--config /nonexistent.toml: no such file"),
-    (["--max-sessions", "0"], "max_sessions must be a positive integer"),
+    (["--max-sessions", "0"], "max_sessions must be an integer in 1..10000000"),
+    (["--max-sessions", "99999999999999999999999"], "max_sessions must be an integer in 1..10000000"),
+    (["--max-message-bytes", "9999999999999999999"], "max_message_bytes must be an integer in 1..2147483647"),
+    (["--grace-period", "9" * 30], "grace_period must be a number of seconds in (0, 3600]"),
+    (["--mirror-interval", "9" * 30], "mirror_interval must be a number of seconds in (0, 60]"),
+    (["--mirror-interval", "nan"], "mirror_interval must be a number of seconds"),
+    (["--tokens-file", "BINARY"], "not a text (TOML) file"),
 ])
 def test_serve_refuses_bad_settings_in_one_line(tmp_path, args, message):
+    if "BINARY" in args:
+        binary = tmp_path / "x.ngc"
+        binary.write_bytes(bytes(range(256)) * 4)
+        args = [str(binary) if a == "BINARY" else a for a in args]
     r = subprocess.run([*CLI, "serve", "--data-dir", str(tmp_path), *args], capture_output=True, text=True, timeout=30)
     assert r.returncode == 2
     assert r.stderr.strip().count("\n") == 0 and message in r.stderr, r.stderr
@@ -223,3 +219,59 @@ def test_published_generations_are_mapped_before_serving(tmp_path):
         ns = admin_pb2_grpc.AdminStub(ch).GetNamespace(admin_pb2.GetNamespaceRequest(name="g"), timeout=10).namespace
         assert ns.latest_generation == 3
         ch.close()
+
+
+def test_a_second_server_on_the_same_data_directory_exits_2_in_one_line(tmp_path):
+    p, _ = start(tmp_path / "data")
+    try:
+        second = subprocess.run([*CLI, "serve", "--port", "0", "--data-dir", str(tmp_path / "data")],
+                                capture_output=True, text=True, timeout=60)
+        assert second.returncode == 2, second.stderr
+        lines = second.stderr.strip().splitlines()
+        assert len(lines) == 1 and "in use by another ngramcache serve" in lines[0] and str(p.pid) in lines[0], lines
+        assert p.poll() is None
+    finally:
+        rc, err = stop(p)
+    assert rc == 0, err
+    # Once the first has stopped, the directory is free again.
+    p, port = start(tmp_path / "data")
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+            status = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=10).status
+        assert status == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        rc, err = stop(p)
+    assert rc == 0, err
+
+
+def _wait_until_importing(pid: int, timeout: float = 30.0) -> None:
+    """Returns once process ``pid`` has numpy mapped: the interpreter's own start is over and the console script's
+    guarded imports are under way (a SIGINT inside CPython's site initialisation is a fatal error no program can
+    catch: that window, a few tens of ms, is not the command's)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                if "numpy" in f.read():
+                    return
+        except OSError:
+            return  # it exited already: the assertions below say how
+        time.sleep(0.002)
+    raise AssertionError(f"process {pid} did not start importing within {timeout:g} s")
+
+
+@pytest.mark.parametrize("delay", [0.0, 0.1, 0.3, 0.8])
+def test_ctrl_c_at_any_moment_of_the_start_is_one_line_and_130(tmp_path, delay):
+    """Ctrl-C while Python is still importing (numpy, grpc, the core: the console script's first half second) or
+    just after, when the server starts."""
+    script = os.path.join(os.path.dirname(sys.executable), "ngramcache")
+    assert os.path.exists(script), "the console script is installed by pip install -e (tests/run_all.sh)"
+    p = subprocess.Popen([script, "serve", "--port", "0", "--data-dir", str(tmp_path / "d")],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _wait_until_importing(p.pid)
+    time.sleep(delay)
+    p.send_signal(signal.SIGINT)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 130, (p.returncode, err)
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    assert len([line for line in err.splitlines() if not line[:4].isdigit()]) <= 2, err  # log lines aside

@@ -545,3 +545,66 @@ def test_clients_sync_and_draft_over_tls_and_mutual_tls(pki: tuple[Pki, Issued, 
                     time.sleep(0.05)
             with RemoteDrafter(address, "tls", (fp, 16), tls_ca=str(ca.ca.cert), **mine) as remote:
                 assert remote.draft(1, text, 4).tolist() == [1, 2, 3, 4]
+
+
+def _cli(*args: object) -> Any:
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "ngramcache.cache_service.cli", *map(str, args)],
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_namespace_and_publish_commands_and_admin_client_over_mutual_tls_with_tokens(
+        pki: tuple[Pki, Issued, Issued, Issued], tmp_path: Path) -> None:
+    from ngramcache import AdminClient, GenerationNotNewerError
+
+    ca, server, client, _ = pki
+    tokens = write_tokens_file(tmp_path / "tokens.toml")
+    gen1 = tmp_path / "gen1.ngc"
+    gen1.write_bytes(static_file(tmp_path, 1))
+    with ServiceThread(tmp_path / "data", tls_cert=str(server.cert), tls_key=str(server.key),
+                       tls_client_ca=str(ca.ca.cert), tokens_file=str(tokens)) as svc:
+        conn = ["--server", f"127.0.0.1:{svc.port}", "--tls-ca", ca.ca.cert, "--tls-cert", client.cert,
+                "--tls-key", client.key]
+        admin = [*conn, "--token", token("admin_all")]
+        r = _cli("namespace", "create", "pub", "--vocab-size", VOCAB, "--fingerprint", FP.hex(), *admin)
+        assert r.returncode == 0 and "namespace pub created" in r.stdout, r.stderr
+        r = _cli("namespace", "create", "pub", "--vocab-size", VOCAB, "--fingerprint", FP.hex(), *admin)
+        assert r.returncode == 0 and "exists already" in r.stdout, r.stderr
+        r = _cli("namespace", "create", "pub", "--vocab-size", VOCAB + 1, "--fingerprint", FP.hex(), *admin)
+        assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr  # another tokenizer
+        r = _cli("publish", gen1, "--namespace", "pub", *admin)
+        assert r.returncode == 0 and "as generation 1 of pub" in r.stdout, r.stderr
+        r = _cli("publish", gen1, "--namespace", "pub", *admin)  # the same file again: nothing changes
+        assert r.returncode == 0 and "already published as generation 1" in r.stdout, r.stderr
+        r = _cli("namespace", "list", *admin)
+        assert r.returncode == 0 and "pub" in r.stdout and FP.hex()[:16] in r.stdout, r.stderr
+        # the role is checked: a draft token may not publish, create or delete
+        for argv in (["publish", gen1, "--namespace", "pub"], ["namespace", "delete", "pub", "--yes"]):
+            r = _cli(*argv, *conn, "--token", token("draft_all"))
+            assert r.returncode == 2 and "PERMISSION_DENIED" in r.stderr and "Traceback" not in r.stderr, r.stderr
+        r = _cli("publish", gen1, "--namespace", "pub", *conn)  # no token at all
+        assert r.returncode == 2 and "UNAUTHENTICATED" in r.stderr, r.stderr
+        r = _cli("namespace", "delete", "pub", *admin)  # no --yes
+        assert r.returncode == 2 and "--yes" in r.stderr, r.stderr
+
+        # The same operations as a Python API.
+        with AdminClient(f"127.0.0.1:{svc.port}", token=token("admin_all"), tls_ca=str(ca.ca.cert),
+                         tls_cert=str(client.cert), tls_key=str(client.key)) as api:
+            ns = api.get_namespace("pub")
+            assert ns.latest_generation == 1 and ns.fingerprint == FP and ns.vocab_size == VOCAB
+            gen5, gen4 = tmp_path / "gen5.ngc", tmp_path / "gen4.ngc"
+            gen5.write_bytes(static_file(tmp_path, 5))
+            gen4.write_bytes(static_file(tmp_path, 4))
+            assert api.publish("pub", gen5).generation == 5
+            assert api.publish("pub", gen5).already_published
+            with pytest.raises(GenerationNotNewerError):
+                api.publish("pub", gen4)  # below the latest: the service's error arrives as itself
+            assert "pub" in {n.name for n in api.list_namespaces()}
+        r = _cli("publish", gen4, "--namespace", "pub", *admin)  # older than the latest
+        assert r.returncode == 2 and "not above" in r.stderr and "Traceback" not in r.stderr, r.stderr
+        r = _cli("namespace", "delete", "pub", "--yes", *admin)
+        assert r.returncode == 0 and "namespace pub deleted" in r.stdout, r.stderr
+        r = _cli("namespace", "delete", "pub", "--yes", *admin)
+        assert r.returncode == 0 and "did not exist" in r.stdout, r.stderr

@@ -268,6 +268,24 @@ def test_an_output_that_is_an_input_is_refused(capsys, files, command, spelling)
     assert listing(files) == before  # nothing written, nothing replaced, no temporary files
 
 
+@pytest.mark.parametrize("command", ["build", "import-llama", "stats"])
+def test_an_output_onto_the_tokenizer_file_is_refused(capsys, files, command):
+    """Every file a command reads is an input: the --tokenizer file too, for -o and --dump-drafts alike."""
+    spec = files / "tok.json"
+    spec.write_text('{"a tokenizer.json": "stand-in"}')
+    argv, flag = {
+        "build": (["build", files / "a.bin", "-o", spec, "--tokenizer", spec], "-o"),
+        "import-llama": (["import-llama", files / "a.lcs", "-o", spec, "--tokenizer", spec], "-o"),
+        "stats": (["stats", "--input", files / "a.bin", "--static", files / "a.ngc", "--tokenizer", spec,
+                   "--dump-drafts", spec], "--dump-drafts"),
+    }[command]
+    before = listing(files)
+    rc, _, err = main(capsys, *argv)
+    assert rc == 2, err
+    one_line_error(err, f"{flag} {spec} is the input", "would destroy the input")
+    assert listing(files) == before  # the tokenizer file is untouched
+
+
 def test_an_output_inside_an_input_folder_is_refused(capsys, files, tmp_path):
     (files / "sub").mkdir()
     rc, _, err = main(capsys, "build", files, "-o", files / "sub" / ".." / "all.ngc", *UNTAGGED_ARGS)
@@ -611,3 +629,45 @@ def test_every_option_is_explained():
         text = run(name, "--help").stdout
         assert "usage:" in text and "Traceback" not in text
     assert "(default 1GiB)" in run("build", "--help").stdout
+
+
+@pytest.mark.parametrize("command", ["build", "import-llama"])
+def test_an_empty_input_is_refused_not_written_as_an_empty_cache(capsys, tmp_path, command):
+    empty = tmp_path / "empty.bin"
+    empty.write_bytes(b"")
+    out = tmp_path / "out.ngc"
+    rc, _, err = main(capsys, command, empty, "-o", out, *UNTAGGED_ARGS)
+    assert rc == 2, err
+    one_line_error(err, "nothing to build" if command == "build" else "is empty", "was not written")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty.bin"]  # no output, no temporary file
+
+
+def _run_file_size_limited(limit: int, *args: object) -> subprocess.CompletedProcess:
+    """The CLI with writes past `limit` bytes failing (RLIMIT_FSIZE, SIGXFSZ ignored): what a full disk does to a write."""
+    import resource
+    import signal
+
+    def limit_writes() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    return subprocess.run([sys.executable, "-m", "ngramcache.client.cli", *map(str, args)], capture_output=True,
+                          text=True, preexec_fn=limit_writes, timeout=120)
+
+
+def test_a_write_that_fails_midway_names_the_file(files, tmp_path):
+    out = tmp_path / "out" / "drafts.txt"
+    out.parent.mkdir()
+    r = _run_file_size_limited(4096, "stats", "--input", files / "a.bin", "--static", files / "a.ngc", "--n-ctx", "64",
+                               "--dump-drafts", out)
+    assert r.returncode == 2, r.stderr
+    one_line_error(r.stderr, str(out))
+    assert list(out.parent.iterdir()) == []  # no partial output, no temporary file
+    big = tmp_path / "big"
+    big.mkdir()
+    write_tokens(big / "t.bin", np.random.default_rng(3).integers(0, 50, 200_000))
+    r = _run_file_size_limited(64 << 10, "build", big / "t.bin", "-o", tmp_path / "out" / "t.ngc", *UNTAGGED_ARGS,
+                               "--quiet")
+    assert r.returncode == 2, r.stderr
+    one_line_error(r.stderr, str(tmp_path / "out"))
+    assert list(out.parent.iterdir()) == []

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
-from ngramcache.client.sync import _quiet_grpc_poller
+from ngramcache.client.sync.client import _quiet_grpc_poller
 
 
 class Handle:

@@ -285,9 +285,9 @@ def test_rpc_methods_come_from_the_descriptors() -> None:
         rpc_methods("no.Such")
 
 
-def _call(method: str, code: grpc.StatusCode = grpc.StatusCode.OK, context: Any = None, request: Any = None,
+def _call(method: str, code: grpc.StatusCode = grpc.StatusCode.OK, request: Any = None,
           seconds: float = 0.001) -> FinishedCall:
-    return FinishedCall(method, code, seconds, context if context is not None else _Context(), request)
+    return FinishedCall(method, code, seconds, True, request, peer="ipv4:127.0.0.1:5555")
 
 
 def test_method_labels_are_bounded() -> None:
@@ -298,7 +298,7 @@ def test_method_labels_are_bounded() -> None:
     unlisted = MetricsInterceptor(m)
     for i in range(MAX_METHODS + 10):
         unlisted.finished(_call(f"/x.Y/M{i}"))
-    unlisted.finished(FinishedCall("/unknown/method", grpc.StatusCode.UNIMPLEMENTED, 0.0, None))
+    unlisted.finished(FinishedCall("/unknown/method", grpc.StatusCode.UNIMPLEMENTED, 0.0, False))
     s = samples(m)
     assert value(s, "ngramcache_rpc_total", method="/a.B/C", code="OK") == 1
     assert value(s, "ngramcache_rpc_total", method=OTHER, code="OK") == 1 + 10
@@ -334,8 +334,9 @@ def test_log_lines_levels_and_fields(caplog: pytest.LogCaptureFixture) -> None:
     interceptor = LoggingInterceptor()
     interceptor.finished(_call("/ngramcache.v1.Drafting/Draft", request=drafting_pb2.DraftRequest(namespace="chat"),
                                seconds=0.0021))
-    interceptor.finished(FinishedCall("/ngramcache.v1.Drafting/Draft", grpc.StatusCode.NOT_FOUND, 0.001, _Context(),
-                                      drafting_pb2.DraftRequest(namespace="gone"), "NAMESPACE_NOT_FOUND"))
+    interceptor.finished(FinishedCall("/ngramcache.v1.Drafting/Draft", grpc.StatusCode.NOT_FOUND, 0.001, True,
+                                      drafting_pb2.DraftRequest(namespace="gone"), "NAMESPACE_NOT_FOUND",
+                                      "ipv4:127.0.0.1:5555"))
     ok, error = _records(caplog)
     assert ok.levelno == logging.DEBUG and error.levelno == logging.INFO
     assert ok.getMessage() == "rpc /ngramcache.v1.Drafting/Draft OK 2.100 ms peer=ipv4:127.0.0.1:5555 namespace=chat"
@@ -356,7 +357,7 @@ def test_ok_calls_log_at_the_configured_level(caplog: pytest.LogCaptureFixture) 
 
 def test_client_controlled_text_is_logged_printable_and_short(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger="ngramcache.service.rpc")
-    LoggingInterceptor().finished(FinishedCall("/x\n/forged line" + "y" * 500, grpc.StatusCode.UNIMPLEMENTED, 0.0, None))
+    LoggingInterceptor().finished(FinishedCall("/x\n/forged line" + "y" * 500, grpc.StatusCode.UNIMPLEMENTED, 0.0, False))
     (record,) = _records(caplog)
     assert "\n" not in record.getMessage() and len(record.grpc_method) < 300  # type: ignore[attr-defined]
     assert record.peer is None  # type: ignore[attr-defined]

@@ -476,3 +476,22 @@ def test_health_and_reflection_serve_the_contract() -> None:
             assert pull.server_streaming and not pull.client_streaming
     finally:
         server.stop(None)
+
+
+def test_protocol_doc_lists_every_rpc_of_proto() -> None:
+    """docs/protocol.md's RPC table names every rpc of every service in proto/, in that service's row."""
+    root = Path(__file__).resolve().parents[2]
+    table = {}
+    for line in (root / "docs" / "protocol.md").read_text().splitlines():
+        cells = [c.strip() for c in line.split("|")]
+        if len(cells) >= 5 and cells[1].endswith(".proto`"):
+            table[cells[1].strip("`")] = (cells[2].strip("`"), set(re.findall(r"`(\w+)`", cells[3])))
+    protos = sorted((root / "proto" / "ngramcache" / "v1").glob("*.proto"))
+    assert protos
+    for proto in protos:
+        text = proto.read_text()
+        for service, body in re.findall(r"service (\w+) \{(.*?)\n\}", text, re.S):
+            rpcs = set(re.findall(r"\brpc (\w+)\(", body))
+            assert proto.name in table, f"docs/protocol.md has no row for {proto.name}"
+            doc_service, doc_rpcs = table[proto.name]
+            assert doc_service == service and rpcs <= doc_rpcs, (proto.name, sorted(rpcs - doc_rpcs))

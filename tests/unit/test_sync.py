@@ -20,7 +20,9 @@ from ngramcache import (
     build_static_from_tokens,
 )
 from ngramcache.client.static_files import GenerationFiles, sha256_of_file
-from ngramcache.client.sync import Backoff, ClientConfig, _Core, aggregate_rows, error_from_rpc
+from ngramcache.client.sync import Backoff, ClientConfig, aggregate_rows, error_from_rpc
+from ngramcache.client.sync.pusher import Pusher
+from ngramcache.client.sync.state import SyncState
 
 FP = b"\x07" * 32
 
@@ -83,12 +85,11 @@ class FakeDrafter:
         return self.batches.pop(0) if self.batches else np.empty((0, 7), np.int32)
 
 
-def core(tmp_path: Path, **options: object) -> tuple[_Core, FakeDrafter]:
+def core(tmp_path: Path, **options: object) -> tuple[Pusher, FakeDrafter]:
     config = ClientConfig(addresses=("127.0.0.1:1",), namespace="n", fingerprint=FP, vocab_size=10,
                           cache_dir=str(tmp_path), **options)  # type: ignore[arg-type]
     drafter = FakeDrafter()
-    from ngramcache import CountTable
-    return _Core(config, drafter, CountTable()), drafter  # type: ignore[arg-type]
+    return Pusher(SyncState(config, drafter)), drafter  # type: ignore[arg-type]
 
 
 def test_push_buffer_aggregates_then_drops_the_oldest(tmp_path: Path) -> None:
@@ -96,10 +97,10 @@ def test_push_buffer_aggregates_then_drops_the_oldest(tmp_path: Path) -> None:
     drafter.batches = [rows((1, 1, 1), (2, 2, 1)), rows((1, 1, 1), (3, 3, 1))]
     c.drain()
     c.drain()
-    assert c.pending_rows == 3 and c.stats.dropped_rows == 0  # 4 rows summed into 3
+    assert c.pending_rows == 3 and c.state.stats.dropped_rows == 0  # 4 rows summed into 3
     drafter.batches = [rows((5, 5, 1), (6, 6, 1))]
     c.drain()
-    assert c.pending_rows == 3 and c.stats.dropped_rows == 2
+    assert c.pending_rows == 3 and c.state.stats.dropped_rows == 2
     batch = c.take_batch()
     assert batch is not None
     kept = {int(r[1]) for r in batch}

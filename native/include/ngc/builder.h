@@ -85,8 +85,10 @@ struct TokenStream {
   const Token* data;  // borrowed; MUST stay alive for the call
   size_t size;
 };
-// (An in-memory convenience over Builder with the default budget.)
+// (An in-memory convenience over Builder.) `memory_budget` bounds the builder as in
+// BuilderOptions (the corpus index gets half of it); when `stats` is not null it receives the
+// build's statistics, n_not_indexed included (tokens past the index's share of the budget).
 Status build_static(const std::vector<TokenStream>& streams, const StaticHeader& header, const std::string& path,
-                    bool corpus_index = false);
+                    bool corpus_index = false, uint64_t memory_budget = uint64_t{1} << 30, BuildStats* stats = nullptr);
 
 }  // namespace ngc

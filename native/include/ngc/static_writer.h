@@ -63,6 +63,7 @@ class StaticWriter {
     std::vector<uint8_t> buf;     // bytes not yet written to fd
     Checksum64 sum;               // of every byte appended
     uint64_t bytes = 0;           // appended in all
+    std::string dir;              // the folder of the (unlinked) file, for error messages
     Status open(const std::string& dir);
     Status append_u32(uint32_t v) {
       const size_t n = buf.size();

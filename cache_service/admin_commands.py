@@ -1,0 +1,192 @@
+"""The commands that talk to a running service's Admin: `namespace create|list|delete`, `publish` and `rebuild` (arguments and printing; `AdminClient` makes the calls)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from ngramcache.client import cli as client_cli
+from ngramcache.client.admin import AdminClient, RebuildStatus
+from ngramcache.client.errors import InvalidArgumentError
+
+__all__ = ["add_namespace", "add_publish", "add_rebuild"]
+
+
+def _connection_options(p: argparse.ArgumentParser, role: str) -> None:
+    p.add_argument("--server", required=True, metavar="HOST:PORT", help="a replica of the service")
+    p.add_argument("--tls-ca", metavar="PEM",
+                   help="connect with TLS, trusting the CA certificates in this file (default: plaintext)")
+    p.add_argument("--tls-cert", metavar="PEM", help="with --tls-ca: a client certificate, for a service that requires mutual TLS")
+    p.add_argument("--tls-key", metavar="PEM", help="the private key of --tls-cert")
+    p.add_argument("--token", default=os.environ.get("NGC_TOKEN"),
+                   help=f"bearer token with the {role} role (default: $NGC_TOKEN)")
+    p.add_argument("--timeout", type=client_cli.seconds_in(0, 86400), default=10.0,
+                   help="seconds to wait for the server to answer, in (0, 86400] (default 10)")
+
+
+def _client(args: argparse.Namespace) -> AdminClient:
+    if (args.tls_cert is None) != (args.tls_key is None) or (args.tls_cert is not None and args.tls_ca is None):
+        raise InvalidArgumentError("--tls-cert and --tls-key go together, and with --tls-ca")
+    client = AdminClient(args.server, token=args.token, tls_ca=args.tls_ca, tls_cert=args.tls_cert,
+                         tls_key=args.tls_key, timeout=args.timeout)
+    try:
+        client.wait_ready()
+    except BaseException:
+        client.close()
+        raise
+    return client
+
+
+# namespace create | list | delete
+
+
+def add_namespace(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("namespace", help="create, list or delete a service's namespaces",
+                       description="Manages the namespaces of the service at --server. A namespace is bound to one "
+                       "tokenizer (its fingerprint and vocabulary size): clients, sessions and generations of another "
+                       "are refused. Needs a token with the admin role when the service checks tokens.")
+    verbs = p.add_subparsers(dest="verb", required=True, metavar="{create,list,delete}")
+    create = verbs.add_parser("create", help="create a namespace bound to a tokenizer (idempotent for the same one)",
+                              description="Creates NAME bound to the tokenizer of --tokenizer (or --vocab-size and "
+                              "--fingerprint). Creating it again with the same tokenizer changes nothing; with "
+                              "another it is refused.")
+    create.add_argument("name", metavar="NAME", help="1..64 characters of [A-Za-z0-9_.-]")
+    client_cli.tokenizer_options(create)
+    _connection_options(create, "admin")
+    create.set_defaults(func=cmd_namespace_create)
+    lst = verbs.add_parser("list", help="list the namespaces", description="Lists every namespace: name, "
+                           "vocabulary size, fingerprint (first 16 hex digits), latest generation.")
+    _connection_options(lst, "admin")
+    lst.set_defaults(func=cmd_namespace_list)
+    delete = verbs.add_parser("delete", help="delete a namespace with its counts and generation files",
+                              description="Deletes NAME: its dynamic counts in the store and its generation files on "
+                              "the replica that answers. Sessions and clients of it end NOT_FOUND. Asks for no "
+                              "confirmation: --yes is required.")
+    delete.add_argument("name", metavar="NAME")
+    delete.add_argument("--yes", action="store_true", help="really delete it (required)")
+    _connection_options(delete, "admin")
+    delete.set_defaults(func=cmd_namespace_delete)
+
+
+def cmd_namespace_create(args: argparse.Namespace) -> int:
+    vocab, fingerprint, _ = client_cli.vocab_and_fingerprint(args, client_cli.load_tokenizer_spec(args.tokenizer))
+    with _client(args) as admin:
+        ns = admin.create_namespace(args.name, (fingerprint, vocab))
+    verb = "created" if ns.created else "exists already (same tokenizer)"
+    print(f"namespace {ns.name} {verb}: vocabulary {ns.vocab_size:,}, fingerprint {ns.fingerprint.hex()[:16]}...")
+    return 0
+
+
+def cmd_namespace_list(args: argparse.Namespace) -> int:
+    with _client(args) as admin:
+        names = admin.list_namespaces()
+    if not names:
+        print("no namespaces", file=sys.stderr)
+        return 0
+    width = max(len(ns.name) for ns in names)
+    print(f"{'namespace':{width}s}  {'vocabulary':>10s}  {'fingerprint':16s}  generation")
+    for ns in names:
+        print(f"{ns.name:{width}s}  {ns.vocab_size:>10,}  {ns.fingerprint.hex()[:16]}  {ns.latest_generation or '-'}")
+    return 0
+
+
+def cmd_namespace_delete(args: argparse.Namespace) -> int:
+    if not args.yes:
+        raise InvalidArgumentError(f"deleting {args.name} drops its counts and files for good: add --yes")
+    with _client(args) as admin:
+        existed = admin.drop_namespace(args.name)
+    print(f"namespace {args.name} {'deleted' if existed else 'did not exist'}")
+    return 0
+
+
+# publish
+
+
+def add_publish(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("publish", help="upload a static cache file as a namespace's next generation",
+                       description="Uploads FILE (built by `ngramcache build` with the namespace's tokenizer) to the "
+                       "service at --server as generation G of --namespace, G being the number in the file's header "
+                       "(`build --generation G`); it must be above the namespace's latest. The service verifies size, "
+                       "checksum, format and tokenizer before it publishes; every client and session swaps to it. "
+                       "Needs a token with the admin role.")
+    p.add_argument("file", metavar="FILE", help="a static cache file (.ngc)")
+    p.add_argument("--namespace", required=True, metavar="NS", help="the namespace to publish into")
+    _connection_options(p, "admin")
+    p.set_defaults(func=cmd_publish)
+
+
+def cmd_publish(args: argparse.Namespace) -> int:
+    client_cli.check_input_file(args.file, "FILE")
+    with _client(args) as admin:
+        g = admin.publish(args.namespace, args.file)
+    if g.already_published:
+        print(f"{args.file} was already published as generation {g.generation} of {g.namespace} (nothing changed)")
+        return 0
+    print(f"published {args.file} as generation {g.generation} of {g.namespace} ({g.size / 1e6:.2f} MB, "
+          f"sha256 {g.sha256.hex()[:16]}...)")
+    return 0
+
+
+# rebuild
+
+
+def add_rebuild(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "rebuild", help="ask a service to fold a namespace's counts into its next static generation",
+        description="Asks the service at --server to rebuild NAMESPACE: fold its dynamic counts (and the previous "
+        "generation, and token files under the server's --corpus-root) into the next static generation and publish "
+        "it; every client and session swaps to it. One rebuild per namespace runs at a time across all replicas (a "
+        "lease in the counts store); if one is running, this says where and exits 2 (as for every error). Shows "
+        "progress until it ends (Ctrl-C stops watching, not the rebuild). Needs a token with the admin role when "
+        "the service checks tokens.")
+    p.add_argument("--namespace", required=True, metavar="NS", help="the namespace to rebuild")
+    _connection_options(p, "admin")
+    p.add_argument("--min-count", type=client_cli.int_in(1, 2**31 - 1), default=1,
+                   help="leave out dynamic counts below this (default 1)")
+    p.add_argument("--ngram-size", type=int, default=0, choices=range(0, 5), metavar="N",
+                   help="tokens per key of the new file, 1..4 (default: the previous generation's, else 2)")
+    p.add_argument("--include-previous", action="store_true",
+                   help="fold the latest generation in as well; only for one published from a corpus (folding one "
+                        "a rebuild made would count the dynamic counts twice, and is refused)")
+    p.add_argument("--decay", type=float, default=1.0,
+                   help="with --include-previous: multiply its counts by this, in (0, 1] (default 1: no decay)")
+    p.add_argument("--corpus", action="append", default=[], metavar="PATH",
+                   help="token files or folders (.bin/.tokens/.npy) on the server, under its --corpus-root, to add; "
+                        "repeat for more")
+    p.add_argument("--keep", type=client_cli.int_in(1, 10**6), default=3,
+                   help="published generations kept, this one included (default 3)")
+    p.add_argument("--no-wait", action="store_true", help="return once the rebuild started")
+    p.set_defaults(func=cmd_rebuild)
+
+
+def cmd_rebuild(args: argparse.Namespace) -> int:
+    if not 0 < args.decay <= 1:
+        raise InvalidArgumentError(f"--decay must be in (0, 1], got {args.decay}")
+    shown = ""
+
+    def progress(status: RebuildStatus) -> None:
+        nonlocal shown
+        line = (f"  {status.phase or 'starting'}: {status.previous_rows:,} previous rows, "
+                f"{status.dynamic_rows:,} dynamic rows, {status.corpus_tokens:,} corpus tokens")
+        if line != shown:
+            print(line, flush=True)
+            shown = line
+
+    with _client(args) as admin:
+        status = admin.start_rebuild(args.namespace, min_count=args.min_count, ngram_size=args.ngram_size,
+                                     include_previous=args.include_previous, decay=args.decay, corpus=args.corpus,
+                                     keep=args.keep)
+        print(f"rebuilding {args.namespace} on {status.holder} (lease token {status.lease_token})", flush=True)
+        if args.no_wait:
+            return 0
+        status = admin.wait_rebuild(status, progress=progress)
+    took = f"{status.seconds:.3f} s" if status.seconds < 1 else f"{status.seconds:.1f} s"
+    if status.state != "done":
+        print(f"ngramcache rebuild: error: the rebuild of {args.namespace} failed after {took}: {status.error}",
+              file=sys.stderr)
+        return client_cli.EXIT_ERROR
+    print(f"published generation {status.generation} of {args.namespace} in {took}: {status.n_keys:,} keys, "
+          f"{status.n_followers:,} followers, {status.file_bytes / 1e6:.2f} MB ({status.dynamic_rows:,} dynamic rows, "
+          f"{status.previous_rows:,} previous rows, {status.corpus_tokens:,} corpus tokens)")
+    return 0

@@ -1,0 +1,254 @@
+"""NgramClient: a local Drafter kept in sync with the fleet by one background thread (static generations, mirror, pushes).
+
+One implementation: a daemon thread runs one asyncio loop (grpc.aio) that does every
+network call; the public API is synchronous, and ``draft``/``accept`` on the drafter it
+hands out never wait on the network. The loop runs three tasks over one `SyncState`:
+`StaticSync`, `Mirror` and `Pusher` (their modules say what each guarantees).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from ngramcache.client._core import CountTable, Drafter
+from ngramcache.client._proto.v1 import admin_pb2
+from ngramcache.client.errors import BackendUnavailableError, InvalidArgumentError, TokenizerMismatchError
+from ngramcache.client.static_files import GenerationFiles
+from ngramcache.client.sync.config import ClientConfig, HasTokenizer
+from ngramcache.client.sync.health import HealthWatch
+from ngramcache.client.sync.mirror import Mirror
+from ngramcache.client.sync.pusher import Pusher
+from ngramcache.client.sync.state import SyncState
+from ngramcache.client.sync.static_sync import StaticSync
+from ngramcache.client.transport import Channel
+
+__all__ = ["NgramClient"]
+
+log = logging.getLogger("ngramcache.client.sync")
+
+
+class SyncLoop:
+    """What runs on the background loop: connect, then the static sync, the mirror and the pusher until closed."""
+
+    def __init__(self, config: ClientConfig, drafter: Drafter, table: CountTable) -> None:
+        self.state = SyncState(config, drafter)
+        self.files = GenerationFiles(config.cache_dir, config.namespace)
+        self.static = StaticSync(self.state, self.files)
+        self.mirror = Mirror(self.state, table)
+        self.pusher = Pusher(self.state)
+        self.health = HealthWatch(self.state)
+
+    async def connect(self) -> None:
+        """Check the namespace and read the server's limits (retrying unreachable addresses until connect_timeout)."""
+        state, config = self.state, self.state.config
+        until = time.monotonic() + min(config.connect_timeout, config.ready_timeout)
+        timeout = min(config.rpc_timeout, 2.0)
+
+        async def get(chan: Channel) -> admin_pb2.GetNamespaceResponse:
+            resp: admin_pb2.GetNamespaceResponse = await chan.admin.GetNamespace(
+                admin_pb2.GetNamespaceRequest(name=config.namespace), timeout=timeout, metadata=state.metadata)
+            return resp
+
+        try:
+            ns = (await state.retrying("GetNamespace", get, until)).namespace
+        except BackendUnavailableError as e:
+            raise BackendUnavailableError(
+                f"no ngramcache service answered at {', '.join(config.addresses)} within "
+                f"{config.connect_timeout:g} s (connect_timeout): {e}") from None
+        if ns.tokenizer_fingerprint != config.fingerprint or ns.vocab_size != config.vocab_size:
+            raise TokenizerMismatchError(
+                f"namespace {config.namespace!r} is bound to fingerprint {ns.tokenizer_fingerprint.hex()[:16]}... "
+                f"vocab_size {ns.vocab_size}; the client's tokenizer has {config.fingerprint.hex()[:16]}... "
+                f"vocab_size {config.vocab_size}")
+
+        async def info(chan: Channel) -> admin_pb2.GetServerInfoResponse:
+            resp: admin_pb2.GetServerInfoResponse = await chan.admin.GetServerInfo(
+                admin_pb2.GetServerInfoRequest(), timeout=timeout, metadata=state.metadata)
+            return resp
+
+        limits = (await state.retrying("GetServerInfo", info, until)).limits
+        self.pusher.limit(limits.dedup_window, limits.max_batch_rows)
+
+    async def run(self, started: Callable[[BaseException | None], None]) -> None:
+        state = self.state
+        state.closing = asyncio.Event()
+        try:
+            await self.connect()
+        except BaseException as e:  # reported to the constructor
+            started(e)
+            await self.shutdown()
+            return
+        tasks = [asyncio.create_task(self.static.run(), name="ngc-static"),
+                 asyncio.create_task(self.mirror.run(), name="ngc-mirror"),
+                 asyncio.create_task(self.health.run(), name="ngc-health")]
+        pusher = asyncio.create_task(self.pusher.run(), name="ngc-push")
+        ready = asyncio.gather(self.static.ready.wait(), self.mirror.ready.wait())
+        try:
+            await asyncio.wait_for(ready, state.config.ready_timeout)
+            started(None)
+        except asyncio.TimeoutError:
+            log.warning("ngramcache client: first sync not done after %.0f s; going on in the background",
+                        state.config.ready_timeout)
+            started(None)
+        await state.closing.wait()
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        with contextlib.suppress(Exception):
+            await pusher  # flushes within close_timeout
+        await self.shutdown()
+
+    async def shutdown(self) -> None:
+        await self.state.channels.close()
+        self.files.unlock()
+
+    def snapshot(self) -> dict[str, Any]:
+        state = self.state
+        with state.lock:
+            s = dataclasses.replace(state.stats)
+        lag = time.monotonic() - s.mirror_last_ok if s.mirror_last_ok else None
+        table = self.mirror.table
+        return {
+            "address": s.address, "client_id": state.client_id, "generation": s.generation,
+            "mirror": state.config.mirror, "mirror_version": s.mirror_version, "view_id": s.view_id,
+            "mirror_rows": table.n_entries, "mirror_bytes": table.memory_bytes(),
+            "pulled_rows": s.pulled_rows, "pulled_bytes": s.pulled_bytes,
+            "mirror_lag_seconds": lag, "resyncs": s.resyncs,
+            "drained_rows": s.drained_rows, "drained_count": s.drained_count, "pending_rows": self.pusher.pending_rows,
+            "pushed_rows": s.pushed_rows, "acked_rows": s.acked_rows, "acked_count": s.acked_count,
+            "duplicate_batches": s.duplicate_batches, "dropped_rows": s.dropped_rows, "dropped_count": s.dropped_count,
+            "reconnects": s.reconnects, "downloads": s.downloads, "downloaded_bytes": s.downloaded_bytes,
+        }
+
+
+def _quiet_grpc_poller(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+    """The loop's exception handler, less grpc.aio's spurious poller errors.
+
+    grpc.aio has one completion queue per process and every event loop that used it listens
+    to its notification socket (grpc issue #25364). With several clients in a process (one
+    loop each), a loop that wakes for nothing gets BlockingIOError, and one that hands a
+    completion to a client closed meanwhile gets "Event loop is closed". Both are harmless
+    (the completion belongs to another loop, or to a finished client), so they are not
+    printed as tracebacks; everything else goes to the default handler.
+    """
+    exc = context.get("exception")
+    handle = repr(context.get("handle", ""))
+    if "PollerCompletionQueue._handle_events" in handle and (
+            isinstance(exc, BlockingIOError) or (isinstance(exc, RuntimeError) and "Event loop is closed" in str(exc))):
+        log.debug("ngramcache client: ignored grpc.aio poller error: %r", exc)
+        return
+    loop.default_exception_handler(context)
+
+
+class NgramClient:
+    """A local `Drafter` kept in sync with a namespace of an ngramcache service; a context manager.
+
+    The drafter drafts from the namespace's latest static generation (fetched once per node
+    into ``cache_dir``), a mirror of its dynamic counts (pulled at least once a second) and
+    its own sequences; what it accepts is pushed in the background, exactly once. While no
+    service answers, drafting goes on with what was last synced and pushes wait.
+
+    Thread-safety: the drafter is safe to use from many threads (see `Drafter`); `stats`
+    and `close` may be called from any thread.
+
+    Args:
+        addresses: ``"host:port"`` or a list of them (tried in order on UNAVAILABLE).
+        namespace: the namespace to draft from and push to.
+        tokenizer: a `Tokenizer` (anything with ``fingerprint`` and ``vocab_size``) or a
+            ``(fingerprint, vocab_size)`` pair.
+        cache_dir: the node's generation cache (default ``$XDG_CACHE_HOME/ngramcache``).
+        token: a bearer token, or None.
+        **options: more `ClientConfig` fields (``tls_ca`` for TLS, ``mirror``, intervals, ...).
+
+    Raises:
+        TokenizerMismatchError: the namespace is bound to another tokenizer.
+        NamespaceNotFoundError: no such namespace.
+        BackendUnavailableError: no address answered within ``connect_timeout`` (default 10 s), or the first sync took longer than ``ready_timeout``.
+    """
+
+    def __init__(self, addresses: str | Sequence[str], namespace: str,
+                 tokenizer: HasTokenizer | tuple[bytes, int], *, cache_dir: str | os.PathLike[str] | None = None,
+                 token: str | None = None, **options: Any) -> None:
+        if isinstance(tokenizer, tuple):
+            fingerprint, vocab_size = tokenizer
+        else:
+            fingerprint, vocab_size = tokenizer.fingerprint, tokenizer.vocab_size
+        addrs = (addresses,) if isinstance(addresses, str) else tuple(addresses)
+        if not addrs:
+            raise InvalidArgumentError("addresses must name at least one service")
+        if cache_dir is None:
+            cache_dir = os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "ngramcache")
+        self.config = ClientConfig(addresses=addrs, namespace=namespace, fingerprint=bytes(fingerprint),
+                                   vocab_size=int(vocab_size), cache_dir=os.fspath(cache_dir), token=token, **options)
+        table = CountTable()
+        self._drafter = Drafter(dynamic=table, fingerprint=self.config.fingerprint, vocab_size=self.config.vocab_size,
+                                track_deltas=True, mode=self.config.mode, **self.config.drafter_options)
+        self._core = SyncLoop(self.config, self._drafter, table)
+        self._loop = asyncio.new_event_loop()
+        self._started = threading.Event()
+        self._start_error: BaseException | None = None
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name=f"ngramcache-sync-{namespace}", daemon=True)
+        self._thread.start()
+        self._started.wait()
+        if self._start_error is not None:
+            self._thread.join(5)
+            self._loop.close()
+            self._closed = True
+            raise self._start_error
+
+    def _run(self) -> None:
+        def started(error: BaseException | None) -> None:
+            self._start_error = error
+            self._started.set()
+
+        asyncio.set_event_loop(self._loop)
+        self._loop.set_exception_handler(_quiet_grpc_poller)
+        try:
+            self._loop.run_until_complete(self._core.run(started))
+        except BaseException as e:  # a bug: never leave the constructor waiting
+            log.exception("ngramcache client: background loop failed")
+            started(e)
+        finally:
+            with contextlib.suppress(Exception):
+                self._loop.run_until_complete(self._loop.shutdown_asyncgens())
+
+    def drafter(self) -> Drafter:
+        """The synced `Drafter` (the same object on every call): draft, accept and end sequences on it."""
+        return self._drafter
+
+    def stats(self) -> dict[str, Any]:
+        """A snapshot: generation, mirror version/rows/bytes/lag, pulled rows/bytes, pushed/acked/dropped rows, reconnects, downloads."""
+        return self._core.snapshot()
+
+    def close(self) -> None:
+        """Flush pending pushes (within ``close_timeout``), stop the background thread, release the files."""
+        if self._closed:
+            return
+        self._closed = True
+        closing = self._core.state.closing
+        if closing is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(closing.set)
+        self._thread.join(self.config.close_timeout + 10)
+        if not self._thread.is_alive():
+            self._loop.close()
+
+    def __enter__(self) -> NgramClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            if not self._closed and self._thread.is_alive():
+                self.close()
+

@@ -1,0 +1,91 @@
+"""The settings of an `NgramClient`: where it connects, what it mirrors, its buffers, intervals and timeouts."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Protocol
+
+from ngramcache.client.errors import InvalidArgumentError
+from ngramcache.client.transport import Backoff
+
+__all__ = ["ClientConfig", "HasTokenizer"]
+
+
+class HasTokenizer(Protocol):
+    @property
+    def fingerprint(self) -> bytes: ...
+
+    @property
+    def vocab_size(self) -> int: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class ClientConfig:
+    """Settings of an `NgramClient` (every one has a default except where it connects and what it mirrors).
+
+    Attributes:
+        addresses: service addresses ``host:port``, tried in order; UNAVAILABLE moves to the next.
+        namespace: the namespace drafted from and pushed to.
+        fingerprint, vocab_size: the client's tokenizer (must be the namespace's).
+        cache_dir: where generation files are kept (``<cache_dir>/<namespace>/``), shared by a node.
+        token: a bearer token, or None.
+        tls_ca: PEM file (or bytes) of the CA certificates to trust: connect with TLS. None
+            (default): plaintext, for a service on loopback or a private network.
+        tls_cert, tls_key: PEM files (or bytes) of a client certificate and its key, for a
+            service that requires mutual TLS (with tls_ca).
+        mirror: what the dynamic mirror holds: ``"draft"`` (default) the service's draft view,
+            only what can change a draft, bounded in rows whatever the fleet's size; ``"full"``
+            every count of the store (traffic and memory grow with the fleet).
+        pull_interval: seconds between two mirror pulls (<= 1).
+        push_interval: seconds between two drains of the drafter's deltas.
+        max_unacked: most push batches in flight (capped by the server's dedup window).
+        max_batch_rows: most rows a push (capped by the server's limit).
+        max_pending_rows: rows buffered for pushing; above it: aggregate, then drop the oldest.
+        keep_generations: installed generations kept besides the current one.
+        connect_timeout: how long the constructor tries the addresses for a first answer.
+        ready_timeout: how long the constructor waits for the first sync (download included).
+        close_timeout: how long `close` spends flushing pushes.
+        rpc_timeout: deadline of a unary call (pushes, List, GetNamespace).
+        failover_timeout: with several addresses, seconds a replica may go without answering its
+            health check SERVING (hung, stopped, NOT_SERVING) before the client moves to the next.
+        backoff: the retry policy while calls fail retriably.
+        mode: the drafter's mode, ``"compatible"`` (default: llama.cpp's drafts) or ``"match"``
+            (longest matches over the sequence, earlier sequences and the static generation's
+            corpus index; also ``drafter().draft_tree``).
+        drafter_options: more keyword arguments of the `Drafter` (max_sequences, idle_ttl, ...).
+    """
+
+    addresses: tuple[str, ...]
+    namespace: str
+    fingerprint: bytes
+    vocab_size: int
+    cache_dir: str
+    token: str | None = None
+    tls_ca: str | bytes | None = None
+    tls_cert: str | bytes | None = None
+    tls_key: str | bytes | None = None
+    mirror: str = "draft"
+    pull_interval: float = 0.5
+    push_interval: float = 0.1
+    max_unacked: int = 4
+    max_batch_rows: int = 65_536
+    max_pending_rows: int = 1_000_000
+    keep_generations: int = 2
+    connect_timeout: float = 10.0
+    ready_timeout: float = 60.0
+    close_timeout: float = 10.0
+    rpc_timeout: float = 10.0
+    failover_timeout: float = 5.0
+    backoff: Backoff = dataclasses.field(default_factory=Backoff)
+    mode: str = "compatible"
+    drafter_options: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("compatible", "match"):
+            raise InvalidArgumentError(f"mode must be 'compatible' or 'match', got {self.mode!r}")
+        if (self.tls_cert is None) != (self.tls_key is None) or (self.tls_cert is not None and self.tls_ca is None):
+            raise InvalidArgumentError("tls_cert and tls_key go together, and with tls_ca")
+        if not 0.1 <= self.failover_timeout <= 3600:
+            raise InvalidArgumentError(f"failover_timeout must be in 0.1..3600 seconds, got {self.failover_timeout}")
+        if self.mirror not in ("draft", "full"):
+            raise InvalidArgumentError(f"mirror must be 'draft' or 'full', got {self.mirror!r}")

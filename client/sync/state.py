@@ -1,0 +1,120 @@
+"""What the sync tasks share: the config, the drafter, the failover channel, the counters under one lock, and how a task runs forever."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import threading
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+from ngramcache.client._core import Drafter
+from ngramcache.client.errors import NgramCacheError
+from ngramcache.client.sync.config import ClientConfig
+from ngramcache.client.transport import Channel, FailoverChannel, auth_metadata, channel_credentials
+
+__all__ = ["SyncState", "SyncStats"]
+
+log = logging.getLogger("ngramcache.client.sync")
+
+T = TypeVar("T")
+
+
+@dataclasses.dataclass
+class SyncStats:
+    """The counters `NgramClient.stats` reports; read and written under `SyncState.lock`."""
+
+    generation: int = 0
+    mirror_version: int | None = None
+    view_id: str = ""
+    mirror_last_ok: float = 0.0
+    pulled_rows: int = 0
+    pulled_bytes: int = 0
+    resyncs: int = 0
+    drained_rows: int = 0
+    drained_count: int = 0
+    pushed_rows: int = 0
+    acked_rows: int = 0
+    acked_count: int = 0
+    duplicate_batches: int = 0
+    dropped_rows: int = 0
+    dropped_count: int = 0  # the n-gram occurrences in dropped_rows: drained_count = acked_count + dropped_count + pending
+    reconnects: int = 0
+    downloads: int = 0
+    downloaded_bytes: int = 0
+    address: str = ""
+
+
+class SyncState:
+    """The state the static sync, the mirror and the pusher share, on the client's background loop.
+
+    Thread-safety: touch it only from the background loop, except `stats`, which any thread
+    may read under `lock`.
+    """
+
+    def __init__(self, config: ClientConfig, drafter: Drafter) -> None:
+        self.config = config
+        self.drafter = drafter
+        self.stats = SyncStats()
+        self.client_id = f"ngc-{uuid.uuid4().hex}"  # pushes are exactly once per (client_id, seq)
+        self.lock = threading.Lock()  # guards stats (and the pusher's buffer size) for readers
+        self.metadata = auth_metadata(config.token)
+        self.channels = FailoverChannel(config.addresses, channel_credentials(config.tls_ca, config.tls_cert, config.tls_key),
+                                        config.backoff, self._switched)
+        self.closing: asyncio.Event | None = None  # set (on the loop) when the client closes
+
+    def _switched(self, address: str, reconnect: bool) -> None:
+        with self.lock:
+            self.stats.address = address
+            self.stats.reconnects += int(reconnect)
+
+    def cancelled_by_us(self) -> bool:
+        """Whether a CancelledError is this task's own cancellation (closing), not a call that grpc
+        cancelled because its channel was closed by a switch to another address."""
+        task = asyncio.current_task()
+        cancelling = getattr(task, "cancelling", None)  # Python 3.11+
+        if cancelling is not None and cancelling() > 0:
+            return True
+        return self.closing is not None and self.closing.is_set() and cancelling is None
+
+    async def retrying(self, what: str, call: Callable[[Channel], Awaitable[T]], until: float | None = None) -> T:
+        """`FailoverChannel.retrying` with this client's notion of its own cancellation."""
+        return await self.channels.retrying(what, call, until, self.cancelled_by_us)
+
+    async def forever(self, what: str, body: Callable[[], Awaitable[None]]) -> None:
+        """Run ``body`` again and again; errors are logged and retried after a backoff (never fatal)."""
+        attempt = 0
+        while True:
+            try:
+                await body()
+                attempt = 0
+            except asyncio.CancelledError:
+                if self.cancelled_by_us():
+                    raise
+                log.debug("ngramcache client: %s cancelled by a channel switch; again", what)  # not fatal
+                await asyncio.sleep(0.05)
+            except NgramCacheError as e:
+                log.warning("ngramcache client: %s failed: %s", what, e)
+                attempt += 1
+                await asyncio.sleep(self.config.backoff.delay(attempt) + (0.0 if e.retriable else 1.0))
+            except Exception:
+                log.exception("ngramcache client: %s failed", what)
+                attempt += 1
+                await asyncio.sleep(1.0 + self.config.backoff.delay(attempt))
+
+    async def once(self, what: str, body: Callable[[], Awaitable[None]]) -> None:
+        """Run ``body`` once; on an error log it and back off (the caller loops)."""
+        try:
+            await body()
+        except asyncio.CancelledError:
+            if self.cancelled_by_us():
+                raise
+            await asyncio.sleep(0.05)  # a call cancelled by a channel switch: again
+        except NgramCacheError as e:
+            log.warning("ngramcache client: %s failed: %s", what, e)
+            await asyncio.sleep(self.config.backoff.delay(3) + (0.0 if e.retriable else 1.0))
+        except Exception:  # e.g. OSError: the node's cache folder is full or unwritable; never fatal
+            log.exception("ngramcache client: %s failed", what)
+            await asyncio.sleep(1.0 + self.config.backoff.delay(3))

@@ -1,0 +1,216 @@
+"""Talking to the service: backoff, TLS credentials, bearer metadata, the wire error mapping and a failover channel.
+
+Every client of the service (`NgramClient`'s background loop, `RemoteDrafter`, the
+`ngramcache rebuild` command, the demo) builds its channels, credentials and metadata here,
+and turns a failed call into a library error with `error_from_rpc`, the client side's one
+mapping from gRPC statuses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import random
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TypeVar
+
+import grpc
+from grpc import aio
+
+from ngramcache.client._proto.v1 import admin_pb2_grpc, counts_pb2_grpc, static_files_pb2_grpc
+from ngramcache.client.errors import InvalidArgumentError, NgramCacheError
+from ngramcache.client.wire_errors import REASON_KEY, error_class_for
+
+__all__ = ["REASON_KEY", "Backoff", "Channel", "FailoverChannel", "auth_metadata", "channel_credentials",
+           "error_from_rpc", "open_channel"]
+
+log = logging.getLogger("ngramcache.client.sync")
+
+T = TypeVar("T")
+
+Metadata = tuple[tuple[str, str], ...]
+
+
+# errors
+
+
+def _reason(err: grpc.RpcError) -> str | None:
+    trailing = err.trailing_metadata() if hasattr(err, "trailing_metadata") else None
+    for key, value in trailing or ():
+        if key == REASON_KEY:
+            return str(value)
+    return None
+
+
+def error_from_rpc(err: grpc.RpcError) -> NgramCacheError:
+    """The library error for a failed call (its ``retriable`` says whether to try again).
+
+    Derived from the wire error table (`ngramcache.client.wire_errors`): an error the service
+    raised arrives as itself (`NamespaceNotFoundError`, `LeaseHeldError`, ...); UNAVAILABLE,
+    DEADLINE_EXCEEDED, CANCELLED and ABORTED are otherwise `BackendUnavailableError`
+    (retriable); RESOURCE_EXHAUSTED (a server limit) and the other codes a caller can fix
+    `InvalidArgumentError`; anything else a non-retriable `NgramCacheError`. The error carries
+    the call's ``code`` and ``reason``.
+    """
+    code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
+    details = err.details() if hasattr(err, "details") else str(err)
+    reason = _reason(err)
+    message = f"{code.name}: {details}" if code is not None else str(details)
+    out = error_class_for(code, reason)(message)
+    out.code = code  # type: ignore[attr-defined]
+    out.reason = reason  # type: ignore[attr-defined]
+    return out
+
+
+# retry policy
+
+
+@dataclasses.dataclass(frozen=True)
+class Backoff:
+    """Exponential backoff with full jitter: attempt k waits uniform(0, min(cap, base * 2**k)) seconds."""
+
+    base: float = 0.05
+    cap: float = 2.0
+
+    def delay(self, attempt: int) -> float:
+        return random.uniform(0.0, min(self.cap, self.base * (2 ** min(attempt, 30))))
+
+
+# credentials and metadata
+
+
+def _pem(value: str | bytes | None, what: str) -> bytes | None:
+    if value is None or isinstance(value, bytes):
+        return value
+    try:
+        with open(value, "rb") as f:
+            return f.read()
+    except OSError as e:
+        raise InvalidArgumentError(f"{what} {value}: {e.strerror}") from None
+
+
+def channel_credentials(ca: str | bytes | None, cert: str | bytes | None = None,
+                        key: str | bytes | None = None) -> grpc.ChannelCredentials | None:
+    """TLS credentials trusting the PEM CA certificates ``ca`` (a path or the bytes), with a client
+    certificate for mutual TLS; None (plaintext) when ``ca`` is None."""
+    if ca is None:
+        return None
+    return grpc.ssl_channel_credentials(root_certificates=_pem(ca, "tls_ca"), private_key=_pem(key, "tls_key"),
+                                        certificate_chain=_pem(cert, "tls_cert"))
+
+
+def auth_metadata(token: str | None) -> Metadata:
+    """The call metadata that carries a bearer token (none without one)."""
+    return (("authorization", f"Bearer {token}"),) if token else ()
+
+
+def open_channel(address: str, credentials: grpc.ChannelCredentials | None = None,
+                 options: Sequence[tuple[str, int]] = ()) -> grpc.Channel:
+    """A synchronous channel to ``address``: TLS with ``credentials``, plaintext without."""
+    if credentials is not None:
+        return grpc.secure_channel(address, credentials, options=list(options))
+    return grpc.insecure_channel(address, options=list(options))
+
+
+# the failover channel of the background loop
+
+
+class Channel:
+    """One grpc.aio channel to one address and its stubs; `epoch` counts the switches before it."""
+
+    OPTIONS = (("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+               ("grpc.max_reconnect_backoff_ms", 1000), ("grpc.max_receive_message_length", 64 << 20))
+
+    def __init__(self, address: str, epoch: int, credentials: grpc.ChannelCredentials | None = None) -> None:
+        self.address = address
+        self.epoch = epoch
+        self.channel = (aio.secure_channel(address, credentials, options=list(self.OPTIONS)) if credentials is not None
+                        else aio.insecure_channel(address, options=list(self.OPTIONS)))
+        self.admin = admin_pb2_grpc.AdminStub(self.channel)  # type: ignore[no-untyped-call]  # generated, untyped
+        self.counts = counts_pb2_grpc.CountsStub(self.channel)  # type: ignore[no-untyped-call]  # generated, untyped
+        self.files = static_files_pb2_grpc.StaticFilesStub(self.channel)  # type: ignore[no-untyped-call]  # generated, untyped
+
+
+class FailoverChannel:
+    """The current `Channel` over a list of addresses, and calls retried across them.
+
+    Thread-safety: none; use it from one event loop (the client's background loop).
+
+    Args:
+        addresses: ``host:port`` of each replica, tried in order.
+        credentials: TLS credentials, or None for plaintext.
+        backoff: the delays between retries.
+        on_switch: called with the new address after every switch.
+    """
+
+    def __init__(self, addresses: Sequence[str], credentials: grpc.ChannelCredentials | None, backoff: Backoff,
+                 on_switch: Callable[[str, bool], None]) -> None:
+        self._addresses = tuple(addresses)
+        self._credentials = credentials
+        self._backoff = backoff
+        self._on_switch = on_switch
+        self._index = 0
+        self._chan: Channel | None = None
+
+    def current(self) -> Channel:
+        """The channel calls go to now (opened on first use)."""
+        if self._chan is None:
+            self._chan = Channel(self._addresses[self._index], 0, self._credentials)
+            self._on_switch(self._chan.address, False)
+        return self._chan
+
+    async def switch(self, epoch: int) -> None:
+        """Move to the next address (a new channel to the same one when there is one), unless another task
+        already did since ``epoch``."""
+        old = self._chan
+        if old is None or old.epoch != epoch:
+            return
+        self._index = (self._index + 1) % len(self._addresses)
+        self._chan = Channel(self._addresses[self._index], epoch + 1, self._credentials)
+        self._on_switch(self._chan.address, True)
+        log.info("ngramcache client: switching to %s", self._chan.address)
+        await old.channel.close(grace=0.2)
+
+    async def retrying(self, what: str, call: Callable[[Channel], Awaitable[T]], until: float | None,
+                       cancelled_by_us: Callable[[], bool]) -> T:
+        """Run ``call`` until it succeeds; retriable failures back off, and UNAVAILABLE or
+        DEADLINE_EXCEEDED also move to the next address.
+
+        A CancelledError that is not the caller's own (``cancelled_by_us()`` false) means another
+        task switched the channel under this call: the same call runs again on the new one.
+
+        Raises:
+            NgramCacheError: a non-retriable failure, or a retriable one past ``until`` (monotonic).
+        """
+        attempt = 0
+        while True:
+            chan = self.current()
+            try:
+                return await call(chan)
+            except asyncio.CancelledError:
+                if cancelled_by_us():
+                    raise
+                log.debug("%s cancelled by a channel switch; retrying", what)
+            except grpc.RpcError as e:
+                err = error_from_rpc(e)
+                if not err.retriable:
+                    raise err from None
+                code = getattr(err, "code", None)
+                if code == grpc.StatusCode.UNAVAILABLE or (code == grpc.StatusCode.DEADLINE_EXCEEDED
+                                                          and len(self._addresses) > 1):
+                    await self.switch(chan.epoch)  # down, or not answering in time: the next replica
+                if until is not None and time.monotonic() >= until:
+                    raise err from None
+                log.debug("%s failed (%s); retrying", what, err)
+            delay = self._backoff.delay(attempt)
+            attempt += 1
+            if until is not None:
+                delay = min(delay, max(0.0, until - time.monotonic()))
+            await asyncio.sleep(delay)
+
+    async def close(self) -> None:
+        if self._chan is not None:
+            await self._chan.channel.close(grace=None)
+            self._chan = None

@@ -1,0 +1,73 @@
+"""The wire error table: every row goes out through the service's status_of and comes back through the client's error_from_rpc as itself, over a real gRPC call."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+from grpc import aio
+
+from ngramcache.cache_service.interceptors.errors import ErrorInterceptor
+from ngramcache.cache_service.status import ServiceError, status_of
+from ngramcache.client.errors import BackendUnavailableError, InvalidArgumentError, NgramCacheError, StoreAuthenticationError
+from ngramcache.client.transport import error_from_rpc
+from ngramcache.client.wire_errors import WIRE_ERRORS, error_class_for
+
+RAISES: list[BaseException] = []
+
+
+def _handler(request: bytes, context: aio.ServicerContext) -> bytes:
+    raise RAISES[0]
+
+
+async def _roundtrip(exc: BaseException) -> NgramCacheError:
+    RAISES[:] = [exc]
+    server = aio.server(interceptors=[ErrorInterceptor()])
+    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(
+        "ngramcache.test.T", {"M": grpc.unary_unary_rpc_method_handler(_async(_handler))})])
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+            try:
+                await ch.unary_unary("/ngramcache.test.T/M")(b"", timeout=10)
+            except grpc.RpcError as e:
+                return error_from_rpc(e)
+        raise AssertionError("the call succeeded")
+    finally:
+        await server.stop(None)
+
+
+def _async(fn):  # type: ignore[no-untyped-def]
+    async def handler(request, context):  # type: ignore[no-untyped-def]
+        return fn(request, context)
+
+    return handler
+
+
+@pytest.mark.parametrize("cls, code, reason", WIRE_ERRORS, ids=[row[0].__name__ for row in WIRE_ERRORS])
+def test_every_row_arrives_as_itself(cls, code, reason):
+    status = status_of(cls("boom"))
+    assert (status.code, status.reason) == (code, reason)
+    got = asyncio.run(_roundtrip(cls("boom")))
+    assert type(got) is cls and got.code == code and got.reason == reason and "boom" in str(got)
+    assert got.retriable == cls.retriable
+    assert error_class_for(code, reason) is cls
+
+
+def test_rows_are_most_specific_first():
+    for i, (cls, _, _) in enumerate(WIRE_ERRORS):
+        for later, _, _ in WIRE_ERRORS[i + 1:]:
+            assert not issubclass(later, cls) or later is cls, f"{later.__name__} is shadowed by {cls.__name__}"
+
+
+def test_errors_only_of_the_service_side_and_codes_without_a_row():
+    got = asyncio.run(_roundtrip(StoreAuthenticationError("wrong password")))
+    assert type(got) is BackendUnavailableError and got.retriable
+    got = asyncio.run(_roundtrip(ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED, "over the limit", "LIMIT")))
+    assert type(got) is InvalidArgumentError and got.reason == "LIMIT"
+    got = asyncio.run(_roundtrip(RuntimeError("a bug")))
+    assert type(got) is NgramCacheError and got.code == grpc.StatusCode.INTERNAL
+    assert error_class_for(grpc.StatusCode.DEADLINE_EXCEEDED, None) is BackendUnavailableError
+    assert error_class_for(grpc.StatusCode.PERMISSION_DENIED, None) is NgramCacheError
