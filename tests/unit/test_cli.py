@@ -21,7 +21,11 @@ import pytest
 import reference
 
 from ngramcache import StaticCache
-from ngramcache.client import cli
+from ngramcache.client import build as build_module
+from ngramcache.client import cli, corpus
+from ngramcache.client.cli import commands
+from ngramcache.client.cli import demo as cli_demo
+from ngramcache.client.cli import parser as cli_parser
 from ngramcache.client.tokenizer import load_tokenizer
 
 TOKENIZER = "tiktoken:qwen"
@@ -301,8 +305,9 @@ def test_unwritable_outputs_are_refused_before_any_work(capsys, files, tmp_path,
     def no_work(*args, **kwargs):
         raise AssertionError("the command started work before checking its output")
 
-    monkeypatch.setattr(cli, "StaticBuilder", no_work)
-    monkeypatch.setattr(cli, "export_llama", no_work)
+    monkeypatch.setattr(build_module, "StaticBuilder", no_work)
+    monkeypatch.setattr(commands, "StaticBuilder", no_work)
+    monkeypatch.setattr(commands, "export_llama", no_work)
     (tmp_path / "plain").write_text("x")
     cases = [
         (["build", files / "a.bin", "-o", tmp_path, *UNTAGGED_ARGS], f"-o {tmp_path} is a directory"),
@@ -367,7 +372,7 @@ def test_out_of_memory_and_unexpected_errors_are_one_line(capsys, files, tmp_pat
     def bad_alloc(*args, **kwargs):
         raise MemoryError("std::bad_alloc")
 
-    monkeypatch.setattr(cli, "StaticBuilder", bad_alloc)
+    monkeypatch.setattr(build_module, "StaticBuilder", bad_alloc)
     rc, _, err = main(capsys, "build", files / "a.bin", "-o", tmp_path / "x.ngc", *UNTAGGED_ARGS)
     assert rc == 2
     one_line_error(err, "out of memory", "--memory-budget")
@@ -375,7 +380,7 @@ def test_out_of_memory_and_unexpected_errors_are_one_line(capsys, files, tmp_pat
     def bug(args):
         raise TypeError("something nobody expected")
 
-    monkeypatch.setattr(cli, "cmd_inspect", bug)
+    monkeypatch.setattr(cli_parser, "cmd_inspect", bug)
     rc, _, err = main(capsys, "inspect", files / "a.ngc")
     assert rc == 1
     one_line_error(err, "unexpected error: TypeError: something nobody expected", "NGRAMCACHE_TRACEBACK=1")
@@ -427,7 +432,7 @@ def _open_files(pid: int) -> set[str]:
 
 
 def test_ctrl_c_after_the_output_is_written_says_it_is_complete(capsys, files, tmp_path, monkeypatch):
-    real = cli.StaticBuilder
+    real = build_module.StaticBuilder
 
     class InterruptedAfterFinish:
         def __init__(self, *args, **kwargs):
@@ -440,7 +445,7 @@ def test_ctrl_c_after_the_output_is_written_says_it_is_complete(capsys, files, t
             self._builder.finish()
             raise KeyboardInterrupt  # Ctrl-C while the core was writing: seen once it returns
 
-    monkeypatch.setattr(cli, "StaticBuilder", InterruptedAfterFinish)
+    monkeypatch.setattr(build_module, "StaticBuilder", InterruptedAfterFinish)
     out = tmp_path / "a.ngc"
     rc, _, err = main(capsys, "build", files / "a.bin", "-o", out, *UNTAGGED_ARGS, "--quiet")
     assert rc == 130
@@ -457,7 +462,7 @@ def test_ctrl_c_while_reading_leaves_an_old_output_untouched(capsys, files, tmp_
         yield iter([np.zeros(10, np.int32)])
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(cli.corpus, "token_streams", interrupted)
+    monkeypatch.setattr(corpus, "token_streams", interrupted)
     rc, _, err = main(capsys, "build", files / "a.bin", "-o", out, *UNTAGGED_ARGS)
     assert rc == 130
     assert err.splitlines() == ["ngramcache build: interrupted; nothing was written"]
@@ -467,14 +472,14 @@ def test_ctrl_c_while_reading_leaves_an_old_output_untouched(capsys, files, tmp_
 
 def test_ctrl_c_while_writing_drafts_leaves_no_partial_file(capsys, tmp_path, monkeypatch):
     test = write_tokens(tmp_path / "t.bin", [1, 2, 3] * 6 + [9])
-    real_lines = cli._draft_lines
+    real_lines = commands._draft_lines
 
     def interrupted(drafts):
         lines = real_lines(drafts)
         yield next(lines)
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(cli, "_draft_lines", interrupted)
+    monkeypatch.setattr(commands, "_draft_lines", interrupted)
     rc, _, err = main(capsys, "stats", "--input", test, "--n-ctx", "6", "--dump-drafts", tmp_path / "d.txt")
     assert rc == 130
     assert err.splitlines() == ["ngramcache stats: interrupted; nothing was written"]
@@ -485,7 +490,7 @@ def test_ctrl_c_in_the_demo_removes_its_empty_folder(capsys, tmp_path, monkeypat
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(cli, "build_static_from_tokens", interrupted)
+    monkeypatch.setattr(cli_demo, "build_static_from_tokens", interrupted)
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     rc, _, err = main(capsys, "demo", "--test-files", "2", "--n-ctx", "512")
     assert rc == 130
@@ -596,7 +601,7 @@ def test_os_errors_are_sentences(capsys, files, tmp_path, monkeypatch):
         def fail(args, code=code):
             raise OSError(code, os.strerror(code), "x")
 
-        monkeypatch.setattr(cli, "cmd_inspect", fail)
+        monkeypatch.setattr(cli_parser, "cmd_inspect", fail)
         rc, _, err = main(capsys, "inspect", files / "a.ngc")
         assert rc == 2
         one_line_error(err, f"ngramcache inspect: error: {text}")
@@ -604,7 +609,7 @@ def test_os_errors_are_sentences(capsys, files, tmp_path, monkeypatch):
 
 
 def test_permission_denied_is_checked_first_even_as_root(capsys, files, tmp_path, monkeypatch):
-    monkeypatch.setattr(cli.os, "access", lambda path, mode: False)  # as an unprivileged user sees a locked folder
+    monkeypatch.setattr(os, "access", lambda path, mode: False)  # as an unprivileged user sees a locked folder
     rc, _, err = main(capsys, "build", files / "a.bin", "-o", tmp_path / "x.ngc", *UNTAGGED_ARGS)
     assert rc == 2
     one_line_error(err, f"-o {tmp_path / 'x.ngc'}: cannot write in the folder {tmp_path}: permission denied")
