@@ -27,9 +27,9 @@ from typing import Any, TypeVar
 import grpc
 from grpc import aio
 
+from ngramcache.cache_service import service_thread
 from ngramcache.cache_service.config import ServiceConfig
 from ngramcache.cache_service.interceptors.errors import ErrorInterceptor
-from ngramcache.cache_service.server import Service, create_server
 
 __all__ = ["SERVE_CLI", "Registration", "ServerThread", "ServiceThread", "start_serve", "start_server", "stop_serve"]
 
@@ -146,56 +146,12 @@ class ServerThread:
         self.stop()
 
 
-class ServiceThread:
-    """Runs the service on its own event loop in a daemon thread; a context manager.
-
-    `port` is the bound port once entered; `service` the running `Service` (touch it only
-    through `call`, which runs a coroutine function on the service's loop).
-    """
+class ServiceThread(service_thread.ServiceThread):
+    """The service's own `ServiceThread` with the tests' defaults: loopback, a free port, ``data_dir``, and any
+    other `ServiceConfig` setting as a keyword."""
 
     def __init__(self, data_dir: str | Path, **settings: Any) -> None:
-        self.config = ServiceConfig(host="127.0.0.1", port=0, data_dir=str(data_dir), **settings)
-        self.port = 0
-        self.service: Service | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._ready = threading.Event()
-        self._error: BaseException | None = None
-        self._stop: asyncio.Event | None = None
-        self._thread = threading.Thread(target=self._run, name="ngramcache-service", daemon=True)
-
-    def _run(self) -> None:
-        asyncio.run(self._main())
-
-    async def _main(self) -> None:
-        self._loop = asyncio.get_running_loop()
-        self._stop = asyncio.Event()
-        try:
-            self.service, self.port = await create_server(self.config)
-        except BaseException as e:
-            self._error = e
-            self._ready.set()
-            return
-        self._ready.set()
-        await self._stop.wait()
-        await self.service.stop(grace=1.0)
-
-    def call(self, fn: Any, *args: Any) -> Any:
-        """Runs ``await fn(*args)`` on the service's loop and returns its result."""
-        assert self._loop is not None
-        return asyncio.run_coroutine_threadsafe(fn(*args), self._loop).result(timeout=30)
-
-    def __enter__(self) -> ServiceThread:
-        self._thread.start()
-        if not self._ready.wait(timeout=30):
-            raise TimeoutError("the service did not start within 30 s")
-        if self._error is not None:
-            raise self._error
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self._loop is not None and self._stop is not None and not self._loop.is_closed():
-            self._loop.call_soon_threadsafe(self._stop.set)
-        self._thread.join(timeout=30)
+        super().__init__(ServiceConfig(host="127.0.0.1", port=0, data_dir=str(data_dir), **settings), start_timeout=30)
 
 
 def wait_until(cond: Any, timeout: float = 15.0, what: str = "condition") -> None:
