@@ -1,6 +1,6 @@
 """Writes (or with --check, verifies) client/_core.pyi, the typed stub of the compiled core.
 
-Run after changing native/src/bindings.cc:  python native/stubgen.py
+Run after changing the bindings (native/bindings/):  python native/stubgen.py
 """
 
 from __future__ import annotations

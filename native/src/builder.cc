@@ -219,6 +219,8 @@ class BuilderImpl : public Builder {
     pair_mask_ = (k_ + 1) * bits_ >= sizeof(Word) * 8 ? ~Word{0} : ((Word{1} << ((k_ + 1) * bits_)) - 1);
   }
 
+  const BuilderOptions& options() const override { return opt_; }
+
   void begin_stream() override {
     in_stream_ = 0;
     window_ = 0;

@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <string>
 
+#include "ngc/rows.h"
+
 namespace ngc {
 namespace {
 
@@ -206,6 +208,13 @@ Status CountTable::check_integrity() const {
   for (const Entry& e : entries_) follower_bytes += e.followers.capacity() * sizeof(Follower);
   if (follower_bytes != follower_bytes_) return Status::FormatError("follower byte count is stale");
   return Status::Ok();
+}
+
+void CountTable::to_rows(std::vector<int32_t>* out) const {
+  out->reserve(out->size() + n_entries() * rows::kWidth);
+  for_each([&](const NGram& key, const PartView& part) {
+    for (uint32_t j = 0; j < part.size; ++j) rows::append(out, key, part.followers[j].token, part.followers[j].count);
+  });
 }
 
 }  // namespace ngc

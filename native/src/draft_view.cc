@@ -1,6 +1,7 @@
 #include "ngc/draft_view.h"
 
 #include <algorithm>
+#include <string>
 
 #include "ngc/rows.h"
 
@@ -67,6 +68,16 @@ void diff_key(const CountTable& full, const CountTable& published, const NGram& 
 }
 
 }  // namespace
+
+Status ViewPolicy::validate() const {
+  if (top_k < 1 || top_k > kMaxViewTopK) {
+    return Status::InvalidArgument("top_k must be in 1.." + std::to_string(kMaxViewTopK) + ", got " + std::to_string(top_k));
+  }
+  for (int k = 0; k < kNgramMax; ++k) {
+    if (min_total[k] < 1) return Status::InvalidArgument("min_total values must be >= 1");
+  }
+  return Status::Ok();
+}
 
 void view_diff(const CountTable& full, const CountTable& published, const int64_t* changed, size_t n,
                const ViewPolicy& policy, std::vector<int64_t>* out) {

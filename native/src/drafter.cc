@@ -111,6 +111,40 @@ int draft(const Token* seq, size_t n_seq, const CountTable* context, const Count
   return n_out;
 }
 
+Status DrafterOptions::validate() const {
+  NGC_RETURN_IF_ERROR(check_vocab_size(vocab_size));
+  NGC_RETURN_IF_ERROR(check_ngram_range(ngram_min, ngram_max));
+  return match.validate();
+}
+
+Status DrafterOptions::bind_tokenizer(const StaticInfo* info, const int64_t* vocab, const uint8_t* fp, size_t fp_size) {
+  if (info != nullptr) {
+    if (vocab && *vocab != info->vocab_size) {
+      return Status::TokenizerMismatch("vocab_size " + std::to_string(*vocab) + " differs from the static cache's " +
+                                       std::to_string(info->vocab_size));
+    }
+    if (fp) {
+      NGC_RETURN_IF_ERROR(check_fingerprint_size(fp_size));
+      if (std::memcmp(fp, info->fingerprint, kFingerprintSize) != 0) {
+        return Status::TokenizerMismatch("fingerprint differs from the static cache's: it was built for another tokenizer");
+      }
+    }
+    vocab_size = info->vocab_size;
+    std::memcpy(fingerprint, info->fingerprint, kFingerprintSize);
+    return Status::Ok();
+  }
+  if (!vocab || !fp) {
+    return Status::InvalidArgument(
+        "a Drafter without a static cache needs vocab_size and fingerprint (a tokenizer's .vocab_size and "
+        ".fingerprint, or UNTAGGED for raw tokens)");
+  }
+  NGC_RETURN_IF_ERROR(check_vocab_size(*vocab));
+  NGC_RETURN_IF_ERROR(check_fingerprint_size(fp_size));
+  vocab_size = static_cast<uint32_t>(*vocab);
+  std::memcpy(fingerprint, fp, kFingerprintSize);
+  return Status::Ok();
+}
+
 Drafter::Drafter(const DrafterOptions& options)
     : options_(options),
       seqs_(options.ngram_min, options.ngram_max, options.track_deltas, options.limits, options.mode == DraftMode::kMatch) {}
@@ -208,9 +242,7 @@ std::shared_ptr<SharedCountTable> Drafter::dynamic_table() const {
 
 Status Drafter::draft(int64_t seq, const Token* tokens, size_t n, int n_draft, Token* out, int* n_out) const {
   *n_out = 0;
-  if (n_draft < 1 || n_draft > kMaxDraft) {
-    return Status::InvalidArgument("n_draft must be in 1.." + std::to_string(kMaxDraft) + ", got " + std::to_string(n_draft));
-  }
+  NGC_RETURN_IF_ERROR(check_n_draft(n_draft));
   NGC_RETURN_IF_ERROR(check_tail(tokens, n));
   DraftParams p;
   p.n_draft = n_draft;
@@ -233,6 +265,16 @@ Status Drafter::draft(int64_t seq, const Token* tokens, size_t n, int n_draft, T
   *n_out = seqs_.with_context(seq, [&](const CountTable* context) {
     return ngc::draft(tokens, n, context, dyn, static_.get(), p, out);
   });
+  return Status::Ok();
+}
+
+Status Drafter::draft_batch(size_t m, const int64_t* seqs, const Token* const* tokens, const size_t* sizes, int n_draft,
+                            Token* out, int32_t* lengths) const {
+  NGC_RETURN_IF_ERROR(check_n_draft(n_draft));
+  for (size_t i = 0; i < m; ++i) {
+    Status s = draft(seqs[i], tokens[i], sizes[i], n_draft, out + i * static_cast<size_t>(n_draft), &lengths[i]);
+    if (!s.ok()) return Status(s.code(), "sequence " + std::to_string(i) + ": " + s.message());
+  }
   return Status::Ok();
 }
 

@@ -80,4 +80,11 @@ Status AtomicFile::commit() {
   return Status::Ok();
 }
 
+Status write_file_atomic(const std::string& path, const void* data, size_t n) {
+  std::unique_ptr<AtomicFile> f;
+  NGC_RETURN_IF_ERROR(AtomicFile::create(path, &f));
+  NGC_RETURN_IF_ERROR(f->write(data, n));
+  return f->commit();
+}
+
 }  // namespace ngc

@@ -132,4 +132,15 @@ Status write_llama_file(const StaticCache& cache, const std::string& path, const
   return out->commit();
 }
 
+Status load_llama_counts(const std::string& path, int64_t vocab_size, SharedCountTable* table) {
+  NGC_RETURN_IF_ERROR(check_vocab_size(vocab_size));
+  CountTable staged;
+  NGC_RETURN_IF_ERROR(read_llama_file(path, static_cast<uint32_t>(vocab_size), [&](const NGram& key, Token follower, uint32_t count) {
+    staged.add(key, follower, count);
+    return Status::Ok();
+  }));
+  table->merge(staged);
+  return Status::Ok();
+}
+
 }  // namespace ngc

@@ -1,6 +1,7 @@
 #include "ngc/replay.h"
 
 #include <chrono>
+#include <string>
 
 namespace ngc {
 namespace {
@@ -141,6 +142,39 @@ ReplayStats replay_match(const Token* tokens, size_t n_tokens, size_t n_ctx, con
     ++st.n_chunks;
   }
   return st;
+}
+
+Status ReplayOptions::validate() const {
+  NGC_RETURN_IF_ERROR(check_ngram_range(draft.ngram_min, draft.ngram_max));
+  if (tree_budget < 0 || tree_budget > kMaxDraft) {
+    return Status::InvalidArgument("tree_budget must be in 0.." + std::to_string(kMaxDraft) + ", got " + std::to_string(tree_budget));
+  }
+  if (tree_budget > 0 && mode != DraftMode::kMatch) return Status::InvalidArgument("tree drafts need mode='match'");
+  NGC_RETURN_IF_ERROR(check_n_draft(draft.n_draft));
+  if (n_ctx < 2) return Status::InvalidArgument("n_ctx must be >= 2, got " + std::to_string(n_ctx));
+  MatchParams m = match;
+  m.n_draft = draft.n_draft;
+  m.ngram_min = draft.ngram_min;
+  m.ngram_max = draft.ngram_max;
+  return m.validate();
+}
+
+Status run_replay(const Token* tokens, size_t n_tokens, const ReplayOptions& options, const StaticCache* static_cache,
+                  SharedCountTable* dynamic, std::vector<Token>* drafts, ReplayStats* stats) {
+  NGC_RETURN_IF_ERROR(options.validate());
+  NGC_RETURN_IF_ERROR(check_tokens(tokens, n_tokens, static_cache ? static_cache->info().vocab_size : kMaxVocab, "tokens"));
+  const size_t n_ctx = static_cast<size_t>(options.n_ctx);
+  MatchParams mp = options.match;
+  mp.n_draft = options.draft.n_draft;
+  mp.ngram_min = options.draft.ngram_min;
+  mp.ngram_max = options.draft.ngram_max;
+  *stats = dynamic->write([&](CountTable& table) {
+    if (options.mode == DraftMode::kMatch) {
+      return replay_match(tokens, n_tokens, n_ctx, mp, options.tree_budget, static_cache, &table, drafts);
+    }
+    return replay(tokens, n_tokens, n_ctx, options.draft, static_cache, &table, drafts);
+  });
+  return Status::Ok();
 }
 
 }  // namespace ngc

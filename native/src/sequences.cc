@@ -8,6 +8,22 @@
 
 namespace ngc {
 
+Status SequenceLimits::from(int64_t max_sequences, double idle_ttl_seconds, int64_t max_memory, SequenceLimits* out) {
+  if (max_sequences < 0) {
+    return Status::InvalidArgument("max_sequences must be >= 0 (0: unlimited), got " + std::to_string(max_sequences));
+  }
+  // Written so that NaN fails too; the bound keeps the milliseconds within int64.
+  if (!(idle_ttl_seconds >= 0) || idle_ttl_seconds > 1e9) {
+    return Status::InvalidArgument("idle_ttl must be a number of seconds >= 0 (0: never), got " + std::to_string(idle_ttl_seconds));
+  }
+  if (max_memory < 0) return Status::InvalidArgument("max_memory must be >= 0 bytes (0: unlimited), got " + std::to_string(max_memory));
+  out->max_sequences = static_cast<size_t>(max_sequences);
+  out->idle_ttl_ms = static_cast<int64_t>(idle_ttl_seconds * 1000.0);
+  if (idle_ttl_seconds > 0 && out->idle_ttl_ms == 0) out->idle_ttl_ms = 1;
+  out->max_memory_bytes = static_cast<size_t>(max_memory);
+  return Status::Ok();
+}
+
 SequenceSet::SequenceSet(int ngram_min, int ngram_max, bool track_deltas, SequenceLimits limits, bool index_sequences)
     : ngram_min_(ngram_min), ngram_max_(ngram_max), track_deltas_(track_deltas), index_sequences_(index_sequences), limits_(limits) {}
 

@@ -76,6 +76,7 @@ class Builder {
   // Merges everything and writes the file (temporary name, fsync, rename).
   virtual Status finish() = 0;
   virtual const BuildStats& stats() const = 0;
+  virtual const BuilderOptions& options() const = 0;
 };
 
 // Counts the (k-gram, follower) pairs of each stream (n-grams never span two streams, as

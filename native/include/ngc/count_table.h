@@ -55,7 +55,7 @@ class CountTable {
   // llama.cpp's common_ngram_cache_update: for each n in [ngram_min, ngram_max] and each
   // position i in [max(n_tokens - n_new, n), n_tokens), the key tokens[i-n..i-1] gains one
   // count for follower tokens[i]. The caller MUST pass 1 <= ngram_min <= ngram_max <= 4 and
-  // tokens >= 0 (the bindings check both).
+  // tokens >= 0 (SharedCountTable::update checks both).
   void update(const Token* tokens, size_t n_tokens, size_t n_new, int ngram_min, int ngram_max);
 
   // Adds every count of `other` to this table (other may not be this table).
@@ -72,6 +72,8 @@ class CountTable {
   }
   // Checks every invariant (index <-> entries, sorted followers, totals); O(size).
   Status check_integrity() const;
+  // Every count as int32 count rows (rows.h), appended to `out`, keys in insertion order.
+  void to_rows(std::vector<int32_t>* out) const;
 
   // Calls fn(const NGram&, const PartView&) for every n-gram with followers, in insertion order.
   template <typename Fn>

@@ -37,23 +37,12 @@ constexpr DraftThresholds kLax = {{2, 2, 1, 1}, {66, 50, 50, 50}};
 // llama.cpp's draft_min_sample_size_strict / draft_min_percent_strict (dynamic table).
 constexpr DraftThresholds kStrict = {{4, 3, 2, 2}, {75, 66, 66, 66}};
 
-struct DraftParams {
-  int n_draft = 8;    // the most tokens to draft, 1..kMaxDraft
-  int ngram_min = 1;  // the shortest context/dynamic n-gram tried, 1..ngram_max
-  int ngram_max = 4;  // the longest, ngram_min..4
-};
-
 // Drafts up to params.n_draft tokens after seq[0..n_seq) into `out` (room for n_draft)
-// and returns how many. Any table may be null. The caller MUST pass valid params (the
-// bindings check them). Reads only the last max(ngram_max, static n-gram size) tokens of
+// and returns how many. Any table may be null. The caller MUST pass valid params
+// (params.validate()). Reads only the last max(ngram_max, static n-gram size) tokens of
 // `seq`. Never allocates.
 int draft(const Token* seq, size_t n_seq, const CountTable* context, const CountTable* dynamic,
           const StaticCache* static_cache, const DraftParams& params, Token* out);
-
-enum class DraftMode : uint8_t {
-  kCompatible,  // llama.cpp's drafts, token for token (draft() above)
-  kMatch,       // longest-match drafts (match.h)
-};
 
 struct DrafterOptions {
   uint32_t vocab_size = 0;                       // token ids are < it; 1..kMaxVocab
@@ -64,6 +53,15 @@ struct DrafterOptions {
   SequenceLimits limits;                         // bounds on the per-sequence tables
   DraftMode mode = DraftMode::kCompatible;
   MatchParams match;                             // the match mode's tuning (n_draft is per call)
+
+  // Checks the vocabulary size, the n-gram sizes and the match mode's tuning.
+  Status validate() const;
+  // Binds the options to a tokenizer: to the static cache's (`info`, when non-null), checking
+  // `vocab_size` and `fingerprint` against it when they are given (non-null); else to
+  // `vocab_size` and `fingerprint`, which are then both required. `fingerprint` points to
+  // `fingerprint_size` bytes (kFingerprintSize of them are valid).
+  Status bind_tokenizer(const StaticInfo* info, const int64_t* vocab_size, const uint8_t* fingerprint,
+                        size_t fingerprint_size);
 };
 
 // Drafter: one worker's (or one service replica's) drafting state: the per-sequence context
@@ -76,7 +74,7 @@ struct DrafterOptions {
 // different sequences run in parallel.
 class Drafter {
  public:
-  // The caller MUST pass valid options (the bindings check them).
+  // The caller MUST pass valid options (options.validate()).
   explicit Drafter(const DrafterOptions& options);
 
   // Attaches `cache` (null detaches). Fails with kTokenizerMismatch when its fingerprint or
@@ -91,6 +89,11 @@ class Drafter {
   // Drafts up to n_draft (1..kMaxDraft) tokens after tokens[0..n) of sequence `seq` into
   // `out` (room for n_draft); `*n_out` is how many. Checks the tail tokens it reads.
   Status draft(int64_t seq, const Token* tokens, size_t n, int n_draft, Token* out, int* n_out) const;
+  // draft() for m sequences: seqs[i] after tokens[i][0..sizes[i]) into out + i x n_draft
+  // (room for m x n_draft), lengths[i] how many. The first failure stops the batch and
+  // names its index.
+  Status draft_batch(size_t m, const int64_t* seqs, const Token* const* tokens, const size_t* sizes, int n_draft,
+                     Token* out, int32_t* lengths) const;
   // Drafts a tree of at most `budget` (1..kMaxDraft) nodes (match mode only; match.h).
   Status draft_tree(int64_t seq, const Token* tokens, size_t n, int budget, DraftTree* tree) const;
   // See SequenceSet::accept. In the match mode the new tokens also join the history that

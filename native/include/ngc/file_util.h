@@ -53,4 +53,7 @@ class AtomicFile {
   int fd_;            // open on tmp_ until commit(); -1 after
 };
 
+// Writes data[0..n) to `path` through an AtomicFile: whole or not at all.
+Status write_file_atomic(const std::string& path, const void* data, size_t n);
+
 }  // namespace ngc

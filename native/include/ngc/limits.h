@@ -3,7 +3,10 @@
 // NGRAM_MAX, MAX_VOCAB, MAX_DRAFT and FINGERPRINT_SIZE; nothing else defines them).
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
+
+#include "ngc/status.h"
 
 namespace ngc {
 
@@ -19,5 +22,10 @@ constexpr int kMaxDraft = 256;
 
 // A tokenizer fingerprint: 32 opaque bytes (a digest of the tokenizer's definition).
 constexpr uint32_t kFingerprintSize = 32;
+
+// Fails unless 1 <= vocab_size <= kMaxVocab.
+Status check_vocab_size(int64_t vocab_size);
+// Fails unless a fingerprint of `size` bytes has kFingerprintSize.
+Status check_fingerprint_size(size_t size);
 
 }  // namespace ngc

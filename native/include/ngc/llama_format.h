@@ -13,6 +13,7 @@
 #include <string>
 
 #include "ngc/ngram.h"
+#include "ngc/shared_table.h"
 #include "ngc/static_cache.h"
 #include "ngc/status.h"
 
@@ -32,5 +33,10 @@ Status read_llama_file(const std::string& path, uint32_t vocab_size, const Llama
 // with kCancelled and `path` is left as it was.
 Status write_llama_file(const StaticCache& cache, const std::string& path,
                         const std::function<bool()>& interrupted = {});
+
+// Adds every entry of llama.cpp file `path` (any n-gram sizes: a dynamic cache) to `table`,
+// all or nothing: the table changes only when the whole file is good. vocab_size is
+// checked (1..kMaxVocab) first.
+Status load_llama_counts(const std::string& path, int64_t vocab_size, SharedCountTable* table);
 
 }  // namespace ngc

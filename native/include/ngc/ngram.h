@@ -6,6 +6,7 @@
 #include <cstring>
 
 #include "ngc/limits.h"
+#include "ngc/status.h"
 
 namespace ngc {
 
@@ -44,6 +45,13 @@ struct NGram {
     return h;
   }
 };
+
+// The n-gram tokens[0..n), checked: 1..kNgramMax tokens, each in [0, vocab_limit). Takes
+// int64 so a caller's out-of-range values are refused, never truncated.
+Status make_ngram(const int64_t* tokens, size_t n, uint32_t vocab_limit, NGram* out);
+
+// Fails naming the first of tokens[0..n) outside [0, vocab) as what[i].
+Status check_tokens(const Token* tokens, size_t n, uint32_t vocab, const char* what);
 
 // One follower of an n-gram and how often it followed. Invariant: count > 0.
 struct Follower {

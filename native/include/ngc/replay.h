@@ -8,7 +8,9 @@
 #include "ngc/count_table.h"
 #include "ngc/drafter.h"
 #include "ngc/match.h"
+#include "ngc/shared_table.h"
 #include "ngc/static_cache.h"
+#include "ngc/status.h"
 
 namespace ngc {
 
@@ -38,5 +40,24 @@ ReplayStats replay(const Token* tokens, size_t n_tokens, size_t n_ctx, const Dra
 // `drafts` gets each tree's tokens).
 ReplayStats replay_match(const Token* tokens, size_t n_tokens, size_t n_ctx, const MatchParams& params, int tree_budget,
                          const StaticCache* static_cache, CountTable* dynamic, std::vector<Token>* drafts);
+
+// A replay's settings, as a caller outside the core gives them. Valid when validate() is ok.
+struct ReplayOptions {
+  int64_t n_ctx = 0;                       // tokens per chunk, >= 2
+  DraftMode mode = DraftMode::kCompatible;
+  DraftParams draft;                       // n_draft and the n-gram sizes (both modes)
+  MatchParams match;                       // the match mode's tuning; its n_draft and n-gram sizes are draft's
+  int tree_budget = 0;                     // 0..kMaxDraft; > 0: tree drafts (match mode only)
+
+  // Checks the n-gram sizes, the tree budget (and its mode), n_draft, n_ctx, then the match
+  // mode's tuning.
+  Status validate() const;
+};
+
+// replay() or replay_match() as `options` say, checked first: the options, and the tokens
+// against the static cache's vocabulary (kMaxVocab without one). `dynamic` (non-null) is
+// held under its exclusive lock for the whole replay.
+Status run_replay(const Token* tokens, size_t n_tokens, const ReplayOptions& options, const StaticCache* static_cache,
+                  SharedCountTable* dynamic, std::vector<Token>* drafts, ReplayStats* stats);
 
 }  // namespace ngc

@@ -32,6 +32,10 @@ struct SequenceLimits {
   size_t max_sequences = 0;     // most sequences kept; 0 = unlimited
   int64_t idle_ttl_ms = 0;      // evict a sequence unused this long; 0 = never
   size_t max_memory_bytes = 0;  // most heap bytes of context tables; 0 = unlimited
+
+  // The limits from a caller's units (a count, seconds, bytes; each 0 = none), checked: none
+  // negative, the TTL finite. A TTL under a millisecond rounds up to one, never to "never".
+  static Status from(int64_t max_sequences, double idle_ttl_seconds, int64_t max_memory, SequenceLimits* out);
 };
 
 class SequenceSet {

@@ -17,7 +17,9 @@ enum class StatusCode {
   kCancelled,         // the caller asked a long operation to stop (Ctrl-C); nothing was published
 };
 
-class Status {
+// [[nodiscard]]: an ignored Status is an ignored error. A caller that means to drop one
+// says so with a (void) cast and a comment why.
+class [[nodiscard]] Status {
  public:
   Status() = default;
   Status(StatusCode code, std::string message) : code_(code), message_(std::move(message)) {}
@@ -33,6 +35,9 @@ class Status {
   bool ok() const { return code_ == StatusCode::kOk; }
   StatusCode code() const { return code_; }
   const std::string& message() const { return message_; }
+  // This status with "`where`: " before its message (ok stays ok): names the file or item
+  // an error is about, for a caller that knows it.
+  Status annotate(const std::string& where) const { return ok() ? *this : Status(code_, where + ": " + message_); }
 
  private:
   StatusCode code_ = StatusCode::kOk;  // kOk means success; message_ is then empty
