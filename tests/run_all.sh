@@ -15,7 +15,7 @@ step_end() {
   STEP_TIMES="${STEP_TIMES}${STEP_NAME}: ${took} s; "
 }
 
-step_start "system packages (redis-server, clang, docker-compose)"
+step_start "system packages (redis-server, clang, clang-format, docker-compose)"
 if ! command -v redis-server >/dev/null 2>&1; then
   if [ "$(id -u)" -ne 0 ]; then
     echo "redis-server is missing: run 'sudo apt-get install redis-server' (the tests start their own on loopback)" >&2
@@ -37,6 +37,17 @@ if ! command -v clang++ >/dev/null 2>&1 || ! ls "$(clang++ -print-runtime-dir)"/
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends clang >/dev/null
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
     "libclang-rt-$(clang++ -dumpversion | cut -d. -f1)-dev" >/dev/null
+fi
+
+# clang-format, which checks the style of native/ (native/.clang-format).
+if ! command -v clang-format >/dev/null 2>&1; then
+  if [ "$(id -u)" -ne 0 ]; then
+    echo "clang-format is missing: run 'sudo apt-get install clang-format' (the test command checks native/'s style)" >&2
+    exit 1
+  fi
+  echo "installing clang-format (Debian package)..."
+  apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends clang-format >/dev/null
 fi
 
 # docker-compose, which validates deploy/compose.yaml (`docker-compose config`; no container engine needed).
@@ -95,6 +106,8 @@ step_end
 step_start "generated files, ruff and mypy"
 .venv/bin/python native/stubgen.py --check
 .venv/bin/python proto/generate.py --check
+# The native sources keep native/.clang-format's style.
+find native \( -name '*.h' -o -name '*.cc' \) -print0 | xargs -0 clang-format --dry-run --Werror
 
 # Lint and types (configured in pyproject.toml). mypy reads the package under its installed
 # names through a tree of links, since the folders keep the repository's layout.

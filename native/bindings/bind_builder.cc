@@ -22,14 +22,15 @@ void bind_builder(nb::module_& m) {
                               "Not thread-safe: use one builder from one thread; it sorts on `threads` threads.")
       .def(
           "__init__",
-          [](PyStaticBuilder* self, const std::filesystem::path& path, int64_t vocab_size, int ngram_size, nb::bytes fingerprint,
-             int64_t generation, int64_t memory_budget, const std::filesystem::path& scratch_dir, int threads, int max_fan_in,
-             bool corpus_index, int index_depth) {
+          [](PyStaticBuilder* self, const std::filesystem::path& path, int64_t vocab_size, int ngram_size,
+             nb::bytes fingerprint, int64_t generation, int64_t memory_budget, const std::filesystem::path& scratch_dir,
+             int threads, int max_fan_in, bool corpus_index, int index_depth) {
             BuilderOptions o;
             check(check_index_depth(index_depth));
             o.corpus_index = corpus_index;
             o.index_depth = static_cast<uint32_t>(index_depth);
-            check(make_static_header(vocab_size, ngram_size, bytes_data(fingerprint), fingerprint.size(), generation, &o.header));
+            check(make_static_header(vocab_size, ngram_size, bytes_data(fingerprint), fingerprint.size(), generation,
+                                     &o.header));
             check(check_memory_budget(memory_budget));
             o.memory_budget = static_cast<uint64_t>(memory_budget);
             o.scratch_dir = scratch_dir.string();
@@ -39,11 +40,12 @@ void bind_builder(nb::module_& m) {
             check(Builder::create(o, path.string(), &b));
             new (self) PyStaticBuilder{std::move(b), false};
           },
-          nb::sig("def __init__(self, path: str | os.PathLike[str], vocab_size: int, ngram_size: int = 2, *, fingerprint: bytes, "
-                  "generation: int = 0, memory_budget: int = 1 << 30, scratch_dir: str | os.PathLike[str] = '', threads: int = 0, "
-                  "max_fan_in: int = 64, corpus_index: bool = False, index_depth: int = 32) -> None"),
-          "path"_a, "vocab_size"_a, "ngram_size"_a = 2, nb::kw_only(), "fingerprint"_a,
-          "generation"_a = 0, "memory_budget"_a = uint64_t{1} << 30, "scratch_dir"_a = "", "threads"_a = 0, "max_fan_in"_a = 64,
+          nb::sig(
+              "def __init__(self, path: str | os.PathLike[str], vocab_size: int, ngram_size: int = 2, *, fingerprint: bytes, "
+              "generation: int = 0, memory_budget: int = 1 << 30, scratch_dir: str | os.PathLike[str] = '', threads: int = 0, "
+              "max_fan_in: int = 64, corpus_index: bool = False, index_depth: int = 32) -> None"),
+          "path"_a, "vocab_size"_a, "ngram_size"_a = 2, nb::kw_only(), "fingerprint"_a, "generation"_a = 0,
+          "memory_budget"_a = uint64_t{1} << 30, "scratch_dir"_a = "", "threads"_a = 0, "max_fan_in"_a = 64,
           "corpus_index"_a = false, "index_depth"_a = 32,
           "Args:\n    path: the static cache to write (atomically, at finish()).\n"
           "    vocab_size: every token must be below it (1..2^24).\n    ngram_size: tokens per key (1..4).\n"
@@ -56,8 +58,9 @@ void bind_builder(nb::module_& m) {
           "        takes half the budget, 32 bytes a token while sorting; tokens past that are counted\n"
           "        but not indexed (stats['n_not_indexed']).\n"
           "    index_depth: the longest match the index finds (1..64).")
-      .def("begin_stream", [](PyStaticBuilder& b) { b.get().begin_stream(); },
-           "Starts a new stream (an input file): n-grams never span two streams.")
+      .def(
+          "begin_stream", [](PyStaticBuilder& b) { b.get().begin_stream(); },
+          "Starts a new stream (an input file): n-grams never span two streams.")
       .def(
           "add_tokens",
           [](PyStaticBuilder& b, nb::handle tokens) {
@@ -97,7 +100,8 @@ void bind_builder(nb::module_& m) {
             }
             check(s);
           },
-          "cache"_a, "Adds every count of static cache `cache` (same n-gram size) to the build, and its\n"
+          "cache"_a,
+          "Adds every count of static cache `cache` (same n-gram size) to the build, and its\n"
           "n_tokens to the header's (when `cache` does not know its own, neither does the result).")
       .def(
           "finish",
@@ -115,8 +119,9 @@ void bind_builder(nb::module_& m) {
           },
           nb::sig("def finish(self) -> dict[str, int]"),
           "Merges the runs and writes the file (temporary name, fsync, rename); returns counters.")
-      .def_prop_ro("stats", [](PyStaticBuilder& b) { return build_stats(b.builder->stats()); },
-                   nb::sig("def stats(self) -> dict[str, int]"), "Counters so far: tokens, streams, pairs, runs.");
+      .def_prop_ro(
+          "stats", [](PyStaticBuilder& b) { return build_stats(b.builder->stats()); },
+          nb::sig("def stats(self) -> dict[str, int]"), "Counters so far: tokens, streams, pairs, runs.");
 }
 
 }  // namespace ngc::py

@@ -17,7 +17,8 @@ using namespace nb::literals;
 PyCountTable* as_count_table(nb::handle obj, const char* what) {
   if (obj.is_none()) return nullptr;
   if (!nb::isinstance<PyCountTable>(obj)) {
-    throw nb::type_error((std::string(what) + " must be a CountTable or None, got " + Py_TYPE(obj.ptr())->tp_name).c_str());
+    throw nb::type_error(
+        (std::string(what) + " must be a CountTable or None, got " + Py_TYPE(obj.ptr())->tp_name).c_str());
   }
   return &nb::cast<PyCountTable&>(obj);
 }
@@ -40,7 +41,9 @@ void bind_count_table(nb::module_& m) {
             }
             check(s);
           },
-          nb::sig("def update(self, tokens: NDArray[numpy.int32], n_new: int | None = None, ngram_min: int = 1, ngram_max: int = 4) -> None"), "tokens"_a, "n_new"_a = nb::none(), "ngram_min"_a = 1, "ngram_max"_a = 4,
+          nb::sig(
+              "def update(self, tokens: NDArray[numpy.int32], n_new: int | None = None, ngram_min: int = 1, ngram_max: int = 4) -> None"),
+          "tokens"_a, "n_new"_a = nb::none(), "ngram_min"_a = 1, "ngram_max"_a = 4,
           "llama.cpp's common_ngram_cache_update: counts, for each n-gram size n and each of the last\n"
           "`n_new` positions i >= n (default: all), follower tokens[i] of key tokens[i-n:i].")
       .def(
@@ -101,15 +104,16 @@ void bind_count_table(nb::module_& m) {
             Status s;
             {
               nb::gil_scoped_release release;
-              s = t.shared->view_diff(*published.shared, changed ? changed->data : nullptr, changed ? changed->n : 0, policy,
-                                      &out);
+              s = t.shared->view_diff(*published.shared, changed ? changed->data : nullptr, changed ? changed->n : 0,
+                                      policy, &out);
             }
             check(s);
             const size_t m = out.size() / rows::kWidth;
             return to_numpy(std::move(out), {m, static_cast<size_t>(rows::kWidth)});
           },
-          nb::sig("def view_diff(self, published: CountTable, changed: NDArray[numpy.int64] | None = None, *, "
-                  "top_k: int = 4, min_total: Sequence[int] = (4, 3, 2, 2), min_change_pct: int = 25) -> NDArray[numpy.int64]"),
+          nb::sig(
+              "def view_diff(self, published: CountTable, changed: NDArray[numpy.int64] | None = None, *, "
+              "top_k: int = 4, min_total: Sequence[int] = (4, 3, 2, 2), min_change_pct: int = 25) -> NDArray[numpy.int64]"),
           "published"_a, "changed"_a = nb::none(), nb::kw_only(), "top_k"_a = 4,
           "min_total"_a = std::vector<int64_t>{4, 3, 2, 2}, "min_change_pct"_a = 25,
           "The int64 rows (n, t0..t3, follower, count) that bring `published` to this table's draft\n"
@@ -133,7 +137,8 @@ void bind_count_table(nb::module_& m) {
             t.shared->lookup(as_ngram(ngram, kAnyToken), &tokens, &counts);
             return followers_to_numpy(std::move(tokens), std::move(counts));
           },
-          nb::sig("def lookup(self, ngram: Sequence[int]) -> tuple[NDArray[numpy.int32], NDArray[numpy.int64]]"), "ngram"_a, "The followers of `ngram` as (tokens int32, counts int64), sorted by token.")
+          nb::sig("def lookup(self, ngram: Sequence[int]) -> tuple[NDArray[numpy.int32], NDArray[numpy.int64]]"),
+          "ngram"_a, "The followers of `ngram` as (tokens int32, counts int64), sorted by token.")
       .def(
           "merge",
           [](PyCountTable& t, const PyCountTable& other) {
@@ -146,10 +151,15 @@ void bind_count_table(nb::module_& m) {
           },
           "other"_a, "Adds every count of `other` to this table.")
       .def("clear", [](PyCountTable& t) { t.shared->clear(); })
-      .def_prop_ro("n_keys", [](const PyCountTable& t) { return t.shared->n_keys(); }, "Distinct n-grams.")
-      .def_prop_ro("n_entries", [](const PyCountTable& t) { return t.shared->n_entries(); }, "Distinct (n-gram, follower) pairs.")
+      .def_prop_ro(
+          "n_keys", [](const PyCountTable& t) { return t.shared->n_keys(); }, "Distinct n-grams.")
+      .def_prop_ro(
+          "n_entries", [](const PyCountTable& t) { return t.shared->n_entries(); },
+          "Distinct (n-gram, follower) pairs.")
       .def("__len__", [](const PyCountTable& t) { return t.shared->n_keys(); })
-      .def("memory_bytes", [](const PyCountTable& t) { return t.shared->memory_bytes(); }, "Heap bytes held by the table.")
+      .def(
+          "memory_bytes", [](const PyCountTable& t) { return t.shared->memory_bytes(); },
+          "Heap bytes held by the table.")
       .def(
           "check_integrity", [](const PyCountTable& t) { check(t.shared->check_integrity()); },
           "Checks every invariant of the table; raises CacheFormatError naming the first broken one.");

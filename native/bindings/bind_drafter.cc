@@ -37,7 +37,8 @@ void set_dynamic(PyDrafter& d, nb::object table) {
 MatchParams match_params_from(nb::handle overrides) {
   MatchParams p;
   if (overrides.is_none()) return p;
-  if (!nb::isinstance<nb::dict>(overrides)) raise_status(Status::InvalidArgument("match_params must be a dict or None"));
+  if (!nb::isinstance<nb::dict>(overrides))
+    raise_status(Status::InvalidArgument("match_params must be a dict or None"));
   for (auto [k, v] : nb::borrow<nb::dict>(overrides)) check(p.set(nb::cast<std::string>(k), nb::cast<double>(v)));
   return p;
 }
@@ -66,19 +67,22 @@ void bind_drafter(nb::module_& m) {
             o.track_deltas = track_deltas;
             check(SequenceLimits::from(max_sequences, idle_ttl, max_memory, &o.limits));
             check(o.bind_tokenizer(sc ? &sc->cache->info() : nullptr, vocab_size ? &*vocab_size : nullptr,
-                                   fingerprint ? bytes_data(*fingerprint) : nullptr, fingerprint ? fingerprint->size() : 0));
+                                   fingerprint ? bytes_data(*fingerprint) : nullptr,
+                                   fingerprint ? fingerprint->size() : 0));
             check(o.validate());
             new (d) PyDrafter{std::make_unique<Drafter>(o)};
             set_static(*d, static_cache);
             if (!dynamic.is_none()) set_dynamic(*d, dynamic);
           },
-          nb::sig("def __init__(self, static: StaticCache | None = None, dynamic: CountTable | None = None, *, "
-                  "fingerprint: bytes | None = None, vocab_size: int | None = None, ngram_min: int = 1, ngram_max: int = 4, "
-                  "track_deltas: bool = False, max_sequences: int = 0, idle_ttl: float = 0.0, max_memory: int = 0, "
-                  "mode: str = 'compatible', match_params: dict[str, float] | None = None) -> None"),
-          "static"_a = nb::none(), "dynamic"_a = nb::none(), nb::kw_only(), "fingerprint"_a = nb::none(), "vocab_size"_a = nb::none(),
-          "ngram_min"_a = 1, "ngram_max"_a = 4, "track_deltas"_a = false, "max_sequences"_a = 0, "idle_ttl"_a = 0.0,
-          "max_memory"_a = 0, "mode"_a = "compatible", "match_params"_a = nb::none(),
+          nb::sig(
+              "def __init__(self, static: StaticCache | None = None, dynamic: CountTable | None = None, *, "
+              "fingerprint: bytes | None = None, vocab_size: int | None = None, ngram_min: int = 1, ngram_max: int = 4, "
+              "track_deltas: bool = False, max_sequences: int = 0, idle_ttl: float = 0.0, max_memory: int = 0, "
+              "mode: str = 'compatible', match_params: dict[str, float] | None = None) -> None"),
+          "static"_a = nb::none(), "dynamic"_a = nb::none(), nb::kw_only(), "fingerprint"_a = nb::none(),
+          "vocab_size"_a = nb::none(), "ngram_min"_a = 1, "ngram_max"_a = 4, "track_deltas"_a = false,
+          "max_sequences"_a = 0, "idle_ttl"_a = 0.0, "max_memory"_a = 0, "mode"_a = "compatible",
+          "match_params"_a = nb::none(),
           "Args:\n    static: a StaticCache, or None.\n    dynamic: a CountTable (the dynamic table), or None.\n"
           "    fingerprint: the tokenizer's fingerprint (32 bytes; UNTAGGED for raw tokens); taken from\n"
           "        `static` when omitted, and checked against it when given.\n"
@@ -109,7 +113,8 @@ void bind_drafter(nb::module_& m) {
             out.resize(static_cast<size_t>(n));
             return to_numpy(std::move(out), {static_cast<size_t>(n)});
           },
-          nb::sig("def draft(self, seq: int, tokens: NDArray[numpy.int32], n_draft: int = 8) -> NDArray[numpy.int32]"), "seq"_a, "tokens"_a, "n_draft"_a = 8,
+          nb::sig("def draft(self, seq: int, tokens: NDArray[numpy.int32], n_draft: int = 8) -> NDArray[numpy.int32]"),
+          "seq"_a, "tokens"_a, "n_draft"_a = 8,
           "Drafts up to `n_draft` tokens to follow `tokens` (the whole sequence so far, int32) of\n"
           "sequence `seq`. Returns an int32 array, empty when nothing passes the thresholds.")
       .def(
@@ -132,17 +137,18 @@ void bind_drafter(nb::module_& m) {
           "Drafts a tree of at most `budget` nodes (match mode) for engines that verify a tree in one\n"
           "pass: (tokens, parents), node i is tokens[i] and follows node parents[i] (-1: follows the\n"
           "sequence). Parents come before their children.")
-      .def_prop_ro("mode", [](PyDrafter& d) {
-        return std::string(draft_mode_name(d.drafter->options().mode));
-      }, "'compatible' or 'match'.")
+      .def_prop_ro(
+          "mode", [](PyDrafter& d) { return std::string(draft_mode_name(d.drafter->options().mode)); },
+          "'compatible' or 'match'.")
       .def(
           "draft_batch",
           [](PyDrafter& d, const std::vector<int64_t>& seqs, nb::sequence token_arrays, int n_draft) {
             check(check_n_draft(n_draft));  // before sizing the output by it
             const size_t m = seqs.size();
             if (nb::len(token_arrays) != m) {
-              raise_status(Status::InvalidArgument("seqs and tokens must have the same length, got " + std::to_string(m) +
-                                                   " and " + std::to_string(nb::len(token_arrays))));
+              raise_status(Status::InvalidArgument("seqs and tokens must have the same length, got " +
+                                                   std::to_string(m) + " and " +
+                                                   std::to_string(nb::len(token_arrays))));
             }
             std::vector<TokenView> views;
             std::vector<const Token*> data;
@@ -157,14 +163,16 @@ void bind_drafter(nb::module_& m) {
             Status s;
             {
               nb::gil_scoped_release release;
-              s = d.drafter->draft_batch(m, seqs.data(), data.data(), sizes.data(), n_draft, out.data(), lengths.data());
+              s = d.drafter->draft_batch(m, seqs.data(), data.data(), sizes.data(), n_draft, out.data(),
+                                         lengths.data());
             }
             check(s);
             return nb::make_tuple(to_numpy(std::move(out), {m, static_cast<size_t>(n_draft)}),
                                   to_numpy(std::move(lengths), {m}));
           },
-          nb::sig("def draft_batch(self, seqs: Sequence[int], tokens: Sequence[NDArray[numpy.int32]], n_draft: int = 8) -> "
-                  "tuple[NDArray[numpy.int32], NDArray[numpy.int32]]"),
+          nb::sig(
+              "def draft_batch(self, seqs: Sequence[int], tokens: Sequence[NDArray[numpy.int32]], n_draft: int = 8) -> "
+              "tuple[NDArray[numpy.int32], NDArray[numpy.int32]]"),
           "seqs"_a, "tokens"_a, "n_draft"_a = 8,
           "Drafts for several sequences in one call (as a batching engine does each step), with the\n"
           "GIL released for the whole batch. Returns (drafts, lengths): row i of the int32 array\n"
@@ -199,31 +207,32 @@ void bind_drafter(nb::module_& m) {
           },
           "Evicts the sequences unused for longer than idle_ttl; returns how many (call it periodically).")
       .def(
-          "set_static",
-          [](PyDrafter& d, nb::object cache) {
-            set_static(d, cache);
-          },
+          "set_static", [](PyDrafter& d, nb::object cache) { set_static(d, cache); },
           nb::sig("def set_static(self, static: StaticCache | None) -> None"), "static"_a.none(),
           "Swaps in another static cache (a newer generation) between two drafts; drafts in flight\n"
           "finish on the old one.\n\n"
           "Raises:\n    TokenizerMismatchError: it was built for another tokenizer or vocabulary.\n"
           "    InvalidArgumentError: its generation is older than the attached one's.")
       .def(
-          "set_dynamic",
-          [](PyDrafter& d, nb::object table) { set_dynamic(d, table); },
+          "set_dynamic", [](PyDrafter& d, nb::object table) { set_dynamic(d, table); },
           nb::sig("def set_dynamic(self, dynamic: CountTable | None) -> None"), "dynamic"_a.none(),
           "Attaches another dynamic table (or None).")
-      .def_prop_ro("static", [](PyDrafter& d) { return d.static_ref; }, nb::sig("def static(self) -> StaticCache | None"))
-      .def_prop_ro("dynamic", [](PyDrafter& d) { return d.dynamic_ref; }, nb::sig("def dynamic(self) -> CountTable | None"))
+      .def_prop_ro(
+          "static", [](PyDrafter& d) { return d.static_ref; }, nb::sig("def static(self) -> StaticCache | None"))
+      .def_prop_ro(
+          "dynamic", [](PyDrafter& d) { return d.dynamic_ref; }, nb::sig("def dynamic(self) -> CountTable | None"))
       .def_prop_ro("vocab_size", [](PyDrafter& d) { return d.drafter->options().vocab_size; })
-      .def_prop_ro("fingerprint", [](PyDrafter& d) { return fingerprint_bytes(d.drafter->options().fingerprint); },
-                   "The tokenizer fingerprint this drafter is bound to (UNTAGGED for raw tokens).")
+      .def_prop_ro(
+          "fingerprint", [](PyDrafter& d) { return fingerprint_bytes(d.drafter->options().fingerprint); },
+          "The tokenizer fingerprint this drafter is bound to (UNTAGGED for raw tokens).")
       .def_prop_ro("n_sequences", [](PyDrafter& d) { return d.drafter->sequences().size(); })
-      .def_prop_ro("n_evicted", [](PyDrafter& d) { return d.drafter->sequences().n_evicted(); },
-                   "Sequences evicted by max_sequences, idle_ttl or max_memory so far.")
-      .def("memory_bytes", [](PyDrafter& d) { return d.drafter->memory_bytes(); },
-           "Heap bytes of this drafter's context tables (the static cache is mapped and shared; the\n"
-           "dynamic table is counted by its owner).")
+      .def_prop_ro(
+          "n_evicted", [](PyDrafter& d) { return d.drafter->sequences().n_evicted(); },
+          "Sequences evicted by max_sequences, idle_ttl or max_memory so far.")
+      .def(
+          "memory_bytes", [](PyDrafter& d) { return d.drafter->memory_bytes(); },
+          "Heap bytes of this drafter's context tables (the static cache is mapped and shared; the\n"
+          "dynamic table is counted by its owner).")
       .def(
           "context_rows",
           [](PyDrafter& d, int64_t seq) {

@@ -83,8 +83,8 @@ void bind_functions(nb::module_& m) {
         Status s;
         {
           nb::gil_scoped_release release;
-          s = run_replay(v.data, v.size, o, sc ? sc->cache.get() : nullptr, dynamic.shared.get(), dump_drafts ? &drafts : nullptr,
-                         &r);
+          s = run_replay(v.data, v.size, o, sc ? sc->cache.get() : nullptr, dynamic.shared.get(),
+                         dump_drafts ? &drafts : nullptr, &r);
         }
         check(s);
         nb::dict out;
@@ -103,8 +103,8 @@ void bind_functions(nb::module_& m) {
       nb::sig("def replay(tokens: NDArray[numpy.int32], n_ctx: int, n_draft: int, ngram_min: int, ngram_max: int, "
               "static: StaticCache | None, dynamic: CountTable, dump_drafts: bool = False, mode: str = 'compatible', "
               "tree_budget: int = 0, match_params: dict[str, float] | None = None) -> dict[str, typing.Any]"),
-      "tokens"_a, "n_ctx"_a, "n_draft"_a, "ngram_min"_a, "ngram_max"_a, "static"_a.none(), "dynamic"_a, "dump_drafts"_a = false,
-      "mode"_a = "compatible", "tree_budget"_a = 0, "match_params"_a = nb::none(),
+      "tokens"_a, "n_ctx"_a, "n_draft"_a, "ngram_min"_a, "ngram_max"_a, "static"_a.none(), "dynamic"_a,
+      "dump_drafts"_a = false, "mode"_a = "compatible", "tree_budget"_a = 0, "match_params"_a = nb::none(),
       "llama-lookup-stats' replay of `tokens` in chunks of n_ctx; merges each chunk's context\n"
       "table into `dynamic`. Returns counters and timings (and with dump_drafts, every call's\n"
       "drafted tokens, each call's followed by -1).\n\n"
@@ -128,23 +128,23 @@ void bind_functions(nb::module_& m) {
       "Writes `data` to `path` whole or not at all (temporary file beside it, fsync, rename,\n"
       "fsync of the directory): the helper every writer of ngramcache publishes files with.");
   m.def(
-      "checksum64",
-      [](nb::bytes data, uint64_t seed) { return checksum64(data.c_str(), data.size(), seed); },
-      "data"_a, "seed"_a = 0, "The 64-bit checksum used by static cache headers and sections.");
+      "checksum64", [](nb::bytes data, uint64_t seed) { return checksum64(data.c_str(), data.size(), seed); }, "data"_a,
+      "seed"_a = 0, "The 64-bit checksum used by static cache headers and sections.");
   m.def(
       "ngram_hash", [](const std::vector<int64_t>& ngram) { return as_ngram(ngram, kAnyToken).hash(); }, "ngram"_a,
       "The hash count tables use for `ngram` (for tests that need colliding keys).");
 
   m.def(
       "build_static_from_tokens",
-      [](nb::list streams, const Path& path, int64_t vocab_size, int ngram_size, nb::bytes fingerprint, int64_t generation,
-         bool corpus_index, int64_t memory_budget) {
+      [](nb::list streams, const Path& path, int64_t vocab_size, int ngram_size, nb::bytes fingerprint,
+         int64_t generation, bool corpus_index, int64_t memory_budget) {
         StaticHeader h;
         check(make_static_header(vocab_size, ngram_size, bytes_data(fingerprint), fingerprint.size(), generation, &h));
         check(check_min_budget(memory_budget));
         std::vector<TokenView> views;
         std::vector<TokenStream> refs;
-        for (size_t i = 0; i < streams.size(); ++i) views.push_back(as_tokens(streams[i], ("streams[" + std::to_string(i) + "]").c_str()));
+        for (size_t i = 0; i < streams.size(); ++i)
+          views.push_back(as_tokens(streams[i], ("streams[" + std::to_string(i) + "]").c_str()));
         for (const TokenView& v : views) refs.push_back({v.data, v.size});
         Status s;
         BuildStats st;
@@ -155,9 +155,10 @@ void bind_functions(nb::module_& m) {
         check(s);
         return build_stats(st);
       },
-      nb::sig("def build_static_from_tokens(streams: list[NDArray[numpy.int32]], path: str | os.PathLike[str], vocab_size: int, "
-              "ngram_size: int = 2, *, fingerprint: bytes, generation: int = 0, corpus_index: bool = False, "
-              "memory_budget: int = 1 << 30) -> dict[str, int]"),
+      nb::sig(
+          "def build_static_from_tokens(streams: list[NDArray[numpy.int32]], path: str | os.PathLike[str], vocab_size: int, "
+          "ngram_size: int = 2, *, fingerprint: bytes, generation: int = 0, corpus_index: bool = False, "
+          "memory_budget: int = 1 << 30) -> dict[str, int]"),
       "streams"_a, "path"_a, "vocab_size"_a, "ngram_size"_a = 2, nb::kw_only(), "fingerprint"_a, "generation"_a = 0,
       "corpus_index"_a = false, "memory_budget"_a = int64_t{1} << 30,
       "Counts the (ngram_size-gram, follower) pairs of each int32 token stream (n-grams never span\n"

@@ -55,19 +55,19 @@ void bind_static_cache(nb::module_& m) {
       .def_prop_ro("format_version", [](const PyStaticCache& c) { return c.cache->info().format_version; })
       .def_prop_ro("ngram_size", [](const PyStaticCache& c) { return c.cache->info().ngram_size; })
       .def_prop_ro("vocab_size", [](const PyStaticCache& c) { return c.cache->info().vocab_size; })
-      .def_prop_ro("fingerprint", [](const PyStaticCache& c) {
-        return fingerprint_bytes(c.cache->info().fingerprint);
-      })
+      .def_prop_ro("fingerprint", [](const PyStaticCache& c) { return fingerprint_bytes(c.cache->info().fingerprint); })
       .def_prop_ro("generation", [](const PyStaticCache& c) { return c.cache->info().generation; })
       .def_prop_ro("n_keys", [](const PyStaticCache& c) { return c.cache->info().n_keys; })
       .def_prop_ro("n_followers", [](const PyStaticCache& c) { return c.cache->info().n_followers; })
       .def_prop_ro("n_tokens", [](const PyStaticCache& c) { return c.cache->info().n_tokens; })
       .def_prop_ro("n_overflow", [](const PyStaticCache& c) { return c.cache->info().n_overflow; })
       .def_prop_ro("file_size", [](const PyStaticCache& c) { return c.cache->info().file_size; })
-      .def_prop_ro("index_depth", [](const PyStaticCache& c) { return c.cache->info().index_depth; },
-                   "The corpus index's depth (the longest match it finds); 0: the file has no corpus index.")
-      .def_prop_ro("n_indexed", [](const PyStaticCache& c) { return c.cache->info().n_suffixes; },
-                   "Corpus tokens in the corpus index (0: none).")
+      .def_prop_ro(
+          "index_depth", [](const PyStaticCache& c) { return c.cache->info().index_depth; },
+          "The corpus index's depth (the longest match it finds); 0: the file has no corpus index.")
+      .def_prop_ro(
+          "n_indexed", [](const PyStaticCache& c) { return c.cache->info().n_suffixes; },
+          "Corpus tokens in the corpus index (0: none).")
       .def(
           "corpus_match",
           [](const PyStaticCache& c, nb::handle tokens) {
@@ -105,17 +105,20 @@ void bind_static_cache(nb::module_& m) {
             check(static_followers(*c.cache, c.path, ngram.data(), ngram.size(), &tokens, &counts));
             return followers_to_numpy(std::move(tokens), std::move(counts));
           },
-          nb::sig("def lookup(self, ngram: Sequence[int]) -> tuple[NDArray[numpy.int32], NDArray[numpy.int64]]"), "ngram"_a,
+          nb::sig("def lookup(self, ngram: Sequence[int]) -> tuple[NDArray[numpy.int32], NDArray[numpy.int64]]"),
+          "ngram"_a,
           "The followers of `ngram` (exactly ngram_size tokens) as (tokens int32, counts int64),\n"
           "sorted by token; empty arrays when the n-gram is absent.")
       .def(
           "best",
-          [](const PyStaticCache& c, const std::vector<int64_t>& ngram) -> std::optional<std::tuple<int, int64_t, int64_t>> {
+          [](const PyStaticCache& c,
+             const std::vector<int64_t>& ngram) -> std::optional<std::tuple<int, int64_t, int64_t>> {
             StaticPart part;
             bool found = false;
             check(static_find(*c.cache, c.path, ngram.data(), ngram.size(), &part, &found));
             if (!found) return std::nullopt;
-            return std::make_tuple(c.cache->token_at(part, 0), int64_t{c.cache->count_at(part, 0)}, int64_t{part.total});
+            return std::make_tuple(c.cache->token_at(part, 0), int64_t{c.cache->count_at(part, 0)},
+                                   int64_t{part.total});
           },
           "ngram"_a, "(best token, its count, total count) of `ngram`, or None when absent.")
       .def(
@@ -147,13 +150,14 @@ void bind_static_cache(nb::module_& m) {
           },
           nb::sig("def follower_histogram(self) -> list[int]"),
           "Keys by follower count: element b counts the keys with 2^b .. 2^(b+1)-1 followers.")
-      .def("memory_bytes", [](const PyStaticCache& c) { return c.cache->mapped_bytes(); },
-           "Bytes mapped (the file size); shared with every other process mapping the file.")
+      .def(
+          "memory_bytes", [](const PyStaticCache& c) { return c.cache->mapped_bytes(); },
+          "Bytes mapped (the file size); shared with every other process mapping the file.")
       .def("__repr__", [](const PyStaticCache& c) {
         const auto& i = c.cache->info();
-        return "StaticCache(path=" + std::string(nb::repr(nb::str(c.path.c_str())).c_str()) + ", generation=" +
-               std::to_string(i.generation) + ", ngram_size=" + std::to_string(i.ngram_size) + ", vocab_size=" +
-               std::to_string(i.vocab_size) + ", n_keys=" + std::to_string(i.n_keys) + ")";
+        return "StaticCache(path=" + std::string(nb::repr(nb::str(c.path.c_str())).c_str()) +
+               ", generation=" + std::to_string(i.generation) + ", ngram_size=" + std::to_string(i.ngram_size) +
+               ", vocab_size=" + std::to_string(i.vocab_size) + ", n_keys=" + std::to_string(i.n_keys) + ")";
       });
 }
 

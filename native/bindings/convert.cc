@@ -73,8 +73,8 @@ RowsView<T> as_rows(nb::handle h) {
   if (!nb::try_cast(h, v.array, false) || v.array.dtype() != nb::dtype<T>() || v.array.ndim() != 2 ||
       v.array.shape(1) != rows::kWidth ||
       (v.array.shape(0) > 0 && (v.array.stride(1) != 1 || v.array.stride(0) != rows::kWidth))) {
-    invalid(std::string("rows must be a C-contiguous ") + type + " numpy array of shape (m, " + std::to_string(rows::kWidth) +
-            ") (see ngramcache.client.rows)");
+    invalid(std::string("rows must be a C-contiguous ") + type + " numpy array of shape (m, " +
+            std::to_string(rows::kWidth) + ") (see ngramcache.client.rows)");
   }
   v.data = static_cast<const T*>(v.array.data());
   v.n = v.array.shape(0);

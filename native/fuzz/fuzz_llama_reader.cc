@@ -23,9 +23,9 @@
 namespace {
 
 constexpr size_t kReaderBuffer = size_t{1} << 20;
-bool g_reading = false;          // true while read_llama_file runs
-void* g_buffer = nullptr;        // the reusable buffer, allocated on first use
-bool g_buffer_in_use = false;    // handed out and not yet deleted
+bool g_reading = false;        // true while read_llama_file runs
+void* g_buffer = nullptr;      // the reusable buffer, allocated on first use
+bool g_buffer_in_use = false;  // handed out and not yet deleted
 
 }  // namespace
 
@@ -71,7 +71,7 @@ struct Entry {
 struct Parsed {
   std::vector<Entry> entries;  // every entry before the first problem
   bool ok = true;
-  uint64_t error_at = 0;       // byte offset of the first problem when !ok
+  uint64_t error_at = 0;  // byte offset of the first problem when !ok
 };
 
 // The reference: records of int32 ngram[4], int32 n, n x (int32 token, int32 count).

@@ -29,10 +29,10 @@
 #include <vector>
 
 #include "fuzz_support.h"
-#include "seal.h"
 #include "ngc/match.h"
 #include "ngc/static_cache.h"
 #include "ngc/static_format.h"
+#include "seal.h"
 
 namespace {
 
@@ -40,10 +40,10 @@ using ngc::fuzz::le32;
 
 // --- the mmap of the fuzz input, as a heap block ASan can check -------------------------
 
-bool g_intercept = false;            // true while StaticCache::open runs on the fuzz input
-const uint8_t* g_block = nullptr;    // the heap copy standing in for the mapping, or null
-size_t g_block_size = 0;             // its size (== the file size)
-uint64_t g_intercepted = 0;          // mappings replaced so far (sanity check)
+bool g_intercept = false;          // true while StaticCache::open runs on the fuzz input
+const uint8_t* g_block = nullptr;  // the heap copy standing in for the mapping, or null
+size_t g_block_size = 0;           // its size (== the file size)
+uint64_t g_intercepted = 0;        // mappings replaced so far (sanity check)
 
 }  // namespace
 
@@ -51,7 +51,8 @@ extern "C" void* __real_mmap(void* addr, size_t len, int prot, int flags, int fd
 extern "C" int __real_munmap(void* addr, size_t len);
 
 extern "C" void* __wrap_mmap(void* addr, size_t len, int prot, int flags, int fd, off_t off) {
-  if (!g_intercept || fd < 0 || addr != nullptr || g_block != nullptr) return __real_mmap(addr, len, prot, flags, fd, off);
+  if (!g_intercept || fd < 0 || addr != nullptr || g_block != nullptr)
+    return __real_mmap(addr, len, prot, flags, fd, off);
   auto* p = static_cast<uint8_t*>(std::malloc(len == 0 ? 1 : len));
   size_t done = 0;
   while (done < len) {
@@ -115,7 +116,8 @@ void exercise_corpus(const ngc::StaticCache& c, const uint8_t* data, size_t size
   std::vector<ngc::Token> tail;
   for (size_t at = 0, n = 0; at + 4 <= size && n < 16; at += 37, ++n) {
     tail.clear();
-    for (size_t j = at; j + 4 <= size && tail.size() < 12; j += 4) tail.push_back(static_cast<ngc::Token>(le32(data + j) % V));
+    for (size_t j = at; j + 4 <= size && tail.size() < 12; j += 4)
+      tail.push_back(static_cast<ngc::Token>(le32(data + j) % V));
     const ngc::CorpusMatch m = ngc::corpus_longest_match(ix, tail.data(), tail.size(), ix.depth);
     NGC_FUZZ_CHECK(m.length <= tail.size() && m.length <= ix.depth && m.lo <= m.hi && m.hi <= ix.n_suffixes);
     ngc::Token out[8];
@@ -225,13 +227,15 @@ void check_file(ngc::fuzz::MemFile& file, const uint8_t* data, size_t size) {
     return;
   }
   if (g_intercepted == 0 || g_block == nullptr) {
-    ngc::fuzz::invariant_failed("the core's mmap was not intercepted: out-of-bounds reads of the mapping would go unseen");
+    ngc::fuzz::invariant_failed(
+        "the core's mmap was not intercepted: out-of-bounds reads of the mapping would go unseen");
   }
   NGC_FUZZ_CHECK(cache->mapped_bytes() == size && g_block_size == size);
   // From here on only the sections are readable.
   ASAN_POISON_MEMORY_REGION(g_block, g_block_size);
   const ngc::StaticInfo& info = cache->info();
-  for (uint32_t i = 0; i < info.n_sections; ++i) ASAN_UNPOISON_MEMORY_REGION(g_block + info.sections[i].offset, info.sections[i].length);
+  for (uint32_t i = 0; i < info.n_sections; ++i)
+    ASAN_UNPOISON_MEMORY_REGION(g_block + info.sections[i].offset, info.sections[i].length);
 
   const bool verified = cache->verify().ok();
   exercise(*cache, data, size);
@@ -246,6 +250,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   static ngc::fuzz::MemFile file("ngc-static");
   check_file(file, data, size);
   std::vector<uint8_t> sealed(data, data + size);
-  if (ngc::fuzz::seal(sealed) && std::memcmp(sealed.data(), data, size) != 0) check_file(file, sealed.data(), sealed.size());
+  if (ngc::fuzz::seal(sealed) && std::memcmp(sealed.data(), data, size) != 0)
+    check_file(file, sealed.data(), sealed.size());
   return 0;
 }

@@ -53,7 +53,9 @@ class MemFile {
 };
 
 // A little-endian u32 at unaligned `p`.
-inline uint32_t le32(const uint8_t* p) { return uint32_t{p[0]} | uint32_t{p[1]} << 8 | uint32_t{p[2]} << 16 | uint32_t{p[3]} << 24; }
+inline uint32_t le32(const uint8_t* p) {
+  return uint32_t{p[0]} | uint32_t{p[1]} << 8 | uint32_t{p[2]} << 16 | uint32_t{p[3]} << 24;
+}
 
 // Stops the run with a message: libFuzzer saves the input as a crash. NGC_FUZZ_CHECK(cond)
 // calls it with the condition's text when `cond` is false.
@@ -64,8 +66,8 @@ inline uint32_t le32(const uint8_t* p) { return uint32_t{p[0]} | uint32_t{p[1]} 
 
 }  // namespace ngc::fuzz
 
-#define NGC_FUZZ_CHECK(cond) \
-  do {                       \
+#define NGC_FUZZ_CHECK(cond)                                                                        \
+  do {                                                                                              \
     if (!(cond)) ::ngc::fuzz::invariant_failed(#cond " (" __FILE__ ":" NGC_FUZZ_STR(__LINE__) ")"); \
   } while (0)
 #define NGC_FUZZ_STR(x) NGC_FUZZ_STR2(x)

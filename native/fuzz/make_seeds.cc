@@ -29,10 +29,14 @@ int fail(const std::string& what, const ngc::Status& s) {
 // A random count: mostly small, sometimes at or beyond the packed field (OVERFLOW).
 uint32_t random_count(std::mt19937& rng, uint32_t escape) {
   switch (rng() % 10) {
-    case 0: return escape;
-    case 1: return UINT32_MAX;
-    case 2: return escape - 1;
-    default: return 1 + rng() % 20;
+    case 0:
+      return escape;
+    case 1:
+      return UINT32_MAX;
+    case 2:
+      return escape - 1;
+    default:
+      return 1 + rng() % 20;
   }
 }
 

@@ -19,7 +19,11 @@ namespace ngc::fuzz {
 // checksum. The table's length is the header's n_sections (at most the 9 of version 2).
 // Returns false (and changes nothing) when `f` is shorter than that table.
 inline bool seal(std::vector<uint8_t>& f) {
-  auto le64 = [](const uint8_t* p) { uint64_t v; std::memcpy(&v, p, 8); return v; };
+  auto le64 = [](const uint8_t* p) {
+    uint64_t v;
+    std::memcpy(&v, p, 8);
+    return v;
+  };
   if (f.size() < format::kHeaderSize) return false;
   uint32_t n;
   std::memcpy(&n, f.data() + format::off::kNumSections, 4);

@@ -54,9 +54,9 @@ class ScratchFile {
   uint64_t bytes() const { return bytes_; }
 
  private:
-  int fd_ = -1;          // owned; the file is unlinked at once, so it has no name
+  int fd_ = -1;  // owned; the file is unlinked at once, so it has no name
   uint64_t bytes_ = 0;
-  std::string dir_;      // its folder, for error messages
+  std::string dir_;  // its folder, for error messages
 };
 
 // Appends records to a scratch file through a buffer, summing equal consecutive pairs.
@@ -210,7 +210,8 @@ Status merge_sources(std::vector<std::unique_ptr<Source<Word>>>& sources, Emit&&
 template <typename Word>
 class BuilderImpl : public Builder {
  public:
-  BuilderImpl(const BuilderOptions& o, const std::string& path, uint32_t bits, size_t capacity, size_t weighted_capacity)
+  BuilderImpl(const BuilderOptions& o, const std::string& path, uint32_t bits, size_t capacity,
+              size_t weighted_capacity)
       : opt_(o), path_(path), bits_(bits), k_(o.header.ngram_size) {
     scratch_ = o.scratch_dir.empty() ? dir_of(path) : o.scratch_dir;
     threads_ = o.threads > 0 ? o.threads : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
@@ -332,7 +333,8 @@ class BuilderImpl : public Builder {
       if (has_key && kbits != cur_key) NGC_RETURN_IF_ERROR(flush_key());
       cur_key = kbits;
       has_key = true;
-      followers.push_back({static_cast<Token>(pair & token_mask), static_cast<uint32_t>(std::min<uint64_t>(count, UINT32_MAX))});
+      followers.push_back(
+          {static_cast<Token>(pair & token_mask), static_cast<uint32_t>(std::min<uint64_t>(count, UINT32_MAX))});
       return Status::Ok();
     }));
     if (has_key) NGC_RETURN_IF_ERROR(flush_key());
@@ -365,12 +367,14 @@ class BuilderImpl : public Builder {
   }
 
   void sort_weighted() {
-    std::sort(weighted_.begin(), weighted_.end(), [](const Record<Word>& a, const Record<Word>& b) { return a.pair < b.pair; });
+    std::sort(weighted_.begin(), weighted_.end(),
+              [](const Record<Word>& a, const Record<Word>& b) { return a.pair < b.pair; });
   }
 
   void add_memory_sources(std::vector<std::unique_ptr<Source<Word>>>* sources) {
     for (size_t i = 0; i + 1 < parts_.size(); ++i) {
-      if (parts_[i] < parts_[i + 1]) sources->push_back(std::make_unique<SliceSource<Word>>(buf_.data() + parts_[i], buf_.data() + parts_[i + 1]));
+      if (parts_[i] < parts_[i + 1])
+        sources->push_back(std::make_unique<SliceSource<Word>>(buf_.data() + parts_[i], buf_.data() + parts_[i + 1]));
     }
     if (!weighted_.empty()) sources->push_back(std::make_unique<RecordSource<Word>>(weighted_));
   }
@@ -398,24 +402,24 @@ class BuilderImpl : public Builder {
   BuilderOptions opt_;
   std::string path_;
   std::string scratch_;
-  uint32_t bits_;          // bits per token field
-  uint32_t k_;             // tokens per key
+  uint32_t bits_;  // bits per token field
+  uint32_t k_;     // tokens per key
   int threads_ = 1;
-  Word pair_mask_ = 0;     // the low (k+1) x bits_ bits
-  Word window_ = 0;        // the last k+1 tokens of the current stream, packed
-  uint64_t in_stream_ = 0; // tokens of the current stream so far
-  std::vector<Word> buf_;  // unsorted pairs of count 1 (sorted in parts_ before a spill)
+  Word pair_mask_ = 0;      // the low (k+1) x bits_ bits
+  Word window_ = 0;         // the last k+1 tokens of the current stream, packed
+  uint64_t in_stream_ = 0;  // tokens of the current stream so far
+  std::vector<Word> buf_;   // unsorted pairs of count 1 (sorted in parts_ before a spill)
   std::vector<size_t> parts_;
   std::vector<Record<Word>> weighted_;
   size_t weighted_capacity_ = 0;
   std::vector<std::unique_ptr<ScratchFile>> runs_;
   uint64_t merge_passes_ = 0;  // intermediate merges of max_fan_in runs
   BuildStats stats_;
-  bool tokens_unknown_ = false;          // the header records n_tokens 0 ("unknown")
-  std::function<bool()> interrupted_;    // polled by finish(); may be empty
-  std::vector<uint32_t> text_;           // the corpus index's TEXT (when opt_.corpus_index)
-  uint64_t index_capacity_ = 0;          // most TEXT entries
-  uint64_t polled_ = 0;                  // pairs merged since the last poll
+  bool tokens_unknown_ = false;        // the header records n_tokens 0 ("unknown")
+  std::function<bool()> interrupted_;  // polled by finish(); may be empty
+  std::vector<uint32_t> text_;         // the corpus index's TEXT (when opt_.corpus_index)
+  uint64_t index_capacity_ = 0;        // most TEXT entries
+  uint64_t polled_ = 0;                // pairs merged since the last poll
 
   Status poll() {
     if (++polled_ < (1u << 16)) return Status::Ok();
@@ -446,13 +450,15 @@ Status build_static(const std::vector<TokenStream>& streams, const StaticHeader&
 
 Status Builder::create(const BuilderOptions& o, const std::string& path, std::unique_ptr<Builder>* out) {
   const StaticHeader& h = o.header;
-  if (h.ngram_size < 1 || h.ngram_size > kNgramMax) return Status::InvalidArgument("ngram_size must be in 1..4, got " + str(h.ngram_size));
+  if (h.ngram_size < 1 || h.ngram_size > kNgramMax)
+    return Status::InvalidArgument("ngram_size must be in 1..4, got " + str(h.ngram_size));
   if (h.vocab_size < 1 || h.vocab_size > format::kMaxVocab) {
     return Status::InvalidArgument("vocab_size must be in 1..2^24, got " + str(h.vocab_size));
   }
   if (o.max_fan_in < 2 || o.max_fan_in > 1024) return Status::InvalidArgument("max_fan_in must be in 2..1024");
   if (o.corpus_index && (o.index_depth < 1 || o.index_depth > format::kMaxIndexDepth)) {
-    return Status::InvalidArgument("index_depth must be in 1.." + str(format::kMaxIndexDepth) + ", got " + str(o.index_depth));
+    return Status::InvalidArgument("index_depth must be in 1.." + str(format::kMaxIndexDepth) + ", got " +
+                                   str(o.index_depth));
   }
   if (o.memory_budget < kMinBudget) {
     return Status::InvalidArgument("memory budget " + str(o.memory_budget) + " bytes is below the minimum of 16 MiB");
@@ -472,7 +478,8 @@ Status Builder::create(const BuilderOptions& o, const std::string& path, std::un
     static_cast<BuilderImpl<uint64_t>*>(out->get())->set_index_capacity(index_tokens);
   } else {
     using U128 = unsigned __int128;
-    *out = std::make_unique<BuilderImpl<U128>>(o, path, bits, usable * 3 / 4 / sizeof(U128), usable / 4 / sizeof(Record<U128>));
+    *out = std::make_unique<BuilderImpl<U128>>(o, path, bits, usable * 3 / 4 / sizeof(U128),
+                                               usable / 4 / sizeof(Record<U128>));
     static_cast<BuilderImpl<U128>*>(out->get())->set_index_capacity(index_tokens);
   }
   return Status::Ok();

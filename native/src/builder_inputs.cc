@@ -73,19 +73,20 @@ Status add_static_counts(Builder* builder, const StaticCache& cache, const std::
   const StaticHeader& h = builder->options().header;
   const StaticInfo& info = cache.info();
   if (info.ngram_size != h.ngram_size) {
-    return Status::InvalidArgument(name + " has keys of " + std::to_string(info.ngram_size) + " tokens; this builder's have " +
-                                   std::to_string(h.ngram_size));
+    return Status::InvalidArgument(name + " has keys of " + std::to_string(info.ngram_size) +
+                                   " tokens; this builder's have " + std::to_string(h.ngram_size));
   }
   if (info.vocab_size > h.vocab_size) {
-    return Status::InvalidArgument(name + " has vocabulary size " + std::to_string(info.vocab_size) + ", above this builder's " +
-                                   std::to_string(h.vocab_size));
+    return Status::InvalidArgument(name + " has vocabulary size " + std::to_string(info.vocab_size) +
+                                   ", above this builder's " + std::to_string(h.vocab_size));
   }
   for (uint64_t i = 0; i < info.n_keys; ++i) {
     NGram key;
     StaticPart part;
     NGC_RETURN_IF_ERROR(cache.key_at(i, &key, &part).annotate(name));
     for (uint32_t j = 0; j < part.size; ++j) {
-      NGC_RETURN_IF_ERROR(builder->add_count(key.tokens, cache.token_at(part, j), cache.count_at(part, j)).annotate(name));
+      NGC_RETURN_IF_ERROR(
+          builder->add_count(key.tokens, cache.token_at(part, j), cache.count_at(part, j)).annotate(name));
     }
   }
   if (info.n_tokens == 0 && info.n_keys > 0) {

@@ -168,8 +168,8 @@ Status CountTable::check_integrity() const {
     }
   }
   if (used != entries_.size()) {
-    return Status::FormatError("index holds " + std::to_string(used) + " slots for " +
-                               std::to_string(entries_.size()) + " entries");
+    return Status::FormatError("index holds " + std::to_string(used) + " slots for " + std::to_string(entries_.size()) +
+                               " entries");
   }
   if (!slots_.empty() && entries_.size() * 10 > slots_.size() * 7) {
     return Status::FormatError("index load above 0.7");

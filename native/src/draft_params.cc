@@ -44,8 +44,8 @@ const ParamRange* find_range(std::string_view name) {
 Status check_in_range(const ParamRange& r, double x) {
   // Written so that NaN fails too.
   if (!(x >= r.lo && x <= r.hi)) {
-    return Status::InvalidArgument("match_params['" + std::string(r.name) + "'] must be in " + std::to_string(r.lo) + ".." +
-                                   std::to_string(r.hi));
+    return Status::InvalidArgument("match_params['" + std::string(r.name) + "'] must be in " + std::to_string(r.lo) +
+                                   ".." + std::to_string(r.hi));
   }
   return Status::Ok();
 }
@@ -62,7 +62,8 @@ Status check_ngram_range(int ngram_min, int ngram_max) {
 
 Status check_n_draft(int n_draft) {
   if (n_draft < 1 || n_draft > kMaxDraft) {
-    return Status::InvalidArgument("n_draft must be in 1.." + std::to_string(kMaxDraft) + ", got " + std::to_string(n_draft));
+    return Status::InvalidArgument("n_draft must be in 1.." + std::to_string(kMaxDraft) + ", got " +
+                                   std::to_string(n_draft));
   }
   return Status::Ok();
 }

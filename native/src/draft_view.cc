@@ -33,9 +33,10 @@ void desired(const CountTable& full, const NGram& key, const ViewPolicy& policy,
   if (!full.find(key, &part) || part.total < policy.min_total[key.size() - 1]) return;
   want->assign(part.followers, part.followers + part.size);
   if (want->size() > policy.top_k) {
-    std::nth_element(want->begin(), want->begin() + policy.top_k, want->end(), [](const Follower& a, const Follower& b) {
-      return a.count != b.count ? a.count > b.count : a.token < b.token;
-    });
+    std::nth_element(want->begin(), want->begin() + policy.top_k, want->end(),
+                     [](const Follower& a, const Follower& b) {
+                       return a.count != b.count ? a.count > b.count : a.token < b.token;
+                     });
     want->resize(policy.top_k);
     std::sort(want->begin(), want->end(), [](const Follower& a, const Follower& b) { return a.token < b.token; });
   }
@@ -71,7 +72,8 @@ void diff_key(const CountTable& full, const CountTable& published, const NGram& 
 
 Status ViewPolicy::validate() const {
   if (top_k < 1 || top_k > kMaxViewTopK) {
-    return Status::InvalidArgument("top_k must be in 1.." + std::to_string(kMaxViewTopK) + ", got " + std::to_string(top_k));
+    return Status::InvalidArgument("top_k must be in 1.." + std::to_string(kMaxViewTopK) + ", got " +
+                                   std::to_string(top_k));
   }
   for (int k = 0; k < kNgramMax; ++k) {
     if (min_total[k] < 1) return Status::InvalidArgument("min_total values must be >= 1");

@@ -27,9 +27,9 @@ struct StaticLookup {
 // The n-grams at the tail of sequence + draft, with their hashes, computed once per step
 // and shared by the context and dynamic tries.
 struct TailGrams {
-  NGram gram[kNgramMax + 1];    // indexed by size; valid for sizes in [lo, hi]
+  NGram gram[kNgramMax + 1];  // indexed by size; valid for sizes in [lo, hi]
   uint64_t hash[kNgramMax + 1];
-  int lo = 1, hi = 0;           // sizes available (hi < lo: none)
+  int lo = 1, hi = 0;  // sizes available (hi < lo: none)
 };
 
 // One primary (context or dynamic) try over n-gram sizes ngram_max..ngram_min.
@@ -126,7 +126,8 @@ Status DrafterOptions::bind_tokenizer(const StaticInfo* info, const int64_t* voc
     if (fp) {
       NGC_RETURN_IF_ERROR(check_fingerprint_size(fp_size));
       if (std::memcmp(fp, info->fingerprint, kFingerprintSize) != 0) {
-        return Status::TokenizerMismatch("fingerprint differs from the static cache's: it was built for another tokenizer");
+        return Status::TokenizerMismatch(
+            "fingerprint differs from the static cache's: it was built for another tokenizer");
       }
     }
     vocab_size = info->vocab_size;
@@ -147,7 +148,8 @@ Status DrafterOptions::bind_tokenizer(const StaticInfo* info, const int64_t* voc
 
 Drafter::Drafter(const DrafterOptions& options)
     : options_(options),
-      seqs_(options.ngram_min, options.ngram_max, options.track_deltas, options.limits, options.mode == DraftMode::kMatch) {}
+      seqs_(options.ngram_min, options.ngram_max, options.track_deltas, options.limits,
+            options.mode == DraftMode::kMatch) {}
 
 Status Drafter::accept(int64_t seq, const Token* tokens, size_t n) {
   if (options_.mode != DraftMode::kMatch) return seqs_.accept(seq, tokens, n, options_.vocab_size);
@@ -188,7 +190,8 @@ Status Drafter::draft_tree(int64_t seq, const Token* tokens, size_t n, int budge
   tree->clear();
   if (options_.mode != DraftMode::kMatch) return Status::InvalidArgument("tree drafts need the match mode");
   if (budget < 1 || budget > kMaxDraft) {
-    return Status::InvalidArgument("budget must be in 1.." + std::to_string(kMaxDraft) + ", got " + std::to_string(budget));
+    return Status::InvalidArgument("budget must be in 1.." + std::to_string(kMaxDraft) + ", got " +
+                                   std::to_string(budget));
   }
   NGC_RETURN_IF_ERROR(check_tail(tokens, n));
   MatchParams p = options_.match;
@@ -208,7 +211,8 @@ Status Drafter::set_static(std::shared_ptr<const StaticCache> cache) {
   if (cache) {
     const StaticInfo& info = cache->info();
     if (std::memcmp(info.fingerprint, options_.fingerprint, kFingerprintSize) != 0) {
-      return Status::TokenizerMismatch("the static cache was built for another tokenizer (its fingerprint differs from the drafter's)");
+      return Status::TokenizerMismatch(
+          "the static cache was built for another tokenizer (its fingerprint differs from the drafter's)");
     }
     if (info.vocab_size != options_.vocab_size) {
       return Status::TokenizerMismatch("the static cache's vocabulary size " + std::to_string(info.vocab_size) +
@@ -217,7 +221,8 @@ Status Drafter::set_static(std::shared_ptr<const StaticCache> cache) {
   }
   std::unique_lock lock(tables_mu_);
   if (cache && static_ && cache->info().generation < static_->info().generation) {
-    return Status::InvalidArgument("generation " + std::to_string(cache->info().generation) + " is older than the attached generation " +
+    return Status::InvalidArgument("generation " + std::to_string(cache->info().generation) +
+                                   " is older than the attached generation " +
                                    std::to_string(static_->info().generation));
   }
   static_.swap(cache);
@@ -262,9 +267,8 @@ Status Drafter::draft(int64_t seq, const Token* tokens, size_t n, int n_draft, T
     });
     return Status::Ok();
   }
-  *n_out = seqs_.with_context(seq, [&](const CountTable* context) {
-    return ngc::draft(tokens, n, context, dyn, static_.get(), p, out);
-  });
+  *n_out = seqs_.with_context(
+      seq, [&](const CountTable* context) { return ngc::draft(tokens, n, context, dyn, static_.get(), p, out); });
   return Status::Ok();
 }
 

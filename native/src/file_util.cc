@@ -74,7 +74,8 @@ Status AtomicFile::commit() {
   ::close(fd_);
   fd_ = -1;
   if (!s.ok()) return s;
-  if (::rename(tmp_.c_str(), path_.c_str()) != 0) return Status::IoError("cannot rename " + tmp_ + " to " + path_ + ": " + std::strerror(errno));
+  if (::rename(tmp_.c_str(), path_.c_str()) != 0)
+    return Status::IoError("cannot rename " + tmp_ + " to " + path_ + ": " + std::strerror(errno));
   tmp_.clear();
   sync_directory_of(path_);
   return Status::Ok();

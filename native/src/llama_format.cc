@@ -68,16 +68,26 @@ Status read_llama_file(const std::string& path, uint32_t vocab_size, const Llama
     int32_t head[5];
     const int r = in.read(head, sizeof head);
     if (r == 0) break;
-    if (r == -2) { s = Status::IoError("cannot read " + path + ": " + std::strerror(errno)); break; }
-    if (r == -1) { s = fail(rec_at, "truncated record (the file ends inside an n-gram header)"); break; }
+    if (r == -2) {
+      s = Status::IoError("cannot read " + path + ": " + std::strerror(errno));
+      break;
+    }
+    if (r == -1) {
+      s = fail(rec_at, "truncated record (the file ends inside an n-gram header)");
+      break;
+    }
     NGram key;
     int n = 0;
     while (n < kNgramMax && head[n] != -1) ++n;
-    if (n == 0) { s = fail(rec_at, "empty n-gram (all four slots are -1)"); break; }
+    if (n == 0) {
+      s = fail(rec_at, "empty n-gram (all four slots are -1)");
+      break;
+    }
     bool bad = false;
     for (int i = 0; i < kNgramMax && !bad; ++i) {
       if (i < n && !token_ok(head[i])) {
-        s = fail(rec_at + 4 * i, "n-gram token " + std::to_string(head[i]) + " is outside the vocabulary [0, " + str(vocab_size) + ")");
+        s = fail(rec_at + 4 * i,
+                 "n-gram token " + std::to_string(head[i]) + " is outside the vocabulary [0, " + str(vocab_size) + ")");
         bad = true;
       } else if (i >= n && head[i] != -1) {
         s = fail(rec_at + 4 * i, "n-gram slot after an unused (-1) slot holds " + std::to_string(head[i]));
@@ -86,15 +96,36 @@ Status read_llama_file(const std::string& path, uint32_t vocab_size, const Llama
       key.tokens[i] = head[i];
     }
     if (bad) break;
-    if (head[4] <= 0) { s = fail(rec_at + 16, "follower count " + std::to_string(head[4]) + " must be > 0"); break; }
+    if (head[4] <= 0) {
+      s = fail(rec_at + 16, "follower count " + std::to_string(head[4]) + " must be > 0");
+      break;
+    }
     for (int32_t j = 0; j < head[4] && !bad; ++j) {
       const uint64_t at = in.offset();
       int32_t pair[2];
       const int rr = in.read(pair, sizeof pair);
-      if (rr == -2) { s = Status::IoError("cannot read " + path + ": " + std::strerror(errno)); bad = true; break; }
-      if (rr != 1) { s = fail(at, "truncated record (follower " + std::to_string(j) + " of " + std::to_string(head[4]) + " is missing)"); bad = true; break; }
-      if (!token_ok(pair[0])) { s = fail(at, "follower token " + std::to_string(pair[0]) + " is outside the vocabulary [0, " + str(vocab_size) + ")"); bad = true; break; }
-      if (pair[1] <= 0) { s = fail(at + 4, "count " + std::to_string(pair[1]) + " must be > 0"); bad = true; break; }
+      if (rr == -2) {
+        s = Status::IoError("cannot read " + path + ": " + std::strerror(errno));
+        bad = true;
+        break;
+      }
+      if (rr != 1) {
+        s = fail(at,
+                 "truncated record (follower " + std::to_string(j) + " of " + std::to_string(head[4]) + " is missing)");
+        bad = true;
+        break;
+      }
+      if (!token_ok(pair[0])) {
+        s = fail(at, "follower token " + std::to_string(pair[0]) + " is outside the vocabulary [0, " + str(vocab_size) +
+                         ")");
+        bad = true;
+        break;
+      }
+      if (pair[1] <= 0) {
+        s = fail(at + 4, "count " + std::to_string(pair[1]) + " must be > 0");
+        bad = true;
+        break;
+      }
       s = fn(key, pair[0], static_cast<uint32_t>(pair[1]));
       if (!s.ok()) {
         s = Status(s.code(), path + ": byte " + str(rec_at) + ": " + s.message());
@@ -135,10 +166,11 @@ Status write_llama_file(const StaticCache& cache, const std::string& path, const
 Status load_llama_counts(const std::string& path, int64_t vocab_size, SharedCountTable* table) {
   NGC_RETURN_IF_ERROR(check_vocab_size(vocab_size));
   CountTable staged;
-  NGC_RETURN_IF_ERROR(read_llama_file(path, static_cast<uint32_t>(vocab_size), [&](const NGram& key, Token follower, uint32_t count) {
-    staged.add(key, follower, count);
-    return Status::Ok();
-  }));
+  NGC_RETURN_IF_ERROR(
+      read_llama_file(path, static_cast<uint32_t>(vocab_size), [&](const NGram& key, Token follower, uint32_t count) {
+        staged.add(key, follower, count);
+        return Status::Ok();
+      }));
   table->merge(staged);
   return Status::Ok();
 }

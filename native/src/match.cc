@@ -16,19 +16,19 @@ enum class Source : uint8_t { kSequence, kHistory, kCorpus };
 // One way to continue: the occurrences of one match (a suffix of the sequence of
 // `length` tokens). The draft follows them forward.
 struct Option {
-  uint32_t length = 0;              // tokens matched
+  uint32_t length = 0;  // tokens matched
   int n = 0;
-  uint32_t pos[kMaxCandidates];     // where each occurrence ends
-  Source src[kMaxCandidates];       // in which text
+  uint32_t pos[kMaxCandidates];  // where each occurrence ends
+  Source src[kMaxCandidates];    // in which text
 };
 
 // The text each source's occurrences continue into.
 struct Sources {
   const Token* seq;
   size_t n_seq;
-  const SeqIndex* sequence;  // may be null
-  const SeqIndex* history;   // may be null
-  const CorpusIndex* corpus; // may be null or empty
+  const SeqIndex* sequence;   // may be null
+  const SeqIndex* history;    // may be null
+  const CorpusIndex* corpus;  // may be null or empty
 };
 
 // The token `depth` places after the occurrence ending at `pos`, or -1 when its text ends
@@ -51,7 +51,8 @@ Token next_token(const Sources& s, Source src, uint32_t pos, int depth, const To
 
 // The occurrences of the tail's matches in a hash-chain index, most recent first, with
 // their lengths (appended to pos/src/len_of, at most kMaxCandidates in all).
-void chain_matches(const Sources& s, Source src, const MatchParams& p, uint32_t* pos, Source* srcs, uint32_t* len_of, int* n) {
+void chain_matches(const Sources& s, Source src, const MatchParams& p, uint32_t* pos, Source* srcs, uint32_t* len_of,
+                   int* n) {
   const SeqIndex& index = src == Source::kSequence ? *s.sequence : *s.history;
   const Token* text = src == Source::kSequence ? s.seq : index.tokens();
   const size_t n_text = src == Source::kSequence ? s.n_seq : index.size();
@@ -71,7 +72,8 @@ void chain_matches(const Sources& s, Source src, const MatchParams& p, uint32_t*
     if (*n == kMaxCandidates) {
       // Full: replace the shortest (the most recent of those) when this one is longer.
       slot = 0;
-      for (int k = 1; k < *n; ++k) if (len_of[k] < len_of[slot]) slot = k;
+      for (int k = 1; k < *n; ++k)
+        if (len_of[k] < len_of[slot]) slot = k;
       if (len <= len_of[slot]) continue;
     } else {
       ++*n;
@@ -151,7 +153,8 @@ double share(int count, int live, const Option& o, const MatchParams& p) {
 
 // Follows one option forward greedily: the draft in out[0..), its length, and its score
 // (the expected number of accepted tokens: the sum of each prefix's probability).
-int walk(const Sources& s, const Option& o, const MatchParams& p, int limit, Token* out, double* score, double* last_prob) {
+int walk(const Sources& s, const Option& o, const MatchParams& p, int limit, Token* out, double* score,
+         double* last_prob) {
   uint64_t mask = o.n == 64 ? ~uint64_t{0} : (uint64_t{1} << o.n) - 1;
   double prob = 1.0;
   *last_prob = 1.0;
@@ -192,8 +195,9 @@ int walk(const Sources& s, const Option& o, const MatchParams& p, int limit, Tok
 // of sequence + draft that the context table (else the dynamic table) knows, with its
 // share of the counts as its probability. Exact frequencies for short matches, where the
 // occurrences a chain finds are a sample.
-int count_walk(const Token* seq, size_t n_seq, const CountTable* context, const CountTable* dynamic, const MatchParams& p,
-               int limit, double min_prob, Token* out, double* score, double* probs = nullptr, double start_prob = 1.0) {
+int count_walk(const Token* seq, size_t n_seq, const CountTable* context, const CountTable* dynamic,
+               const MatchParams& p, int limit, double min_prob, Token* out, double* score, double* probs = nullptr,
+               double start_prob = 1.0) {
   *score = 0;
   if (!context && !dynamic) return 0;
   Token buf[kNgramMax + kMaxDraft];
@@ -234,8 +238,8 @@ int max_length_for(const MatchParams& p, uint32_t match_length, int limit) {
   return cap < limit ? std::max(1, static_cast<int>(cap)) : limit;
 }
 
-int fallback(const Token* seq, size_t n_seq, const CountTable* context, const CountTable* dynamic, const StaticCache* st,
-             const MatchParams& p, int n_draft, Token* out) {
+int fallback(const Token* seq, size_t n_seq, const CountTable* context, const CountTable* dynamic,
+             const StaticCache* st, const MatchParams& p, int n_draft, Token* out) {
   if (!p.fallback) return 0;
   DraftParams dp;
   dp.n_draft = n_draft;
@@ -262,7 +266,10 @@ int corpus_matches(const CorpusIndex& ix, const Token* tail, size_t n, uint32_t 
     uint64_t a = lo, b = hi;
     while (a < b) {
       const uint64_t mid = a + (b - a) / 2;
-      if (back(mid) < want) a = mid + 1; else b = mid;
+      if (back(mid) < want)
+        a = mid + 1;
+      else
+        b = mid;
     }
     const uint64_t first = a;
     // The end of the equal entries: gallop from `first` (the run narrows fast, so the
@@ -280,7 +287,10 @@ int corpus_matches(const CorpusIndex& ix, const Token* tail, size_t n, uint32_t 
     }
     while (a < b) {
       const uint64_t mid = a + (b - a) / 2;
-      if (back(mid) <= want) a = mid + 1; else b = mid;
+      if (back(mid) <= want)
+        a = mid + 1;
+      else
+        b = mid;
     }
     if (a == first) break;
     lo = first;
@@ -333,8 +343,8 @@ int draft_match(const Token* seq, size_t n_seq, const MatchTables& t, const Matc
     std::copy(seq + n_seq - keep, seq + n_seq, tail);
     std::copy(out, out + n_out, tail + keep);
     double score;
-    n_out += count_walk(tail, keep + n_out, t.context, t.dynamic, p, p.n_draft - n_out, p.min_prob, out + n_out, &score, nullptr,
-                        best_last);
+    n_out += count_walk(tail, keep + n_out, t.context, t.dynamic, p, p.n_draft - n_out, p.min_prob, out + n_out, &score,
+                        nullptr, best_last);
     return n_out;
   }
   if (n_out == 0) return fallback(seq, n_seq, t.context, t.dynamic, t.static_cache, p, p.n_draft, out);
@@ -349,7 +359,8 @@ int draft_match(const Token* seq, size_t n_seq, const MatchTables& t, const Matc
   return n_out;
 }
 
-int draft_tree(const Token* seq, size_t n_seq, const MatchTables& t, const MatchParams& p, int budget, DraftTree* tree) {
+int draft_tree(const Token* seq, size_t n_seq, const MatchTables& t, const MatchParams& p, int budget,
+               DraftTree* tree) {
   tree->clear();
   const Sources s{seq, n_seq, t.sequence, t.history, t.static_cache ? &t.static_cache->corpus() : nullptr};
   Option options[kMaxOptions];
@@ -358,11 +369,11 @@ int draft_tree(const Token* seq, size_t n_seq, const MatchTables& t, const Match
   // becomes the next node; continuations that two options share are one node.
   struct Pending {
     double prob;
-    int parent;      // node index, -1: the root
-    int depth;       // of the pending node (0: a child of the root)
+    int parent;  // node index, -1: the root
+    int depth;   // of the pending node (0: a child of the root)
     Token token;
     int option;
-    uint64_t mask;   // the option's occurrences that agree with its path
+    uint64_t mask;  // the option's occurrences that agree with its path
   };
   std::vector<Pending> pending;
   Token path[kMaxDraft + 1];
@@ -400,7 +411,9 @@ int draft_tree(const Token* seq, size_t n_seq, const MatchTables& t, const Match
   Token chain[kMaxDraft];
   double chain_prob[kMaxDraft];
   double chain_score = 0;
-  const int n_chain = p.count_option ? count_walk(seq, n_seq, t.context, t.dynamic, p, budget, p.tree_min_prob, chain, &chain_score, chain_prob) : 0;
+  const int n_chain = p.count_option ? count_walk(seq, n_seq, t.context, t.dynamic, p, budget, p.tree_min_prob, chain,
+                                                  &chain_score, chain_prob)
+                                     : 0;
   if (n_chain > 0) pending.push_back({chain_prob[0], -1, 0, chain[0], kChain, 0});
   while (static_cast<int>(tree->tokens.size()) < budget && !pending.empty()) {
     size_t best = 0;
@@ -463,7 +476,8 @@ void build_corpus_index(const std::vector<uint32_t>& text, uint32_t vocab, uint3
         last_sep = static_cast<int64_t>(p);
         continue;
       }
-      const uint64_t in_stream = static_cast<uint64_t>(static_cast<int64_t>(p) - last_sep - 1);  // tokens before p in its stream
+      const uint64_t in_stream =
+          static_cast<uint64_t>(static_cast<int64_t>(p) - last_sep - 1);  // tokens before p in its stream
       const uint32_t second = in_stream >= h ? rank[p - h] : kEnd;
       e[k++] = {uint64_t{rank[p]} << 32 | second, static_cast<uint32_t>(p)};
     }

@@ -7,9 +7,9 @@ namespace ngc {
 namespace {
 
 inline uint64_t now_ns() {
-  return static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
-                                   std::chrono::steady_clock::now().time_since_epoch())
-                                   .count());
+  return static_cast<uint64_t>(
+      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+          .count());
 }
 
 }  // namespace
@@ -147,7 +147,8 @@ ReplayStats replay_match(const Token* tokens, size_t n_tokens, size_t n_ctx, con
 Status ReplayOptions::validate() const {
   NGC_RETURN_IF_ERROR(check_ngram_range(draft.ngram_min, draft.ngram_max));
   if (tree_budget < 0 || tree_budget > kMaxDraft) {
-    return Status::InvalidArgument("tree_budget must be in 0.." + std::to_string(kMaxDraft) + ", got " + std::to_string(tree_budget));
+    return Status::InvalidArgument("tree_budget must be in 0.." + std::to_string(kMaxDraft) + ", got " +
+                                   std::to_string(tree_budget));
   }
   if (tree_budget > 0 && mode != DraftMode::kMatch) return Status::InvalidArgument("tree drafts need mode='match'");
   NGC_RETURN_IF_ERROR(check_n_draft(draft.n_draft));
@@ -162,7 +163,8 @@ Status ReplayOptions::validate() const {
 Status run_replay(const Token* tokens, size_t n_tokens, const ReplayOptions& options, const StaticCache* static_cache,
                   SharedCountTable* dynamic, std::vector<Token>* drafts, ReplayStats* stats) {
   NGC_RETURN_IF_ERROR(options.validate());
-  NGC_RETURN_IF_ERROR(check_tokens(tokens, n_tokens, static_cache ? static_cache->info().vocab_size : kMaxVocab, "tokens"));
+  NGC_RETURN_IF_ERROR(
+      check_tokens(tokens, n_tokens, static_cache ? static_cache->info().vocab_size : kMaxVocab, "tokens"));
   const size_t n_ctx = static_cast<size_t>(options.n_ctx);
   MatchParams mp = options.match;
   mp.n_draft = options.draft.n_draft;

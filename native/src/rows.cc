@@ -9,12 +9,15 @@ Status validate(const T* row, size_t index, uint32_t vocab_limit, int64_t max_co
   const auto where = [&] { return "row " + std::to_string(index) + ": "; };
   const int64_t n = row[kN];
   if (n < 1 || n > kNgramMax) {
-    return Status::InvalidArgument(where() + "n-gram size " + std::to_string(n) + " is outside 1.." + std::to_string(kNgramMax));
+    return Status::InvalidArgument(where() + "n-gram size " + std::to_string(n) + " is outside 1.." +
+                                   std::to_string(kNgramMax));
   }
   for (int k = 0; k < kNgramMax; ++k) {
     const int64_t t = row[kT0 + k];
     if (k >= n) {
-      if (t != -1) return Status::InvalidArgument(where() + "token slot t" + std::to_string(k) + " past the n-gram must be -1, got " + std::to_string(t));
+      if (t != -1)
+        return Status::InvalidArgument(where() + "token slot t" + std::to_string(k) +
+                                       " past the n-gram must be -1, got " + std::to_string(t));
     } else if (t < 0 || t >= static_cast<int64_t>(vocab_limit)) {
       return Status::InvalidArgument(where() + "token t" + std::to_string(k) + " = " + std::to_string(t) +
                                      " is outside the vocabulary [0, " + std::to_string(vocab_limit) + ")");
@@ -27,8 +30,8 @@ Status validate(const T* row, size_t index, uint32_t vocab_limit, int64_t max_co
   }
   const int64_t c = row[kCount];
   if (c < min_count || c > max_count) {
-    return Status::InvalidArgument(where() + "count " + std::to_string(c) + " is outside " + std::to_string(min_count) + ".." +
-                                   std::to_string(max_count));
+    return Status::InvalidArgument(where() + "count " + std::to_string(c) + " is outside " + std::to_string(min_count) +
+                                   ".." + std::to_string(max_count));
   }
   return Status::Ok();
 }

@@ -14,9 +14,11 @@ Status SequenceLimits::from(int64_t max_sequences, double idle_ttl_seconds, int6
   }
   // Written so that NaN fails too; the bound keeps the milliseconds within int64.
   if (!(idle_ttl_seconds >= 0) || idle_ttl_seconds > 1e9) {
-    return Status::InvalidArgument("idle_ttl must be a number of seconds >= 0 (0: never), got " + std::to_string(idle_ttl_seconds));
+    return Status::InvalidArgument("idle_ttl must be a number of seconds >= 0 (0: never), got " +
+                                   std::to_string(idle_ttl_seconds));
   }
-  if (max_memory < 0) return Status::InvalidArgument("max_memory must be >= 0 bytes (0: unlimited), got " + std::to_string(max_memory));
+  if (max_memory < 0)
+    return Status::InvalidArgument("max_memory must be >= 0 bytes (0: unlimited), got " + std::to_string(max_memory));
   out->max_sequences = static_cast<size_t>(max_sequences);
   out->idle_ttl_ms = static_cast<int64_t>(idle_ttl_seconds * 1000.0);
   if (idle_ttl_seconds > 0 && out->idle_ttl_ms == 0) out->idle_ttl_ms = 1;
@@ -25,10 +27,15 @@ Status SequenceLimits::from(int64_t max_sequences, double idle_ttl_seconds, int6
 }
 
 SequenceSet::SequenceSet(int ngram_min, int ngram_max, bool track_deltas, SequenceLimits limits, bool index_sequences)
-    : ngram_min_(ngram_min), ngram_max_(ngram_max), track_deltas_(track_deltas), index_sequences_(index_sequences), limits_(limits) {}
+    : ngram_min_(ngram_min),
+      ngram_max_(ngram_max),
+      track_deltas_(track_deltas),
+      index_sequences_(index_sequences),
+      limits_(limits) {}
 
 int64_t SequenceSet::now_ns() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch()).count();
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
 }
 
 std::shared_ptr<SequenceSet::Seq> SequenceSet::find(int64_t seq) const {

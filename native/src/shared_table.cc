@@ -51,15 +51,15 @@ Status SharedCountTable::add(const NGram& key, int64_t token, int64_t count) {
 }
 
 Status SharedCountTable::add_rows(const int32_t* rows, size_t n, uint32_t vocab_limit) {
-  return apply_rows(rows, n, vocab_limit, 1, INT32_MAX, [this](const NGram& key, Token f, int32_t c) {
-    table_.add(key, f, static_cast<uint32_t>(c));
-  });
+  return apply_rows(rows, n, vocab_limit, 1, INT32_MAX,
+                    [this](const NGram& key, Token f, int32_t c) { table_.add(key, f, static_cast<uint32_t>(c)); });
 }
 
 Status SharedCountTable::assign_rows(const int64_t* rows, size_t n, uint32_t vocab_limit, bool zero_removes) {
-  return apply_rows(rows, n, vocab_limit, zero_removes ? 0 : 1, INT64_MAX, [this](const NGram& key, Token f, int64_t c) {
-    table_.set(key, f, static_cast<uint32_t>(std::min<int64_t>(c, UINT32_MAX)));
-  });
+  return apply_rows(rows, n, vocab_limit, zero_removes ? 0 : 1, INT64_MAX,
+                    [this](const NGram& key, Token f, int64_t c) {
+                      table_.set(key, f, static_cast<uint32_t>(std::min<int64_t>(c, UINT32_MAX)));
+                    });
 }
 
 void SharedCountTable::merge(const CountTable& other) {

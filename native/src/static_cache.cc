@@ -28,16 +28,26 @@ std::string str(uint64_t v) { return std::to_string(v); }
 // The length in bytes that section `id` must have, given the header counts.
 uint64_t expected_length(uint32_t id, const StaticInfo& h) {
   switch (id) {
-    case format::kRows: return (uint64_t{h.vocab_size} + 1) * 4;
-    case format::kKeys: return h.n_keys * (h.ngram_size - 1) * 4;
-    case format::kStarts: return (h.n_keys + 1) * 4;
-    case format::kTotals: return h.n_keys * 4;
-    case format::kFollowers: return h.n_followers * 4;
-    case format::kOverflow: return h.n_overflow * 8;
-    case format::kText: return h.n_text * 4;
-    case format::kSuffixes: return h.n_suffixes * 4;
-    case format::kBuckets: return h.index_depth == 0 ? 0 : (uint64_t{h.vocab_size} + 1) * 4;
-    default: return 0;
+    case format::kRows:
+      return (uint64_t{h.vocab_size} + 1) * 4;
+    case format::kKeys:
+      return h.n_keys * (h.ngram_size - 1) * 4;
+    case format::kStarts:
+      return (h.n_keys + 1) * 4;
+    case format::kTotals:
+      return h.n_keys * 4;
+    case format::kFollowers:
+      return h.n_followers * 4;
+    case format::kOverflow:
+      return h.n_overflow * 8;
+    case format::kText:
+      return h.n_text * 4;
+    case format::kSuffixes:
+      return h.n_suffixes * 4;
+    case format::kBuckets:
+      return h.index_depth == 0 ? 0 : (uint64_t{h.vocab_size} + 1) * 4;
+    default:
+      return 0;
   }
 }
 
@@ -111,11 +121,12 @@ Status StaticCache::validate_header() {
   info_.n_sections = n_sections;
   const uint64_t table_end = uint64_t{format::kHeaderSize} + uint64_t{n_sections} * format::kSectionEntrySize;
   if (table_end > size_) {
-    return Status::FormatError("truncated: the section table ends at byte " + str(table_end) +
-                               " but the file has " + str(size_) + " bytes");
+    return Status::FormatError("truncated: the section table ends at byte " + str(table_end) + " but the file has " +
+                               str(size_) + " bytes");
   }
   // The header checksum covers bytes [0, 120) and the section table.
-  uint8_t scratch[format::kHeaderSize + format::kNumSections * format::kSectionEntrySize];  // room for the largest table
+  uint8_t
+      scratch[format::kHeaderSize + format::kNumSections * format::kSectionEntrySize];  // room for the largest table
   std::memcpy(scratch, h, table_end);
   std::memset(scratch + format::off::kHeaderChecksum, 0, 8);
   const uint64_t stored = read_le<uint64_t>(h + format::off::kHeaderChecksum);
@@ -135,11 +146,13 @@ Status StaticCache::validate_header() {
   info_.file_size = read_le<uint64_t>(h + format::off::kFileSize);
   const uint32_t flags = read_le<uint32_t>(h + format::off::kFlags);
   if (info_.format_version == 1 ? flags != 0 : (flags >> 8) != 0 || (flags & 0xFF) > format::kMaxIndexDepth) {
-    return Status::FormatError("flags 0x" + [&] {
-      char buf[16];
-      std::snprintf(buf, sizeof buf, "%08x", flags);
-      return std::string(buf);
-    }() + " are not valid for format version " + str(info_.format_version));
+    return Status::FormatError("flags 0x" +
+                               [&] {
+                                 char buf[16];
+                                 std::snprintf(buf, sizeof buf, "%08x", flags);
+                                 return std::string(buf);
+                               }() +
+                               " are not valid for format version " + str(info_.format_version));
   }
   info_.index_depth = flags & 0xFF;
 
@@ -150,8 +163,8 @@ Status StaticCache::validate_header() {
     return Status::FormatError("vocabulary size " + str(info_.vocab_size) + " is outside 1..2^24");
   }
   if (info_.token_bits != format::token_bits_for(info_.vocab_size)) {
-    return Status::FormatError("token_bits is " + str(info_.token_bits) + ", vocabulary size " +
-                               str(info_.vocab_size) + " implies " + str(format::token_bits_for(info_.vocab_size)));
+    return Status::FormatError("token_bits is " + str(info_.token_bits) + ", vocabulary size " + str(info_.vocab_size) +
+                               " implies " + str(format::token_bits_for(info_.vocab_size)));
   }
   if (info_.n_keys >= UINT32_MAX || info_.n_followers >= UINT32_MAX || info_.n_overflow > info_.n_followers ||
       info_.n_keys > info_.n_followers) {
@@ -165,8 +178,8 @@ Status StaticCache::validate_header() {
       const uint8_t* e = h + format::kHeaderSize + i * format::kSectionEntrySize;
       const uint64_t o = read_le<uint64_t>(e + 8), l = read_le<uint64_t>(e + 16);
       if (size_ < o + l) {
-        where = ", inside or before section " + std::string(format::section_name(read_le<uint32_t>(e))) +
-                " (bytes " + str(o) + ".." + str(o + l) + ")";
+        where = ", inside or before section " + std::string(format::section_name(read_le<uint32_t>(e))) + " (bytes " +
+                str(o) + ".." + str(o + l) + ")";
         break;
       }
     }
@@ -184,14 +197,16 @@ Status StaticCache::validate_header() {
     s.checksum = read_le<uint64_t>(e + 24);
     const std::string name = format::section_name(i + 1);
     if (s.id != i + 1) {
-      return Status::FormatError("section " + str(i) + " has id " + str(s.id) + ", expected " + str(i + 1) + " (" + name + ")");
+      return Status::FormatError("section " + str(i) + " has id " + str(s.id) + ", expected " + str(i + 1) + " (" +
+                                 name + ")");
     }
     if (s.offset % 8 != 0) {
-      return Status::FormatError("section " + name + " is misaligned: offset " + str(s.offset) + " is not a multiple of 8");
+      return Status::FormatError("section " + name + " is misaligned: offset " + str(s.offset) +
+                                 " is not a multiple of 8");
     }
     if (s.offset < prev_end) {
-      return Status::FormatError("section " + name + " at offset " + str(s.offset) + " overlaps what precedes it (ends at " +
-                                 str(prev_end) + ")");
+      return Status::FormatError("section " + name + " at offset " + str(s.offset) +
+                                 " overlaps what precedes it (ends at " + str(prev_end) + ")");
     }
     if (s.offset > size_ || s.length > size_ - s.offset) {
       return Status::FormatError("section " + name + " (offset " + str(s.offset) + ", length " + str(s.length) +
@@ -200,11 +215,13 @@ Status StaticCache::validate_header() {
     if (s.id == format::kText || s.id == format::kSuffixes) {
       // Their counts are their lengths (the header has no field for them).
       if (s.length % 4 != 0 || s.length / 4 >= format::kSeparator) {
-        return Status::FormatError("section " + name + " is " + str(s.length) + " bytes: not a whole number of entries below 2^32 - 1");
+        return Status::FormatError("section " + name + " is " + str(s.length) +
+                                   " bytes: not a whole number of entries below 2^32 - 1");
       }
       (s.id == format::kText ? info_.n_text : info_.n_suffixes) = s.length / 4;
       if (s.id == format::kSuffixes && info_.n_suffixes > info_.n_text) {
-        return Status::FormatError("SUFFIXES has " + str(info_.n_suffixes) + " entries, more than TEXT's " + str(info_.n_text));
+        return Status::FormatError("SUFFIXES has " + str(info_.n_suffixes) + " entries, more than TEXT's " +
+                                   str(info_.n_text));
       }
       if ((info_.index_depth == 0) != (s.length == 0)) {
         return Status::FormatError("section " + name + " is " + str(s.length) + " bytes but the index depth is " +
@@ -213,7 +230,8 @@ Status StaticCache::validate_header() {
     }
     const uint64_t want = expected_length(s.id, info_);
     if (s.length != want) {
-      return Status::FormatError("section " + name + " is " + str(s.length) + " bytes, the header counts imply " + str(want));
+      return Status::FormatError("section " + name + " is " + str(s.length) + " bytes, the header counts imply " +
+                                 str(want));
     }
     prev_end = s.offset + s.length;
   }
@@ -299,7 +317,10 @@ uint32_t StaticCache::count_at(const StaticPart& part, uint32_t j) const {
   uint64_t lo = 0, hi = info_.n_overflow;
   while (lo < hi) {
     const uint64_t mid = (lo + hi) / 2;
-    if (overflow_[2 * mid] < target) lo = mid + 1; else hi = mid;
+    if (overflow_[2 * mid] < target)
+      lo = mid + 1;
+    else
+      hi = mid;
   }
   if (lo < info_.n_overflow && overflow_[2 * lo] == target) return overflow_[2 * lo + 1];
   return field;  // damaged file: the escape value is still a valid, bounded count
@@ -333,11 +354,15 @@ Status StaticCache::key_at(uint64_t i, NGram* key, StaticPart* part) const {
   uint64_t lo = 0, hi = info_.vocab_size;  // find the last t with rows_[t] <= i
   while (hi - lo > 1) {
     const uint64_t mid = (lo + hi) / 2;
-    if (rows_[mid] <= i) lo = mid; else hi = mid;
+    if (rows_[mid] <= i)
+      lo = mid;
+    else
+      hi = mid;
   }
   NGram g;
   g.tokens[0] = static_cast<Token>(lo);
-  for (uint32_t j = 0; j + 1 < info_.ngram_size; ++j) g.tokens[1 + j] = static_cast<Token>(keys_[i * (info_.ngram_size - 1) + j]);
+  for (uint32_t j = 0; j + 1 < info_.ngram_size; ++j)
+    g.tokens[1 + j] = static_cast<Token>(keys_[i * (info_.ngram_size - 1) + j]);
   const uint32_t b = starts_[i], e = starts_[i + 1];
   if (b >= e || e > info_.n_followers) return Status::FormatError("STARTS of key " + str(i) + " is out of range");
   *key = g;
@@ -364,7 +389,8 @@ Status StaticCache::verify() const {
   for (uint32_t t = 0; t < V; ++t) {
     for (uint32_t i = rows_[t]; i < rows_[t + 1]; ++i) {
       for (uint32_t j = 0; j < w; ++j) {
-        if (keys_[uint64_t{i} * w + j] >= V) return Status::FormatError("key " + str(i) + " has a token outside the vocabulary");
+        if (keys_[uint64_t{i} * w + j] >= V)
+          return Status::FormatError("key " + str(i) + " has a token outside the vocabulary");
       }
       if (i > rows_[t] && !std::lexicographical_compare(keys_ + uint64_t{i - 1} * w, keys_ + uint64_t{i} * w,
                                                         keys_ + uint64_t{i} * w, keys_ + uint64_t{i + 1} * w)) {
@@ -372,17 +398,21 @@ Status StaticCache::verify() const {
       }
     }
   }
-  if (starts_[0] != 0 || starts_[info_.n_keys] != info_.n_followers) return Status::FormatError("STARTS does not span all followers");
+  if (starts_[0] != 0 || starts_[info_.n_keys] != info_.n_followers)
+    return Status::FormatError("STARTS does not span all followers");
   uint64_t prev_overflow = 0;
   for (uint64_t k = 0; k < info_.n_overflow; ++k) {
     const uint32_t idx = overflow_[2 * k];
-    if (idx >= info_.n_followers || (k > 0 && idx <= prev_overflow)) return Status::FormatError("OVERFLOW is not sorted or out of range");
-    if ((followers_[idx] & count_escape_) != count_escape_) return Status::FormatError("OVERFLOW names a follower without the escape count");
+    if (idx >= info_.n_followers || (k > 0 && idx <= prev_overflow))
+      return Status::FormatError("OVERFLOW is not sorted or out of range");
+    if ((followers_[idx] & count_escape_) != count_escape_)
+      return Status::FormatError("OVERFLOW names a follower without the escape count");
     prev_overflow = idx;
   }
   for (uint64_t i = 0; i < info_.n_keys; ++i) {
     const uint32_t b = starts_[i], e = starts_[i + 1];
-    if (b >= e || e > info_.n_followers) return Status::FormatError("key " + str(i) + " has no followers or they are out of range");
+    if (b >= e || e > info_.n_followers)
+      return Status::FormatError("key " + str(i) + " has no followers or they are out of range");
     StaticPart part{followers_ + b, e - b, totals_[i], b};
     uint64_t total = 0;
     uint32_t best = 0;
@@ -404,7 +434,8 @@ Status StaticCache::verify() const {
       total += c;
       best = std::max(best, c);
     }
-    if (std::min<uint64_t>(total, UINT32_MAX) != part.total) return Status::FormatError("TOTALS of key " + str(i) + " is wrong");
+    if (std::min<uint64_t>(total, UINT32_MAX) != part.total)
+      return Status::FormatError("TOTALS of key " + str(i) + " is wrong");
   }
   return verify_corpus();
 }
@@ -430,7 +461,8 @@ Status StaticCache::verify_corpus() const {
   uint32_t t = 0;
   for (uint64_t i = 0; i < c.n_suffixes; ++i) {
     const uint32_t p = c.suffixes[i];
-    if (p >= c.n_text || c.text[p] == format::kSeparator) return Status::FormatError("SUFFIXES[" + str(i) + "] is not a token position");
+    if (p >= c.n_text || c.text[p] == format::kSeparator)
+      return Status::FormatError("SUFFIXES[" + str(i) + "] is not a token position");
     if (seen[p / 64] >> (p % 64) & 1) return Status::FormatError("SUFFIXES lists position " + str(p) + " twice");
     seen[p / 64] |= uint64_t{1} << (p % 64);
     while (i >= c.buckets[t + 1]) ++t;  // terminates: buckets[V] == n_suffixes > i

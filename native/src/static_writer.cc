@@ -69,7 +69,8 @@ Status StaticWriter::add(const Token* key, const Follower* followers, size_t n) 
   NGram g = NGram::from(key, static_cast<int>(k));
   for (uint32_t i = 0; i < k; ++i) {
     if (key[i] < 0 || static_cast<uint32_t>(key[i]) >= V) {
-      return Status::InvalidArgument("key token " + str(static_cast<uint32_t>(key[i])) + " is outside the vocabulary (size " + str(V) + ")");
+      return Status::InvalidArgument("key token " + str(static_cast<uint32_t>(key[i])) +
+                                     " is outside the vocabulary (size " + str(V) + ")");
     }
   }
   if (has_prev_ && !std::lexicographical_compare(prev_.tokens, prev_.tokens + k, g.tokens, g.tokens + k)) {
@@ -84,10 +85,12 @@ Status StaticWriter::add(const Token* key, const Follower* followers, size_t n) 
   for (size_t j = 0; j < n; ++j) {
     const Follower& f = followers[j];
     if (f.token < 0 || static_cast<uint32_t>(f.token) >= V) {
-      return Status::InvalidArgument("follower token " + str(static_cast<uint32_t>(f.token)) + " is outside the vocabulary (size " + str(V) + ")");
+      return Status::InvalidArgument("follower token " + str(static_cast<uint32_t>(f.token)) +
+                                     " is outside the vocabulary (size " + str(V) + ")");
     }
     if (f.count == 0) return Status::InvalidArgument("follower counts must be > 0");
-    if (j > 0 && followers[j - 1].token >= f.token) return Status::InvalidArgument("followers must be sorted by token and unique");
+    if (j > 0 && followers[j - 1].token >= f.token)
+      return Status::InvalidArgument("followers must be sorted by token and unique");
     if (f.count > followers[best].count) best = j;  // strict: the lowest token wins ties
     total += f.count;
   }
@@ -139,8 +142,8 @@ Status StaticWriter::finish() {
     }
   }
   const uint32_t n_sections = indexed ? format::kNumSections : format::kNumSectionsV1;
-  const std::vector<uint32_t>* in_memory[format::kNumSections] = {&rows_, nullptr, nullptr, nullptr, nullptr, nullptr,
-                                                                  &text_, &suffixes_, &buckets_};
+  const std::vector<uint32_t>* in_memory[format::kNumSections] = {&rows_,  nullptr, nullptr,    nullptr,  nullptr,
+                                                                  nullptr, &text_,  &suffixes_, &buckets_};
   uint64_t lengths[format::kNumSections] = {};
   uint64_t sums[format::kNumSections] = {};
   for (uint32_t i = 0; i < n_sections; ++i) {
@@ -202,12 +205,14 @@ Status StaticWriter::finish() {
     } else {
       const int in = spills_[i - 1].fd;
       uint64_t left = lengths[i];
-      if (::lseek(in, 0, SEEK_SET) != 0) return Status::IoError(std::string("cannot rewind a scratch file: ") + std::strerror(errno));
+      if (::lseek(in, 0, SEEK_SET) != 0)
+        return Status::IoError(std::string("cannot rewind a scratch file: ") + std::strerror(errno));
       while (left > 0) {
         const ssize_t r = ::read(in, chunk.data(), std::min<uint64_t>(chunk.size(), left));
         if (r < 0 && errno == EINTR) continue;
         if (r <= 0) {
-          return Status::IoError(std::string("cannot read back a scratch file: ") + (r < 0 ? std::strerror(errno) : "short read"));
+          return Status::IoError(std::string("cannot read back a scratch file: ") +
+                                 (r < 0 ? std::strerror(errno) : "short read"));
         }
         NGC_RETURN_IF_ERROR(out->write(chunk.data(), static_cast<size_t>(r)));
         left -= static_cast<uint64_t>(r);

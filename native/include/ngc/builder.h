@@ -24,28 +24,28 @@
 namespace ngc {
 
 struct BuilderOptions {
-  StaticHeader header;                   // n-gram size, vocabulary, fingerprint, generation
-  uint64_t memory_budget = 1ull << 30;   // bytes for buffers; >= kMinBudget
-  std::string scratch_dir;               // where runs go; empty: the output's directory
-  int threads = 0;                       // sorting threads; 0: all cores
-  int max_fan_in = 64;                   // runs merged at once (>= 2); more merge in passes
+  StaticHeader header;                  // n-gram size, vocabulary, fingerprint, generation
+  uint64_t memory_budget = 1ull << 30;  // bytes for buffers; >= kMinBudget
+  std::string scratch_dir;              // where runs go; empty: the output's directory
+  int threads = 0;                      // sorting threads; 0: all cores
+  int max_fan_in = 64;                  // runs merged at once (>= 2); more merge in passes
   // A corpus index for the match mode (static_format.h, version 2) of the tokens added
   // (not of counts added). It takes half the budget (32 bytes per indexed token while it
   // is sorted); tokens past that are counted but not indexed (BuildStats says how many).
   bool corpus_index = false;
-  uint32_t index_depth = 32;             // 1..64: the longest match the index can find
+  uint32_t index_depth = 32;  // 1..64: the longest match the index can find
 };
 
 struct BuildStats {
-  uint64_t n_tokens = 0;       // tokens added
-  uint64_t n_streams = 0;      // streams begun
-  uint64_t n_pairs = 0;        // (k-gram, follower) occurrences counted
-  uint64_t n_runs = 0;         // sorted runs spilled to disk
-  uint64_t bytes_spilled = 0;  // bytes of those runs
-  uint64_t n_keys = 0;         // keys written (after finish)
-  uint64_t n_merge_passes = 0; // intermediate merges needed because runs exceeded max_fan_in
-  uint64_t n_indexed = 0;      // tokens in the corpus index
-  uint64_t n_not_indexed = 0;  // tokens left out of it (over its share of the budget)
+  uint64_t n_tokens = 0;        // tokens added
+  uint64_t n_streams = 0;       // streams begun
+  uint64_t n_pairs = 0;         // (k-gram, follower) occurrences counted
+  uint64_t n_runs = 0;          // sorted runs spilled to disk
+  uint64_t bytes_spilled = 0;   // bytes of those runs
+  uint64_t n_keys = 0;          // keys written (after finish)
+  uint64_t n_merge_passes = 0;  // intermediate merges needed because runs exceeded max_fan_in
+  uint64_t n_indexed = 0;       // tokens in the corpus index
+  uint64_t n_not_indexed = 0;   // tokens left out of it (over its share of the budget)
 };
 
 class Builder {

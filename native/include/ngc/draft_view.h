@@ -22,9 +22,9 @@
 namespace ngc {
 
 struct ViewPolicy {
-  uint32_t top_k = 4;                  // followers kept per key, 1..kMaxViewTopK
+  uint32_t top_k = 4;                            // followers kept per key, 1..kMaxViewTopK
   uint64_t min_total[kNgramMax] = {4, 3, 2, 2};  // a key enters the view when its total reaches this
-  uint32_t min_change_pct = 25;        // a published count is updated when it moves by more than this %
+  uint32_t min_change_pct = 25;                  // a published count is updated when it moves by more than this %
 
   // Checks top_k (1..kMaxViewTopK) and min_total (each >= 1).
   Status validate() const;

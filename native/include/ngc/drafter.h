@@ -45,14 +45,14 @@ int draft(const Token* seq, size_t n_seq, const CountTable* context, const Count
           const StaticCache* static_cache, const DraftParams& params, Token* out);
 
 struct DrafterOptions {
-  uint32_t vocab_size = 0;                       // token ids are < it; 1..kMaxVocab
-  uint8_t fingerprint[kFingerprintSize] = {};    // the tokenizer; all zero = untagged
-  int ngram_min = 1;                             // context/dynamic n-gram sizes tried
+  uint32_t vocab_size = 0;                     // token ids are < it; 1..kMaxVocab
+  uint8_t fingerprint[kFingerprintSize] = {};  // the tokenizer; all zero = untagged
+  int ngram_min = 1;                           // context/dynamic n-gram sizes tried
   int ngram_max = 4;
-  bool track_deltas = false;                     // keep accepted counts for drain_deltas
-  SequenceLimits limits;                         // bounds on the per-sequence tables
+  bool track_deltas = false;  // keep accepted counts for drain_deltas
+  SequenceLimits limits;      // bounds on the per-sequence tables
   DraftMode mode = DraftMode::kCompatible;
-  MatchParams match;                             // the match mode's tuning (n_draft is per call)
+  MatchParams match;  // the match mode's tuning (n_draft is per call)
 
   // Checks the vocabulary size, the n-gram sizes and the match mode's tuning.
   Status validate() const;

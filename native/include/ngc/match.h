@@ -53,9 +53,9 @@ struct DraftTree {
 
 // What a match-mode draft reads. Any member may be null.
 struct MatchTables {
-  const SeqIndex* sequence = nullptr;  // this sequence's positions (its tokens SHOULD be a prefix of seq)
-  const SeqIndex* history = nullptr;   // earlier sequences' tokens, separated
-  const CountTable* context = nullptr; // for the compatible fallback
+  const SeqIndex* sequence = nullptr;   // this sequence's positions (its tokens SHOULD be a prefix of seq)
+  const SeqIndex* history = nullptr;    // earlier sequences' tokens, separated
+  const CountTable* context = nullptr;  // for the compatible fallback
   const CountTable* dynamic = nullptr;
   const StaticCache* static_cache = nullptr;  // its corpus index, and the fallback's static table
 };
@@ -64,7 +64,8 @@ struct MatchTables {
 int draft_match(const Token* seq, size_t n_seq, const MatchTables& tables, const MatchParams& params, Token* out);
 
 // Tree draft of at most `budget` (1..kMaxDraft) nodes into `tree`; returns the node count.
-int draft_tree(const Token* seq, size_t n_seq, const MatchTables& tables, const MatchParams& params, int budget, DraftTree* tree);
+int draft_tree(const Token* seq, size_t n_seq, const MatchTables& tables, const MatchParams& params, int budget,
+               DraftTree* tree);
 
 // The longest match of the tail of tail[0..n) in a corpus index: its length (0: none,
 // at most index.depth) and its run SUFFIXES[lo, hi). Exposed for tests.

@@ -15,12 +15,12 @@
 namespace ngc {
 
 struct ReplayStats {
-  uint64_t n_chunks = 0;          // chunks of n_ctx tokens replayed
-  uint64_t n_draft_calls = 0;     // calls to draft()
-  uint64_t n_drafted = 0;         // tokens drafted
-  uint64_t n_accept = 0;          // drafted tokens equal to the stream's next token
-  uint64_t t_draft_ns = 0;        // time in draft() and context updates (as lookup-stats counts)
-  uint64_t t_draft_only_ns = 0;   // time in draft() alone
+  uint64_t n_chunks = 0;         // chunks of n_ctx tokens replayed
+  uint64_t n_draft_calls = 0;    // calls to draft()
+  uint64_t n_drafted = 0;        // tokens drafted
+  uint64_t n_accept = 0;         // drafted tokens equal to the stream's next token
+  uint64_t t_draft_ns = 0;       // time in draft() and context updates (as lookup-stats counts)
+  uint64_t t_draft_only_ns = 0;  // time in draft() alone
 };
 
 // Cuts `tokens` into chunks of n_ctx (a last partial chunk is skipped, and so is a last
@@ -43,11 +43,11 @@ ReplayStats replay_match(const Token* tokens, size_t n_tokens, size_t n_ctx, con
 
 // A replay's settings, as a caller outside the core gives them. Valid when validate() is ok.
 struct ReplayOptions {
-  int64_t n_ctx = 0;                       // tokens per chunk, >= 2
+  int64_t n_ctx = 0;  // tokens per chunk, >= 2
   DraftMode mode = DraftMode::kCompatible;
-  DraftParams draft;                       // n_draft and the n-gram sizes (both modes)
-  MatchParams match;                       // the match mode's tuning; its n_draft and n-gram sizes are draft's
-  int tree_budget = 0;                     // 0..kMaxDraft; > 0: tree drafts (match mode only)
+  DraftParams draft;    // n_draft and the n-gram sizes (both modes)
+  MatchParams match;    // the match mode's tuning; its n_draft and n-gram sizes are draft's
+  int tree_budget = 0;  // 0..kMaxDraft; > 0: tree drafts (match mode only)
 
   // Checks the n-gram sizes, the tree budget (and its mode), n_draft, n_ctx, then the match
   // mode's tuning.

@@ -59,7 +59,8 @@ class RwLock {
   // Called by a writer between two exclusive sections (not holding the lock): returns once
   // the readers that were waiting for it are in.
   void yield_to_readers() {
-    for (int spins = 0; waiting_.load(std::memory_order_seq_cst) != 0 && spins < 100000; ++spins) std::this_thread::yield();
+    for (int spins = 0; waiting_.load(std::memory_order_seq_cst) != 0 && spins < 100000; ++spins)
+      std::this_thread::yield();
   }
 
  private:

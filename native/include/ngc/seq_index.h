@@ -27,9 +27,7 @@ class SeqIndex {
   const Token* tokens() const { return tokens_.data(); }
   // The most recent position i >= 1 with (tokens[i-1], tokens[i]) hashing like (a, b),
   // plus one (0: none). Follow with prev().
-  uint32_t head(Token a, Token b) const {
-    return head_.empty() ? 0 : head_[slot(a, b)];
-  }
+  uint32_t head(Token a, Token b) const { return head_.empty() ? 0 : head_[slot(a, b)]; }
   // The position before i (plus one, 0: none) in the same chain.
   uint32_t prev(uint32_t i) const { return prev_[i]; }
   size_t memory_bytes() const {
@@ -38,7 +36,8 @@ class SeqIndex {
 
  private:
   size_t slot(Token a, Token b) const {
-    const uint64_t h = (static_cast<uint64_t>(static_cast<uint32_t>(a)) << 32 | static_cast<uint32_t>(b)) * 0x9E3779B97F4A7C15ULL;
+    const uint64_t h =
+        (static_cast<uint64_t>(static_cast<uint32_t>(a)) << 32 | static_cast<uint32_t>(b)) * 0x9E3779B97F4A7C15ULL;
     return static_cast<size_t>(h >> shift_);
   }
   void rehash(size_t slots);

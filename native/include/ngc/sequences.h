@@ -88,7 +88,7 @@ class SequenceSet {
   size_t pending_entries() const;
 
  private:
-  struct alignas(64) Seq {  // own cache lines: sequences of different threads never share one
+  struct alignas(64) Seq {                 // own cache lines: sequences of different threads never share one
     std::mutex mu;                         // guards context and n_counted
     CountTable context;                    // n-grams of this sequence's accepted tokens
     SeqIndex index;                        // their positions (match mode only)

@@ -36,10 +36,10 @@ struct StaticInfo {
   uint64_t n_overflow = 0;
   uint32_t token_bits = 0;
   uint64_t file_size = 0;
-  uint32_t n_sections = 0;       // 6 (version 1) or 9 (version 2)
-  uint32_t index_depth = 0;      // the corpus index's depth D; 0: no index
-  uint64_t n_text = 0;           // TEXT entries (tokens and separators)
-  uint64_t n_suffixes = 0;       // SUFFIXES entries (indexed tokens)
+  uint32_t n_sections = 0;                     // 6 (version 1) or 9 (version 2)
+  uint32_t index_depth = 0;                    // the corpus index's depth D; 0: no index
+  uint64_t n_text = 0;                         // TEXT entries (tokens and separators)
+  uint64_t n_suffixes = 0;                     // SUFFIXES entries (indexed tokens)
   SectionInfo sections[format::kNumSections];  // the first n_sections are valid
 };
 
@@ -53,13 +53,11 @@ struct CorpusIndex {
   uint64_t n_suffixes = 0;
   const uint32_t* buckets = nullptr;  // vocab + 1 entries
   uint32_t vocab = 0;
-  uint32_t depth = 0;                 // 0: no index
+  uint32_t depth = 0;  // 0: no index
 
   bool empty() const { return n_suffixes == 0 || depth == 0; }
   // TEXT[q], or kSeparator outside [0, n_text).
-  uint32_t at(int64_t q) const {
-    return (q >= 0 && static_cast<uint64_t>(q) < n_text) ? text[q] : format::kSeparator;
-  }
+  uint32_t at(int64_t q) const { return (q >= 0 && static_cast<uint64_t>(q) < n_text) ? text[q] : format::kSeparator; }
 };
 
 // The followers of one key. Borrowed from the mapping: valid while the StaticCache lives.
@@ -95,7 +93,9 @@ class StaticCache {
   // The count of follower `token` in `part`, or 0 when it is not a follower.
   uint32_t count_of(const StaticPart& part, Token token) const;
   // The token and count of follower j (0 <= j < part.size).
-  Token token_at(const StaticPart& part, uint32_t j) const { return static_cast<Token>(part.followers[j] >> count_bits_); }
+  Token token_at(const StaticPart& part, uint32_t j) const {
+    return static_cast<Token>(part.followers[j] >> count_bits_);
+  }
   uint32_t count_at(const StaticPart& part, uint32_t j) const;
 
   // Checks every section checksum and every structural invariant; O(file size).
@@ -123,8 +123,8 @@ class StaticCache {
   const uint8_t* base_ = nullptr;  // the read-only mapping; owned, unmapped by the destructor
   size_t size_ = 0;                // bytes mapped (== file size)
   StaticInfo info_;
-  uint32_t count_bits_ = 0;        // 32 - token_bits
-  uint32_t count_escape_ = 0;      // (1 << count_bits_) - 1: the count lives in OVERFLOW
+  uint32_t count_bits_ = 0;    // 32 - token_bits
+  uint32_t count_escape_ = 0;  // (1 << count_bits_) - 1: the count lives in OVERFLOW
   // Section pointers into the mapping; lengths validated at open.
   const uint32_t* rows_ = nullptr;
   const uint32_t* keys_ = nullptr;

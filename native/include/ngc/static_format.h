@@ -84,13 +84,13 @@
 namespace ngc::format {
 
 constexpr char kMagic[8] = {'N', 'G', 'C', 'S', 'T', 'A', 'T', '\0'};
-constexpr uint32_t kVersion = 2;          // the newest version read and written
-constexpr uint32_t kVersionNoIndex = 1;   // written when the file has no corpus index
+constexpr uint32_t kVersion = 2;         // the newest version read and written
+constexpr uint32_t kVersionNoIndex = 1;  // written when the file has no corpus index
 constexpr uint32_t kEndianMarker = 0x01020304;
 constexpr uint32_t kHeaderSize = 128;
 constexpr uint32_t kSectionEntrySize = 32;
 constexpr uint32_t kNumSectionsV1 = 6;
-constexpr uint32_t kNumSections = 9;       // the most sections of any version (version 2)
+constexpr uint32_t kNumSections = 9;          // the most sections of any version (version 2)
 constexpr uint32_t kSeparator = 0xFFFFFFFFu;  // TEXT: between two streams
 constexpr uint32_t kMaxIndexDepth = 64;
 constexpr uint32_t kMaxVocab = ::ngc::kMaxVocab;
@@ -110,25 +110,35 @@ enum SectionId : uint32_t {
 
 inline const char* section_name(uint32_t id) {
   switch (id) {
-    case kRows: return "ROWS";
-    case kKeys: return "KEYS";
-    case kStarts: return "STARTS";
-    case kTotals: return "TOTALS";
-    case kFollowers: return "FOLLOWERS";
-    case kOverflow: return "OVERFLOW";
-    case kText: return "TEXT";
-    case kSuffixes: return "SUFFIXES";
-    case kBuckets: return "BUCKETS";
-    default: return "UNKNOWN";
+    case kRows:
+      return "ROWS";
+    case kKeys:
+      return "KEYS";
+    case kStarts:
+      return "STARTS";
+    case kTotals:
+      return "TOTALS";
+    case kFollowers:
+      return "FOLLOWERS";
+    case kOverflow:
+      return "OVERFLOW";
+    case kText:
+      return "TEXT";
+    case kSuffixes:
+      return "SUFFIXES";
+    case kBuckets:
+      return "BUCKETS";
+    default:
+      return "UNKNOWN";
   }
 }
 
 // Header field offsets (see the table above).
 namespace off {
-constexpr uint32_t kMagic = 0, kVersion = 8, kEndian = 12, kHeaderSize = 16, kNgramSize = 20,
-                   kVocabSize = 24, kNumSections = 28, kFingerprint = 32, kGeneration = 64,
-                   kNumKeys = 72, kNumFollowers = 80, kNumTokens = 88, kNumOverflow = 96,
-                   kTokenBits = 104, kFlags = 108, kFileSize = 112, kHeaderChecksum = 120;
+constexpr uint32_t kMagic = 0, kVersion = 8, kEndian = 12, kHeaderSize = 16, kNgramSize = 20, kVocabSize = 24,
+                   kNumSections = 28, kFingerprint = 32, kGeneration = 64, kNumKeys = 72, kNumFollowers = 80,
+                   kNumTokens = 88, kNumOverflow = 96, kTokenBits = 104, kFlags = 108, kFileSize = 112,
+                   kHeaderChecksum = 120;
 }  // namespace off
 
 // The bit width of vocab_size - 1, at least 1: the token field of a packed follower.

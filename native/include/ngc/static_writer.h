@@ -44,7 +44,8 @@ class StaticWriter {
   // Adds a corpus index (static_format.h, version 2): `text` with its SUFFIXES and
   // BUCKETS (match.h: build_corpus_index) sorted to `depth` (1..kMaxIndexDepth). The
   // file is then written as version 2. Checked by finish().
-  void set_corpus_index(std::vector<uint32_t> text, std::vector<uint32_t> suffixes, std::vector<uint32_t> buckets, uint32_t depth) {
+  void set_corpus_index(std::vector<uint32_t> text, std::vector<uint32_t> suffixes, std::vector<uint32_t> buckets,
+                        uint32_t depth) {
     text_ = std::move(text);
     suffixes_ = std::move(suffixes);
     buckets_ = std::move(buckets);
@@ -59,11 +60,11 @@ class StaticWriter {
 
   // An append-only section in an unlinked scratch file, checksummed as it is written.
   struct Spill {
-    int fd = -1;                  // owned; closed by the destructor
-    std::vector<uint8_t> buf;     // bytes not yet written to fd
-    Checksum64 sum;               // of every byte appended
-    uint64_t bytes = 0;           // appended in all
-    std::string dir;              // the folder of the (unlinked) file, for error messages
+    int fd = -1;               // owned; closed by the destructor
+    std::vector<uint8_t> buf;  // bytes not yet written to fd
+    Checksum64 sum;            // of every byte appended
+    uint64_t bytes = 0;        // appended in all
+    std::string dir;           // the folder of the (unlinked) file, for error messages
     Status open(const std::string& dir);
     Status append_u32(uint32_t v) {
       const size_t n = buf.size();
@@ -78,15 +79,15 @@ class StaticWriter {
 
   std::string path_;
   StaticHeader header_;
-  uint32_t count_bits_ = 0;    // 32 - token_bits
-  uint32_t escape_ = 0;        // the count field value that means "see OVERFLOW"
+  uint32_t count_bits_ = 0;  // 32 - token_bits
+  uint32_t escape_ = 0;      // the count field value that means "see OVERFLOW"
   bool has_prev_ = false;
-  NGram prev_;                 // the last key added, for the order check
+  NGram prev_;  // the last key added, for the order check
   uint64_t n_keys_ = 0;
   uint64_t n_followers_ = 0;
   uint64_t n_overflow_ = 0;
-  std::vector<uint32_t> rows_;   // keys per first token until finish() prefix-sums them
-  Spill spills_[format::kNumSectionsV1 - 1];  // KEYS, STARTS, TOTALS, FOLLOWERS, OVERFLOW
+  std::vector<uint32_t> rows_;                       // keys per first token until finish() prefix-sums them
+  Spill spills_[format::kNumSectionsV1 - 1];         // KEYS, STARTS, TOTALS, FOLLOWERS, OVERFLOW
   std::vector<uint32_t> text_, suffixes_, buckets_;  // the corpus index; empty: none
   uint32_t depth_ = 0;
 };

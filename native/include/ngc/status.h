@@ -9,12 +9,12 @@ namespace ngc {
 
 enum class StatusCode {
   kOk = 0,
-  kInvalidArgument,   // the caller passed a value outside its documented range
-  kFormatError,       // a static cache file is truncated, corrupt or hostile
-  kIoError,           // the operating system refused a read, write, map or rename
-  kOutOfRange,        // a count or size does not fit the file format's fields
-  kTokenizerMismatch, // data of one tokenizer offered to a drafter or cache of another
-  kCancelled,         // the caller asked a long operation to stop (Ctrl-C); nothing was published
+  kInvalidArgument,    // the caller passed a value outside its documented range
+  kFormatError,        // a static cache file is truncated, corrupt or hostile
+  kIoError,            // the operating system refused a read, write, map or rename
+  kOutOfRange,         // a count or size does not fit the file format's fields
+  kTokenizerMismatch,  // data of one tokenizer offered to a drafter or cache of another
+  kCancelled,          // the caller asked a long operation to stop (Ctrl-C); nothing was published
 };
 
 // [[nodiscard]]: an ignored Status is an ignored error. A caller that means to drop one
@@ -45,9 +45,9 @@ class [[nodiscard]] Status {
 };
 
 // Returns from the enclosing function when `expr` yields a non-ok Status.
-#define NGC_RETURN_IF_ERROR(expr)        \
-  do {                                   \
-    ::ngc::Status ngc_status_ = (expr);  \
+#define NGC_RETURN_IF_ERROR(expr)              \
+  do {                                         \
+    ::ngc::Status ngc_status_ = (expr);        \
     if (!ngc_status_.ok()) return ngc_status_; \
   } while (0)
 
