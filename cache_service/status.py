@@ -1,7 +1,8 @@
 """The one place where ngramcache errors become gRPC statuses (and the reason metadata).
 
-Servicers raise the library's exceptions (`ngramcache.client.errors`) or `ServiceError`
-for conditions that exist only on the wire (a limit, an evicted session); the error
+Servicers and the domain code raise the library's exceptions (`ngramcache.client.errors`,
+each with its row in the wire table `ngramcache.client.wire_errors.WIRE_ERRORS`) or
+`ServiceError` for conditions that exist only on the wire (an evicted session); the error
 interceptor calls `status_of` and aborts the call with the code, the message and the
 trailing metadata entry ``ngc-error-reason`` (docs/protocol.md lists the codes and
 reasons). Nothing else in the service picks a status code.
@@ -13,16 +14,18 @@ import dataclasses
 
 import grpc
 
-from ngramcache.client.errors import NgramCacheError, StoreAuthenticationError
+from ngramcache.client.errors import LimitExceededError, NgramCacheError, StoreAuthenticationError
 from ngramcache.client.wire_errors import (  # the reasons, re-exported for the servicers
     BATCH_TOO_OLD,
     CACHE_FORMAT,
     CHECKSUM_MISMATCH,
+    GENERATION_NOT_FOUND,
     GENERATION_NOT_NEWER,
     LEASE_HELD,
     LEASE_LOST,
     LIMIT,
     NAMESPACE_NOT_FOUND,
+    OFFSET_OUT_OF_RANGE,
     REASON_KEY,
     RESYNC_REQUIRED,
     SESSION_EVICTED,
@@ -30,16 +33,18 @@ from ngramcache.client.wire_errors import (  # the reasons, re-exported for the 
     WIRE_ERRORS,
 )
 
-__all__ = ["BATCH_TOO_OLD", "CACHE_FORMAT", "CHECKSUM_MISMATCH", "GENERATION_NOT_NEWER", "LEASE_HELD", "LEASE_LOST",
-           "LIMIT", "NAMESPACE_NOT_FOUND", "REASON_KEY", "RESYNC_REQUIRED", "SESSION_EVICTED", "TOKENIZER_MISMATCH",
-           "ServiceError", "Status", "limit_exceeded", "status_of"]
+__all__ = ["BATCH_TOO_OLD", "CACHE_FORMAT", "CHECKSUM_MISMATCH", "GENERATION_NOT_FOUND", "GENERATION_NOT_NEWER",
+           "LEASE_HELD", "LEASE_LOST", "LIMIT", "NAMESPACE_NOT_FOUND", "OFFSET_OUT_OF_RANGE", "REASON_KEY",
+           "RESYNC_REQUIRED", "SESSION_EVICTED", "TOKENIZER_MISMATCH", "ServiceError", "Status", "limit_exceeded",
+           "status_of"]
 
 
 class ServiceError(NgramCacheError):
     """An error that exists only on the wire: it carries its gRPC code and reason itself.
 
-    Raise it from a servicer for conditions the library has no exception for (a server
-    limit, an evicted session, a Publish of an older generation).
+    Raise it from a servicer or an interceptor for conditions the library has no exception
+    for (an evicted session, a refused token); a condition the domain code can meet gets a
+    library exception and a row in the wire table instead.
     """
 
     def __init__(self, code: grpc.StatusCode, message: str, reason: str | None = None) -> None:
@@ -49,9 +54,9 @@ class ServiceError(NgramCacheError):
         self.retriable = code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED)
 
 
-def limit_exceeded(message: str) -> ServiceError:
-    """A request over one of the server's limits (RESOURCE_EXHAUSTED)."""
-    return ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED, message, LIMIT)
+def limit_exceeded(message: str) -> LimitExceededError:
+    """A request over one of the server's limits (RESOURCE_EXHAUSTED, reason LIMIT, from the wire table)."""
+    return LimitExceededError(message)
 
 
 @dataclasses.dataclass(frozen=True)

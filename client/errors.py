@@ -82,3 +82,40 @@ class LeaseLostError(NgramCacheError):
 
 class GenerationNotNewerError(NgramCacheError):
     """A generation at or below the namespace's newest committed or published one (not retriable)."""
+
+
+class GenerationNotFoundError(NamespaceNotFoundError):
+    """The static generation asked for is not (or no longer) published in the namespace (not retriable).
+
+    A `NamespaceNotFoundError` because that is what it arrived as before it had a reason of its own:
+    a caller that catches the namespace's absence still catches a namespace with no generation.
+    """
+
+    retriable = False
+
+
+class ChecksumMismatchError(InvalidArgumentError):
+    """A download resumed on a file other than the one expected (another SHA-256): fetch it again from offset 0."""
+
+    retriable = False
+
+
+class OffsetOutOfRangeError(ResyncRequiredError):
+    """A download asked for an offset past the end of the file: fetch it again from offset 0 (not retriable as is).
+
+    A `ResyncRequiredError` because that is what it arrived as before it had a reason of its own.
+    """
+
+    retriable = False
+
+
+class GenerationConflictError(NgramCacheError):
+    """The generation number is already published with other content (another SHA-256); it is never replaced."""
+
+    retriable = False
+
+
+class LimitExceededError(InvalidArgumentError):
+    """A request went over one of the service's limits (a size, a count, the disk space left); not retriable as is."""
+
+    retriable = False

@@ -15,12 +15,17 @@ from ngramcache.client.errors import (
     BackendUnavailableError,
     BatchTooOldError,
     CacheFormatError,
+    ChecksumMismatchError,
+    GenerationConflictError,
+    GenerationNotFoundError,
     GenerationNotNewerError,
     InvalidArgumentError,
     LeaseHeldError,
     LeaseLostError,
+    LimitExceededError,
     NamespaceNotFoundError,
     NgramCacheError,
+    OffsetOutOfRangeError,
     ResyncRequiredError,
     TokenizerMismatchError,
 )
@@ -34,6 +39,8 @@ TOKENIZER_MISMATCH = "TOKENIZER_MISMATCH"
 BATCH_TOO_OLD = "BATCH_TOO_OLD"
 RESYNC_REQUIRED = "RESYNC_REQUIRED"
 NAMESPACE_NOT_FOUND = "NAMESPACE_NOT_FOUND"
+GENERATION_NOT_FOUND = "GENERATION_NOT_FOUND"
+OFFSET_OUT_OF_RANGE = "OFFSET_OUT_OF_RANGE"
 SESSION_EVICTED = "SESSION_EVICTED"
 GENERATION_NOT_NEWER = "GENERATION_NOT_NEWER"
 CHECKSUM_MISMATCH = "CHECKSUM_MISMATCH"
@@ -44,12 +51,18 @@ LIMIT = "LIMIT"
 
 WIRE_ERRORS: tuple[tuple[type[NgramCacheError], grpc.StatusCode, str | None], ...] = (
     # (exception, code, reason), most specific first: a subclass before its base.
+    (GenerationNotFoundError, grpc.StatusCode.NOT_FOUND, GENERATION_NOT_FOUND),
     (NamespaceNotFoundError, grpc.StatusCode.NOT_FOUND, NAMESPACE_NOT_FOUND),
     (BatchTooOldError, grpc.StatusCode.INVALID_ARGUMENT, BATCH_TOO_OLD),
     (TokenizerMismatchError, grpc.StatusCode.FAILED_PRECONDITION, TOKENIZER_MISMATCH),
+    (OffsetOutOfRangeError, grpc.StatusCode.OUT_OF_RANGE, OFFSET_OUT_OF_RANGE),
     (ResyncRequiredError, grpc.StatusCode.OUT_OF_RANGE, RESYNC_REQUIRED),
     (CacheFormatError, grpc.StatusCode.INVALID_ARGUMENT, CACHE_FORMAT),
     (GenerationNotNewerError, grpc.StatusCode.FAILED_PRECONDITION, GENERATION_NOT_NEWER),
+    # Static files: a Fetch resumed on another file; a Publish of a number taken by another file.
+    (ChecksumMismatchError, grpc.StatusCode.FAILED_PRECONDITION, CHECKSUM_MISMATCH),
+    (GenerationConflictError, grpc.StatusCode.ALREADY_EXISTS, CHECKSUM_MISMATCH),
+    (LimitExceededError, grpc.StatusCode.RESOURCE_EXHAUSTED, LIMIT),
     # A rebuild is running on another replica, or lost its lease midway: try again later.
     (LeaseHeldError, grpc.StatusCode.ABORTED, LEASE_HELD),
     (LeaseLostError, grpc.StatusCode.ABORTED, LEASE_LOST),

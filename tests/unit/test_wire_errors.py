@@ -9,8 +9,20 @@ import pytest
 from grpc import aio
 
 from ngramcache.cache_service.interceptors.errors import ErrorInterceptor
-from ngramcache.cache_service.status import ServiceError, status_of
-from ngramcache.client.errors import BackendUnavailableError, InvalidArgumentError, NgramCacheError, StoreAuthenticationError
+from ngramcache.cache_service.status import SESSION_EVICTED, ServiceError, limit_exceeded, status_of
+from ngramcache.client.errors import (
+    BackendUnavailableError,
+    ChecksumMismatchError,
+    GenerationConflictError,
+    GenerationNotFoundError,
+    InvalidArgumentError,
+    LimitExceededError,
+    NamespaceNotFoundError,
+    NgramCacheError,
+    OffsetOutOfRangeError,
+    ResyncRequiredError,
+    StoreAuthenticationError,
+)
 from ngramcache.client.transport import error_from_rpc
 from ngramcache.client.wire_errors import WIRE_ERRORS, error_class_for
 
@@ -65,9 +77,31 @@ def test_rows_are_most_specific_first():
 def test_errors_only_of_the_service_side_and_codes_without_a_row():
     got = asyncio.run(_roundtrip(StoreAuthenticationError("wrong password")))
     assert type(got) is BackendUnavailableError and got.retriable
-    got = asyncio.run(_roundtrip(ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED, "over the limit", "LIMIT")))
-    assert type(got) is InvalidArgumentError and got.reason == "LIMIT"
+    got = asyncio.run(_roundtrip(ServiceError(grpc.StatusCode.ABORTED, "idle", SESSION_EVICTED)))
+    assert type(got) is BackendUnavailableError and got.retriable and got.reason == SESSION_EVICTED
+    got = asyncio.run(_roundtrip(limit_exceeded("over the limit")))  # a server limit has its row now
+    assert type(got) is LimitExceededError and isinstance(got, InvalidArgumentError) and got.reason == "LIMIT"
     got = asyncio.run(_roundtrip(RuntimeError("a bug")))
     assert type(got) is NgramCacheError and got.code == grpc.StatusCode.INTERNAL
     assert error_class_for(grpc.StatusCode.DEADLINE_EXCEEDED, None) is BackendUnavailableError
     assert error_class_for(grpc.StatusCode.PERMISSION_DENIED, None) is NgramCacheError
+
+
+# The static store's errors, and what each arrived as before it had a row of its own: the code on
+# the wire is the same, and a caller's `except` of the old class still catches the new one.
+STATIC_STORE_ROWS = [
+    (GenerationNotFoundError, grpc.StatusCode.NOT_FOUND, NamespaceNotFoundError),
+    (OffsetOutOfRangeError, grpc.StatusCode.OUT_OF_RANGE, ResyncRequiredError),
+    (ChecksumMismatchError, grpc.StatusCode.FAILED_PRECONDITION, InvalidArgumentError),
+    (GenerationConflictError, grpc.StatusCode.ALREADY_EXISTS, NgramCacheError),
+    (LimitExceededError, grpc.StatusCode.RESOURCE_EXHAUSTED, InvalidArgumentError),
+]
+
+
+@pytest.mark.parametrize("cls, code, before", STATIC_STORE_ROWS, ids=[row[0].__name__ for row in STATIC_STORE_ROWS])
+def test_static_store_errors_arrive_as_themselves_and_still_as_what_they_were(cls, code, before):
+    assert any(row[:2] == (cls, code) for row in WIRE_ERRORS)
+    got = asyncio.run(_roundtrip(cls("boom")))
+    assert type(got) is cls and got.code == code and isinstance(got, before)
+    assert not got.retriable and got.retriable == before.retriable
+    assert error_class_for(code, None) is before  # the same code without a reason (an older service)
