@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import hashlib
 import logging
 import os
 import re
@@ -23,29 +22,13 @@ from pathlib import Path
 
 from ngramcache.client._core import StaticCache
 from ngramcache.client.errors import CacheFormatError, TokenizerMismatchError
+from ngramcache.client.files import fsync_dir, sha256_of_file
 
-__all__ = ["GenerationFiles", "sha256_of_file"]
+__all__ = ["GenerationFiles", "sha256_of_file"]  # sha256_of_file: ngramcache.client.files's, kept here for its users
 
 log = logging.getLogger(__name__)
 
 _INSTALLED = re.compile(r"^(\d+)\.ngc$")
-
-
-def sha256_of_file(path: str | os.PathLike[str], chunk: int = 1 << 20) -> bytes:
-    """SHA-256 of a whole file, read in chunks (bounded memory)."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.digest()
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class GenerationFiles:
@@ -128,7 +111,7 @@ class GenerationFiles:
         os.replace(tmp, sidecar)
         path = self.path(generation)
         os.replace(self.part_path(generation), path)
-        _fsync_dir(self.dir)
+        fsync_dir(self.dir)
         return path
 
     def generations(self) -> list[int]:
