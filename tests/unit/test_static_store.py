@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import errno
 import hashlib
@@ -16,19 +17,27 @@ import pytest
 
 from ngramcache import (
     CacheFormatError,
+    ChecksumMismatchError,
+    GenerationConflictError,
+    GenerationNotFoundError,
+    GenerationNotNewerError,
     InvalidArgumentError,
+    LimitExceededError,
     NamespaceNotFoundError,
+    NgramCacheError,
+    OffsetOutOfRangeError,
     StaticCache,
     TokenizerMismatchError,
     build_static_from_tokens,
 )
-from ngramcache.cache_service import static_store as static_store_module
 from ngramcache.cache_service.static_store import GenerationInfo, StaticStore, generation_file_name
+from ngramcache.cache_service.static_store import index as static_store_module
 from ngramcache.cache_service.status import (
     CHECKSUM_MISMATCH,
+    GENERATION_NOT_FOUND,
     GENERATION_NOT_NEWER,
     LIMIT,
-    ServiceError,
+    OFFSET_OUT_OF_RANGE,
     status_of,
 )
 
@@ -78,8 +87,9 @@ def ns_files(store: StaticStore, ns: str = NS) -> list[str]:
     return sorted(os.listdir(d)) if d.exists() else []
 
 
-def assert_service_error(exc: BaseException, code: grpc.StatusCode, reason: str | None) -> None:
-    assert isinstance(exc, ServiceError)
+def assert_status(exc: BaseException, code: grpc.StatusCode, reason: str | None) -> None:
+    """The store raised a library error that goes on the wire as ``code`` and ``reason``."""
+    assert isinstance(exc, NgramCacheError)
     st = status_of(exc)
     assert (st.code, st.reason) == (code, reason)
 
@@ -142,9 +152,9 @@ def test_same_generation_same_file_is_an_idempotent_success(store: StaticStore, 
 def test_same_generation_other_file_is_already_exists(store: StaticStore, src: Path) -> None:
     publish(store, build(src / "a.ngc", 4, seed=1))
     other = build(src / "b.ngc", 4, seed=2)
-    with pytest.raises(ServiceError) as e:
+    with pytest.raises(GenerationConflictError) as e:
         publish(store, other)
-    assert_service_error(e.value, grpc.StatusCode.ALREADY_EXISTS, CHECKSUM_MISMATCH)
+    assert_status(e.value, grpc.StatusCode.ALREADY_EXISTS, CHECKSUM_MISMATCH)
     assert not other.exists()
     assert gens(store) == [4]
 
@@ -152,9 +162,9 @@ def test_same_generation_other_file_is_already_exists(store: StaticStore, src: P
 def test_older_generation_is_not_newer(store: StaticStore, src: Path) -> None:
     publish(store, build(src / "a.ngc", 5))
     old = build(src / "b.ngc", 3)
-    with pytest.raises(ServiceError) as e:
+    with pytest.raises(GenerationNotNewerError) as e:
         publish(store, old)
-    assert_service_error(e.value, grpc.StatusCode.FAILED_PRECONDITION, GENERATION_NOT_NEWER)
+    assert_status(e.value, grpc.StatusCode.FAILED_PRECONDITION, GENERATION_NOT_NEWER)
     assert not old.exists()
     assert gens(store) == [5]
 
@@ -163,9 +173,9 @@ def test_generations_stay_monotonic_after_pruning(store: StaticStore, src: Path)
     for g in (1, 2, 3):
         publish(store, build(src / f"g{g}.ngc", g))
     assert asyncio.run(store.retain(NS, 1)) == [1, 2]
-    with pytest.raises(ServiceError) as e:
+    with pytest.raises(GenerationNotNewerError) as e:
         publish(store, build(src / "again.ngc", 2))
-    assert_service_error(e.value, grpc.StatusCode.FAILED_PRECONDITION, GENERATION_NOT_NEWER)
+    assert_status(e.value, grpc.StatusCode.FAILED_PRECONDITION, GENERATION_NOT_NEWER)
 
 
 @pytest.mark.parametrize("kw", [{"fingerprint": OTHER_FP}, {"vocab_size": VOCAB + 1}])
@@ -277,9 +287,9 @@ def test_disk_full_is_resource_exhausted(store: StaticStore, src: Path, monkeypa
 
     monkeypatch.setattr(static_store_module.os, "link", full)
     path = build(src / "g.ngc", 1)
-    with pytest.raises(ServiceError) as e:
+    with pytest.raises(LimitExceededError) as e:
         publish(store, path)
-    assert_service_error(e.value, grpc.StatusCode.RESOURCE_EXHAUSTED, LIMIT)
+    assert_status(e.value, grpc.StatusCode.RESOURCE_EXHAUSTED, LIMIT)
     assert not path.exists() and gens(store) == []
 
 
@@ -295,12 +305,12 @@ def test_open_maps_each_generation_once_and_shares_it(store: StaticStore, src: P
     assert a.generation == 1 and two.generation == 2
     assert a.path == str(store.path_of(NS, 1))
     a.verify()
-    with pytest.raises(ServiceError) as e:
+    with pytest.raises(GenerationNotFoundError) as e:
         store.open(NS, 3)
-    assert_service_error(e.value, grpc.StatusCode.NOT_FOUND, None)
-    with pytest.raises(ServiceError) as e:
+    assert_status(e.value, grpc.StatusCode.NOT_FOUND, GENERATION_NOT_FOUND)
+    with pytest.raises(GenerationNotFoundError) as e:
         store.get("nothing", 0)
-    assert_service_error(e.value, grpc.StatusCode.NOT_FOUND, None)
+    assert_status(e.value, grpc.StatusCode.NOT_FOUND, GENERATION_NOT_FOUND)
 
 
 def test_a_restarted_store_reads_the_sidecar_without_hashing(tmp_path: Path, store: StaticStore, src: Path,
@@ -344,12 +354,12 @@ def test_open_reader_from_offsets(store: StaticStore, src: Path) -> None:
     assert asyncio.run(read_from(0)) == data
     assert asyncio.run(read_from(1234, info.sha256)) == data[1234:]
     assert asyncio.run(read_from(len(data))) == b""
-    with pytest.raises(ServiceError) as e:
+    with pytest.raises(OffsetOutOfRangeError) as e:
         asyncio.run(read_from(len(data) + 1))
-    assert_service_error(e.value, grpc.StatusCode.OUT_OF_RANGE, None)
-    with pytest.raises(ServiceError) as e:
+    assert_status(e.value, grpc.StatusCode.OUT_OF_RANGE, OFFSET_OUT_OF_RANGE)
+    with pytest.raises(ChecksumMismatchError) as e:
         asyncio.run(read_from(10, b"\1" * 32))
-    assert_service_error(e.value, grpc.StatusCode.FAILED_PRECONDITION, CHECKSUM_MISMATCH)
+    assert_status(e.value, grpc.StatusCode.FAILED_PRECONDITION, CHECKSUM_MISMATCH)
     with pytest.raises(InvalidArgumentError):
         asyncio.run(read_from(0, b"short"))
 
@@ -582,3 +592,13 @@ def test_static_cache_of_a_published_file_opens(store: StaticStore, src: Path) -
     c = StaticCache.open(store.path_of(NS, 1))
     c.verify()
     assert (c.generation, c.fingerprint, c.vocab_size) == (1, FP, VOCAB)
+
+
+def test_the_store_imports_no_grpc_and_names_no_status_code() -> None:
+    # It raises library errors; the service's status.status_of alone turns them into codes.
+    package = Path(static_store_module.__file__).parent
+    for path in sorted(package.glob("*.py")):
+        tree = ast.parse(path.read_text())
+        imported = {node.module or "" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+        imported |= {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+        assert not {m for m in imported if m.split(".")[0] == "grpc" or m.endswith("status")}, path.name
