@@ -8,14 +8,18 @@ written another way follows the same order with `fsync_file`, a rename or link, 
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import os
+import secrets
+from collections.abc import Iterable
 from typing import Final
 
 from ngramcache.client._core import write_file_atomic
 
-__all__ = ["READ_BYTES", "fsync_dir", "fsync_file", "is_disk_full", "sha256_of_file", "write_file_atomic"]
+__all__ = ["READ_BYTES", "fsync_dir", "fsync_file", "is_disk_full", "sha256_of_file", "write_file_atomic",
+           "write_lines_atomic"]
 
 READ_BYTES: Final = 1 << 20
 """Bytes read at a time when hashing: memory stays bounded whatever the file's size."""
@@ -83,3 +87,34 @@ def is_disk_full(exc: OSError) -> bool:
         exc: an error of a write, a close, a link or a mkdir.
     """
     return exc.errno in _DISK_FULL
+
+
+def write_lines_atomic(path: str | os.PathLike[str], lines: Iterable[str]) -> None:
+    """Write text ``lines`` to ``path`` atomically, streaming: never a partial file, whatever happens.
+
+    The lines go to ``<path>.tmp.<pid>.<random>`` beside it (the name an interrupted command's
+    clean-up looks for), which is fsynced and renamed over ``path``; then the folder is fsynced.
+
+    Raises:
+        OSError: naming ``path`` (not the temporary file) when a write or the close fails, a full
+            disk for one; the temporary file is removed on any error or interruption.
+    """
+    target = os.fspath(path)
+    tmp = f"{target}.tmp.{os.getpid()}.{secrets.token_hex(4)}"
+    try:
+        with open(tmp, "x") as f:
+            f.writelines(lines)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        if e.filename is None:  # a write or close that failed (a full disk): name the output, not a temporary
+            raise OSError(e.errno, e.strerror, target) from None
+        raise
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    fsync_dir(os.path.dirname(os.path.abspath(target)))

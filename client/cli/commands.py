@@ -39,8 +39,8 @@ from ngramcache.client.cli.guards import (
     check_output,
     open_static,
     reading_static,
-    write_lines_atomically,
 )
+from ngramcache.client.files import write_lines_atomic
 from ngramcache.client.progress import Progress
 
 if TYPE_CHECKING:
@@ -180,7 +180,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
         r = replay(tokens, args.n_ctx, args.n_draft, args.ngram_min, args.ngram_max, static, dynamic,
                    args.dump_drafts is not None, mode=args.mode, tree_budget=args.tree_budget)
     if args.dump_drafts is not None:
-        write_lines_atomically(args.dump_drafts, _draft_lines(r["drafts"]))
+        write_lines_atomic(args.dump_drafts, _draft_lines(r["drafts"]))
     drafted = r["n_drafted"]
     steps = r["n_draft_calls"]
     out = {

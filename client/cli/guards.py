@@ -6,7 +6,6 @@ import argparse
 import errno
 import glob
 import os
-import secrets
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
@@ -178,26 +177,6 @@ def check_outputs_against_inputs(args: argparse.Namespace) -> None:
         output = getattr(args, name, None)
         if isinstance(output, str) and output:
             check_output(output, inputs, flag)
-
-
-def write_lines_atomically(path: str, lines: Iterable[str]) -> None:
-    """Writes `lines` to a temporary file beside `path`, then renames it: never a partial file."""
-    tmp = f"{path}.tmp.{os.getpid()}.{secrets.token_hex(4)}"
-    try:
-        with open(tmp, "x") as f:
-            f.writelines(lines)
-        os.replace(tmp, path)
-    except OSError as e:
-        with suppress(OSError):
-            os.unlink(tmp)
-        if e.filename is None:  # a write or close that failed (a full disk): name the output, not a temporary
-            raise OSError(e.errno, e.strerror, path) from None
-        raise
-    except BaseException:
-        with suppress(OSError):
-            os.unlink(tmp)
-        raise
-
 
 
 @contextmanager
