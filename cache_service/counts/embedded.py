@@ -43,6 +43,7 @@ from ngramcache.client.rows import (
 )
 
 from .config import CountsStoreConfig
+from .dedup import DedupWindow
 from .layout import (
     EncodedBatch,
     decode_fields,
@@ -52,30 +53,19 @@ from .layout import (
     ngram_bucket,
     ngram_key,
 )
+from .leases import CommittedGeneration, Lease, LeaseTable
 from .namespace import (
     NamespaceInfo,
+    namespace_changed,
+    no_such_namespace,
     normalize_fingerprint,
     validate_layout,
     validate_namespace,
     validate_vocab_size,
 )
-from .store import (
-    ApplyResult,
-    ChangeSet,
-    CommittedGeneration,
-    CountsStore,
-    DedupWindow,
-    EpochClock,
-    GroupItem,
-    ItemOutcome,
-    Lease,
-    LeaseTable,
-    check_version,
-    namespace_changed,
-    no_such_namespace,
-    now_ms,
-    validate_client_id,
-)
+from .store import CountsStore
+from .values import ApplyResult, ChangeSet, GroupItem, ItemOutcome, validate_client_id
+from .versions import EpochClock, check_version, now_ms
 
 __all__ = ["EmbeddedCountsStore"]
 

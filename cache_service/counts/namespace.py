@@ -1,4 +1,4 @@
-"""A counts namespace: its immutable record (`NamespaceInfo`) and the checks of its name, tokenizer, vocabulary and layout."""
+"""A counts namespace: its immutable record (`NamespaceInfo`), the checks of its name, tokenizer, vocabulary and layout, and its not-found errors."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Final
 import numpy as np
 
 from ngramcache.client import _core
-from ngramcache.client.errors import InvalidArgumentError, TokenizerMismatchError
+from ngramcache.client.errors import InvalidArgumentError, NamespaceNotFoundError, TokenizerMismatchError
 from ngramcache.client.rows import MAX_VOCAB
 
 __all__ = [
@@ -19,7 +19,9 @@ __all__ = [
     "MAX_SHARDS",
     "NamespaceInfo",
     "check_tokenizer",
+    "namespace_changed",
     "new_instance_id",
+    "no_such_namespace",
     "normalize_fingerprint",
     "token_width",
     "validate_layout",
@@ -115,6 +117,15 @@ def check_tokenizer(info: NamespaceInfo, fingerprint: bytes | str | None, vocab_
     if vocab_size is not None and int(vocab_size) != info.vocab_size:
         raise TokenizerMismatchError(
             f"namespace {info.name!r} has vocab_size {info.vocab_size}, not {int(vocab_size)}")
+
+
+def no_such_namespace(namespace: str) -> NamespaceNotFoundError:
+    return NamespaceNotFoundError(f"no counts namespace {namespace!r}")
+
+
+def namespace_changed(namespace: str, during: str) -> NamespaceNotFoundError:
+    """The namespace was dropped or recreated while ``during`` (an operation) ran."""
+    return NamespaceNotFoundError(f"namespace {namespace!r} was dropped or recreated during {during}; retry")
 
 
 def token_width(vocab_size: int) -> int:

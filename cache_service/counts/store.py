@@ -1,25 +1,25 @@
-"""The `CountsStore` interface and the logic every backend shares: argument checks, dedup window, epoch clock, resync checks and error texts.
+"""The `CountsStore` interface and the logic every backend shares: argument checks, namespace creation, batches and groups.
 
 Dynamic counts are (n-gram of 1..NGRAM_MAX tokens, follower token) -> count, per cache
 namespace. A backend implements the storage primitives (the abstract methods); the rules
-live here, so both backends give the same answers and the same errors:
+live in this package, so both backends give the same answers and the same errors:
 
-* **Exactly once.** A batch is identified by (client_id, seq). `DedupWindow` keeps the
-  seqs of one client applied within ``dedup_window`` of its highest; a seq that far behind
-  is refused with `BatchTooOldError`. (The Redis backend runs the same rule inside its
-  APPLY Lua script, atomically with the writes.)
+* **Exactly once.** A batch is identified by (client_id, seq); `dedup.DedupWindow` keeps
+  the seqs of one client applied within ``dedup_window`` of its highest and refuses a seq
+  that far behind with `BatchTooOldError`. (The Redis backend runs the same rule inside
+  its APPLY Lua script, atomically with the writes.)
 * **Groups.** `apply_group` applies the batches of several clients as one unit per
   shard: each (client_id, seq) is checked against its dedup record, the batches are summed
   (an entry pushed by ten clients is one increment) and applied with every dedup record,
   atomically; a unit that holds an already-applied batch writes nothing and is redone
   without it, so a group never applies a batch twice or half.
-* **Versions.** A version is the time in milliseconds at which an epoch opened, bumped by
-  at least one. `EpochClock` advances it at most once per ``epoch_seconds`` and keeps
-  ``history_epochs`` epochs; its oldest is the floor (the Redis backend's TICK script
-  mirrors it). A fresh history (a new namespace, an embedded store reloaded from its
-  snapshot) therefore starts above every version handed out before it, and
-  `check_version` answers an old version with `ResyncRequiredError` instead of a silently
-  wrong mirror.
+* **Versions.** `versions.EpochClock` hands out versions and keeps a bounded history;
+  `versions.check_version` answers a version outside it with `ResyncRequiredError`
+  instead of a silently wrong mirror.
+* **Leases.** One rebuild per namespace at a time, under a fenced lease (`leases`).
+
+The values the calls take and answer are in `values`. The names this module re-exports
+from those modules stay importable from here, as they were before the split.
 
 This module never imports a backend; `open_counts_store` (factory.py) does.
 """
@@ -27,39 +27,32 @@ This module never imports a backend; `open_counts_store` (factory.py) does.
 from __future__ import annotations
 
 import abc
-import collections
 import dataclasses
-import re
-import threading
-import time
 from collections.abc import Iterable, Iterator, Sequence
-from typing import TYPE_CHECKING, Final, TypeAlias
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ngramcache.client.errors import (
-    BatchTooOldError,
-    GenerationNotNewerError,
-    InvalidArgumentError,
-    LeaseHeldError,
-    LeaseLostError,
-    NamespaceNotFoundError,
-    NgramCacheError,
-    ResyncRequiredError,
-)
+from ngramcache.client.errors import InvalidArgumentError, NgramCacheError
 from ngramcache.client.rows import COUNT, validate_deltas
 
 from .config import CountsStoreConfig
+from .dedup import DedupWindow, batch_too_old
 from .layout import MAX_AGGREGATED_COUNT
+from .leases import CommittedGeneration, Lease, LeaseTable, check_lease_args, check_ttl, lease_held, lease_lost, not_newer
 from .namespace import (
     NamespaceInfo,
     check_tokenizer,
+    namespace_changed,
     new_instance_id,
+    no_such_namespace,
     normalize_fingerprint,
     validate_layout,
     validate_namespace,
     validate_vocab_size,
 )
+from .values import MAX_SEQ, ApplyResult, ChangeSet, GroupItem, ItemOutcome, validate_client_id, validate_seq
+from .versions import EpochClock, check_version, history_lost, now_ms
 
 if TYPE_CHECKING:
     from typing_extensions import Self  # typing.Self from Python 3.11
@@ -68,321 +61,28 @@ __all__ = [
     "MAX_SEQ",
     "ApplyResult",
     "ChangeSet",
+    "CommittedGeneration",
     "CountsStore",
     "DedupWindow",
     "EpochClock",
     "GroupItem",
     "ItemOutcome",
+    "Lease",
+    "LeaseTable",
     "batch_too_old",
+    "check_lease_args",
+    "check_ttl",
     "check_version",
     "history_lost",
+    "lease_held",
+    "lease_lost",
     "namespace_changed",
     "no_such_namespace",
+    "not_newer",
     "now_ms",
     "validate_client_id",
     "validate_seq",
 ]
-
-MAX_SEQ: Final = 2**53 - 1
-"""Largest seq: seqs travel through Lua numbers (doubles)."""
-
-_CLIENT_ID_RE = re.compile(r"^[A-Za-z0-9_.:@/-]{1,128}$")
-
-
-# --------------------------------------------------------------------------- values
-
-
-@dataclasses.dataclass(frozen=True)
-class Lease:
-    """A rebuild lease: the namespace, who holds it, and its fencing token (grows with each acquisition)."""
-
-    namespace: str
-    holder: str
-    token: int
-
-
-@dataclasses.dataclass(frozen=True)
-class CommittedGeneration:
-    """The newest generation committed under a lease: its number (0: none), where it was built, the
-    token, and how it was made ("rebuild", or "publish" for a file published as it is)."""
-
-    generation: int
-    location: str
-    token: int
-    kind: str = "rebuild"
-
-
-def check_lease_args(namespace: str, holder: str, ttl_ms: int) -> None:
-    validate_namespace(namespace)
-    if not holder or len(holder) > 256 or "|" in holder:
-        raise InvalidArgumentError("a lease holder is 1..256 characters without '|'")
-    check_ttl(ttl_ms)
-
-
-def check_ttl(ttl_ms: int) -> None:
-    if isinstance(ttl_ms, bool) or not isinstance(ttl_ms, int) or not 1 <= ttl_ms <= 86_400_000:
-        raise InvalidArgumentError(f"lease ttl_ms must be in 1..86400000, got {ttl_ms!r}")
-
-
-def lease_held(namespace: str, holder: str, left_ms: int) -> LeaseHeldError:
-    return LeaseHeldError(f"the rebuild lease of {namespace!r} is held by {holder} for {left_ms} ms more "
-                          "(a rebuild is running there)")
-
-
-def lease_lost(lease: Lease) -> LeaseLostError:
-    return LeaseLostError(f"the rebuild lease of {lease.namespace!r} (token {lease.token}) expired or was taken "
-                          "over; nothing was committed")
-
-
-def not_newer(namespace: str, generation: int, committed: int) -> GenerationNotNewerError:
-    return GenerationNotNewerError(f"generation {generation} of {namespace!r} is not above the committed "
-                                   f"generation {committed}")
-
-
-class LeaseTable:
-    """Rebuild leases and committed generations in this process (the embedded store's). Thread-safe."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._leases: dict[str, tuple[str, int, float]] = {}  # namespace -> (holder, token, expires monotonic)
-        self._fence: dict[str, int] = {}
-        self._committed: dict[str, CommittedGeneration] = {}
-
-    def _current(self, namespace: str) -> tuple[str, int, float] | None:
-        cur = self._leases.get(namespace)
-        if cur is not None and cur[2] <= time.monotonic():
-            del self._leases[namespace]
-            return None
-        return cur
-
-    def acquire(self, namespace: str, holder: str, ttl_ms: int) -> Lease:
-        check_lease_args(namespace, holder, ttl_ms)
-        with self._lock:
-            cur = self._current(namespace)
-            if cur is not None and cur[0] != holder:
-                raise lease_held(namespace, cur[0], int((cur[2] - time.monotonic()) * 1000))
-            token = self._fence.get(namespace, 0) + 1
-            self._fence[namespace] = token
-            self._leases[namespace] = (holder, token, time.monotonic() + ttl_ms / 1000)
-            return Lease(namespace, holder, token)
-
-    def _holds(self, lease: Lease) -> bool:
-        cur = self._current(lease.namespace)
-        return cur is not None and cur[0] == lease.holder and cur[1] == lease.token
-
-    def renew(self, lease: Lease, ttl_ms: int) -> bool:
-        check_ttl(ttl_ms)
-        with self._lock:
-            if not self._holds(lease):
-                return False
-            self._leases[lease.namespace] = (lease.holder, lease.token, time.monotonic() + ttl_ms / 1000)
-            return True
-
-    def release(self, lease: Lease) -> bool:
-        with self._lock:
-            if not self._holds(lease):
-                return False
-            del self._leases[lease.namespace]
-            return True
-
-    def commit(self, lease: Lease, generation: int, location: str, kind: str = "rebuild") -> None:
-        with self._lock:
-            if not self._holds(lease):
-                raise lease_lost(lease)
-            committed = self._committed.get(lease.namespace)
-            if committed is not None and generation <= committed.generation:
-                raise not_newer(lease.namespace, generation, committed.generation)
-            self._committed[lease.namespace] = CommittedGeneration(generation, location, lease.token, kind)
-
-    def committed(self, namespace: str) -> CommittedGeneration:
-        validate_namespace(namespace)
-        with self._lock:
-            return self._committed.get(namespace, CommittedGeneration(0, "", 0))
-
-
-@dataclasses.dataclass(frozen=True)
-class ApplyResult:
-    """What `CountsStore.apply` did with a batch.
-
-    Attributes:
-        units: units the batch touched (1 on standalone Redis and embedded; up to
-            ``shards`` on a Cluster; 0 for an empty batch).
-        applied: units applied by this call.
-        duplicates: units already applied earlier (by a previous attempt of the same batch).
-        entries: distinct (n-gram, follower) entries in the batch after summing repeats.
-    """
-
-    units: int
-    applied: int
-    duplicates: int
-    entries: int
-
-    @property
-    def duplicate(self) -> bool:
-        """True when every unit had already been applied: the whole call was a retry."""
-        return self.units > 0 and self.duplicates == self.units
-
-
-@dataclasses.dataclass(frozen=True, eq=False)  # eq=False: no elementwise comparison of the arrays
-class GroupItem:
-    """One batch of a group given to `CountsStore.apply_group`: what one `apply` call would take.
-
-    Attributes:
-        client_id: the sender, 1..128 characters of [A-Za-z0-9_.:@/-].
-        seq: the batch number of this sender, in [0, 2**53).
-        deltas: int32 delta rows, see `ngramcache.client.rows.validate_deltas`.
-        fingerprint: when not None, must match the namespace's tokenizer.
-    """
-
-    client_id: str
-    seq: int
-    deltas: np.ndarray
-    fingerprint: bytes | str | None = None
-
-
-ItemOutcome: TypeAlias = ApplyResult | NgramCacheError
-"""What `CountsStore.apply_group` did with one item: its result, or the error that refused it."""
-
-
-@dataclasses.dataclass(frozen=True)
-class ChangeSet:
-    """The answer of `CountsStore.changes_since`.
-
-    Attributes:
-        version: pass it to the next `changes_since` call.
-        rows: int64 count rows (k, ROW_WIDTH) (see client.rows): the current absolute
-            counts of every entry in the changed buckets (unused token slots -1). Counts
-            never decrease, so setting each entry of a mirror to its row's count (an
-            upsert, not an addition) brings the mirror up to date.
-        buckets: uint32 array of the changed bucket ids, sorted.
-    """
-
-    version: int
-    rows: np.ndarray
-    buckets: np.ndarray
-
-
-# --------------------------------------------------------------------------- argument checks
-
-
-def validate_client_id(client_id: str) -> str:
-    """Return ``client_id`` if it is 1..128 characters of [A-Za-z0-9_.:@/-], else raise InvalidArgumentError."""
-    if not isinstance(client_id, str) or not _CLIENT_ID_RE.fullmatch(client_id):
-        raise InvalidArgumentError(f"client_id must be 1..128 characters of [A-Za-z0-9_.:@/-], got {client_id!r}")
-    return client_id
-
-
-def validate_seq(seq: int) -> int:
-    """Return ``seq`` as an int if it is an integer in [0, MAX_SEQ], else raise InvalidArgumentError."""
-    if isinstance(seq, bool) or not isinstance(seq, (int, np.integer)) or not 0 <= int(seq) <= MAX_SEQ:
-        raise InvalidArgumentError(f"seq must be an integer in [0, 2**53), got {seq!r}")
-    return int(seq)
-
-
-# --------------------------------------------------------------------------- error texts
-
-
-def no_such_namespace(namespace: str) -> NamespaceNotFoundError:
-    return NamespaceNotFoundError(f"no counts namespace {namespace!r}")
-
-
-def namespace_changed(namespace: str, during: str) -> NamespaceNotFoundError:
-    """The namespace was dropped or recreated while ``during`` (an operation) ran."""
-    return NamespaceNotFoundError(f"namespace {namespace!r} was dropped or recreated during {during}; retry")
-
-
-def batch_too_old(seq: int, hwm: int, window: int) -> BatchTooOldError:
-    return BatchTooOldError(
-        f"batch seq {seq} is older than the dedup window ({window}) behind seq {hwm}: "
-        "whether it was applied is unknown, so it was not applied")
-
-
-def check_version(namespace: str, since: int, floor: int, cur: int) -> None:
-    """Raise ResyncRequiredError unless ``floor <= since <= cur`` (the history kept)."""
-    if since < floor or since > cur:
-        raise ResyncRequiredError(
-            f"version {since} of namespace {namespace!r} is outside the history kept "
-            f"[{floor}, {cur}]; resync from version() + export()")
-
-
-def history_lost(namespace: str, since: int) -> ResyncRequiredError:
-    """A shard trimmed the history ``since`` needs after the clock said it was kept."""
-    return ResyncRequiredError(f"version {since} of namespace {namespace!r} fell out of the history kept; resync")
-
-
-# --------------------------------------------------------------------------- shared rules
-
-
-def now_ms() -> int:
-    """Wall-clock time in milliseconds (the unit of versions)."""
-    return time.time_ns() // 1_000_000
-
-
-class DedupWindow:
-    """The seqs one client applied within ``window`` of its highest: the exactly-once record of a namespace.
-
-    The Redis backend's APPLY script applies the same rule to a sorted set. Not
-    thread-safe: the caller holds its store's lock.
-    """
-
-    __slots__ = ("hwm", "seqs", "touched", "window")
-
-    def __init__(self, window: int, seqs: Iterable[int] = ()) -> None:
-        self.window = window
-        self.seqs = set(seqs)
-        self.hwm = max(self.seqs, default=-1)  # the highest seq applied
-        self.touched = time.monotonic()  # last use, for dedup_ttl_seconds
-
-    def seen(self, seq: int) -> bool:
-        """Whether ``seq`` was applied already.
-
-        Raises:
-            BatchTooOldError: ``seq`` is ``window`` or more behind the highest seq applied.
-        """
-        self.touched = time.monotonic()
-        if seq <= self.hwm - self.window:
-            raise batch_too_old(seq, self.hwm, self.window)
-        return seq in self.seqs
-
-    def record(self, seq: int) -> None:
-        """Mark ``seq`` applied and forget the seqs that fell out of the window."""
-        self.seqs.add(seq)
-        self.hwm = max(self.hwm, seq)
-        if len(self.seqs) > self.window:
-            self.seqs = {s for s in self.seqs if s > self.hwm - self.window}
-
-
-class EpochClock:
-    """The versions of one namespace: the current one and the epochs kept (newest first).
-
-    The Redis backend's TICK script applies the same rule to the namespace's clock and
-    epochs keys. Not thread-safe: the caller holds its store's lock.
-    """
-
-    __slots__ = ("cur", "epochs", "opened_ms")
-
-    def __init__(self, start_ms: int) -> None:
-        self.cur = start_ms  # the newest version
-        self.opened_ms = start_ms  # when the current epoch opened
-        self.epochs: collections.deque[int] = collections.deque([start_ms])
-
-    @property
-    def floor(self) -> int:
-        """The oldest version `changes_since` still serves."""
-        return self.epochs[-1]
-
-    def tick(self, now: int, epoch_ms: int, history_epochs: int) -> bool:
-        """Open a new epoch if the current one is at least ``epoch_ms`` old; return whether it did."""
-        if not (now > self.opened_ms and now - self.opened_ms >= epoch_ms):
-            return False
-        self.cur, self.opened_ms = max(self.cur + 1, now), now
-        self.epochs.appendleft(self.cur)
-        while len(self.epochs) > history_epochs + 1:
-            self.epochs.pop()
-        return True
-
-
-# --------------------------------------------------------------------------- interface
 
 
 class CountsStore(abc.ABC):
@@ -591,14 +291,7 @@ class CountsStore(abc.ABC):
         is why a mirror takes `version` first and then catches up with `changes_since`.
         """
 
-    # ----------------------------------------------------------------- rebuild leases
-    #
-    # One rebuild per namespace at a time across every replica: a lease held by one holder
-    # for ttl_ms, and a fencing token that grows with every acquisition. A new generation is
-    # committed only by the current lease's holder and token, and only above the committed
-    # one, in one atomic step: a paused or partitioned old leader (its lease expired) can
-    # never commit, and no generation number is committed twice. These records do not
-    # belong to one namespace incarnation: generation numbers keep growing across a drop.
+    # ----------------------------------------------------------------- rebuild leases (rules in `leases`)
 
     @abc.abstractmethod
     def acquire_lease(self, namespace: str, holder: str, ttl_ms: int) -> Lease:
