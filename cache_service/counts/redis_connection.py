@@ -1,0 +1,163 @@
+"""The Redis backend's connection: one redis-py client (standalone or Cluster) with bounded retries, errors translated, scripts run pipelined."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
+
+import redis
+import redis.exceptions as rexc
+from redis.backoff import ExponentialBackoff
+from redis.cluster import ClusterNode, RedisCluster
+from redis.retry import Retry
+
+from ngramcache.client.errors import (
+    BackendUnavailableError,
+    InvalidArgumentError,
+    NgramCacheError,
+    StoreAuthenticationError,
+)
+
+from .config import CountsStoreConfig
+from .redis_scripts import Call, Script
+
+__all__ = ["RedisConnection"]
+
+log = logging.getLogger(__name__)
+
+# Server states that pass (failover, loading, resharding, memory pressure): retrying can help.
+_UNAVAILABLE_ERRORS = (rexc.ClusterDownError, rexc.ClusterError, rexc.TryAgainError, rexc.MasterDownError,
+                       rexc.MovedError, rexc.AskError, rexc.SlotNotCoveredError, rexc.ReadOnlyError,
+                       rexc.BusyLoadingError, rexc.OutOfMemoryError)
+_UNAVAILABLE_PREFIXES = ("OOM", "BUSY", "LOADING", "TRYAGAIN", "CLUSTERDOWN", "MASTERDOWN", "READONLY",
+                         "MOVED", "ASK")
+
+
+class RedisConnection:
+    """A client of the store's Redis (standalone or Cluster). Thread-safe, as redis-py's clients are.
+
+    Connection errors are retried by redis-py a bounded number of times (``config.retries``,
+    exponential backoff); what still fails reaches the caller as a store error
+    (`BackendUnavailableError`, `StoreAuthenticationError`, `NgramCacheError`) whose message
+    never holds the password.
+
+    Args:
+        config: a `CountsStoreConfig` whose url is redis://, rediss://, redis+cluster:// or
+            rediss+cluster://.
+
+    Raises:
+        InvalidArgumentError: the config's URL is not a Redis URL.
+        BackendUnavailableError: Redis could not be reached.
+        StoreAuthenticationError: Redis refused the credentials.
+    """
+
+    def __init__(self, config: CountsStoreConfig) -> None:
+        address = config.address
+        if address.kind == "embedded":
+            raise InvalidArgumentError("RedisCountsStore needs a redis URL")
+        self._secret = address.password or ""
+        self.cluster = address.kind == "cluster"
+        self.where = address.redacted
+        retry = Retry(ExponentialBackoff(cap=1.0, base=0.05), config.retries)
+        common: dict[str, Any] = {"username": address.username, "password": address.password,
+                                  "socket_timeout": config.socket_timeout or None,
+                                  "socket_connect_timeout": config.connect_timeout or None, "ssl": address.ssl}
+        with self.errors():
+            if self.cluster:
+                nodes = [ClusterNode(host, port) for host, port in address.hosts]  # type: ignore[no-untyped-call]
+                self.client: Any = RedisCluster(startup_nodes=nodes, retry=retry, **common)
+            else:
+                (host, port), = address.hosts
+                self.client = redis.Redis(host=host, port=port, db=address.db, retry=retry,
+                                          retry_on_error=[rexc.ConnectionError, rexc.TimeoutError], **common)
+                self.client.ping()
+        log.debug("counts store connected to %s", self.where)
+
+    @contextlib.contextmanager
+    def errors(self) -> Iterator[None]:
+        """Translate redis-py errors into the store's errors, without credentials in the message."""
+        try:
+            yield
+        except NgramCacheError:
+            raise
+        except (rexc.AuthenticationError, rexc.AuthenticationWrongNumberOfArgsError) as exc:
+            raise StoreAuthenticationError(f"{self.where} refused the credentials ({self._scrub(exc)})") from None
+        except _UNAVAILABLE_ERRORS as exc:
+            raise BackendUnavailableError(
+                f"{self.where} is unavailable: {type(exc).__name__}: {self._scrub(exc)}") from None
+        except rexc.ResponseError as exc:
+            message = self._scrub(exc)
+            if message.startswith(("NOAUTH", "WRONGPASS", "NOPERM")):
+                raise StoreAuthenticationError(f"{self.where} refused the credentials ({message})") from None
+            if message.startswith(_UNAVAILABLE_PREFIXES):
+                raise BackendUnavailableError(f"{self.where} is unavailable: {message}") from None
+            raise NgramCacheError(f"{self.where} answered an error: {message}") from None
+        except (rexc.RedisError, rexc.RedisClusterException, OSError) as exc:
+            raise BackendUnavailableError(
+                f"{self.where} is unavailable: {type(exc).__name__}: {self._scrub(exc)}") from None
+
+    def _scrub(self, exc: BaseException) -> str:
+        message = str(exc)
+        return message.replace(self._secret, "***") if self._secret else message
+
+    def _load_scripts(self, scripts: Iterable[Script]) -> None:
+        for script in scripts:
+            log.debug("loading Lua script %s (%s)", script.name, script.sha)
+            if self.cluster:
+                for node in self.client.get_primaries():
+                    self.client.get_redis_connection(node).script_load(script.source)
+            else:
+                self.client.script_load(script.source)
+
+    def run(self, calls: Sequence[Call]) -> list[Any]:
+        """Run scripts pipelined (one round trip per node); NOSCRIPT loads and runs those again.
+
+        Raises the first error other than NOSCRIPT, after every call was attempted.
+        """
+        results: list[Any] = [None] * len(calls)
+        pending = list(range(len(calls)))
+        for _attempt in range(2):
+            with self.errors():
+                pipe = self.client.pipeline(transaction=False)
+                for i in pending:
+                    script, keys, args = calls[i]
+                    pipe.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
+                replies = pipe.execute(raise_on_error=False)
+            missing = []
+            for i, reply in zip(pending, replies):
+                results[i] = reply
+                if isinstance(reply, rexc.NoScriptError):
+                    missing.append(i)
+            if not missing:
+                break
+            with self.errors():
+                self._load_scripts({calls[i][0] for i in missing})
+            pending = missing
+        for reply in results:
+            if isinstance(reply, BaseException):
+                with self.errors():
+                    raise reply
+        return results
+
+    def run_one(self, script: Script, keys: Sequence[Any], args: Sequence[Any]) -> Any:
+        return self.run([(script, keys, args)])[0]
+
+    def node_clients(self) -> list[Any]:
+        """A client per primary (a Cluster: each holds some of the keys), or the one client."""
+        if self.cluster:
+            return [self.client.get_redis_connection(node) for node in self.client.get_primaries()]
+        return [self.client]
+
+    @staticmethod
+    def unlink(node_client: Any, keys: list[bytes]) -> None:
+        if keys:
+            pipe = node_client.pipeline(transaction=False)
+            for key in keys:
+                pipe.unlink(key)
+            pipe.execute()
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.client.close()

@@ -1,0 +1,105 @@
+"""The Redis backend's namespace handles: a namespace's record and key names, cached, reloaded when a script sees another instance."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from ngramcache.client.errors import NamespaceNotFoundError, NgramCacheError
+
+from . import schema
+from .namespace import NamespaceInfo, namespace_changed, no_such_namespace, validate_namespace
+from .redis_connection import RedisConnection
+
+__all__ = ["Handle", "HandleCache", "StaleHandle"]
+
+log = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
+
+
+class Handle:
+    """A namespace's immutable record and its key names (cached; dropped on a stale instance)."""
+
+    __slots__ = ("clock", "epochs", "info", "meta", "shards")
+
+    def __init__(self, prefix: str, info: NamespaceInfo) -> None:
+        self.info = info
+        self.shards = schema.shard_keys(prefix, info.name, info.instance, info.shards)
+        self.meta = schema.meta_key(prefix, info.name)
+        self.clock = schema.clock_key(prefix, info.name)
+        self.epochs = schema.epochs_key(prefix, info.name)
+
+
+class StaleHandle(Exception):
+    """A script saw another instance id: the namespace was dropped or recreated meanwhile."""
+
+
+class HandleCache:
+    """The handles of the namespaces this process used, read from their meta keys. Thread-safe.
+
+    Every script checks the instance id it is given, so a cached handle is never trusted
+    blindly: a script that sees another instance raises `StaleHandle`, and `run` reloads
+    the handle once and runs the action again.
+    """
+
+    def __init__(self, conn: RedisConnection, prefix: str) -> None:
+        self._conn = conn
+        self._prefix = prefix
+        self._handles: dict[str, Handle] = {}
+        self._lock = threading.Lock()
+
+    def get(self, namespace: str, *, refresh: bool = False) -> Handle:
+        """The namespace's handle, from the cache unless ``refresh``. Raises NamespaceNotFoundError."""
+        validate_namespace(namespace)
+        if not refresh:
+            with self._lock:
+                handle = self._handles.get(namespace)
+            if handle is not None:
+                return handle
+        with self._conn.errors():
+            raw = self._conn.client.hgetall(schema.meta_key(self._prefix, namespace))
+        if not raw:
+            self.forget(namespace)
+            raise no_such_namespace(namespace)
+        handle = Handle(self._prefix, info_from_meta(namespace, raw))
+        self.remember(handle)
+        return handle
+
+    def remember(self, handle: Handle) -> None:
+        with self._lock:
+            self._handles[handle.info.name] = handle
+
+    def forget(self, namespace: str) -> None:
+        with self._lock:
+            self._handles.pop(namespace, None)
+
+    def run(self, namespace: str, action: Callable[[Handle], _T]) -> _T:
+        """Run ``action(handle)``; when a script saw another instance, refresh the handle once and rerun."""
+        handle = self.get(namespace)
+        try:
+            return action(handle)
+        except StaleHandle:
+            log.debug("namespace %s changed instance; reloading its record", namespace)
+            fresh = self.get(namespace, refresh=True)
+            if fresh.info.instance == handle.info.instance:
+                raise NamespaceNotFoundError(
+                    f"namespace {namespace!r} lost its shard state (a Redis node restarted without "
+                    "persistence?); drop and recreate it") from None
+            try:
+                return action(fresh)
+            except StaleHandle:
+                raise namespace_changed(namespace, "the call") from None
+
+
+def info_from_meta(namespace: str, raw: dict[Any, Any]) -> NamespaceInfo:
+    """The record of ``namespace`` from its meta hash, as HGETALL returns it."""
+    meta = {(k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v)
+            for k, v in raw.items()}
+    if int(meta.get("schema", 0)) != schema.SCHEMA_VERSION:
+        raise NgramCacheError(f"namespace {namespace!r} uses key schema {meta.get('schema')}, "
+                              f"this code reads schema {schema.SCHEMA_VERSION}")
+    return NamespaceInfo(namespace, meta["fingerprint"], int(meta["vocab_size"]), int(meta["buckets"]),
+                         int(meta["shards"]), meta["instance"])

@@ -1,0 +1,66 @@
+"""The Redis backend's rebuild leases: acquire, renew, release and commit as Lua scripts on the namespace's coordinator slot."""
+
+from __future__ import annotations
+
+from . import schema
+from .leases import CommittedGeneration, Lease, check_lease_args, check_ttl, lease_held, lease_lost, not_newer
+from .namespace import validate_namespace
+from .redis_connection import RedisConnection
+from .redis_scripts import ACQUIRE, COMMIT, RELEASE, RENEW
+
+__all__ = ["RedisLeases"]
+
+
+class RedisLeases:
+    """Rebuild leases and committed generations in Redis, with the rules of `leases`. Thread-safe.
+
+    A lease is the string "<holder>|<token>" with a PX expiry; the token comes from INCR on
+    the namespace's fence key, so it grows with every acquisition, across drops too.
+
+    Args:
+        conn: the store's connection.
+        prefix: the store's key prefix.
+    """
+
+    def __init__(self, conn: RedisConnection, prefix: str) -> None:
+        self._conn = conn
+        self._prefix = prefix
+
+    def acquire(self, namespace: str, holder: str, ttl_ms: int) -> Lease:
+        check_lease_args(namespace, holder, ttl_ms)
+        lease, fence, _ = schema.lease_keys(self._prefix, namespace)
+        token, other, left = self._conn.run_one(ACQUIRE, [lease, fence], [holder, ttl_ms])
+        if int(token) == 0:
+            raise lease_held(namespace, other.decode() if isinstance(other, bytes) else str(other), int(left))
+        return Lease(namespace, holder, int(token))
+
+    def renew(self, lease: Lease, ttl_ms: int) -> bool:
+        check_ttl(ttl_ms)
+        key = schema.lease_keys(self._prefix, lease.namespace)[0]
+        return bool(self._conn.run_one(RENEW, [key], [f"{lease.holder}|{lease.token}", ttl_ms]))
+
+    def release(self, lease: Lease) -> bool:
+        key = schema.lease_keys(self._prefix, lease.namespace)[0]
+        return bool(self._conn.run_one(RELEASE, [key], [f"{lease.holder}|{lease.token}"]))
+
+    def commit(self, lease: Lease, generation: int, location: str, kind: str = "rebuild") -> None:
+        key, _, gen = schema.lease_keys(self._prefix, lease.namespace)
+        ok, why = self._conn.run_one(COMMIT, [key, gen], [f"{lease.holder}|{lease.token}", generation, location,
+                                                          lease.token, kind])
+        if int(ok) == 0:
+            why = why.decode() if isinstance(why, bytes) else str(why)
+            if why == "lease":
+                raise lease_lost(lease)
+            raise not_newer(lease.namespace, generation, int(why))
+
+    def committed(self, namespace: str) -> CommittedGeneration:
+        validate_namespace(namespace)
+        gen = schema.lease_keys(self._prefix, namespace)[2]
+        with self._conn.errors():
+            raw = self._conn.client.hgetall(gen)
+        if not raw:
+            return CommittedGeneration(0, "", 0)
+        d = {(k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v)
+             for k, v in raw.items()}
+        return CommittedGeneration(int(d["generation"]), d.get("location", ""), int(d.get("token", 0)),
+                                   d.get("kind", "rebuild"))

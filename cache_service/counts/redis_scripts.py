@@ -1,0 +1,247 @@
+"""The Lua scripts of the Redis backend: one per atomic step, each over keys of one slot, with the KEYS and ARGV it takes.
+
+Every write of the Redis backend is one of these scripts over keys of one shard (see
+`schema`), so it runs atomically on the shard's node, even on a Cluster:
+
+* APPLY adds one unit of a batch (the batch's entries in one shard) and records
+  (client_id, seq) in the shard's dedup set in the same script; a unit already recorded is
+  skipped. For `apply_group` a unit is the sum of several batches (of any clients) in one
+  shard: the script checks every (client_id, seq) first and writes the summed increments
+  and every dedup record only if none was recorded before; otherwise it writes nothing
+  and says which were, and the unit is sent again without them. APPLY's dedup check is the
+  rule of `dedup.DedupWindow`.
+* TICK advances the namespace's version at most once per ``epoch_seconds`` (the rule of
+  `versions.EpochClock`).
+* ROLL closes a shard's open change piece when the version moved, trims history below the
+  floor and returns the pieces a reader needs; SEAL rewrites a closed piece as the union of
+  its roaring bitmaps; READ returns bucket contents packed for numpy.
+* CREATE makes a namespace visible once its shard state exists; ACQUIRE, RENEW, RELEASE and
+  COMMIT are the rebuild lease's steps (the rules of `leases`).
+
+Every script is idempotent, or checks the state it changes first, so redis-py's bounded
+reconnect retries and the NOSCRIPT fallback (load, then run again) are safe.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from typing import Any, TypeAlias
+
+__all__ = ["ACQUIRE", "APPLY", "COMMIT", "CREATE", "READ", "RELEASE", "RENEW", "ROLL", "SEAL", "TICK", "Call", "Script"]
+
+
+class Script:
+    """A Lua script run by EVALSHA; `RedisConnection.run` loads it on NOSCRIPT and runs it again."""
+
+    def __init__(self, name: str, source: str) -> None:
+        self.name = name
+        self.source = source
+        self.sha = hashlib.sha1(source.encode()).hexdigest()
+
+
+Call: TypeAlias = tuple[Script, Sequence[Any], Sequence[Any]]
+"""(script, keys, args) of one EVALSHA."""
+
+
+# One unit: the entries of one shard of a batch, or of a group of batches summed together.
+# KEYS: state, changes, dedup keys (one per client in the unit, nd of them), bucket...
+# ARGV: instance, window, ttl_ms, changed (portable roaring bitmap of the unit's local bucket
+# ids), sizes ('<I4' entries per bucket, in KEYS order), entries (one packed string of
+# fixed-size records: u8 field length, the field zero-padded to `width` bytes, '<i8'
+# increment), width, nd, then per batch: its dedup key's index (1..nd) and its seq. One
+# string instead of two arguments a delta keeps argument parsing (in Redis) and command
+# packing (in the client) off the per-delta path.
+# Every (client, seq) is checked first; only if none was applied before and none is older
+# than the window are the increments, the change record and every dedup record written.
+# Returns {1} (written), {-1} (another instance), or {0, status, hwm, status, hwm, ...}
+# (nothing written): per batch 1 new, 0 applied before, -2 too old (hwm: that client's
+# highest seq).
+APPLY = Script("apply", """
+if redis.call('HGET', KEYS[1], 'instance') ~= ARGV[1] then return {-1} end
+local window = tonumber(ARGV[2])
+local nd = tonumber(ARGV[8])
+local top, hwm = {}, {}
+for d = 1, nd do
+  local t = redis.call('ZRANGE', KEYS[2 + d], -1, -1, 'WITHSCORES')
+  top[d] = t[2] or '-1'
+  hwm[d] = tonumber(top[d])
+end
+local out, clean = {0}, true
+for a = 9, #ARGV, 2 do
+  local d, seq = tonumber(ARGV[a]), ARGV[a + 1]
+  if tonumber(seq) <= hwm[d] - window then
+    out[#out + 1] = -2
+    out[#out + 1] = top[d]
+    clean = false
+  elseif redis.call('ZSCORE', KEYS[2 + d], seq) then
+    out[#out + 1] = 0
+    out[#out + 1] = ''
+    clean = false
+  else
+    out[#out + 1] = 1
+    out[#out + 1] = ''
+  end
+end
+if not clean then return out end
+local sizes, entries = ARGV[5], ARGV[6]
+local width = tonumber(ARGV[7])
+local record = width + 9
+local pos, p = 1, 1
+for k = 3 + nd, #KEYS do
+  local key, nf = KEYS[k]
+  nf, pos = struct.unpack('<I4', sizes, pos)
+  for _ = 1, nf do
+    local field = string.sub(entries, p + 1, p + string.byte(entries, p))
+    local inc = struct.unpack('<l', entries, p + 1 + width)
+    if inc >= 1e13 then inc = string.format('%d', inc) end  -- beyond %.14g's exact integers
+    redis.call('HINCRBY', key, field, inc)
+    p = p + record
+  end
+end
+redis.call('RPUSH', KEYS[2], ARGV[4])
+for a = 9, #ARGV, 2 do
+  local d, seq = tonumber(ARGV[a]), ARGV[a + 1]
+  redis.call('ZADD', KEYS[2 + d], seq, seq)
+  if tonumber(seq) > hwm[d] then hwm[d] = tonumber(seq) end
+end
+for d = 1, nd do
+  redis.call('ZREMRANGEBYSCORE', KEYS[2 + d], '-inf', hwm[d] - window)
+  redis.call('PEXPIRE', KEYS[2 + d], ARGV[3])
+end
+return {1}
+""")
+
+# KEYS: clock, epochs. ARGV: instance, epoch_ms, history_epochs. Returns {cur, floor}.
+TICK = Script("tick", """
+local c = redis.call('HMGET', KEYS[1], 'instance', 'cur', 't', 'floor')
+if c[1] ~= ARGV[1] then return {-1} end
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local opened = tonumber(c[3])
+if now > opened and now - opened >= tonumber(ARGV[2]) then
+  local cur = string.format('%d', math.max(tonumber(c[2]) + 1, now))
+  redis.call('LPUSH', KEYS[2], cur)
+  redis.call('LTRIM', KEYS[2], 0, tonumber(ARGV[3]))
+  local floor = redis.call('LINDEX', KEYS[2], -1)
+  redis.call('HSET', KEYS[1], 'cur', cur, 't', string.format('%d', now), 'floor', floor)
+  return {cur, floor}
+end
+return {c[2], c[4]}
+""")
+
+# KEYS: state, changes, history, index. ARGV: instance, cur, floor, since ('' = no read).
+# Returns {1} or {1, open piece, piece name, piece, ...}; {-1} wrong instance; {-3} since < trim floor.
+# A piece is b"L" + ('<I4' length, roaring bitmap)... or, once sealed, b"R" + one roaring bitmap.
+ROLL = Script("roll", """
+local function joined(parts)
+  local out = {'L'}
+  for i = 1, #parts do out[#out + 1] = struct.pack('<I4', #parts[i]) .. parts[i] end
+  return table.concat(out)
+end
+local st = redis.call('HMGET', KEYS[1], 'instance', 'e', 'f')
+if st[1] ~= ARGV[1] then return {-1} end
+if tonumber(st[2]) < tonumber(ARGV[2]) then
+  local parts = redis.call('LRANGE', KEYS[2], 0, -1)
+  if #parts > 0 then
+    local piece = st[2] .. ':' .. ARGV[2]
+    redis.call('HSET', KEYS[3], piece, joined(parts))
+    redis.call('ZADD', KEYS[4], ARGV[2], piece)
+    redis.call('DEL', KEYS[2])
+  end
+  redis.call('HSET', KEYS[1], 'e', ARGV[2])
+end
+local f = tonumber(st[3])
+if tonumber(ARGV[3]) > f then
+  local old = redis.call('ZRANGEBYSCORE', KEYS[4], '-inf', ARGV[3])
+  for i = 1, #old do redis.call('HDEL', KEYS[3], old[i]) end
+  redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', ARGV[3])
+  redis.call('HSET', KEYS[1], 'f', ARGV[3])
+  f = tonumber(ARGV[3])
+end
+if ARGV[4] == '' then return {1} end
+if tonumber(ARGV[4]) < f then return {-3} end
+local out = {1, joined(redis.call('LRANGE', KEYS[2], 0, -1))}
+local pieces = redis.call('ZRANGEBYSCORE', KEYS[4], '(' .. ARGV[4], '+inf')
+for i = 1, #pieces do
+  out[#out + 1] = pieces[i]
+  out[#out + 1] = redis.call('HGET', KEYS[3], pieces[i]) or ''
+end
+return out
+""")
+
+# KEYS: state, history. ARGV: instance, piece, roaring bytes.
+SEAL = Script("seal", """
+if redis.call('HGET', KEYS[1], 'instance') ~= ARGV[1] then return -1 end
+local v = redis.call('HGET', KEYS[2], ARGV[2])
+if v and string.sub(v, 1, 1) == 'L' then
+  redis.call('HSET', KEYS[2], ARGV[2], 'R' .. ARGV[3])
+  return 1
+end
+return 0
+""")
+
+# KEYS: state, bucket... ARGV: instance, 5 * token_width.
+# Returns {1, fields, counts}: each field as a length byte plus the field zero-padded to
+# 5 * token_width bytes; counts as decimal text joined by ','.
+READ = Script("read", """#!lua flags=no-writes
+if redis.call('HGET', KEYS[1], 'instance') ~= ARGV[1] then return {-1} end
+local size = tonumber(ARGV[2])
+local pad = {}
+for l = 0, size do pad[l] = string.rep('\\0', size - l) end
+local fields, counts = {}, {}
+for k = 2, #KEYS do
+  local h = redis.call('HGETALL', KEYS[k])
+  for i = 1, #h, 2 do
+    local f = h[i]
+    fields[#fields + 1] = string.char(#f) .. f .. pad[#f]
+    counts[#counts + 1] = h[i + 1]
+  end
+end
+return {1, table.concat(fields), table.concat(counts, ',')}
+""")
+
+# KEYS: meta, clock, epochs. ARGV: instance, fingerprint, vocab_size, buckets, shards, schema.
+# Returns {} when created, else the existing meta as a flat field/value list.
+CREATE = Script("create", """
+if redis.call('EXISTS', KEYS[1]) == 1 then return redis.call('HGETALL', KEYS[1]) end
+local t = redis.call('TIME')
+local now = string.format('%d', tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000))
+redis.call('HSET', KEYS[1], 'instance', ARGV[1], 'fingerprint', ARGV[2], 'vocab_size', ARGV[3],
+           'buckets', ARGV[4], 'shards', ARGV[5], 'schema', ARGV[6])
+redis.call('DEL', KEYS[3])
+redis.call('RPUSH', KEYS[3], now)
+redis.call('HSET', KEYS[2], 'instance', ARGV[1], 'cur', now, 't', now, 'floor', now)
+return {}
+""")
+
+# Rebuild leases (KEYS: lease, fence[, gen] of one namespace, one slot). A lease is the
+# string "<holder>|<token>" with a PX expiry; the token comes from INCR on the fence key.
+ACQUIRE = Script("acquire_lease", """
+local cur = redis.call('GET', KEYS[1])
+if cur then
+  local holder = string.match(cur, '^(.*)|%d+$')
+  if holder ~= ARGV[1] then return {0, holder or cur, redis.call('PTTL', KEYS[1])} end
+end
+local token = redis.call('INCR', KEYS[2])
+redis.call('SET', KEYS[1], ARGV[1] .. '|' .. token, 'PX', ARGV[2])
+return {token, '', 0}
+""")
+RENEW = Script("renew_lease", """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+return 1
+""")
+RELEASE = Script("release_lease", """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+redis.call('DEL', KEYS[1])
+return 1
+""")
+# KEYS: lease, gen. ARGV: "<holder>|<token>", generation, location, token, kind.
+COMMIT = Script("commit_generation", """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return {0, 'lease'} end
+local g = tonumber(redis.call('HGET', KEYS[2], 'generation') or '0')
+if tonumber(ARGV[2]) <= g then return {0, tostring(g)} end
+redis.call('HSET', KEYS[2], 'generation', ARGV[2], 'location', ARGV[3], 'token', ARGV[4], 'kind', ARGV[5])
+return {1, ''}
+""")
