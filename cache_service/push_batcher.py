@@ -25,7 +25,7 @@ import math
 
 from ngramcache.client.errors import BackendUnavailableError
 
-from .counts.store import ApplyResult, GroupItem
+from .counts.values import ApplyResult, GroupItem
 from .store_runner import StoreRunner
 
 __all__ = ["PushBatcher"]

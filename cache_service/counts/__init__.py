@@ -2,13 +2,21 @@
 
 Modules, one concept each:
 
-* `store`: the `CountsStore` interface and the rules every backend shares (dedup window,
-  epoch clock, resync checks, error texts).
+* `store`: the `CountsStore` interface and the logic every backend shares (argument
+  checks, namespace creation, batches and groups).
+* `values`: what its calls take and answer (batch identity, group items, results, change sets).
+* `dedup`: the exactly-once rule, a dedup window of seqs per client.
+* `versions`: the epoch clock that hands out versions, and the resync checks.
+* `leases`: rebuild leases and committed generations (and the in-process lease table).
+* `export`: the consistent export a mirror starts from (version, export, instance check).
 * `config`: `CountsStoreConfig` and the backend URL, parsed once.
-* `namespace`: a namespace's record and the checks of its name, tokenizer and layout.
+* `namespace`: a namespace's record, the checks of its name, tokenizer and layout, its errors.
 * `layout`: bucket hash, field codec, batches encoded by (shard, bucket).
 * `embedded`: the in-process backend (optional snapshot file).
-* `redis_backend`: standalone Redis or Redis Cluster, one Lua script per atomic unit.
+* `redis_backend`: `RedisCountsStore`, standalone Redis or Redis Cluster, built from
+  `redis_connection` (client, retries, error translation), `redis_scripts` (one Lua
+  script per atomic unit), `redis_handles` (namespace records and key names),
+  `redis_writes`, `redis_reads` and `redis_leases`.
 * `schema`: the Redis key names.
 * `factory`: `open_counts_store`, the only module that imports the backends.
 

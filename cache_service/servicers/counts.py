@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Generator, Iterator
+from collections.abc import AsyncIterator
 
 import numpy as np
 from grpc import aio
@@ -12,10 +12,9 @@ from grpc import aio
 from ngramcache.client._proto.codec import DELTA_ROW_BYTES, bytes_to_delta_rows, count_rows_to_bytes
 from ngramcache.client._proto.v1 import counts_pb2, counts_pb2_grpc
 from ngramcache.client.errors import BackendUnavailableError, InvalidArgumentError
-from ngramcache.client.rows import empty_counts
 
-from ..counts.namespace import check_tokenizer
-from ..counts.store import GroupItem, namespace_changed
+from ..counts.export import CountsExporter, split_rows
+from ..counts.values import GroupItem
 from ..metrics import Metrics
 from ..namespaces import NamespaceRegistry
 from ..push_batcher import PushBatcher
@@ -54,12 +53,12 @@ class CountsServicer(counts_pb2_grpc.CountsServicer):
                  push_group_rows: int | None = None, registry: NamespaceRegistry | None = None) -> None:
         if max_push_rows < 1 or max_chunk_rows < 1:
             raise ValueError("max_push_rows and max_chunk_rows must be >= 1")
-        self._runner = runner
-        self._store = runner.store
-        self.max_push_rows = min(max_push_rows, self._store.config.max_batch_rows)
+        store = runner.store
+        self.max_push_rows = min(max_push_rows, store.config.max_batch_rows)
         self.max_chunk_rows = max_chunk_rows
         self.batcher = PushBatcher(runner, window=push_batch_window_ms / 1000,
-                                   max_group_rows=push_group_rows or self._store.config.max_batch_rows)
+                                   max_group_rows=push_group_rows or store.config.max_batch_rows)
+        self.exporter = CountsExporter(runner)
         self._metrics = metrics  # observability (issue 8)
         self._registry = registry
 
@@ -82,8 +81,7 @@ class CountsServicer(counts_pb2_grpc.CountsServicer):
                    context: aio.ServicerContext) -> AsyncIterator[counts_pb2.PullResponse]:
         namespace = request.namespace
         chunk_rows = min(request.max_chunk_rows or DEFAULT_CHUNK_ROWS, self.max_chunk_rows)
-        info = await self._runner.call(self._store.namespace_info, namespace)
-        check_tokenizer(info, request.tokenizer_fingerprint)
+        info = await self.exporter.namespace(namespace, request.tokenizer_fingerprint)
         if request.view == counts_pb2.PULL_VIEW_DRAFT:
             async for chunk in self._pull_view(request, chunk_rows):
                 yield chunk
@@ -91,35 +89,12 @@ class CountsServicer(counts_pb2_grpc.CountsServicer):
         if request.view != counts_pb2.PULL_VIEW_STORE:
             raise InvalidArgumentError(f"unknown Pull view {request.view}")
         if request.HasField("since_version"):
-            change = await self._runner.call(self._store.changes_since, namespace, request.since_version)
-            for rows, complete in _split(change.rows, chunk_rows):
-                yield _chunk(rows, change.version, complete)
-            return
-        # Version first, then the export: changes_since(version) covers what changes during it.
-        version = await self._runner.call(self._store.version, namespace)
-        # The export is read one store chunk per executor call, never whole in memory.
-        parts = await self._runner.call(self._store.export, namespace, chunk_rows=chunk_rows)
-        try:
-            held: list[np.ndarray] = []  # rows read but not sent: fewer than chunk_rows + one store chunk
-            held_rows = 0
-            while (part := await self._runner.call(next, parts, None)) is not None:
-                held.append(part)
-                held_rows += len(part)
-                if held_rows > chunk_rows:  # keep the rest back: the last chunk must say complete
-                    pending = np.concatenate(held)
-                    sendable = (len(pending) - 1) // chunk_rows * chunk_rows
-                    for rows, _ in _split(pending[:sendable], chunk_rows):
-                        yield _chunk(rows, version, False)
-                    held, held_rows = [pending[sendable:]], len(pending) - sendable
-        finally:
-            with contextlib.suppress(ValueError, RuntimeError):  # still running in a worker (a cancelled call)
-                await self._runner.call(_close, parts)
-        # The export read the incarnation the version belongs to only if it was not dropped meanwhile.
-        now = await self._runner.call(self._store.namespace_info, namespace)
-        if now.instance != info.instance:
-            raise namespace_changed(namespace, "the export")
-        yield _chunk(np.concatenate(held) if held else empty_counts(), version, True)
-
+            chunks = self.exporter.changes(namespace, request.since_version, chunk_rows)
+        else:
+            chunks = self.exporter.export(info, chunk_rows)
+        async with contextlib.aclosing(chunks):  # a call that ends early closes the store's export now
+            async for part in chunks:
+                yield _chunk(part.rows, part.version, part.complete)
 
     async def _pull_view(self, request: counts_pb2.PullRequest,
                          chunk_rows: int) -> AsyncIterator[counts_pb2.PullResponse]:
@@ -132,27 +107,12 @@ class CountsServicer(counts_pb2_grpc.CountsServicer):
         if request.HasField("since_version"):
             changes = view.changes_since(request.view_id, request.since_version)
             if changes is not None:
-                for part, complete in _split(changes, chunk_rows):
+                for part, complete in split_rows(changes, chunk_rows):
                     yield _chunk(part, view.version, complete, view.view_id, reset=False)
                 return
         view_id, version, rows = await asyncio.to_thread(view.export_rows)
-        for part, complete in _split(rows, chunk_rows):
+        for part, complete in split_rows(rows, chunk_rows):
             yield _chunk(part, version, complete, view_id, reset=True)
-
-
-def _split(rows: np.ndarray, chunk_rows: int) -> Iterator[tuple[np.ndarray, bool]]:
-    """(rows of at most chunk_rows, last?) pieces of ``rows``; one empty last piece for no rows."""
-    if len(rows) == 0:
-        yield rows, True
-        return
-    for start in range(0, len(rows), chunk_rows):
-        yield rows[start:start + chunk_rows], start + chunk_rows >= len(rows)
-
-
-def _close(it: Iterator[np.ndarray]) -> None:
-    """Let an export the call no longer reads release what it holds (a generator's finally blocks)."""
-    if isinstance(it, Generator):
-        it.close()
 
 
 def _chunk(rows: np.ndarray, version: int, complete: bool, view_id: str = "", reset: bool = False) -> counts_pb2.PullResponse:
