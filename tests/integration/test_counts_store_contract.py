@@ -12,7 +12,8 @@ import pytest
 from counts_helpers import FP, OTHER_FP, VOCAB, as_counter, batch, exported, random_batch, row  # tests/ is on sys.path
 
 from ngramcache.cache_service.counts.layout import fields_and_buckets
-from ngramcache.cache_service.counts.store import ApplyResult, CountsStore, GroupItem, ItemOutcome
+from ngramcache.cache_service.counts.store import CountsStore
+from ngramcache.cache_service.counts.values import ApplyResult, GroupItem, ItemOutcome
 from ngramcache.client.errors import (
     BatchTooOldError,
     InvalidArgumentError,

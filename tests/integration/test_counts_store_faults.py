@@ -17,7 +17,8 @@ from redis_servers import RedisClusterProcesses, RedisServer
 
 from ngramcache.cache_service.counts.config import CountsStoreConfig
 from ngramcache.cache_service.counts.factory import open_counts_store
-from ngramcache.cache_service.counts.store import ApplyResult, CountsStore, GroupItem
+from ngramcache.cache_service.counts.store import CountsStore
+from ngramcache.cache_service.counts.values import ApplyResult, GroupItem
 from ngramcache.client.errors import BackendUnavailableError, StoreAuthenticationError, TokenizerMismatchError
 
 pytestmark = pytest.mark.integration

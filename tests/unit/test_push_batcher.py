@@ -16,7 +16,7 @@ from counts_helpers import FP, OTHER_FP, VOCAB, as_counter, batch, exported, ran
 
 from ngramcache.cache_service.counts import EmbeddedCountsStore
 from ngramcache.cache_service.counts.config import CountsStoreConfig
-from ngramcache.cache_service.counts.store import ApplyResult, GroupItem, ItemOutcome
+from ngramcache.cache_service.counts.values import ApplyResult, GroupItem, ItemOutcome
 from ngramcache.cache_service.push_batcher import PushBatcher
 from ngramcache.cache_service.status import status_of
 from ngramcache.cache_service.store_runner import StoreRunner
