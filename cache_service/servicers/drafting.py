@@ -54,7 +54,6 @@ def _client_of(context: aio.ServicerContext) -> str:
     return "peer:" + peer.rsplit(":", 1)[0]  # ipv4:127.0.0.1:54321 -> ipv4:127.0.0.1
 
 
-
 @contextlib.contextmanager
 def _on_the_wire() -> Iterator[None]:
     """The session rules' errors as the statuses docs/protocol.md gives them."""
