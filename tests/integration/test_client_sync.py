@@ -15,6 +15,8 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
+from corpus_helpers import FAST, FP, VOCAB
+from corpus_helpers import motif_corpus as corpus
 from service_helpers import ServiceThread, wait_until  # tests/ is on sys.path (tests/conftest.py)
 
 from ngramcache import (
@@ -39,15 +41,6 @@ from ngramcache.client.rows import COUNT
 
 pytestmark = pytest.mark.integration
 
-VOCAB = 64
-FP = bytes(range(32))
-FAST = {"pull_interval": 0.1, "push_interval": 0.05, "ready_timeout": 20.0, "close_timeout": 10.0}
-
-
-def corpus(seed: int, n: int = 4000) -> np.ndarray:
-    rng = np.random.default_rng(seed)
-    motifs = [rng.integers(0, VOCAB, rng.integers(3, 9)) for _ in range(12)]
-    return np.concatenate([motifs[i] for i in rng.integers(0, len(motifs), n // 6)]).astype(np.int32)
 
 
 def free_port() -> int:

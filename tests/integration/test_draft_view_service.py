@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import time
 import uuid
 from pathlib import Path
@@ -9,6 +10,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
+from corpus_helpers import FAST, FP, VOCAB, motif_corpus
 from service_helpers import ServiceThread, wait_until  # tests/ is on sys.path (tests/conftest.py)
 
 from ngramcache import CountTable, NgramClient
@@ -17,18 +19,9 @@ from ngramcache.client._proto.v1 import admin_pb2, admin_pb2_grpc, counts_pb2, c
 
 pytestmark = pytest.mark.integration
 
-VOCAB = 64
-FP = bytes(range(32))
-FAST = {"pull_interval": 0.1, "push_interval": 0.05, "ready_timeout": 20.0, "close_timeout": 10.0}
 
 
-def corpus(seed: int, n: int = 4000) -> np.ndarray:
-    rng = np.random.default_rng(seed)
-    motifs = [rng.integers(0, VOCAB, rng.integers(3, 9)) for _ in range(12)]
-    noise = rng.integers(0, VOCAB, n // 6)  # keys seen once or twice: outside the view
-    parts = [np.append(motifs[i], noise[j]) for j, i in enumerate(rng.integers(0, len(motifs), n // 6))]
-    return np.concatenate(parts).astype(np.int32)
-
+corpus = functools.partial(motif_corpus, noise=True)
 
 def create_namespace(address: str) -> str:
     name = "v-" + uuid.uuid4().hex[:8]

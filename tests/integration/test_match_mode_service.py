@@ -4,12 +4,13 @@ synced NgramClient drafts in the match mode from a generation with a corpus inde
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import time
 
 import grpc
-import numpy as np
 import pytest
+from corpus_helpers import FP, VOCAB, motif_corpus
 from service_helpers import ServiceThread
 
 from ngramcache import CountTable, Drafter, NgramClient, RemoteDrafter, StaticCache, build_static_from_tokens
@@ -26,15 +27,9 @@ from ngramcache.client.errors import InvalidArgumentError
 
 pytestmark = pytest.mark.integration
 
-VOCAB = 64
-FP = bytes(range(32))
 
 
-def corpus(seed: int, n: int = 4000) -> np.ndarray:
-    rng = np.random.default_rng(seed)
-    motifs = [rng.integers(0, VOCAB, rng.integers(3, 12)) for _ in range(12)]
-    return np.concatenate([motifs[i] for i in rng.integers(0, len(motifs), n // 7)]).astype(np.int32)
-
+corpus = functools.partial(motif_corpus, longest=11, per=7)
 
 def publish(ch: grpc.Channel, path, generation: int) -> None:
     data = path.read_bytes()

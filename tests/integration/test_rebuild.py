@@ -14,6 +14,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
+from corpus_helpers import FAST, FP, VOCAB, motif_corpus
 from service_helpers import ServiceThread, wait_until  # tests/ is on sys.path (tests/conftest.py)
 
 from ngramcache import NgramClient, StaticCache, build_static_from_tokens
@@ -29,16 +30,10 @@ from ngramcache.client._proto.v1 import (
 
 pytestmark = pytest.mark.integration
 
-VOCAB = 64
-FP = bytes(range(32))
-FAST = {"pull_interval": 0.1, "push_interval": 0.05, "ready_timeout": 20.0, "close_timeout": 10.0}
 
 
 def corpus(seed: int, n: int = 3000) -> np.ndarray:
-    rng = np.random.default_rng(seed)
-    motifs = [rng.integers(0, VOCAB, rng.integers(3, 9)) for _ in range(10)]
-    return np.concatenate([motifs[i] for i in rng.integers(0, len(motifs), n // 6)]).astype(np.int32)
-
+    return motif_corpus(seed, n, motifs=10)
 
 def create(address: str) -> str:
     name = "r-" + uuid.uuid4().hex[:8]

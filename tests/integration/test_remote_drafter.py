@@ -6,8 +6,9 @@ import hashlib
 import time
 
 import grpc
-import numpy as np
 import pytest
+from corpus_helpers import FP, VOCAB
+from corpus_helpers import motif_corpus as corpus
 from service_helpers import ServiceThread
 
 from ngramcache import CountTable, Drafter, RemoteDrafter, StaticCache, build_static_from_tokens
@@ -24,14 +25,6 @@ from ngramcache.client.errors import NamespaceNotFoundError, TokenizerMismatchEr
 
 pytestmark = pytest.mark.integration
 
-VOCAB = 64
-FP = bytes(range(32))
-
-
-def corpus(seed: int, n: int = 4000) -> np.ndarray:
-    rng = np.random.default_rng(seed)
-    motifs = [rng.integers(0, VOCAB, rng.integers(3, 9)) for _ in range(12)]
-    return np.concatenate([motifs[i] for i in rng.integers(0, len(motifs), n // 6)]).astype(np.int32)
 
 
 def test_remote_drafts_equal_local_drafts_and_sessions_recover(tmp_path):

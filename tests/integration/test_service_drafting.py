@@ -14,6 +14,8 @@ import time
 import grpc
 import numpy as np
 import pytest
+from corpus_helpers import FP, VOCAB
+from corpus_helpers import motif_corpus as corpus
 from service_helpers import ServiceThread
 
 from ngramcache import CountTable, Drafter, StaticCache, build_static_from_tokens
@@ -31,8 +33,6 @@ from ngramcache.client._proto.v1 import (
 
 pytestmark = pytest.mark.integration
 
-VOCAB = 64
-FP = bytes(range(32))
 
 
 @pytest.fixture(params=["embedded", "redis"])
@@ -49,12 +49,6 @@ def stubs(port: int):
     ch = grpc.insecure_channel(f"127.0.0.1:{port}")
     return (ch, admin_pb2_grpc.AdminStub(ch), counts_pb2_grpc.CountsStub(ch), drafting_pb2_grpc.DraftingStub(ch),
             static_files_pb2_grpc.StaticFilesStub(ch))
-
-
-def corpus(seed: int, n: int = 4000) -> np.ndarray:
-    rng = np.random.default_rng(seed)
-    motifs = [rng.integers(0, VOCAB, rng.integers(3, 9)) for _ in range(12)]
-    return np.concatenate([motifs[i] for i in rng.integers(0, len(motifs), n // 6)]).astype(np.int32)
 
 
 def delta_rows(tokens: np.ndarray) -> np.ndarray:

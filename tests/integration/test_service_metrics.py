@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import queue
 import time
@@ -21,6 +22,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
+from corpus_helpers import FP, VOCAB, motif_corpus
 from grpc import aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import generate_latest
@@ -53,8 +55,6 @@ from ngramcache.client._proto.v1 import (
 
 pytestmark = pytest.mark.integration
 
-VOCAB = 64
-FP = bytes(range(32))
 SECRET = "s3cr3t-T0KEN-value-9f8e7d"  # sent as `authorization: Bearer ...` with every call
 CLIENT_ID = "client-7c1d2e"  # never a label
 METADATA = (("authorization", f"Bearer {SECRET}"),)
@@ -129,11 +129,7 @@ def observed(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Observe
     obs.close()
 
 
-def corpus(seed: int = 1, n: int = 3000) -> np.ndarray:
-    rng = np.random.default_rng(seed)
-    motifs = [rng.integers(0, VOCAB, rng.integers(3, 9)) for _ in range(10)]
-    return np.concatenate([motifs[i] for i in rng.integers(0, len(motifs), n // 6)]).astype(np.int32)
-
+corpus = functools.partial(motif_corpus, 1, n=3000, motifs=10)
 
 def push_request(rows: bytes, seq: int) -> counts_pb2.PushRequest:
     return counts_pb2.PushRequest(namespace=NAMESPACE, tokenizer_fingerprint=FP, client_id=CLIENT_ID, seq=seq, rows=rows)
