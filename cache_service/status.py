@@ -11,10 +11,18 @@ reasons). Nothing else in the service picks a status code.
 from __future__ import annotations
 
 import dataclasses
+import math
+import re
 
 import grpc
 
-from ngramcache.client.errors import LimitExceededError, NgramCacheError, StoreAuthenticationError
+from ngramcache.client.errors import (
+    BackendUnavailableError,
+    LimitExceededError,
+    NgramCacheError,
+    OverloadedError,
+    StoreAuthenticationError,
+)
 from ngramcache.client.wire_errors import (  # the reasons, re-exported for the servicers
     BATCH_TOO_OLD,
     CACHE_FORMAT,
@@ -26,17 +34,19 @@ from ngramcache.client.wire_errors import (  # the reasons, re-exported for the 
     LIMIT,
     NAMESPACE_NOT_FOUND,
     OFFSET_OUT_OF_RANGE,
+    OVERLOADED,
     REASON_KEY,
     RESYNC_REQUIRED,
+    RETRY_AFTER_KEY,
     SESSION_EVICTED,
     TOKENIZER_MISMATCH,
     WIRE_ERRORS,
 )
 
 __all__ = ["BATCH_TOO_OLD", "CACHE_FORMAT", "CHECKSUM_MISMATCH", "GENERATION_NOT_FOUND", "GENERATION_NOT_NEWER",
-           "LEASE_HELD", "LEASE_LOST", "LIMIT", "NAMESPACE_NOT_FOUND", "OFFSET_OUT_OF_RANGE", "REASON_KEY",
-           "RESYNC_REQUIRED", "SESSION_EVICTED", "TOKENIZER_MISMATCH", "ServiceError", "Status", "limit_exceeded",
-           "status_of"]
+           "LEASE_HELD", "LEASE_LOST", "LIMIT", "NAMESPACE_NOT_FOUND", "OFFSET_OUT_OF_RANGE", "OVERLOADED", "REASON_KEY",
+           "RESYNC_REQUIRED", "RETRY_AFTER_KEY", "SESSION_EVICTED", "TOKENIZER_MISMATCH", "ServiceError", "Status",
+           "limit_exceeded", "status_of", "store_outage_message"]
 
 
 class ServiceError(NgramCacheError):
@@ -66,9 +76,13 @@ class Status:
     code: grpc.StatusCode
     message: str
     reason: str | None = None
+    retry_after_ms: int | None = None  # OVERLOADED: how long the caller should wait before retrying
 
     def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
-        return ((REASON_KEY, self.reason),) if self.reason else ()
+        out: tuple[tuple[str, str], ...] = ((REASON_KEY, self.reason),) if self.reason else ()
+        if self.retry_after_ms is not None:
+            out += ((RETRY_AFTER_KEY, str(self.retry_after_ms)),)
+        return out
 
 
 # The wire error table, and before it the errors that exist only on this side. The store refused
@@ -102,7 +116,47 @@ def _status_of(exc: BaseException) -> Status:
         return Status(exc.code, str(exc), exc.reason)
     for cls, code, reason in _MAPPING:
         if isinstance(exc, cls):
+            if isinstance(exc, OverloadedError):
+                return Status(code, str(exc), reason, _milliseconds(exc.retry_after))
+            if cls is BackendUnavailableError:
+                return Status(code, store_outage_message(str(exc)), reason)
             return Status(code, str(exc), reason)
     if isinstance(exc, NgramCacheError):
         return Status(grpc.StatusCode.INVALID_ARGUMENT if not exc.retriable else grpc.StatusCode.UNAVAILABLE, str(exc))
     return Status(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}")
+
+
+def _milliseconds(seconds: float | None) -> int | None:
+    if seconds is None or not math.isfinite(seconds):
+        return None
+    return max(0, math.ceil(seconds * 1000))
+
+
+# What a store backend says when it cannot be reached ("<where> is unavailable: <RedisErrorName>: <detail>"),
+# and the operator's words for the redis-py exception names in it.
+_STORE_OUTAGE = re.compile(r"^(?P<where>\S+://\S*) is unavailable: (?:(?P<kind>[A-Za-z]+Error): )?(?P<detail>.*)$",
+                           re.DOTALL)
+_OUTAGE_KINDS = {
+    "ConnectionError": "cannot connect",
+    "TimeoutError": "no answer in time",
+    "BusyLoadingError": "loading its data after a restart",
+    "ClusterDownError": "the cluster is down",
+    "MasterDownError": "its primary is down",
+    "TryAgainError": "resharding",
+    "ReadOnlyError": "read-only (a replica, or failing over)",
+    "OutOfMemoryError": "out of memory",
+}
+
+
+def store_outage_message(message: str) -> str:
+    """A store backend's unavailability, said as a counts store outage ("the counts store is
+    unavailable (<where>: <what happened>)") rather than as a client library's exception name;
+    other messages unchanged."""
+    m = _STORE_OUTAGE.match(message)
+    if m is None:
+        return message
+    kind = m.group("kind")
+    what = _OUTAGE_KINDS.get(kind or "", "unavailable") if kind else ""
+    detail = m.group("detail").strip()
+    said = f"{what}: {detail}" if what and detail else (what or detail)
+    return f"the counts store is unavailable ({m.group('where')}: {said})"

@@ -33,6 +33,23 @@ class BackendUnavailableError(NgramCacheError, ConnectionError):
     retriable = True
 
 
+class OverloadedError(BackendUnavailableError):
+    """The service shed the call to protect itself (its queue is full, or the call's deadline cannot be met).
+
+    Nothing of the call was applied: send the same request again (a push keeps its
+    (client_id, seq)) after ``retry_after`` seconds, and send less meanwhile. Retriable.
+
+    Attributes:
+        retry_after: seconds the service asks the caller to wait before retrying (None: not said).
+    """
+
+    retriable = True
+
+    def __init__(self, message: str = "", retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
 class ResyncRequiredError(NgramCacheError):
     """The change history kept no longer reaches the version asked for; resync from a full export."""
 

@@ -9,6 +9,9 @@ reasons a client can see.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from typing import Any
+
 import grpc
 
 from ngramcache.client.errors import (
@@ -26,13 +29,16 @@ from ngramcache.client.errors import (
     NamespaceNotFoundError,
     NgramCacheError,
     OffsetOutOfRangeError,
+    OverloadedError,
     ResyncRequiredError,
     TokenizerMismatchError,
 )
 
-__all__ = ["REASON_KEY", "WIRE_ERRORS", "error_class_for"]
+__all__ = ["REASON_KEY", "RETRY_AFTER_KEY", "WIRE_ERRORS", "error_class_for", "retry_after_of"]
 
 REASON_KEY = "ngc-error-reason"
+RETRY_AFTER_KEY = "ngc-retry-after-ms"
+"""Trailing metadata of an OVERLOADED call: whole milliseconds the service asks the caller to wait."""
 
 # Reasons: set where one code has several causes.
 TOKENIZER_MISMATCH = "TOKENIZER_MISMATCH"
@@ -48,6 +54,7 @@ CACHE_FORMAT = "CACHE_FORMAT"
 LEASE_HELD = "LEASE_HELD"
 LEASE_LOST = "LEASE_LOST"
 LIMIT = "LIMIT"
+OVERLOADED = "OVERLOADED"
 
 WIRE_ERRORS: tuple[tuple[type[NgramCacheError], grpc.StatusCode, str | None], ...] = (
     # (exception, code, reason), most specific first: a subclass before its base.
@@ -67,6 +74,8 @@ WIRE_ERRORS: tuple[tuple[type[NgramCacheError], grpc.StatusCode, str | None], ..
     (LeaseHeldError, grpc.StatusCode.ABORTED, LEASE_HELD),
     (LeaseLostError, grpc.StatusCode.ABORTED, LEASE_LOST),
     (InvalidArgumentError, grpc.StatusCode.INVALID_ARGUMENT, None),
+    # The service shed the call (nothing applied): retry after ngc-retry-after-ms, sending less.
+    (OverloadedError, grpc.StatusCode.RESOURCE_EXHAUSTED, OVERLOADED),
     (BackendUnavailableError, grpc.StatusCode.UNAVAILABLE, None),
 )
 
@@ -103,3 +112,15 @@ def error_class_for(code: grpc.StatusCode | None, reason: str | None) -> type[Ng
     if code in _CALLER_CODES:
         return InvalidArgumentError
     return NgramCacheError
+
+
+def retry_after_of(trailing_metadata: Iterable[tuple[str, Any]] | None) -> float | None:
+    """Seconds an OVERLOADED call's trailing metadata asks to wait (None: absent or not a number)."""
+    for key, value in trailing_metadata or ():
+        if key == RETRY_AFTER_KEY:
+            try:
+                ms = int(value)
+            except (TypeError, ValueError):
+                return None
+            return ms / 1000 if ms >= 0 else None
+    return None
