@@ -48,6 +48,10 @@ _HELP = {
                             "(default 0: it goes as soon as the store is free)",
     "push_group_rows": "most rows summed into one store unit from concurrent pushes (default 0: the store's "
                        "max_batch_rows)",
+    "push_queue_rows": "most rows of pushes waiting for the counts store per namespace; a push over it is answered "
+                       "RESOURCE_EXHAUSTED/OVERLOADED with a retry-after, nothing applied (default 262144)",
+    "store_probe_interval": "seconds between two checks that the counts store answers; health is NOT_SERVING "
+                            "while it does not (default 1)",
     "mirror_interval": "seconds between two refreshes of a namespace's dynamic mirror and draft view (default 0.25)",
     "view_top_k": "followers per n-gram in the draft view clients mirror (default 8)",
     "view_min_change_pct": "a count in the draft view is republished when it moves by more than this percent "

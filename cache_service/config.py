@@ -30,7 +30,7 @@ ENV_PREFIX = "NGC_"
 _INT_MAX = {"max_message_bytes": 2**31 - 1, "max_streams_per_connection": 2**31 - 1, "max_sessions": 10**7,
             "max_sessions_per_client": 10**7, "store_threads": 1024, "workers": 256, "view_top_k": 64,
             "keep_generations": 10**6}
-_SECONDS_MAX = {"session_idle_timeout": 7 * 86400.0, "mirror_interval": 60.0, "grace_period": 3600.0,
+_SECONDS_MAX = {"session_idle_timeout": 7 * 86400.0, "mirror_interval": 60.0, "store_probe_interval": 60.0, "grace_period": 3600.0,
                 "rebuild_lease_seconds": 3600.0, "peer_sync_interval": 3600.0, "rebuild_every": 30 * 86400.0}
 
 
@@ -62,6 +62,8 @@ class ServiceConfig:
     max_chunk_rows: int = 65_536
     push_batch_window_ms: float = 0.0  # how long a group of pushes waits for more (0: until the store is free)
     push_group_rows: int = 0  # most rows summed into one store unit (0: the store's max_batch_rows)
+    push_queue_rows: int = 1 << 18  # rows of pushes waiting per namespace; more are shed (OVERLOADED)
+    store_probe_interval: float = 1.0  # seconds between two checks that the counts store answers (health)
     mirror_interval: float = 0.25  # seconds between two changes_since of a namespace's mirror (and draft view updates)
     # The draft view clients mirror (cache_service/draft_view.py)
     view_top_k: int = 8  # followers kept per key
@@ -99,7 +101,7 @@ class ServiceConfig:
         if not -1 <= self.metrics_port <= 65535:
             raise InvalidArgumentError(f"metrics_port must be in -1..65535 (-1: off, 0: any free port), got {self.metrics_port}")
         for name in ("max_sessions", "max_sessions_per_client", "max_streams_per_connection", "max_session_tokens", "max_step_tokens", "max_draft_tokens", "session_memory",
-                     "max_push_rows", "max_chunk_rows", "max_message_bytes", "max_file_bytes", "store_threads",
+                     "max_push_rows", "push_queue_rows", "max_chunk_rows", "max_message_bytes", "max_file_bytes", "store_threads",
                      "workers", "view_top_k", "view_max_rows", "view_max_rows_per_second", "keep_generations"):
             value = getattr(self, name)
             top = _INT_MAX.get(name, 1 << 62)
@@ -109,7 +111,7 @@ class ServiceConfig:
             raise InvalidArgumentError(f"rebuild_every must be a number of seconds in 0..{_SECONDS_MAX['rebuild_every']:g} "
                                        f"(0: off), got {self.rebuild_every!r}")
         for name in ("session_idle_timeout", "mirror_interval", "grace_period", "rebuild_lease_seconds",
-                     "peer_sync_interval"):
+                     "peer_sync_interval", "store_probe_interval"):
             value = getattr(self, name)
             longest = _SECONDS_MAX[name]
             if not isinstance(value, (int, float)) or not math.isfinite(value) or not 0 < value <= longest:

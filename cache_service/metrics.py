@@ -16,6 +16,9 @@ Metrics (docs for each in its HELP text):
     ngramcache_drafted_tokens_total            counter    tokens proposed by those drafts
     ngramcache_pushed_rows_total               counter    delta rows of pushes applied
     ngramcache_duplicate_pushes_total          counter    pushes acknowledged as duplicates
+    ngramcache_pushes_shed_total{reason}       counter    pushes answered OVERLOADED, nothing applied
+    ngramcache_shed_rows_total                 counter    delta rows of those pushes
+    ngramcache_store_available                 gauge      1 while the periodic store probe succeeds
     ngramcache_store_seconds{op}               histogram  counts store call latency
     ngramcache_store_errors_total{op}          counter    counts store calls that failed
     ngramcache_namespaces_live                 gauge      namespaces with drafting state
@@ -101,6 +104,16 @@ class Metrics:
         self.duplicate_pushes = Counter("ngramcache_duplicate_pushes",
                                         "Push batches acknowledged as duplicates (a retry of an applied batch).",
                                         registry=r)
+        self.pushes_shed = Counter("ngramcache_pushes_shed",
+                                   "Push batches answered RESOURCE_EXHAUSTED/OVERLOADED, nothing of them applied, "
+                                   "by reason: queue_full (the namespace's push queue was full) or deadline (the "
+                                   "batch could not reach the store before its caller's deadline).", ["reason"],
+                                   registry=r)
+        self.shed_rows = Counter("ngramcache_shed_rows", "Delta rows of the Push batches shed (their senders retry them).",
+                                 registry=r)
+        self.store_available = Gauge("ngramcache_store_available",
+                                     "1 while the periodic counts store probe succeeds, 0 during an outage (health "
+                                     "is NOT_SERVING then).", registry=r)
         self.store_seconds = Histogram("ngramcache_store_seconds",
                                        "Counts store call latency in seconds, queueing for a store thread included.",
                                        ["op"], buckets=STORE_BUCKETS, registry=r)
@@ -136,6 +149,11 @@ class Metrics:
             self.duplicate_pushes.inc()
         else:
             self.pushed_rows.inc(rows)
+
+    def push_shed(self, reason: str, rows: int) -> None:
+        """A Push of `rows` rows was shed for `reason` (one of push_admission.SHED_REASONS)."""
+        self.pushes_shed.labels(reason).inc()
+        self.shed_rows.inc(rows)
 
     def observe_store(self, op: str, seconds: float, error: BaseException | None = None) -> None:
         """One counts store call `op` ended after `seconds`, raising `error` (None: it returned)."""

@@ -14,6 +14,13 @@ A push is answered only after the store call holding its batch returned, so an
 acknowledgement means the batch is in the store; if that call fails (the store is
 unreachable), every push of the group fails with the same retriable error and none is
 acknowledged, and their senders retry the same (client_id, seq, rows).
+
+Under overload the batcher sheds instead of queueing without bound (`PushAdmission`): a
+push finding its namespace's queue full, or one that cannot reach the store before its
+caller's deadline, is answered `OverloadedError` at once (nothing of it applied, a
+retry-after from the store's measured throughput), and a group leaves out the pushes whose
+deadline would pass during its store call. So no push is applied long after its caller
+gave up, and the queue holds at most ``max_queue_rows`` rows a namespace.
 """
 
 from __future__ import annotations
@@ -22,11 +29,16 @@ import asyncio
 import collections
 import dataclasses
 import math
+from typing import TYPE_CHECKING
 
-from ngramcache.client.errors import BackendUnavailableError
+from ngramcache.client.errors import BackendUnavailableError, OverloadedError
 
 from .counts.values import ApplyResult, GroupItem
+from .push_admission import DEADLINE, PushAdmission
 from .store_runner import StoreRunner
+
+if TYPE_CHECKING:
+    from .metrics import Metrics
 
 __all__ = ["PushBatcher"]
 
@@ -39,6 +51,7 @@ class _Waiting:
     rows: int
     arrived: float  # loop time
     future: asyncio.Future[tuple[ApplyResult, int]]
+    deadline: float | None = None  # loop time its caller gives up at (None: never)
 
 
 class _Lane:
@@ -47,6 +60,7 @@ class _Lane:
     def __init__(self) -> None:
         self.queue: collections.deque[_Waiting] = collections.deque()
         self.rows = 0  # rows waiting in the queue
+        self.in_store = 0  # rows of its groups in the store now
         self.running = 0  # drain tasks (each has at most one group in the store)
         self.full = asyncio.Event()  # set when the waiting rows reach a group's size (ends a window early)
 
@@ -69,10 +83,13 @@ class PushBatcher:
             biggest groups); 2, the default, lets the service sum and encode the next group
             while Redis runs the current one (as `CountsStore.apply_many` keeps two round
             trips in flight), which measured faster on the benchmark (docs/counts-store.md).
+        max_queue_rows: most rows waiting in one namespace's queue; a push over it is shed
+            (`OverloadedError`), unless the queue is empty.
+        metrics: where to count shed pushes (None: nowhere).
     """
 
     def __init__(self, runner: StoreRunner, *, window: float = 0.0, max_group_rows: int = 1 << 16,
-                 groups_in_flight: int = 2) -> None:
+                 groups_in_flight: int = 2, max_queue_rows: int = 1 << 18, metrics: Metrics | None = None) -> None:
         if not math.isfinite(window) or window < 0:
             raise ValueError(f"window must be a finite number of seconds >= 0, got {window!r}")
         if max_group_rows < 1 or groups_in_flight < 1:
@@ -82,27 +99,43 @@ class PushBatcher:
         self.window = float(window)
         self.max_group_rows = max_group_rows
         self.groups_in_flight = groups_in_flight
+        self.admission = PushAdmission(max_queue_rows)
+        self._metrics = metrics
         self._lanes: dict[str, _Lane] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self.groups = 0  # store calls made so far (tests, benchmarks)
         self.pushes = 0  # pushes those calls carried
+        self.shed: dict[str, int] = {}  # pushes shed, by reason (tests, benchmarks)
 
-    async def push(self, namespace: str, item: GroupItem) -> tuple[ApplyResult, int]:
+    async def push(self, namespace: str, item: GroupItem, timeout: float | None = None) -> tuple[ApplyResult, int]:
         """Apply one pushed batch with whatever else is pushed to ``namespace`` meanwhile.
+
+        Args:
+            namespace: where it goes.
+            item: the batch and its (client_id, seq).
+            timeout: seconds until its caller gives up (the call's deadline; None: never).
 
         Returns:
             (its result, the namespace's version read after its group was applied).
 
         Raises:
             the item's own error (InvalidArgumentError, TokenizerMismatchError,
-            BatchTooOldError: nothing of it written), or the group's (NamespaceNotFoundError,
-            BackendUnavailableError: retry the same batch).
+            BatchTooOldError: nothing of it written), the group's (NamespaceNotFoundError,
+            BackendUnavailableError: retry the same batch), or OverloadedError: shed,
+            nothing written, retry the same batch after its ``retry_after``.
         """
         loop = asyncio.get_running_loop()
         lane = self._lanes.get(namespace)
         if lane is None:
             lane = self._lanes[namespace] = _Lane()
-        waiting = _Waiting(item, len(item.deltas), loop.time(), loop.create_future())
+        rows = len(item.deltas)
+        reason = self.admission.refuse_on_arrival(rows, lane.rows, lane.in_store, timeout)
+        if reason is not None:
+            if not lane.queue and not lane.running:
+                del self._lanes[namespace]
+            raise self._shed(reason, rows, lane.rows + lane.in_store, namespace)
+        now = loop.time()
+        waiting = _Waiting(item, rows, now, loop.create_future(), None if timeout is None else now + timeout)
         lane.queue.append(waiting)
         lane.rows += waiting.rows
         if lane.rows >= self.max_group_rows:
@@ -113,9 +146,16 @@ class PushBatcher:
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
         # Cancelled (the caller's deadline): the future is cancelled too, so a group not yet
-        # formed leaves it out; one already in the store may apply it, and the sender's retry
-        # of the same (client_id, seq) is then a duplicate.
+        # formed leaves it out; one already in the store may apply it (groups leave out the pushes
+        # whose deadline their store call would pass, so only a call slower than measured does),
+        # and the sender's retry of the same (client_id, seq) is then a duplicate.
         return await waiting.future
+
+    def _shed(self, reason: str, rows: int, ahead: int, namespace: str) -> OverloadedError:
+        self.shed[reason] = self.shed.get(reason, 0) + 1
+        if self._metrics is not None:
+            self._metrics.push_shed(reason, rows)
+        return self.admission.overloaded(reason, ahead, namespace)
 
     async def close(self) -> None:
         """Wait for the groups in the store (call after the server stopped taking calls)."""
@@ -127,9 +167,9 @@ class PushBatcher:
             while lane.queue:
                 if self.window > 0:
                     await self._wait_window(lane)
-                group = self._take(lane)
+                group = self._take(namespace, lane)
                 if group:
-                    await self._commit(namespace, group)
+                    await self._commit(namespace, lane, group)
         finally:
             lane.running -= 1
             if lane.running == 0:
@@ -150,10 +190,12 @@ class PushBatcher:
             except asyncio.TimeoutError:
                 pass
 
-    def _take(self, lane: _Lane) -> list[_Waiting]:
-        """The next group: waiting pushes in arrival order up to max_group_rows rows (at least one)."""
+    def _take(self, namespace: str, lane: _Lane) -> list[_Waiting]:
+        """The next group: waiting pushes in arrival order up to max_group_rows rows (at least one),
+        less those whose caller would give up before the group's store call ends (shed)."""
         group: list[_Waiting] = []
         rows = 0
+        now = asyncio.get_running_loop().time()
         while lane.queue:
             waiting = lane.queue[0]
             if group and rows + waiting.rows > self.max_group_rows:
@@ -162,15 +204,25 @@ class PushBatcher:
             lane.rows -= waiting.rows
             if waiting.future.done():  # its caller went away before the group formed
                 continue
+            remaining = None if waiting.deadline is None else waiting.deadline - now
+            if self.admission.too_late(lane.in_store + rows + waiting.rows, remaining, first=not group):
+                waiting.future.set_exception(self._shed(DEADLINE, waiting.rows, lane.rows + lane.in_store + rows,
+                                                        namespace))
+                continue
             group.append(waiting)
             rows += waiting.rows
         return group
 
-    async def _commit(self, namespace: str, group: list[_Waiting]) -> None:
+    async def _commit(self, namespace: str, lane: _Lane, group: list[_Waiting]) -> None:
         self.groups += 1
         self.pushes += len(group)
+        rows = sum(w.rows for w in group)
+        lane.in_store += rows
+        loop = asyncio.get_running_loop()
+        started = loop.time()
         try:
             outcomes = await self._runner.call(self._store.apply_group, namespace, [w.item for w in group])
+            self.admission.throughput.observe(rows, loop.time() - started)
             accepted = any(isinstance(o, ApplyResult) for o in outcomes)
             version = await self._runner.call(self._store.version, namespace) if accepted else 0
         except asyncio.CancelledError:
@@ -182,6 +234,8 @@ class PushBatcher:
                 if not waiting.future.done():
                     waiting.future.set_exception(exc)
             return
+        finally:
+            lane.in_store -= rows
         for waiting, outcome in zip(group, outcomes):
             if waiting.future.done():
                 continue

@@ -46,18 +46,22 @@ class CountsServicer(counts_pb2_grpc.CountsServicer):
             ``max_batch_rows``, so no store call is bigger than the biggest single push).
         registry: the live namespaces, whose draft views a Pull with view = PULL_VIEW_DRAFT
             reads (None: such a Pull is INVALID_ARGUMENT).
+        push_queue_rows: most rows of pushes waiting for the store per namespace; more are
+            shed with OVERLOADED (see `PushBatcher`).
     """
 
     def __init__(self, runner: StoreRunner, *, max_push_rows: int, max_chunk_rows: int,
                  metrics: Metrics | None = None, push_batch_window_ms: float = 0.0,
-                 push_group_rows: int | None = None, registry: NamespaceRegistry | None = None) -> None:
+                 push_group_rows: int | None = None, registry: NamespaceRegistry | None = None,
+                 push_queue_rows: int = 1 << 18) -> None:
         if max_push_rows < 1 or max_chunk_rows < 1:
             raise ValueError("max_push_rows and max_chunk_rows must be >= 1")
         store = runner.store
         self.max_push_rows = min(max_push_rows, store.config.max_batch_rows)
         self.max_chunk_rows = max_chunk_rows
         self.batcher = PushBatcher(runner, window=push_batch_window_ms / 1000,
-                                   max_group_rows=push_group_rows or store.config.max_batch_rows)
+                                   max_group_rows=push_group_rows or store.config.max_batch_rows,
+                                   max_queue_rows=push_queue_rows, metrics=metrics)
         self.exporter = CountsExporter(runner)
         self._metrics = metrics  # observability (issue 8)
         self._registry = registry
@@ -69,9 +73,10 @@ class CountsServicer(counts_pb2_grpc.CountsServicer):
         deltas = bytes_to_delta_rows(request.rows)  # InvalidArgumentError unless a whole number of rows
         # The store checks this push's client id, seq, tokenizer and every row before it writes
         # anything, and applies it together with the pushes that arrive meanwhile (PushBatcher),
-        # once per (client_id, seq); the answer comes after that store call returned.
+        # once per (client_id, seq); the answer comes after that store call returned. The
+        # caller's deadline goes along: a push that cannot be applied before it is shed (OVERLOADED).
         result, version = await self.batcher.push(request.namespace, GroupItem(
-            request.client_id, request.seq, deltas, request.tokenizer_fingerprint))
+            request.client_id, request.seq, deltas, request.tokenizer_fingerprint), context.time_remaining())
         if self._metrics is not None:
             self._metrics.pushed(rows, duplicate=result.duplicate)
         return counts_pb2.PushResponse(duplicate=result.duplicate, units=result.units, applied_units=result.applied,

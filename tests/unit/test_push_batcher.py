@@ -1,8 +1,9 @@
-"""PushBatcher: pushes that arrive while a group is in the store go together, each with its own result; a failed group acknowledges nothing."""
+"""PushBatcher: pushes that arrive while a group is in the store go together, each with its own result; a failed group acknowledges nothing; overload is shed, never applied late."""
 
 from __future__ import annotations
 
 import asyncio
+import math
 import threading
 import time
 from collections import Counter
@@ -17,6 +18,7 @@ from counts_helpers import FP, OTHER_FP, VOCAB, as_counter, batch, exported, ran
 from ngramcache.cache_service.counts import EmbeddedCountsStore
 from ngramcache.cache_service.counts.config import CountsStoreConfig
 from ngramcache.cache_service.counts.values import ApplyResult, GroupItem, ItemOutcome
+from ngramcache.cache_service.push_admission import PushAdmission
 from ngramcache.cache_service.push_batcher import PushBatcher
 from ngramcache.cache_service.status import status_of
 from ngramcache.cache_service.store_runner import StoreRunner
@@ -25,6 +27,7 @@ from ngramcache.client.errors import (
     BatchTooOldError,
     InvalidArgumentError,
     NamespaceNotFoundError,
+    OverloadedError,
     TokenizerMismatchError,
 )
 
@@ -337,3 +340,108 @@ def test_a_pushed_batch_is_visible_to_lookups(store: EmbeddedCountsStore) -> Non
 
     run(store, test)
     assert store.lookup(NS, [5, 6]) == {7: 3}
+
+
+# Shedding: a bounded queue per namespace, and no push applied after its caller's deadline.
+
+
+def test_a_full_queue_sheds_the_push_at_once_with_a_retry_after(store: EmbeddedCountsStore, gate: GatedStore) -> None:
+    data = batches(11, 4)
+
+    async def test(batcher: PushBatcher) -> None:
+        first = await hold_the_store(batcher, gate, GroupItem("a", 1, data[0], FP))
+        kept = await queue(batcher, [GroupItem("b", 1, data[1], FP), GroupItem("c", 1, data[2], FP)])
+        with pytest.raises(OverloadedError) as shed:  # 200 rows wait; 100 more is over 250
+            await batcher.push(NS, GroupItem("d", 1, data[3], FP))
+        assert shed.value.retriable and shed.value.retry_after is not None and shed.value.retry_after > 0
+        status = status_of(shed.value)
+        assert (status.code, status.reason) == (grpc.StatusCode.RESOURCE_EXHAUSTED, "OVERLOADED")
+        assert dict(status.trailing_metadata())["ngc-retry-after-ms"] == str(math.ceil(shed.value.retry_after * 1000))
+        assert "overloaded" in str(shed.value) and "nothing was applied" in str(shed.value)
+        gate.hold = False
+        gate.release.set()
+        for t in [first, *kept]:
+            assert (await t)[0].applied == 1
+        # Its sender sends the same batch again once the queue has room: it counts once.
+        assert (await batcher.push(NS, GroupItem("d", 1, data[3], FP)))[0].applied == 1
+
+    batcher = run(store, test, max_queue_rows=250)
+    assert batcher.shed == {"queue_full": 1}
+    assert gate.clients() == [["a:1"], ["b:1", "c:1"], ["d:1"]]  # the shed push was never in a group
+    assert exported(store, NS) == sum((as_counter(d) for d in data), Counter())
+
+
+def test_a_push_into_an_empty_queue_is_never_shed_however_big(store: EmbeddedCountsStore, gate: GatedStore) -> None:
+    deltas = batches(12, 1, m=500)[0]
+
+    async def test(batcher: PushBatcher) -> None:
+        assert (await batcher.push(NS, GroupItem("a", 1, deltas, FP), timeout=30.0))[0].applied == 1
+
+    assert run(store, test, max_queue_rows=10).shed == {}
+
+
+def test_a_push_that_cannot_reach_the_store_before_its_deadline_is_shed_on_arrival(
+        store: EmbeddedCountsStore, gate: GatedStore) -> None:
+    data = batches(13, 3)
+
+    async def test(batcher: PushBatcher) -> None:
+        batcher.admission.throughput.observe(1000, 1.0)  # the store takes 1000 rows/s
+        first = await hold_the_store(batcher, gate, GroupItem("a", 1, data[0], FP))
+        with pytest.raises(OverloadedError) as shed:  # 200 rows ahead of its end: 0.2 s > 0.05 s
+            await batcher.push(NS, GroupItem("b", 1, data[1], FP), timeout=0.05)
+        assert 0.1 <= shed.value.retry_after <= 0.2  # the 100 rows in the store, at 1000 rows/s (some learnt)
+        with pytest.raises(OverloadedError):  # a deadline already past
+            await batcher.push(NS, GroupItem("c", 1, data[2], FP), timeout=0.0)
+        late = asyncio.create_task(batcher.push(NS, GroupItem("c", 1, data[2], FP), timeout=5.0))  # time enough
+        await asyncio.sleep(0.01)
+        gate.hold = False
+        gate.release.set()
+        await first
+        assert (await late)[0].applied == 1
+
+    batcher = run(store, test)
+    assert batcher.shed == {"deadline": 2}
+    assert gate.clients() == [["a:1"], ["c:1"]]
+    assert exported(store, NS) == as_counter(data[0]) + as_counter(data[2])
+
+
+def test_a_group_leaves_out_the_pushes_whose_deadline_its_store_call_would_pass(
+        store: EmbeddedCountsStore, gate: GatedStore) -> None:
+    data = batches(14, 3)
+
+    async def test(batcher: PushBatcher) -> None:
+        batcher.admission.throughput.observe(1000, 1.0)
+        first = await hold_the_store(batcher, gate, GroupItem("a", 1, data[0], FP))
+        oldest, = await queue(batcher, [GroupItem("b", 1, data[1], FP)])
+        # A deadline it can meet on arrival (300 rows ahead of its end: 0.3 s < 0.6 s)...
+        hurried = asyncio.create_task(batcher.push(NS, GroupItem("c", 1, data[2], FP), timeout=0.6))
+        await asyncio.sleep(0.5)  # ...but the store took its time: 0.1 s left, the group needs ~0.3 s
+        gate.hold = False
+        gate.release.set()
+        await first
+        assert (await oldest)[0].applied == 1  # the oldest of a group always goes (the estimate keeps learning)
+        with pytest.raises(OverloadedError):
+            await hurried
+
+    batcher = run(store, test)
+    assert batcher.shed == {"deadline": 1}
+    assert gate.clients() == [["a:1"], ["b:1"]]  # c never reached the store
+    assert exported(store, NS) == as_counter(data[0]) + as_counter(data[1])
+
+
+def test_store_throughput_and_retry_after() -> None:
+    admission = PushAdmission(100, min_retry_after=0.02, max_retry_after=5.0)
+    assert admission.throughput.rows_per_second is None and admission.retry_after(10**9) == 0.1
+    admission.throughput.observe(10_000, 1.0)
+    admission.throughput.observe(0, 5.0)  # says nothing
+    assert admission.throughput.rows_per_second == pytest.approx(10_000)
+    assert admission.retry_after(5_000) == pytest.approx(0.5)
+    assert admission.retry_after(1) == 0.02 and admission.retry_after(10**9) == 5.0
+    assert admission.refuse_on_arrival(10**6, 0, 0, 0.001) is None  # nothing ahead: it goes
+    assert admission.refuse_on_arrival(50, 60, 0, None) == "queue_full"
+    assert admission.refuse_on_arrival(40, 60, 0, None) is None
+    assert admission.refuse_on_arrival(40, 60, 5_000, 0.4) == "deadline"
+    assert not admission.too_late(10**6, 0.001, first=True) and admission.too_late(10**6, 0.0, first=True)
+    assert admission.too_late(10_000, 1.4, first=False) and not admission.too_late(10_000, 1.6, first=False)
+    with pytest.raises(ValueError):
+        PushAdmission(0)
