@@ -4,7 +4,14 @@ What a crash can lose: the deltas accepted since the last drain (at most ``push_
 plus the pending buffer and the unacknowledged batches (at most ``max_pending_rows +
 max_unacked * max_batch_rows`` rows); an acknowledged batch is counted exactly once,
 whatever retries happen. Whatever is dropped (a full buffer, a refused batch, close running
-out of ``close_timeout``) is counted in ``dropped_rows``/``dropped_count`` and logged.
+out of ``close_timeout``) is counted in ``dropped_rows``/``dropped_count`` and logged (once
+per `DROP_LOG_INTERVAL` with the numbers, however often it happens).
+
+Backpressure: a service that sheds a push (`OverloadedError`, nothing applied) is waited for
+the time it hints, and the same batch (same seq, same rows) is sent again; meanwhile the
+pusher sends less, AIMD-style: the batches in flight and the rows of new batches halve on
+overload and grow back slowly with each acknowledgement. Rows wait in the pending buffer
+while it has room.
 """
 
 from __future__ import annotations
@@ -12,24 +19,30 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import random
 import time
 from collections import deque
 
+import grpc
 import numpy as np
 from numpy.typing import NDArray
 
 from ngramcache.client._proto.codec import delta_rows_to_bytes
 from ngramcache.client._proto.v1 import counts_pb2
-from ngramcache.client.errors import NgramCacheError
+from ngramcache.client.errors import NgramCacheError, OverloadedError
 from ngramcache.client.rows import COUNT, DELTA_DTYPE, KEY_WIDTH, ROW_WIDTH
 from ngramcache.client.sync.state import SyncState
-from ngramcache.client.transport import Channel
+from ngramcache.client.transport import Channel, error_from_rpc
+from ngramcache.client.wire_errors import retry_after_of
 
-__all__ = ["Pusher", "aggregate_rows"]
+__all__ = ["DROP_LOG_INTERVAL", "PushRate", "Pusher", "aggregate_rows"]
 
 log = logging.getLogger("ngramcache.client.sync")
 
 _INT32_MAX = 2**31 - 1
+
+DROP_LOG_INTERVAL = 10.0
+"""Seconds between two log lines about dropped rows (each gives the numbers since the last)."""
 
 
 def aggregate_rows(rows: NDArray[np.int32]) -> NDArray[np.int32]:
@@ -42,6 +55,53 @@ def aggregate_rows(rows: NDArray[np.int32]) -> NDArray[np.int32]:
     out[:, :KEY_WIDTH] = keys
     out[:, COUNT] = np.minimum(sums, _INT32_MAX).astype(np.int64)
     return out
+
+
+class PushRate:
+    """AIMD on what the pusher sends: batches in flight (``window``) and rows of a new batch (``batch_rows``).
+
+    Halved on overload (at most once per ``hold`` seconds, so the sheds of one burst count once),
+    grown back additively on every acknowledged batch: the window by 1/window (about one batch
+    per round trip), the rows by 1/16 of their ceiling.
+
+    Args:
+        max_window, max_rows: the ceilings (the client's settings, capped by the server's limits).
+        min_rows: the floor of ``batch_rows``.
+    """
+
+    def __init__(self, max_window: int, max_rows: int, min_rows: int = 256) -> None:
+        self.max_window = max(1, max_window)
+        self.max_rows = max(1, max_rows)
+        self.min_rows = max(1, min(min_rows, self.max_rows))
+        self.window = float(self.max_window)
+        self.batch_rows = self.max_rows
+        self._last_decrease = -1e9
+
+    def limit(self, max_window: int, max_rows: int) -> None:
+        """Lower the ceilings (the server's limits)."""
+        self.max_window, self.max_rows = max(1, max_window), max(1, max_rows)
+        self.min_rows = min(self.min_rows, self.max_rows)
+        self.window = min(self.window, float(self.max_window))
+        self.batch_rows = min(self.batch_rows, self.max_rows)
+
+    @property
+    def in_flight(self) -> int:
+        """Batches that may be in flight now."""
+        return max(1, int(self.window))
+
+    def overloaded(self, now: float, hold: float) -> bool:
+        """Multiplicative decrease; False when one happened less than ``hold`` seconds ago (same burst)."""
+        if now - self._last_decrease < hold:
+            return False
+        self._last_decrease = now
+        self.window = max(1.0, self.window / 2)
+        self.batch_rows = max(self.min_rows, self.batch_rows // 2)
+        return True
+
+    def acknowledged(self) -> None:
+        """Additive increase."""
+        self.window = min(float(self.max_window), self.window + 1.0 / self.window)
+        self.batch_rows = min(self.max_rows, self.batch_rows + max(1, self.max_rows // 16))
 
 
 class Pusher:
@@ -62,6 +122,9 @@ class Pusher:
         self.seq = 0
         self.max_unacked = state.config.max_unacked
         self.max_batch_rows = state.config.max_batch_rows
+        self.rate = PushRate(self.max_unacked, self.max_batch_rows)
+        self._unlogged_rows = self._unlogged_count = 0  # dropped since the last log line
+        self._logged_at = time.monotonic() - DROP_LOG_INTERVAL  # the first drop is reported at once
 
     def limit(self, dedup_window: int, max_batch_rows: int) -> None:
         """Apply the server's limits (0: none)."""
@@ -69,6 +132,7 @@ class Pusher:
             self.max_unacked = max(1, min(self.max_unacked, dedup_window))
         if max_batch_rows:
             self.max_batch_rows = max(1, min(self.max_batch_rows, max_batch_rows))
+        self.rate.limit(self.max_unacked, self.max_batch_rows)
 
     def drain(self) -> None:
         rows = self.state.drafter.drain_deltas()
@@ -108,29 +172,61 @@ class Pusher:
             with self.state.lock:
                 self.state.stats.dropped_rows += dropped
                 self.state.stats.dropped_count += dropped_count
-            log.warning("ngramcache client: push buffer full (%d rows); dropped the %d oldest rows", limit, dropped)
+            self._unlogged_rows += dropped
+            self._unlogged_count += dropped_count
+            self.log_drops()
+
+    def log_drops(self, force: bool = False) -> None:
+        """One warning with the rows dropped since the last one, at most every DROP_LOG_INTERVAL seconds."""
+        now = time.monotonic()
+        if not self._unlogged_rows or (not force and now - self._logged_at < DROP_LOG_INTERVAL):
+            return
+        with self.state.lock:
+            total = self.state.stats.dropped_rows
+        log.warning("ngramcache client: push buffer full (max_pending_rows %d): dropped %d rows (%d n-gram occurrences) "
+                    "since the last report, the oldest first; %d in all (stats dropped_rows)", self.state.config.max_pending_rows,
+                    self._unlogged_rows, self._unlogged_count, total)
+        self._unlogged_rows = self._unlogged_count = 0
+        self._logged_at = now
 
     def take_batch(self) -> NDArray[np.int32] | None:
         if not self.pending:
             return None
         rows = aggregate_rows(np.concatenate(list(self.pending)))
-        batch, rest = rows[: self.max_batch_rows], rows[self.max_batch_rows:]
+        size = self.rate.batch_rows
+        batch, rest = rows[:size], rows[size:]
         self.pending = deque([rest]) if len(rest) else deque()
         self.pending_rows = len(rest)
         return np.ascontiguousarray(batch)
 
     async def send(self, seq: int, rows: NDArray[np.int32], until: float | None) -> None:
-        """Push one batch, retrying the same (client_id, seq) while the service is unavailable."""
+        """Push one batch, retrying the same (client_id, seq) while the service is unavailable or overloaded."""
         request = counts_pb2.PushRequest(namespace=self.state.config.namespace, tokenizer_fingerprint=self.state.config.fingerprint,
                                          client_id=self.state.client_id, seq=seq, rows=delta_rows_to_bytes(rows))
 
         async def call(chan: Channel) -> counts_pb2.PushResponse:
-            resp: counts_pb2.PushResponse = await chan.counts.Push(request, timeout=self.state.config.rpc_timeout,
-                                                                   metadata=self.state.metadata)
+            try:
+                resp: counts_pb2.PushResponse = await chan.counts.Push(request, timeout=self.state.config.rpc_timeout,
+                                                                       metadata=self.state.metadata)
+            except grpc.RpcError as e:
+                err = error_from_rpc(e)
+                if isinstance(err, OverloadedError):  # handled here, with its hint, not as a failure
+                    trailing = e.trailing_metadata() if hasattr(e, "trailing_metadata") else None
+                    err.retry_after = retry_after_of(trailing)
+                    raise err from None
+                raise
             return resp
 
         try:
-            resp = await self.state.retrying(f"Push seq {seq}", call, until)
+            while True:
+                try:
+                    resp = await self.state.retrying(f"Push seq {seq}", call, until)
+                    break
+                except OverloadedError as e:
+                    wait = self.overloaded(e)
+                    if until is not None and time.monotonic() + wait >= until:
+                        raise
+                    await asyncio.sleep(wait)
         except NgramCacheError as e:
             self.count_dropped(rows)
             log.warning("ngramcache client: push of %d rows (seq %d) dropped: %s", len(rows), seq, e)
@@ -141,10 +237,24 @@ class Pusher:
             raise
         finally:
             self.in_flight -= 1
+        self.rate.acknowledged()
         with self.state.lock:
             self.state.stats.acked_rows += len(rows)
             self.state.stats.acked_count += int(rows[:, COUNT].sum(dtype=np.int64))
             self.state.stats.duplicate_batches += int(resp.duplicate)
+
+    def overloaded(self, e: OverloadedError) -> float:
+        """Slow down after a shed push; return how long to wait before sending it again (the hint, jittered)."""
+        hint = e.retry_after if e.retry_after is not None else self.state.config.backoff.delay(4)
+        wait = hint * random.uniform(1.0, 1.5)  # jitter: the clients shed together do not come back together
+        decreased = self.rate.overloaded(time.monotonic(), max(0.05, hint))
+        with self.state.lock:
+            self.state.stats.overloaded += 1
+            self.state.stats.overload_waits += int(decreased)
+            self.state.stats.retry_wait_seconds += wait
+        log.debug("ngramcache client: push shed by the service (%s); retrying in %.0f ms, window %.1f batches of %d rows",
+                  e, wait * 1000, self.rate.window, self.rate.batch_rows)
+        return wait
 
     def count_dropped(self, rows: NDArray[np.int32]) -> None:
         with self.state.lock:
@@ -161,7 +271,8 @@ class Pusher:
             if closing.is_set() and until is None:
                 until = time.monotonic() + self.state.config.close_timeout
             self.drain()
-            while self.in_flight < self.max_unacked:
+            self.log_drops()
+            while self.in_flight < self.rate.in_flight:
                 batch = self.take_batch()
                 if batch is None:
                     break
@@ -187,6 +298,7 @@ class Pusher:
             self.count_dropped(np.concatenate(list(self.pending)))
             self.pending.clear()
         self.pending_rows = 0
+        self.log_drops(force=True)
         if unsent or self.cancelled_rows:
             log.warning("ngramcache client: close could not deliver %d rows within close_timeout %g s (%d in flight, "
                         "%d never sent); counted in dropped_rows", unsent + self.cancelled_rows,

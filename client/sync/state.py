@@ -41,6 +41,9 @@ class SyncStats:
     duplicate_batches: int = 0
     dropped_rows: int = 0
     dropped_count: int = 0  # the n-gram occurrences in dropped_rows: drained_count = acked_count + dropped_count + pending
+    overloaded: int = 0  # pushes the service shed (OVERLOADED, nothing applied; each sent again)
+    overload_waits: int = 0  # times the pusher halved its rate for it (once per burst of sheds)
+    retry_wait_seconds: float = 0.0  # seconds shed pushes waited before being sent again (summed over batches)
     reconnects: int = 0
     downloads: int = 0
     downloaded_bytes: int = 0
