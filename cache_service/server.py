@@ -9,6 +9,7 @@ standard health checking and reflection, on one grpc.aio server. It owns the cou
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import errno
 import logging
@@ -51,6 +52,7 @@ from .servicers.counts import CountsServicer
 from .servicers.drafting import DraftingServicer
 from .servicers.static_files import StaticFilesServicer
 from .static_store import StaticStore
+from .status import store_outage_message
 from .store_runner import StoreRunner
 
 log = logging.getLogger("ngramcache.service")
@@ -87,22 +89,46 @@ class Service:
         self.metrics_http: MetricsHttpServer | None = None
         self.metrics_port = 0
         self._stopped = False
+        self.store_ok: bool | None = None  # the last probe's verdict (None: not probed yet)
+        self._probe: asyncio.Future[object] | None = None
+        self._probe_pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="ngc-store-probe")
+        self._store_watch: asyncio.Task[None] | None = None
 
     async def set_serving(self, serving: bool) -> None:
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
         for name in ("", *SERVICE_NAMES):
             await self.health.set(name, status)
 
-    async def check_store(self) -> bool:
-        """True when the counts store answers (an unknown namespace is an answer)."""
+    async def check_store(self, timeout: float = 5.0) -> bool:
+        """True when the counts store answers within ``timeout`` seconds (an unknown namespace is an answer).
+
+        The probe runs on a thread of its own, not the store runner's pool: pushes stuck in a
+        store that stopped answering must not delay the verdict. A probe still running from
+        before (a store that hangs) is waited for rather than doubled.
+        """
+        if self._probe is None or self._probe.done():
+            self._probe = asyncio.get_running_loop().run_in_executor(
+                self._probe_pool, self.runner.store.namespace_info, _PROBE_NAMESPACE)
         try:
-            await self.runner.call(self.runner.store.namespace_info, _PROBE_NAMESPACE)
+            await asyncio.wait_for(asyncio.shield(self._probe), timeout)
         except NamespaceNotFoundError:
-            return True
+            ok, why = True, ""
+        except asyncio.TimeoutError:
+            ok, why = False, f"no answer within {timeout:g} s"
         except NgramCacheError as e:
-            log.warning("counts store %s unreachable: %s", redact_url(self.config.counts_url), e)
-            return False
-        return True
+            ok, why = False, store_outage_message(str(e))
+        else:
+            ok, why = True, ""
+        if ok != self.store_ok:
+            if ok:
+                log.info("counts store %s answers again", redact_url(self.config.counts_url))
+            else:
+                log.warning("counts store %s unreachable: %s; health NOT_SERVING until it answers",
+                            redact_url(self.config.counts_url), why)
+        self.store_ok = ok
+        if self.metrics is not None:
+            self.metrics.store_available.set(1.0 if ok else 0.0)
+        return ok
 
     async def stop(self, grace: float | None = None) -> None:
         """Graceful stop: NOT_SERVING, refuse new calls, let in-flight ones finish within `grace`
@@ -110,6 +136,8 @@ class Service:
         if self._stopped:
             return
         self._stopped = True
+        if self._store_watch is not None:
+            self._store_watch.cancel()
         await self.set_serving(False)
         await self.server.stop(self.config.grace_period if grace is None else grace)
         if self.metrics_http is not None:
@@ -121,6 +149,7 @@ class Service:
         if self.counts is not None:
             await self.counts.batcher.close()  # pushes still grouping get their answer or UNAVAILABLE
         await self.registry.close()
+        self._probe_pool.shutdown(wait=False)
         await asyncio.to_thread(self.runner.close)
         log.info("stopped")
 
@@ -157,7 +186,8 @@ class Service:
 async def create_server(config: ServiceConfig) -> tuple[Service, int]:
     """Builds, binds and starts the service; returns it and the port it listens on.
 
-    Port 0 binds a free port (tests). Health is NOT_SERVING until the counts store answers.
+    Port 0 binds a free port (tests). Health is NOT_SERVING until the counts store answers, and
+    again whenever a periodic probe finds it unreachable (``store_probe_interval``).
     """
     data_dir = Path(config.data_dir)
     data_dir.mkdir(parents=True, exist_ok=True)
@@ -196,7 +226,8 @@ async def create_server(config: ServiceConfig) -> tuple[Service, int]:
     drafting_pb2_grpc.add_DraftingServicer_to_server(drafting, server)
     counts = CountsServicer(runner, max_push_rows=config.max_push_rows, max_chunk_rows=config.max_chunk_rows,
                             metrics=metrics, push_batch_window_ms=config.push_batch_window_ms,
-                            push_group_rows=config.push_group_rows or None, registry=registry)
+                            push_group_rows=config.push_group_rows or None, registry=registry,
+                            push_queue_rows=config.push_queue_rows)
     counts_pb2_grpc.add_CountsServicer_to_server(counts, server)
     static_files_pb2_grpc.add_StaticFilesServicer_to_server(
         StaticFilesServicer(static_store, runner, max_file_bytes=config.max_file_bytes, rebuilder=rebuilder), server)
@@ -251,8 +282,7 @@ async def create_server(config: ServiceConfig) -> tuple[Service, int]:
     if await service.check_store():
         await _map_generations(service)
         await service.set_serving(True)
-    else:
-        asyncio.get_running_loop().create_task(_wait_for_store(service))
+    service._store_watch = asyncio.get_running_loop().create_task(_follow_store(service), name="store-probe")
     service.start_schedule()
     log.info("serving ngramcache.v1 on %s:%d (pid %d), counts store %s, data dir %s", config.host, port, os.getpid(),
              redact_url(config.counts_url), data_dir.resolve())
@@ -263,13 +293,26 @@ def _read_optional(path: str | None) -> bytes | None:
     return Path(path).read_bytes() if path else None
 
 
-async def _wait_for_store(service: Service) -> None:
+async def _follow_store(service: Service) -> None:
+    """Health follows the store: NOT_SERVING from the first probe that fails until one succeeds again
+    (every ``store_probe_interval`` seconds); the first success also maps the published generations."""
+    interval = service.config.store_probe_interval
+    mapped = serving = bool(service.store_ok)
     while not service._stopped:
-        await asyncio.sleep(1.0)
-        if await service.check_store():
-            await _map_generations(service)
-            await service.set_serving(True)
+        await asyncio.sleep(interval)
+        ok = await service.check_store(timeout=max(2.0, 2 * interval))
+        if service._stopped:
             return
+        if ok and not serving:
+            if not mapped:
+                await _map_generations(service)
+                mapped = True
+                if service._stopped:
+                    return
+            await service.set_serving(True)
+        elif not ok and serving:
+            await service.set_serving(False)
+        serving = ok
 
 
 async def _map_generations(service: Service) -> None:
