@@ -80,6 +80,9 @@ def pulled(stub: counts_pb2_grpc.CountsStub, namespace: str) -> Counter[tuple[in
     return total
 
 
+RETRY_CODES = (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED)
+
+
 def test_eight_clients_pushing_overlapping_ngrams_with_retries_count_exactly_what_was_acknowledged(
         service: ServiceThread) -> None:
     assert service.service is not None
@@ -117,7 +120,8 @@ def test_eight_clients_pushing_overlapping_ngrams_with_retries_count_exactly_wha
                     try:
                         reply = future.result()
                     except grpc.RpcError as exc:
-                        assert exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED, exc
+                        # Expired, or shed because it could not meet its deadline (OVERLOADED: nothing applied).
+                        assert exc.code() in RETRY_CODES, exc
                         with lock:
                             stats["deadline exceeded"] += 1
                         while True:  # what a sender does: the same batch again until acknowledged
@@ -125,7 +129,7 @@ def test_eight_clients_pushing_overlapping_ngrams_with_retries_count_exactly_wha
                                 reply = stub.Push(request(client_id, sent, data[c][sent]), timeout=30)
                                 break
                             except grpc.RpcError as again:
-                                assert again.code() == grpc.StatusCode.DEADLINE_EXCEEDED, again
+                                assert again.code() in RETRY_CODES, again
                     with lock:
                         stats["duplicate" if reply.duplicate else "applied"] += 1
                         acknowledged[client_id, sent] = data[c][sent]
