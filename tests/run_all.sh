@@ -22,8 +22,8 @@ if ! command -v redis-server >/dev/null 2>&1; then
     exit 1
   fi
   echo "installing redis-server (Debian package)..."
-  apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends redis-server redis-tools >/dev/null
+  apt-get -o DPkg::Lock::Timeout=300 update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=300 install -y -qq --no-install-recommends redis-server redis-tools >/dev/null
 fi
 
 # clang and its libFuzzer runtime, for the fuzz targets of native/fuzz (tests/unit/test_fuzz.py).
@@ -33,9 +33,9 @@ if ! command -v clang++ >/dev/null 2>&1 || ! ls "$(clang++ -print-runtime-dir)"/
     exit 1
   fi
   echo "installing clang and its libFuzzer runtime (Debian packages)..."
-  apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends clang >/dev/null
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+  apt-get -o DPkg::Lock::Timeout=300 update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=300 install -y -qq --no-install-recommends clang >/dev/null
+  DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=300 install -y -qq --no-install-recommends \
     "libclang-rt-$(clang++ -dumpversion | cut -d. -f1)-dev" >/dev/null
 fi
 
@@ -46,8 +46,8 @@ if ! command -v clang-format >/dev/null 2>&1; then
     exit 1
   fi
   echo "installing clang-format (Debian package)..."
-  apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends clang-format >/dev/null
+  apt-get -o DPkg::Lock::Timeout=300 update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=300 install -y -qq --no-install-recommends clang-format >/dev/null
 fi
 
 # docker-compose, which validates deploy/compose.yaml (`docker-compose config`; no container engine needed).
@@ -57,8 +57,8 @@ if ! command -v docker-compose >/dev/null 2>&1; then
     exit 1
   fi
   echo "installing docker-compose (Debian package)..."
-  apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends docker-compose >/dev/null
+  apt-get -o DPkg::Lock::Timeout=300 update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=300 install -y -qq --no-install-recommends docker-compose >/dev/null
 fi
 
 step_end
@@ -122,4 +122,5 @@ step_end
 
 export NGC_TEST_COMMAND_STEPS="$STEP_TIMES"
 echo "== installs and checks took $(( $(date +%s) - NGC_TEST_COMMAND_STARTED )) s (${STEP_TIMES%; }); pytest next"
-exec .venv/bin/python -m pytest "$@"
+# The slowest tests are listed before the summary: where the time goes, on every run.
+exec .venv/bin/python -m pytest --durations=15 "$@"
