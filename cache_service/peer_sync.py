@@ -21,7 +21,7 @@ from grpc import aio
 
 from ngramcache.client._proto.v1 import static_files_pb2, static_files_pb2_grpc
 from ngramcache.client.errors import BackendUnavailableError, NgramCacheError
-from ngramcache.client.transport import auth_metadata
+from ngramcache.client.transport import auth_metadata, channel_credentials
 
 from .counts import CountsStore, NamespaceInfo
 from .static_store import StaticStore
@@ -51,7 +51,7 @@ class PeerSync:
         self._static = static_store
         self.location = location
         self._metadata = auth_metadata(token)
-        self._credentials = grpc.ssl_channel_credentials(root_certificates=tls_ca) if tls_ca else None
+        self._credentials = channel_credentials(tls_ca or None)
         self._attempts = attempts
         self.fetched = 0  # generations installed from peers (metrics)
         self.refused = 0  # transfers refused (corrupt, truncated)

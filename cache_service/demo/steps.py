@@ -6,7 +6,6 @@ import argparse
 import asyncio
 import contextlib
 import errno
-import hashlib
 import logging
 import signal
 import socket
@@ -57,30 +56,15 @@ def _interrupted_once() -> Iterator[None]:
             signal.signal(sig, handler)
 
 
-async def _prepare(port: int, data: bytes) -> None:
-    """Creates both namespaces (byte tokens) and publishes `data` as generation 1 of each, over gRPC."""
-    import grpc
-    from grpc import aio
+def _prepare(port: int, cache: Path) -> None:
+    """Creates both namespaces (byte tokens) and publishes ``cache`` as generation 1 of each, as an operator would
+    (`ngramcache.AdminClient`, what `ngramcache namespace create` and `ngramcache publish` use)."""
+    from ngramcache import UNTAGGED, AdminClient
 
-    from ngramcache import UNTAGGED
-    from ngramcache.client._proto.v1 import admin_pb2, admin_pb2_grpc, static_files_pb2, static_files_pb2_grpc
-    from ngramcache.client.transport import error_from_rpc
-
-    async def upload(namespace: str) -> AsyncIterator[static_files_pb2.PublishRequest]:
-        yield static_files_pb2.PublishRequest(header=static_files_pb2.PublishHeader(
-            namespace=namespace, generation=1, size=len(data), sha256=hashlib.sha256(data).digest()))
-        for i in range(0, len(data), 1 << 20):
-            yield static_files_pb2.PublishRequest(chunk=static_files_pb2.FileChunk(offset=i, data=data[i:i + (1 << 20)]))
-
-    async with aio.insecure_channel(f"127.0.0.1:{port}") as ch:
-        admin, files = admin_pb2_grpc.AdminStub(ch), static_files_pb2_grpc.StaticFilesStub(ch)
-        try:
-            for namespace in (FLEET, SOLO):
-                await admin.CreateNamespace(admin_pb2.CreateNamespaceRequest(
-                    name=namespace, tokenizer_fingerprint=UNTAGGED, vocab_size=VOCAB), timeout=30)
-                await files.Publish(upload(namespace), timeout=60)
-        except grpc.RpcError as e:
-            raise error_from_rpc(e) from None
+    with AdminClient(f"127.0.0.1:{port}", timeout=30) as admin:
+        for namespace in (FLEET, SOLO):
+            admin.create_namespace(namespace, (UNTAGGED, VOCAB))
+            admin.publish(namespace, cache)
 
 
 async def _remote_session(port: int, text: np.ndarray, n_draft: int) -> tuple[int, int, int, int, float]:
@@ -182,7 +166,7 @@ def _serve_and_share(args: argparse.Namespace, workdir: Path, cache: Path, held_
         config = ServiceConfig(port=args.port, data_dir=str(workdir / SERVICE_DIR))
         service = ServiceThread(config).start()
         port = service.port
-        service.run(_prepare(port, cache.read_bytes()), 120)
+        _prepare(port, cache)
         _say(f"serving it: ngramcache.v1 on 127.0.0.1:{port} (embedded counts store in {config.data_dir}); "
              f"published {cache.name} as generation 1 of namespaces {FLEET} and {SOLO}")
         _share(args, workdir, port, a, b, held_out, config.mirror_interval)

@@ -147,16 +147,21 @@ class Pusher:
             self.shrink()
 
     def shrink(self) -> None:
-        """Over the buffer: sum identical rows; if still over, drop the oldest rows (logged, counted)."""
+        """Over the buffer: sum identical rows; if still over, drop the oldest rows (logged, counted).
+
+        Drops go down to 7/8 of the buffer, not just under it: summing sorts the whole buffer, and
+        a buffer left full would be summed again at every drain while the overload lasts.
+        """
         merged = aggregate_rows(np.concatenate(list(self.pending)))
         limit = self.state.config.max_pending_rows
+        target = limit - limit // 8
         dropped = dropped_count = 0
-        if len(merged) > limit:
+        if len(merged) > target:
             # Summing sorts the rows (their age is lost), so drop from the oldest arrays first.
             arrays = list(self.pending)
             total = sum(len(a) for a in arrays)
-            while total > limit:
-                excess = total - limit
+            while total > target:
+                excess = total - target
                 if len(arrays[0]) <= excess:
                     gone = arrays.pop(0)
                     total = sum(len(a) for a in arrays)
@@ -190,14 +195,27 @@ class Pusher:
         self._logged_at = now
 
     def take_batch(self) -> NDArray[np.int32] | None:
+        """The next batch: the oldest pending rows, up to the rate's batch size, identical rows summed.
+
+        Only what the batch takes is summed (the cost of a batch is its own size, whatever the
+        buffer holds); rows equal to ones of a later batch are sent again there, which the
+        store adds up the same.
+        """
         if not self.pending:
             return None
-        rows = aggregate_rows(np.concatenate(list(self.pending)))
         size = self.rate.batch_rows
-        batch, rest = rows[:size], rows[size:]
-        self.pending = deque([rest]) if len(rest) else deque()
-        self.pending_rows = len(rest)
-        return np.ascontiguousarray(batch)
+        taken: list[NDArray[np.int32]] = []
+        rows = 0
+        while self.pending and rows < size:
+            head = self.pending[0]
+            if rows + len(head) <= size:
+                taken.append(self.pending.popleft())
+            else:
+                taken.append(head[:size - rows])
+                self.pending[0] = head[size - rows:]
+            rows += len(taken[-1])
+        self.pending_rows -= rows
+        return np.ascontiguousarray(aggregate_rows(np.concatenate(taken)))
 
     async def send(self, seq: int, rows: NDArray[np.int32], until: float | None) -> None:
         """Push one batch, retrying the same (client_id, seq) while the service is unavailable or overloaded."""
