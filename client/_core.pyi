@@ -216,7 +216,7 @@ class Drafter:
     threads (the GIL is released); calls for one sequence are serialized.
     """
 
-    def __init__(self, static: StaticCache | None = None, dynamic: CountTable | None = None, *, fingerprint: bytes | None = None, vocab_size: int | None = None, ngram_min: int = 1, ngram_max: int = 4, track_deltas: bool = False, max_sequences: int = 0, idle_ttl: float = 0.0, max_memory: int = 0, mode: str = 'compatible', match_params: dict[str, float] | None = None) -> None:
+    def __init__(self, static: StaticCache | None = None, dynamic: CountTable | None = None, *, fingerprint: bytes | None = None, vocab_size: int | None = None, ngram_min: int = 1, ngram_max: int = 4, track_deltas: bool = False, max_sequences: int = 0, idle_ttl: float = 0.0, max_memory: int = 0, mode: str = 'compatible', match_params: dict[str, float] | None = None, track_history: bool = False) -> None:
         """
         Args:
             static: a StaticCache, or None.
@@ -233,6 +233,8 @@ class Drafter:
                 the sequence, earlier sequences and the static file's corpus index, with the count
                 tables competing; more accepted tokens per step, and draft_tree()).
             match_params: overrides of the match mode's tuning (MATCH_DEFAULTS); rarely needed.
+            track_history: keep what accept() adds to each sequence for drain_history() (the
+                tokens a client publishes to the fleet history).
 
         Raises:
             TokenizerMismatchError: `fingerprint` or `vocab_size` differs from the static cache's.
@@ -323,6 +325,34 @@ class Drafter:
     def context_rows(self, seq: int) -> NDArray[numpy.int32]:
         """
         The context table of `seq` as count rows (n, t0, t1, t2, t3, follower, count).
+        """
+
+    def add_history(self, source: int, tokens: NDArray[numpy.int32]) -> None:
+        """
+        Appends tokens generated elsewhere (another client's sequence `source`) to the match mode's
+        history, as accept() does for this drafter's own sequences: consecutive calls with one
+        source continue one text; another source starts a new one.
+
+        Raises:
+            InvalidArgumentError: a compatible-mode drafter, or a token outside the vocabulary.
+        """
+
+    def drain_history(self) -> list[tuple[int, int, NDArray[numpy.int32]]]:
+        """
+        With track_history: the (seq, offset, tokens) records accept() added since the last call,
+        oldest first (consecutive accepts of one sequence merged): tokens[i] sits at offset + i.
+        """
+
+    @property
+    def history_dropped(self) -> int:
+        """
+        Accepted tokens never drained because drain_history's outbox was full (1M tokens).
+        """
+
+    @property
+    def history_size(self) -> int:
+        """
+        Tokens in the match mode's history (bounded by the match_params history_tokens).
         """
 
     def drain_deltas(self) -> NDArray[numpy.int32]:

@@ -54,7 +54,8 @@ void bind_drafter(nb::module_& m) {
           "__init__",
           [](PyDrafter* d, nb::object static_cache, nb::object dynamic, std::optional<nb::bytes> fingerprint,
              std::optional<int64_t> vocab_size, int ngram_min, int ngram_max, bool track_deltas, int64_t max_sequences,
-             double idle_ttl, int64_t max_memory, const std::string& mode, nb::object match_params) {
+             double idle_ttl, int64_t max_memory, const std::string& mode, nb::object match_params,
+             bool track_history) {
             PyStaticCache* sc = as_static_cache(static_cache, "static");
             as_count_table(dynamic, "dynamic");  // a TypeError before anything else is built
             DrafterOptions o;
@@ -65,6 +66,7 @@ void bind_drafter(nb::module_& m) {
             o.match.ngram_min = ngram_min;
             o.match.ngram_max = ngram_max;
             o.track_deltas = track_deltas;
+            o.track_history = track_history;
             check(SequenceLimits::from(max_sequences, idle_ttl, max_memory, &o.limits));
             check(o.bind_tokenizer(sc ? &sc->cache->info() : nullptr, vocab_size ? &*vocab_size : nullptr,
                                    fingerprint ? bytes_data(*fingerprint) : nullptr,
@@ -78,11 +80,11 @@ void bind_drafter(nb::module_& m) {
               "def __init__(self, static: StaticCache | None = None, dynamic: CountTable | None = None, *, "
               "fingerprint: bytes | None = None, vocab_size: int | None = None, ngram_min: int = 1, ngram_max: int = 4, "
               "track_deltas: bool = False, max_sequences: int = 0, idle_ttl: float = 0.0, max_memory: int = 0, "
-              "mode: str = 'compatible', match_params: dict[str, float] | None = None) -> None"),
+              "mode: str = 'compatible', match_params: dict[str, float] | None = None, track_history: bool = False) -> None"),
           "static"_a = nb::none(), "dynamic"_a = nb::none(), nb::kw_only(), "fingerprint"_a = nb::none(),
           "vocab_size"_a = nb::none(), "ngram_min"_a = 1, "ngram_max"_a = 4, "track_deltas"_a = false,
           "max_sequences"_a = 0, "idle_ttl"_a = 0.0, "max_memory"_a = 0, "mode"_a = "compatible",
-          "match_params"_a = nb::none(),
+          "match_params"_a = nb::none(), "track_history"_a = false,
           "Args:\n    static: a StaticCache, or None.\n    dynamic: a CountTable (the dynamic table), or None.\n"
           "    fingerprint: the tokenizer's fingerprint (32 bytes; UNTAGGED for raw tokens); taken from\n"
           "        `static` when omitted, and checked against it when given.\n"
@@ -95,7 +97,9 @@ void bind_drafter(nb::module_& m) {
           "    mode: 'compatible' (llama.cpp's drafts, token for token) or 'match' (longest matches over\n"
           "        the sequence, earlier sequences and the static file's corpus index, with the count\n"
           "        tables competing; more accepted tokens per step, and draft_tree()).\n"
-          "    match_params: overrides of the match mode's tuning (MATCH_DEFAULTS); rarely needed.\n\n"
+          "    match_params: overrides of the match mode's tuning (MATCH_DEFAULTS); rarely needed.\n"
+          "    track_history: keep what accept() adds to each sequence for drain_history() (the\n"
+          "        tokens a client publishes to the fleet history).\n\n"
           "Raises:\n    TokenizerMismatchError: `fingerprint` or `vocab_size` differs from the static cache's.")
       .def(
           "draft",
@@ -243,6 +247,46 @@ void bind_drafter(nb::module_& m) {
             return rows_to_numpy(std::move(out));
           },
           "seq"_a, "The context table of `seq` as count rows (n, t0, t1, t2, t3, follower, count).")
+      .def(
+          "add_history",
+          [](PyDrafter& d, int64_t source, nb::handle tokens) {
+            TokenView v = as_tokens(tokens, "tokens");
+            Status s;
+            {
+              nb::gil_scoped_release release;
+              s = d.drafter->add_history(source, v.data, v.size);
+            }
+            check(s);
+          },
+          nb::sig("def add_history(self, source: int, tokens: NDArray[numpy.int32]) -> None"), "source"_a, "tokens"_a,
+          "Appends tokens generated elsewhere (another client's sequence `source`) to the match mode's\n"
+          "history, as accept() does for this drafter's own sequences: consecutive calls with one\n"
+          "source continue one text; another source starts a new one.\n\n"
+          "Raises:\n    InvalidArgumentError: a compatible-mode drafter, or a token outside the vocabulary.")
+      .def(
+          "drain_history",
+          [](PyDrafter& d) {
+            std::vector<HistoryRecord> records;
+            {
+              nb::gil_scoped_release release;
+              d.drafter->drain_history(&records);
+            }
+            nb::list out;
+            for (auto& r : records) {
+              const size_t n = r.tokens.size();
+              out.append(nb::make_tuple(r.seq, r.offset, to_numpy(std::move(r.tokens), {n})));
+            }
+            return out;
+          },
+          nb::sig("def drain_history(self) -> list[tuple[int, int, NDArray[numpy.int32]]]"),
+          "With track_history: the (seq, offset, tokens) records accept() added since the last call,\n"
+          "oldest first (consecutive accepts of one sequence merged): tokens[i] sits at offset + i.")
+      .def_prop_ro(
+          "history_dropped", [](PyDrafter& d) { return d.drafter->history_dropped(); },
+          "Accepted tokens never drained because drain_history's outbox was full (1M tokens).")
+      .def_prop_ro(
+          "history_size", [](PyDrafter& d) { return d.drafter->history_size(); },
+          "Tokens in the match mode's history (bounded by the match_params history_tokens).")
       .def(
           "drain_deltas",
           [](PyDrafter& d) {

@@ -5,6 +5,7 @@
 #include <mutex>
 #include <shared_mutex>
 #include <string>
+#include <utility>
 
 namespace ngc {
 namespace {
@@ -152,20 +153,74 @@ Drafter::Drafter(const DrafterOptions& options)
             options.mode == DraftMode::kMatch) {}
 
 Status Drafter::accept(int64_t seq, const Token* tokens, size_t n) {
-  if (options_.mode != DraftMode::kMatch) return seqs_.accept(seq, tokens, n, options_.vocab_size);
+  const bool match = options_.mode == DraftMode::kMatch;
+  if (!match && !options_.track_history) return seqs_.accept(seq, tokens, n, options_.vocab_size);
   return seqs_.accept(seq, tokens, n, options_.vocab_size, [&](const Token* fresh, size_t n_new) {
-    const size_t bound = options_.match.history_tokens;
-    if (bound == 0) return;
+    if (options_.track_history) record_outbox(seq, static_cast<uint64_t>(fresh - tokens), fresh, n_new);
+    if (!match || options_.match.history_tokens == 0) return;
     std::unique_lock lock(history_mu_);
-    if (!history_any_ || history_seq_ != seq) {
-      const Token separator = -1;
-      history_.append(&separator, 1);
-      history_seq_ = seq;
-      history_any_ = true;
-    }
-    history_.append(fresh, n_new);
-    if (history_.size() > bound + bound / 2) history_.keep_last(bound);  // amortized: every bound/2 tokens
+    append_history_locked(false, seq, fresh, n_new);
   });
+}
+
+void Drafter::append_history_locked(bool external, int64_t key, const Token* tokens, size_t n) {
+  const size_t bound = options_.match.history_tokens;
+  if (!history_any_ || history_seq_ != key || history_external_ != external) {
+    const Token separator = -1;
+    history_.append(&separator, 1);
+    history_seq_ = key;
+    history_external_ = external;
+    history_any_ = true;
+  }
+  history_.append(tokens, n);
+  if (history_.size() > bound + bound / 2) history_.keep_last(bound);  // amortized: every bound/2 tokens
+}
+
+void Drafter::record_outbox(int64_t seq, uint64_t offset, const Token* tokens, size_t n) {
+  std::lock_guard lock(outbox_mu_);
+  if (outbox_tokens_ + n > kMaxOutboxTokens) {
+    outbox_dropped_ += n;
+    return;
+  }
+  outbox_tokens_ += n;
+  if (!outbox_.empty() && outbox_.back().seq == seq && outbox_.back().offset + outbox_.back().tokens.size() == offset) {
+    outbox_.back().tokens.insert(outbox_.back().tokens.end(), tokens, tokens + n);
+    return;
+  }
+  outbox_.push_back({seq, offset, std::vector<Token>(tokens, tokens + n)});
+}
+
+Status Drafter::add_history(int64_t source, const Token* tokens, size_t n) {
+  if (options_.mode != DraftMode::kMatch) {
+    return Status::InvalidArgument("add_history needs a Drafter in the match mode (mode='match')");
+  }
+  for (size_t i = 0; i < n; ++i) {
+    if (tokens[i] < 0 || static_cast<uint32_t>(tokens[i]) >= options_.vocab_size) {
+      return Status::InvalidArgument("tokens[" + std::to_string(i) + "] = " + std::to_string(tokens[i]) +
+                                     " is outside the vocabulary [0, " + std::to_string(options_.vocab_size) + ")");
+    }
+  }
+  if (n == 0 || options_.match.history_tokens == 0) return Status::Ok();
+  std::unique_lock lock(history_mu_);
+  append_history_locked(true, source, tokens, n);
+  return Status::Ok();
+}
+
+void Drafter::drain_history(std::vector<HistoryRecord>* out) {
+  std::lock_guard lock(outbox_mu_);
+  for (auto& r : outbox_) out->push_back(std::move(r));
+  outbox_.clear();
+  outbox_tokens_ = 0;
+}
+
+size_t Drafter::history_dropped() const {
+  std::lock_guard lock(outbox_mu_);
+  return outbox_dropped_;
+}
+
+size_t Drafter::history_size() const {
+  std::shared_lock lock(history_mu_);
+  return history_.size();
 }
 
 size_t Drafter::memory_bytes() const {

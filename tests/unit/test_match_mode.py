@@ -289,6 +289,48 @@ def test_match_mode_copies_the_sequence_the_history_and_the_corpus(tmp_path):
     assert len(drafted) >= 2 and drafted == [64, 65, 66, 67][:len(drafted)]  # one occurrence: a short line
 
 
+def test_the_history_outbox_holds_what_accept_added_with_its_offsets():
+    d = Drafter(vocab_size=100, fingerprint=UNTAGGED, mode="match", track_history=True)
+    d.accept(1, np.array([1, 2, 3, 4], dtype=np.int32))
+    d.accept(1, np.array([1, 2, 3, 4, 5, 6], dtype=np.int32))  # merged with the record before
+    d.accept(2, np.array([7, 8], dtype=np.int32))
+    d.accept(1, np.array([1, 2, 3, 4, 5, 6, 9], dtype=np.int32))  # another sequence came between
+    records = [(seq, offset, list(t)) for seq, offset, t in d.drain_history()]
+    assert records == [(1, 0, [1, 2, 3, 4, 5, 6]), (2, 0, [7, 8]), (1, 6, [9])]
+    assert d.drain_history() == [] and d.history_dropped == 0
+    # Without track_history nothing is kept; the compatible mode keeps an outbox too.
+    quiet = Drafter(vocab_size=100, fingerprint=UNTAGGED, mode="match")
+    quiet.accept(1, np.array([1, 2], dtype=np.int32))
+    assert quiet.drain_history() == []
+    compat = Drafter(vocab_size=100, fingerprint=UNTAGGED, track_history=True)
+    compat.accept(3, np.array([5, 6, 7], dtype=np.int32))
+    assert [(s, o, list(t)) for s, o, t in compat.drain_history()] == [(3, 0, [5, 6, 7])]
+
+
+def test_add_history_lets_a_sequence_copy_what_another_drafter_generated():
+    d = Drafter(vocab_size=100, fingerprint=UNTAGGED, mode="match")
+    d.add_history(42, np.array([10, 11, 12, 13], dtype=np.int32))
+    d.add_history(42, np.array([14, 15, 16, 17], dtype=np.int32))  # one text, continued
+    assert d.history_size == 9  # a separator, then the 8 tokens
+    seq = np.array([3, 12, 13, 14], dtype=np.int32)
+    d.accept(5, seq)
+    assert list(d.draft(5, seq, 3)) == [15, 16, 17]
+    # Another source starts a new text: no match runs from one into the other.
+    d.add_history(43, np.array([20, 21], dtype=np.int32))
+    tail = np.array([3, 16, 17], dtype=np.int32)
+    d.accept(6, tail)
+    assert list(d.draft(6, tail, 4)) == []
+
+
+def test_add_history_refuses_bad_tokens_and_the_compatible_mode():
+    d = Drafter(vocab_size=100, fingerprint=UNTAGGED, mode="match")
+    with pytest.raises(InvalidArgumentError, match="outside the vocabulary"):
+        d.add_history(1, np.array([5, 100], dtype=np.int32))
+    assert d.history_size == 0  # nothing of a refused call is appended
+    with pytest.raises(InvalidArgumentError, match="match mode"):
+        Drafter(vocab_size=100, fingerprint=UNTAGGED).add_history(1, np.array([1], dtype=np.int32))
+
+
 def test_tree_drafts_are_well_formed_and_hold_both_continuations():
     d = Drafter(vocab_size=100, fingerprint=UNTAGGED, mode="match")
     seq = np.array([1, 2, 3, 10, 11, 1, 2, 3, 20, 21, 1, 2, 3], dtype=np.int32)

@@ -15,6 +15,8 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <mutex>
+#include <vector>
 
 #include "ngc/count_table.h"
 #include "ngc/match.h"
@@ -44,13 +46,24 @@ constexpr DraftThresholds kStrict = {{4, 3, 2, 2}, {75, 66, 66, 66}};
 int draft(const Token* seq, size_t n_seq, const CountTable* context, const CountTable* dynamic,
           const StaticCache* static_cache, const DraftParams& params, Token* out);
 
+// What accept() added to one sequence: tokens[i] sits at offset + i in it.
+struct HistoryRecord {
+  int64_t seq = 0;
+  uint64_t offset = 0;
+  std::vector<Token> tokens;
+};
+
+// The most tokens the outbox of drain_history keeps; beyond, new records are dropped (counted).
+constexpr size_t kMaxOutboxTokens = size_t{1} << 20;
+
 struct DrafterOptions {
   uint32_t vocab_size = 0;                     // token ids are < it; 1..kMaxVocab
   uint8_t fingerprint[kFingerprintSize] = {};  // the tokenizer; all zero = untagged
   int ngram_min = 1;                           // context/dynamic n-gram sizes tried
   int ngram_max = 4;
-  bool track_deltas = false;  // keep accepted counts for drain_deltas
-  SequenceLimits limits;      // bounds on the per-sequence tables
+  bool track_deltas = false;   // keep accepted counts for drain_deltas
+  bool track_history = false;  // keep accepted tokens for drain_history (the fleet history)
+  SequenceLimits limits;       // bounds on the per-sequence tables
   DraftMode mode = DraftMode::kCompatible;
   MatchParams match;  // the match mode's tuning (n_draft is per call)
 
@@ -100,6 +113,20 @@ class Drafter {
   // other sequences match against (bounded by match.history_tokens).
   Status accept(int64_t seq, const Token* tokens, size_t n);
 
+  // The fleet history (match mode only). Appends tokens of a sequence generated elsewhere to
+  // the history the match mode drafts from, as accept() does for this drafter's own
+  // sequences: consecutive calls with the same `source` continue one text, another source
+  // (or a local accept in between) starts a new one. kInvalidArgument in the compatible
+  // mode or for a token outside the vocabulary (nothing is appended then).
+  Status add_history(int64_t source, const Token* tokens, size_t n);
+  // With track_history: moves the records accepted since the last call into `out`, oldest
+  // first, consecutive accepts of one sequence merged.
+  void drain_history(std::vector<HistoryRecord>* out);
+  // Tokens accepted but never drained because the outbox held kMaxOutboxTokens (in total).
+  size_t history_dropped() const;
+  // Tokens in the match history now (bounded by match.history_tokens).
+  size_t history_size() const;
+
   SequenceSet& sequences() { return seqs_; }
   const SequenceSet& sequences() const { return seqs_; }
   const DrafterOptions& options() const { return options_; }
@@ -119,6 +146,15 @@ class Drafter {
   SeqIndex history_;
   int64_t history_seq_ = 0;
   bool history_any_ = false;
+  bool history_external_ = false;  // history_seq_ names an add_history source, not a local sequence
+  // The outbox of drain_history, under its own lock (accepts of different sequences write it).
+  mutable std::mutex outbox_mu_;
+  std::vector<HistoryRecord> outbox_;
+  size_t outbox_tokens_ = 0;
+  size_t outbox_dropped_ = 0;
+  // Appends to the history under history_mu_, starting a new text when the key changes.
+  void append_history_locked(bool external, int64_t key, const Token* tokens, size_t n);
+  void record_outbox(int64_t seq, uint64_t offset, const Token* tokens, size_t n);
   // Checks the tokens a draft reads first (the last kNgramMax).
   Status check_tail(const Token* tokens, size_t n) const;
 };
