@@ -31,6 +31,9 @@ from .store_runner import StoreRunner
 
 log = logging.getLogger("ngramcache.service")
 
+SCAN_FACTOR = 5
+"""Namespaces not live on a replica are checked for newer committed generations every SCAN_FACTOR x peer_sync_interval."""
+
 
 @dataclasses.dataclass
 class MirrorState:
@@ -112,6 +115,7 @@ class NamespaceRegistry:
         self._live: dict[str, LiveNamespace] = {}
         self._opening: dict[str, asyncio.Future[LiveNamespace]] = {}
         self._closed = False
+        self._scan: asyncio.Task[None] | None = None
 
     def live(self) -> dict[str, LiveNamespace]:
         return dict(self._live)
@@ -234,6 +238,29 @@ class NamespaceRegistry:
             await asyncio.sleep(self._peer_interval)
             await self._sync_from_peers(ns)
 
+    def start_fleet_scan(self) -> None:
+        """Installs, every `SCAN_FACTOR` x peer_interval, the generations other replicas committed for
+        namespaces nobody has used on this replica yet, so a generation is listed on every replica
+        without waiting for a client (live namespaces are checked by their own loop)."""
+        if self.peer_sync is not None and self._scan is None:
+            self._scan = asyncio.create_task(self._scan_loop(), name="peers:scan")
+
+    async def _scan_loop(self) -> None:
+        assert self.peer_sync is not None
+        while not self._closed:
+            await asyncio.sleep(SCAN_FACTOR * self._peer_interval)
+            try:
+                infos = await self._runner.call(self._runner.store.list_namespaces)
+            except NgramCacheError as e:
+                log.warning("listing the namespaces to check their committed generations failed: %s", e)
+                continue
+            for info in infos:
+                if info.name not in self._live and not self._closed:
+                    try:
+                        await self.peer_sync.sync(info)
+                    except NgramCacheError as e:
+                        log.warning("namespace %s: checking the committed generation failed: %s", info.name, e)
+
     async def _watch_loop(self, ns: LiveNamespace) -> None:
         try:
             async for gen in self._static.watch(ns.info.name, ns.generation):  # ends NOT_FOUND on a drop
@@ -265,6 +292,9 @@ class NamespaceRegistry:
 
     async def close(self) -> None:
         self._closed = True
+        if self._scan is not None:
+            self._scan.cancel()
+            await asyncio.gather(self._scan, return_exceptions=True)
         tasks = [t for ns in self._live.values() for t in ns._tasks]
         for ns in list(self._live.values()):
             self._forget(ns)

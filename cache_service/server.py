@@ -203,6 +203,7 @@ async def create_server(config: ServiceConfig) -> tuple[Service, int]:
                                  view_policy=config.view_policy(), peer_sync=peer_sync,
                                  peer_interval=config.peer_sync_interval)
     metrics.watch_namespaces(registry.live)
+    registry.start_fleet_scan()
     rebuilder = Rebuilder(runner, static_store, holder=f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}",
                           location=config.advertise_address or config.address(), lease_ttl=config.rebuild_lease_seconds,
                           peer_sync=peer_sync, default_keep=config.keep_generations,

@@ -253,6 +253,29 @@ def test_replicas_without_shared_storage_fetch_the_new_generation(tmp_path: Path
             assert one.service.runner.store.committed_generation(ns).generation == generation + 10
 
 
+def test_a_new_namespaces_generation_is_listed_on_every_replica_without_a_client_there(
+        tmp_path: Path, redis_standalone) -> None:  # type: ignore[no-untyped-def]
+    """Replica two has never served the namespace: its scan of the store still installs generation 1."""
+    url = redis_standalone.url
+    with ServiceThread(tmp_path / "one", counts=url) as one, \
+            ServiceThread(tmp_path / "two", counts=url, peer_sync_interval=0.2) as two:
+        a1, a2 = f"127.0.0.1:{one.port}", f"127.0.0.1:{two.port}"
+        ns = create(a1)
+        with NgramClient(a1, ns, (FP, VOCAB), cache_dir=tmp_path / "cache", **FAST) as client:
+            push_all(client, corpus(3))
+        assert rebuild_cli(a1, ns).returncode == 0
+        assert ns not in two.service.registry.live()
+
+        def listed() -> list[int]:
+            with grpc.insecure_channel(a2) as ch:
+                resp = static_files_pb2_grpc.StaticFilesStub(ch).List(
+                    static_files_pb2.ListGenerationsRequest(namespace=ns), timeout=10)
+            return [g.generation for g in resp.generations]
+
+        wait_until(lambda: listed() == [1], 10.0, "replica two to list generation 1")
+        assert ns not in two.service.registry.live()  # installed, not opened: no mirror, no sessions
+
+
 def test_status_says_done_only_after_the_lease_is_released_and_the_finish_time_set(tmp_path: Path) -> None:
     tokens = corpus(3, 4000)
     path = tmp_path / "corpus.bin"
