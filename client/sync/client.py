@@ -125,6 +125,7 @@ class SyncLoop:
             "drained_rows": s.drained_rows, "drained_count": s.drained_count, "pending_rows": self.pusher.pending_rows,
             "pushed_rows": s.pushed_rows, "acked_rows": s.acked_rows, "acked_count": s.acked_count,
             "duplicate_batches": s.duplicate_batches, "dropped_rows": s.dropped_rows, "dropped_count": s.dropped_count,
+            "unconfirmed_rows": s.unconfirmed_rows, "unconfirmed_count": s.unconfirmed_count,
             "overloaded": s.overloaded, "overload_waits": s.overload_waits, "retry_wait_seconds": s.retry_wait_seconds,
             "push_window": self.pusher.rate.window, "push_batch_rows": self.pusher.rate.batch_rows,
             "reconnects": s.reconnects, "downloads": s.downloads, "downloaded_bytes": s.downloaded_bytes,
@@ -228,7 +229,7 @@ class NgramClient:
         return self._drafter
 
     def stats(self) -> dict[str, Any]:
-        """A snapshot: generation, mirror version/rows/bytes/lag, pulled rows/bytes, pushed/acked/dropped rows,
+        """A snapshot: generation, mirror version/rows/bytes/lag, pulled rows/bytes, pushed/acked/dropped/unconfirmed rows,
         overload (pushes shed, rate halvings, seconds waited, the current window and batch rows), reconnects, downloads."""
         return self._core.snapshot()
 

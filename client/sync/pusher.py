@@ -117,7 +117,8 @@ class Pusher:
         self.state = state
         self.pending: deque[NDArray[np.int32]] = deque()
         self.pending_rows = 0
-        self.cancelled_rows = 0  # rows of pushes close() cancelled unacknowledged
+        self.cancelled_rows = 0  # rows of pushes close() cancelled before any attempt reached the service
+        self.unconfirmed_at_close = 0  # rows of pushes close() cancelled with an attempt that may have been applied
         self.in_flight = 0
         self.seq = 0
         self.max_unacked = state.config.max_unacked
@@ -222,17 +223,29 @@ class Pusher:
         request = counts_pb2.PushRequest(namespace=self.state.config.namespace, tokenizer_fingerprint=self.state.config.fingerprint,
                                          client_id=self.state.client_id, seq=seq, rows=delta_rows_to_bytes(rows))
 
+        # Whether an attempt may have been applied without an answer saying so (a deadline, or close
+        # cancelling a call in flight): if the batch is then given up, its rows are unconfirmed, not dropped.
+        attempt = {"in_rpc": False, "uncertain": False}
+
         async def call(chan: Channel) -> counts_pb2.PushResponse:
+            attempt["in_rpc"] = True
             try:
                 resp: counts_pb2.PushResponse = await chan.counts.Push(request, timeout=self.state.config.rpc_timeout,
                                                                        metadata=self.state.metadata)
             except grpc.RpcError as e:
+                if e.code() in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN):
+                    attempt["uncertain"] = True
                 err = error_from_rpc(e)
                 if isinstance(err, OverloadedError):  # handled here, with its hint, not as a failure
                     trailing = e.trailing_metadata() if hasattr(e, "trailing_metadata") else None
                     err.retry_after = retry_after_of(trailing)
                     raise err from None
                 raise
+            except BaseException:  # cancelled (a channel switch, or close) after the request may have gone out
+                attempt["uncertain"] = True
+                raise
+            finally:
+                attempt["in_rpc"] = False
             return resp
 
         try:
@@ -246,12 +259,17 @@ class Pusher:
                         raise
                     await asyncio.sleep(wait)
         except NgramCacheError as e:
-            self.count_dropped(rows)
-            log.warning("ngramcache client: push of %d rows (seq %d) dropped: %s", len(rows), seq, e)
+            self.count_given_up(rows, attempt["uncertain"])
+            log.warning("ngramcache client: push of %d rows (seq %d) %s: %s", len(rows), seq,
+                        "unconfirmed (the service may have applied it)" if attempt["uncertain"] else "dropped", e)
             return
         except asyncio.CancelledError:  # close() ran out of close_timeout with this batch unacknowledged
-            self.count_dropped(rows)
-            self.cancelled_rows += len(rows)
+            uncertain = attempt["uncertain"] or attempt["in_rpc"]
+            self.count_given_up(rows, uncertain)
+            if uncertain:
+                self.unconfirmed_at_close += len(rows)
+            else:
+                self.cancelled_rows += len(rows)
             raise
         finally:
             self.in_flight -= 1
@@ -273,6 +291,15 @@ class Pusher:
         log.debug("ngramcache client: push shed by the service (%s); retrying in %.0f ms, window %.1f batches of %d rows",
                   e, wait * 1000, self.rate.window, self.rate.batch_rows)
         return wait
+
+    def count_given_up(self, rows: NDArray[np.int32], uncertain: bool) -> None:
+        """A batch given up: dropped (never applied), or unconfirmed (an attempt may have been applied)."""
+        if not uncertain:
+            self.count_dropped(rows)
+            return
+        with self.state.lock:
+            self.state.stats.unconfirmed_rows += len(rows)
+            self.state.stats.unconfirmed_count += int(rows[:, COUNT].sum(dtype=np.int64))
 
     def count_dropped(self, rows: NDArray[np.int32]) -> None:
         with self.state.lock:
@@ -317,7 +344,9 @@ class Pusher:
             self.pending.clear()
         self.pending_rows = 0
         self.log_drops(force=True)
-        if unsent or self.cancelled_rows:
-            log.warning("ngramcache client: close could not deliver %d rows within close_timeout %g s (%d in flight, "
-                        "%d never sent); counted in dropped_rows", unsent + self.cancelled_rows,
-                        self.state.config.close_timeout, self.cancelled_rows, unsent)
+        if unsent or self.cancelled_rows or self.unconfirmed_at_close:
+            log.warning("ngramcache client: close could not deliver %d rows within close_timeout %g s: %d never sent "
+                        "and %d in flight unsent, counted in dropped_rows; %d sent without an answer (the service may "
+                        "have applied them), counted in unconfirmed_rows",
+                        unsent + self.cancelled_rows + self.unconfirmed_at_close, self.state.config.close_timeout,
+                        unsent, self.cancelled_rows, self.unconfirmed_at_close)

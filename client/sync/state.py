@@ -40,7 +40,12 @@ class SyncStats:
     acked_count: int = 0
     duplicate_batches: int = 0
     dropped_rows: int = 0
-    dropped_count: int = 0  # the n-gram occurrences in dropped_rows: drained_count = acked_count + dropped_count + pending
+    dropped_count: int = 0  # the n-gram occurrences in dropped_rows (never applied)
+    # Given up after an attempt that may have been applied (a deadline, or close cancelling a call in
+    # flight): drained_count = acked_count + dropped_count + unconfirmed_count + pending, and the store
+    # holds between acked_count and acked_count + unconfirmed_count of them.
+    unconfirmed_rows: int = 0
+    unconfirmed_count: int = 0
     overloaded: int = 0  # pushes the service shed (OVERLOADED, nothing applied; each sent again)
     overload_waits: int = 0  # times the pusher halved its rate for it (once per burst of sheds)
     retry_wait_seconds: float = 0.0  # seconds shed pushes waited before being sent again (summed over batches)
