@@ -5,6 +5,8 @@ Modules, one concept each:
 * `store`: the `CountsStore` interface and the logic every backend shares (argument
   checks, namespace creation, batches and groups).
 * `values`: what its calls take and answer (batch identity, group items, results, change sets).
+* `history`: the fleet history's records, budgets, pages, cursors and near-duplicate rule
+  (`CountsStore.append_history` / `read_history`; Redis: `redis_history`).
 * `dedup`: the exactly-once rule, a dedup window of seqs per client.
 * `versions`: the epoch clock that hands out versions, and the resync checks.
 * `leases`: rebuild leases and committed generations (and the in-process lease table).
@@ -34,6 +36,7 @@ from ngramcache.client.errors import (
 from .config import CountsStoreConfig, StoreAddress, parse_url, redact_url
 from .embedded import EmbeddedCountsStore
 from .factory import open_counts_store
+from .history import MAX_BATCH_RECORDS, MAX_RECORD_TOKENS, HistoryBudget, HistoryPage, HistoryRecord
 from .layout import HASH_SEED, EncodedBatch, decode_fields, encode_batch, ngram_bucket
 from .namespace import NamespaceInfo, normalize_fingerprint, token_width
 from .redis_backend import RedisCountsStore
@@ -41,6 +44,8 @@ from .store import ApplyResult, ChangeSet, CountsStore, GroupItem, ItemOutcome, 
 
 __all__ = [
     "HASH_SEED",
+    "MAX_BATCH_RECORDS",
+    "MAX_RECORD_TOKENS",
     "ApplyResult",
     "BatchTooOldError",
     "ChangeSet",
@@ -49,6 +54,9 @@ __all__ = [
     "EmbeddedCountsStore",
     "EncodedBatch",
     "GroupItem",
+    "HistoryBudget",
+    "HistoryPage",
+    "HistoryRecord",
     "ItemOutcome",
     "NamespaceInfo",
     "NamespaceNotFoundError",

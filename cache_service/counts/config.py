@@ -23,6 +23,8 @@ from typing import Any, Literal
 
 from ngramcache.client.errors import InvalidArgumentError
 
+from .history import HistoryBudget
+
 __all__ = ["CountsStoreConfig", "StoreAddress", "parse_url", "redact_url"]
 
 _SCHEMES = ("embedded", "redis", "rediss", "redis+cluster", "rediss+cluster")
@@ -152,6 +154,9 @@ class CountsStoreConfig:
         connect_timeout: seconds to wait for a Redis connection.
         retries: bounded reconnect attempts per Redis call (exponential backoff).
         snapshot_seconds: embedded store: seconds between snapshots (0: only on close/snapshot()).
+        history_max_bytes: the fleet history's byte budget per namespace (4 bytes a stored
+            token); the oldest records are dropped beyond it.
+        history_max_age: seconds a fleet history record is kept at most.
         address: ``url`` parsed (derived; not an argument).
     """
 
@@ -168,6 +173,8 @@ class CountsStoreConfig:
     connect_timeout: float = 2.0
     retries: int = 2
     snapshot_seconds: float = 30.0
+    history_max_bytes: int = 64 << 20
+    history_max_age: float = 3600.0
     address: StoreAddress = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -184,6 +191,7 @@ class CountsStoreConfig:
                 raise InvalidArgumentError(f"{name} must be >= 0")
         if self.retries < 0:
             raise InvalidArgumentError("retries must be >= 0")
+        self.history_budget  # noqa: B018 - checks history_max_bytes and history_max_age
         object.__setattr__(self, "address", parse_url(self.url))
 
     def __repr__(self) -> str:
@@ -194,6 +202,11 @@ class CountsStoreConfig:
         return f"CountsStoreConfig({fields})"
 
     __str__ = __repr__
+
+    @property
+    def history_budget(self) -> HistoryBudget:
+        """The fleet history's budget per namespace (``history_max_bytes``, ``history_max_age``)."""
+        return HistoryBudget(self.history_max_bytes, self.history_max_age)
 
     @property
     def epoch_ms(self) -> int:
@@ -265,4 +278,6 @@ _CONFIG_FIELDS: dict[str, Callable[[str], Any]] = {
     "connect_timeout": _parse_float,
     "retries": _parse_int,
     "snapshot_seconds": _parse_float,
+    "history_max_bytes": _parse_int,
+    "history_max_age": _parse_float,
 }

@@ -38,6 +38,7 @@ from ngramcache.client.rows import COUNT, validate_deltas
 
 from .config import CountsStoreConfig
 from .dedup import DedupWindow, batch_too_old
+from .history import HistoryPage, HistoryRecord, validate_batch_seq, validate_limit, validate_records
 from .layout import MAX_AGGREGATED_COUNT
 from .leases import CommittedGeneration, Lease, LeaseTable, check_lease_args, check_ttl, lease_held, lease_lost, not_newer
 from .namespace import (
@@ -291,6 +292,76 @@ class CountsStore(abc.ABC):
         is why a mirror takes `version` first and then catches up with `changes_since`.
         """
 
+    # ----------------------------------------------------------------- the fleet history (rules in `history`)
+
+    def append_history(self, namespace: str, client_id: str, batch_seq: int, records: Sequence[HistoryRecord], *,
+                       fingerprint: bytes | None = None) -> bool:
+        """Append one batch of history records, exactly once per (client_id, batch_seq).
+
+        A sender sends one batch at a time with increasing batch_seqs, so a batch_seq at or
+        below the highest this client_id had stored in this namespace is a duplicate (a
+        retry): nothing is stored and the answer is False. The records are checked whole
+        first; a bad one raises and nothing is stored (the batch_seq is not consumed). Each
+        record's client_id is ignored and set to ``client_id``. An empty batch stores nothing
+        but consumes its batch_seq.
+
+        Near-duplicates are stored once, best effort: a record at offset 0 whose (group,
+        tokens) digest (`history.duplicate_key`) equals that of a record stored in the last
+        `history.DUPLICATE_WINDOW_MS` (the same prompt sent by 8 siblings) is skipped; the
+        digests are kept only for that window.
+
+        After the append the history is trimmed to ``config.history_budget``: oldest first,
+        while it holds more than ``max_bytes`` (4 bytes a token) or records older than
+        ``max_age_s``. The check, the appends, the dedup record and the trim are one atomic
+        step (one Lua script on Redis, one lock embedded).
+
+        Args:
+            namespace: an existing namespace.
+            client_id: the sender, 1..128 characters of [A-Za-z0-9_.:@/-].
+            batch_seq: the sender's batch number, an integer in [0, 2**53).
+            records: at most MAX_BATCH_RECORDS `HistoryRecord`s.
+            fingerprint: when given, must match the namespace's tokenizer.
+
+        Returns:
+            True when this call stored the batch, False for a duplicate.
+
+        Raises:
+            InvalidArgumentError: a bad argument or record (the message names the first bad one).
+            TokenizerMismatchError: ``fingerprint`` differs from the namespace's.
+            NamespaceNotFoundError: no such namespace.
+            BackendUnavailableError: retriable; retry with the same (client_id, batch_seq, records).
+        """
+        validate_client_id(client_id)
+        return self._append_history(namespace, client_id, validate_batch_seq(batch_seq), records, fingerprint)
+
+    def read_history(self, namespace: str, after: str = "", limit: int = 1024) -> HistoryPage:
+        """Records stored after cursor ``after``, oldest first, at most ``limit`` of them.
+
+        Args:
+            namespace: an existing namespace.
+            after: "" from the oldest kept record, else the cursor of a previous page (or of a
+                record). A cursor of another incarnation (a namespace dropped and recreated, a
+                restarted embedded store, another namespace) is answered from the oldest kept
+                record with ``gap=True``.
+            limit: 1..65536.
+
+        Raises:
+            InvalidArgumentError: a malformed cursor or limit.
+            NamespaceNotFoundError: no such namespace.
+            BackendUnavailableError: retriable.
+        """
+        if not isinstance(after, str):
+            raise InvalidArgumentError(f"cursor must be a string, got {type(after).__name__}")
+        return self._read_history(namespace, after, validate_limit(limit))
+
+    def history_stats(self, namespace: str) -> dict[str, int]:
+        """What the namespace's history keeps now: {"records": .., "tokens": .., "bytes": ..} (for metrics).
+
+        Raises:
+            NamespaceNotFoundError, BackendUnavailableError.
+        """
+        return self._history_stats(namespace)
+
     # ----------------------------------------------------------------- rebuild leases (rules in `leases`)
 
     @abc.abstractmethod
@@ -361,6 +432,25 @@ class CountsStore(abc.ABC):
         Check the namespace (raise when it is missing) and each item with `_check_group`
         before writing anything.
         """
+
+    def _append_history(self, namespace: str, client_id: str, batch_seq: int, records: Sequence[HistoryRecord],
+                        fingerprint: bytes | None) -> bool:
+        """`append_history` with a valid client_id and batch_seq; check with `_check_history` first."""
+        raise NgramCacheError(f"{type(self).__name__} keeps no fleet history")
+
+    def _read_history(self, namespace: str, after: str, limit: int) -> HistoryPage:
+        """`read_history` with a valid limit (``after`` parsed by `history.parse_cursor`)."""
+        raise NgramCacheError(f"{type(self).__name__} keeps no fleet history")
+
+    def _history_stats(self, namespace: str) -> dict[str, int]:
+        raise NgramCacheError(f"{type(self).__name__} keeps no fleet history")
+
+    @staticmethod
+    def _check_history(info: NamespaceInfo, fingerprint: bytes | None, client_id: str,
+                       records: Sequence[HistoryRecord]) -> list[HistoryRecord]:
+        """Check the tokenizer and every record against a namespace before anything is stored."""
+        check_tokenizer(info, fingerprint)
+        return validate_records(records, client_id, info.vocab_size)
 
     def _check_group(self, info: NamespaceInfo, items: Sequence[GroupItem]) -> tuple[list[ItemOutcome | None],
                                                                                       list[list[int]]]:

@@ -1,0 +1,242 @@
+"""The fleet history's values and rules: records, budgets, pages, their checks, cursors and the near-duplicate rule every backend shares."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import re
+from collections.abc import Sequence
+from typing import Final
+
+import numpy as np
+
+from ngramcache.client.errors import InvalidArgumentError
+
+from .values import validate_client_id, validate_seq
+
+__all__ = [
+    "BYTES_PER_TOKEN",
+    "DUPLICATE_WINDOW_MS",
+    "MAX_BATCH_RECORDS",
+    "MAX_OFFSET",
+    "MAX_READ_LIMIT",
+    "MAX_RECORD_TOKENS",
+    "Cursor",
+    "HistoryBudget",
+    "HistoryPage",
+    "HistoryRecord",
+    "duplicate_key",
+    "format_cursor",
+    "parse_cursor",
+    "validate_batch_seq",
+    "validate_group",
+    "validate_limit",
+    "validate_records",
+]
+
+MAX_RECORD_TOKENS: Final = 4096
+"""Most tokens one record holds (a sender splits longer runs)."""
+
+MAX_BATCH_RECORDS: Final = 256
+"""Most records one `append_history` call takes."""
+
+MAX_OFFSET: Final = 2**40
+"""Offsets lie in [0, MAX_OFFSET)."""
+
+MAX_READ_LIMIT: Final = 65536
+"""Most records one `read_history` call answers."""
+
+BYTES_PER_TOKEN: Final = 4
+"""What a stored token counts against the byte budget (int32)."""
+
+DUPLICATE_WINDOW_MS: Final = 10_000
+"""A record at offset 0 equal to one stored this recently (same group, same tokens) is not stored again."""
+
+_INT64_MIN: Final = -(2**63)
+_INT64_MAX: Final = 2**63 - 1
+_GROUP_RE = re.compile(r"^[A-Za-z0-9_.:-]{0,64}$")
+_CURSOR_RE = re.compile(r"^([A-Za-z0-9]{1,64})\.([0-9]{1,20}(?:-[0-9]{1,20})?)$")
+
+
+@dataclasses.dataclass(frozen=True, eq=False)  # eq=False: no elementwise comparison of the arrays
+class HistoryRecord:
+    """Tokens one sequence generated, published by one client: tokens[i] sits at offset + i in it.
+
+    Attributes:
+        client_id: the publisher (the rules of `values.validate_client_id`); `append_history`
+            sets it to the caller's client_id.
+        seq: the publisher's sequence id, int64 (any value in [-2**63, 2**63)).
+        group: "" or 1..64 characters of [A-Za-z0-9_.:-]: siblings of one prompt share it.
+        offset: [0, 2**40): position of tokens[0] in the sequence.
+        tokens: int32, 1..MAX_RECORD_TOKENS tokens, each in [0, vocab_size).
+        cursor: set on read: resume after it.
+        time_ms: set on read: when the store took it (ms since the epoch; Redis: the stream id's ms).
+    """
+
+    client_id: str
+    seq: int
+    group: str
+    offset: int
+    tokens: np.ndarray
+    cursor: str = ""
+    time_ms: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class HistoryBudget:
+    """What a namespace's history may hold; the oldest records are dropped beyond it.
+
+    Attributes:
+        max_bytes: BYTES_PER_TOKEN a stored token, per namespace.
+        max_age_s: records older than this many seconds are dropped.
+    """
+
+    max_bytes: int = 64 << 20
+    max_age_s: float = 3600.0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.max_bytes, bool) or not isinstance(self.max_bytes, int) or self.max_bytes < 1:
+            raise InvalidArgumentError(f"history max_bytes must be an integer >= 1, got {self.max_bytes!r}")
+        if not float(self.max_age_s) > 0:
+            raise InvalidArgumentError(f"history max_age must be > 0 seconds, got {self.max_age_s!r}")
+
+    @property
+    def max_age_ms(self) -> int:
+        """``max_age_s`` in whole milliseconds, at least 1."""
+        return max(1, int(self.max_age_s * 1000))
+
+
+@dataclasses.dataclass(frozen=True)
+class HistoryPage:
+    """The answer of `read_history`.
+
+    Attributes:
+        records: oldest first.
+        cursor: resume after this (== the ``after`` given when nothing was new).
+        gap: ``after`` was older than the oldest kept record (or from another incarnation):
+            some records were trimmed unseen.
+    """
+
+    records: list[HistoryRecord]
+    cursor: str
+    gap: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class Cursor:
+    """A parsed cursor: the incarnation that issued it and a position the backend reads (see `parse_cursor`)."""
+
+    incarnation: str
+    position: str
+
+
+def format_cursor(incarnation: str, position: str) -> str:
+    """The cursor string of a position in one incarnation of a namespace's history."""
+    return f"{incarnation}.{position}"
+
+
+def parse_cursor(after: str) -> Cursor | None:
+    """Parse a cursor: None for "" (from the oldest kept record).
+
+    A cursor is ``<incarnation>.<position>``: the incarnation names the history that issued
+    it (a namespace instance on Redis, a store process on the embedded backend); the
+    position is a stream id ``<ms>-<n>`` (Redis) or a counter (embedded). A cursor of
+    another incarnation is answered from the oldest kept record with ``gap=True`` by both
+    backends; only a malformed one is an error.
+
+    Raises:
+        InvalidArgumentError: not a cursor.
+    """
+    if not isinstance(after, str):
+        raise InvalidArgumentError(f"cursor must be a string, got {type(after).__name__}")
+    if after == "":
+        return None
+    match = _CURSOR_RE.fullmatch(after)
+    if match is None:
+        raise InvalidArgumentError(f"malformed history cursor {after[:100]!r}")
+    return Cursor(match.group(1), match.group(2))
+
+
+def validate_group(group: str) -> str:
+    """Return ``group`` if it is "" or 1..64 characters of [A-Za-z0-9_.:-], else raise InvalidArgumentError."""
+    if not isinstance(group, str) or not _GROUP_RE.fullmatch(group):
+        shown = repr(group[:80]) if isinstance(group, str) else type(group).__name__
+        raise InvalidArgumentError(f"group must be '' or 1..64 characters of [A-Za-z0-9_.:-], got {shown}")
+    return group
+
+
+def validate_batch_seq(batch_seq: int) -> int:
+    """A batch number: an integer in [0, 2**53) (it travels through Lua numbers), else InvalidArgumentError."""
+    try:
+        return validate_seq(batch_seq)
+    except InvalidArgumentError:
+        raise InvalidArgumentError(f"batch_seq must be an integer in [0, 2**53), got {batch_seq!r}") from None
+
+
+def validate_limit(limit: int) -> int:
+    """A read limit: an integer in [1, MAX_READ_LIMIT], else InvalidArgumentError."""
+    if isinstance(limit, bool) or not isinstance(limit, (int, np.integer)) or not 1 <= int(limit) <= MAX_READ_LIMIT:
+        raise InvalidArgumentError(f"limit must be an integer in [1, {MAX_READ_LIMIT}], got {limit!r}")
+    return int(limit)
+
+
+def _is_int(value: object) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, np.integer))
+
+
+def _checked_tokens(tokens: object, vocab_size: int, where: str) -> np.ndarray:
+    array = np.asarray(tokens)
+    if array.ndim != 1 or not (np.issubdtype(array.dtype, np.integer) or array.size == 0):
+        raise InvalidArgumentError(f"{where}: tokens must be a 1-D integer array, got shape {array.shape} "
+                                   f"of {array.dtype}")
+    if not 1 <= array.size <= MAX_RECORD_TOKENS:
+        raise InvalidArgumentError(f"{where}: a record holds 1..{MAX_RECORD_TOKENS} tokens, got {array.size}")
+    low, high = int(array.min()), int(array.max())
+    if low < 0 or high >= vocab_size:
+        bad = low if low < 0 else high
+        raise InvalidArgumentError(f"{where}: token {bad} is outside [0, {vocab_size})")
+    return np.ascontiguousarray(array, dtype="<i4")
+
+
+def validate_records(records: Sequence[HistoryRecord], client_id: str, vocab_size: int) -> list[HistoryRecord]:
+    """Check a whole batch; return its records with ``client_id`` set and tokens as contiguous little-endian int32.
+
+    Raises:
+        InvalidArgumentError: the first bad record (by index) or the batch's size; nothing is stored.
+    """
+    validate_client_id(client_id)
+    if isinstance(records, (str, bytes)) or not isinstance(records, Sequence):
+        raise InvalidArgumentError(f"records must be a sequence of HistoryRecord, got {type(records).__name__}")
+    if len(records) > MAX_BATCH_RECORDS:
+        raise InvalidArgumentError(f"a batch holds at most {MAX_BATCH_RECORDS} records, got {len(records)}")
+    checked = []
+    for i, record in enumerate(records):
+        where = f"history record {i}"
+        if not isinstance(record, HistoryRecord):
+            raise InvalidArgumentError(f"{where} is a {type(record).__name__}, not a HistoryRecord")
+        if not _is_int(record.seq) or not _INT64_MIN <= int(record.seq) <= _INT64_MAX:
+            raise InvalidArgumentError(f"{where}: seq must be an int64, got {record.seq!r}")
+        if not _is_int(record.offset) or not 0 <= int(record.offset) < MAX_OFFSET:
+            raise InvalidArgumentError(f"{where}: offset must be an integer in [0, 2**40), got {record.offset!r}")
+        try:
+            validate_group(record.group)
+        except InvalidArgumentError as exc:
+            raise InvalidArgumentError(f"{where}: {exc}") from None
+        tokens = _checked_tokens(record.tokens, vocab_size, where)
+        checked.append(HistoryRecord(client_id, int(record.seq), record.group, int(record.offset), tokens))
+    return checked
+
+
+def duplicate_key(record: HistoryRecord) -> bytes | None:
+    """The near-duplicate key of a checked record: a digest of (group, tokens) at offset 0, else None.
+
+    Two records with one key are the same prompt (or the same opening) sent by siblings; the
+    store keeps the first and skips the others for DUPLICATE_WINDOW_MS after it (best effort:
+    a digest per key, forgotten once the window passed or the namespace dropped).
+    """
+    if record.offset != 0:
+        return None
+    digest = hashlib.blake2b(record.group.encode(), digest_size=16, person=b"ngc-history")
+    digest.update(b"\0")
+    digest.update(record.tokens.tobytes())
+    return digest.digest()
