@@ -11,6 +11,9 @@ the last snapshot are gone, and so are their dedup records, so a sender that ret
 of them gets it applied again (once). After a reload every version handed out before is
 answered with `ResyncRequiredError`, because the counts behind those versions may be lost.
 
+The fleet history (`embedded_history`) is kept in memory only, not in the snapshot: a
+restarted embedded store starts with an empty history window.
+
 Snapshot file (little-endian): magic ``NGCSNAP\\x01``, '<Q' header length, a JSON header
 (format, and per namespace its record, current version, entry count and dedup seqs), then
 per namespace its entries' keys as int32 (k, KEY_WIDTH) and their counts as int64 (k,),
@@ -44,6 +47,8 @@ from ngramcache.client.rows import (
 
 from .config import CountsStoreConfig
 from .dedup import DedupWindow
+from .embedded_history import NamespaceHistory
+from .history import HistoryPage, HistoryRecord
 from .layout import (
     EncodedBatch,
     decode_fields,
@@ -81,8 +86,9 @@ _EXPIRE_EVERY: Final = 4096  # applies between sweeps of expired dedup records
 class _Namespace:
     """One namespace's counts and change history; guarded by the store's lock."""
 
-    def __init__(self, info: NamespaceInfo, start: int) -> None:
+    def __init__(self, info: NamespaceInfo, start: int, dedup_ttl_ms: int) -> None:
         self.info = info
+        self.history = NamespaceHistory(dedup_ttl_ms)  # in memory only: not in the snapshot
         self.buckets: dict[int, dict[bytes, int]] = {}
         self.dedup: dict[str, DedupWindow] = {}
         self.clock = EpochClock(start)
@@ -146,7 +152,7 @@ class EmbeddedCountsStore(CountsStore):
             existing = self._namespaces.get(info.name)
             if existing is not None:
                 return existing.info
-            self._namespaces[info.name] = _Namespace(info, now_ms())
+            self._namespaces[info.name] = _Namespace(info, now_ms(), self.config.dedup_ttl_ms)
             return None
 
     def namespace_info(self, namespace: str) -> NamespaceInfo:
@@ -264,6 +270,29 @@ class EmbeddedCountsStore(CountsStore):
                     break
             alive = fresh  # redo without the duplicates and the too old (their sums are gone)
         return self._complete(outcomes)
+
+    # ----------------------------------------------------------------- the fleet history (`embedded_history`)
+
+    def _append_history(self, namespace: str, client_id: str, batch_seq: int, records: Sequence[HistoryRecord],
+                        fingerprint: bytes | None) -> bool:
+        with self._lock:
+            info = self._ns(namespace).info
+        checked = self._check_history(info, fingerprint, client_id, records)  # outside the lock
+        with self._lock:
+            ns = self._ns(namespace)
+            if ns.info.instance != info.instance:
+                raise namespace_changed(namespace, "append_history")
+            return ns.history.append(client_id, batch_seq, checked, self.config.history_budget, now_ms())
+
+    def _read_history(self, namespace: str, after: str, limit: int) -> HistoryPage:
+        with self._lock:
+            return self._ns(namespace).history.read(after, limit, self.config.history_budget, now_ms())
+
+    def _history_stats(self, namespace: str) -> dict[str, int]:
+        with self._lock:
+            ns = self._ns(namespace)
+            ns.history.trim(self.config.history_budget, now_ms())
+            return ns.history.stats()
 
     # ----------------------------------------------------------------- reads
 
@@ -389,7 +418,7 @@ class EmbeddedCountsStore(CountsStore):
                 if k and int(counts.min()) <= 0:
                     raise SnapshotFormatError(f"{path} holds a count <= 0")
                 # Versions handed out before the restart may cover lost writes: start above them.
-                ns = _Namespace(info, max(int(entry["cur"]) + 1, start))
+                ns = _Namespace(info, max(int(entry["cur"]) + 1, start), self.config.dedup_ttl_ms)
                 matrix, lengths, buckets = fields_and_buckets(check, info)
                 flat = matrix.tobytes()
                 width = matrix.shape[1]

@@ -9,6 +9,7 @@ drop) and wires the parts, one concept each:
 * `redis_writes`: batches and groups as APPLY units, exactly once per (client_id, seq).
 * `redis_reads`: lookups, versions, changes since a version, exports.
 * `redis_leases`: rebuild leases and committed generations.
+* `redis_history`: the fleet history, one stream per namespace.
 """
 
 from __future__ import annotations
@@ -23,10 +24,12 @@ from ngramcache.client.errors import NamespaceNotFoundError
 
 from . import schema
 from .config import CountsStoreConfig
+from .history import HistoryPage, HistoryRecord
 from .leases import CommittedGeneration, Lease
 from .namespace import NamespaceInfo, validate_namespace
 from .redis_connection import RedisConnection
 from .redis_handles import Handle, HandleCache
+from .redis_history import RedisHistory
 from .redis_leases import RedisLeases
 from .redis_reads import RedisReader
 from .redis_scripts import CREATE
@@ -60,6 +63,7 @@ class RedisCountsStore(CountsStore):
         self._writer = RedisWriter(self._conn, config)
         self._reader = RedisReader(self._conn, config)
         self._leases = RedisLeases(self._conn, config.prefix)
+        self._history = RedisHistory(self._conn, config)
 
     def __repr__(self) -> str:
         return f"RedisCountsStore({self._conn.where!r}, cluster={self._conn.cluster})"
@@ -132,6 +136,7 @@ class RedisCountsStore(CountsStore):
                     pipe.delete(sk.state)
                 pipe.execute()
                 client.delete(handle.meta, handle.clock, handle.epochs)
+            client.delete(*schema.history_keys(prefix, namespace))  # same slot; after meta, so no append lands
             self._handles.forget(namespace)
             pattern = schema.instance_match(prefix, namespace)
             for node_client in self._conn.node_clients():
@@ -165,6 +170,22 @@ class RedisCountsStore(CountsStore):
             return self._complete(outcomes)
 
         return self._handles.run(namespace, run)
+
+    # ----------------------------------------------------------------- the fleet history (`redis_history`)
+
+    def _append_history(self, namespace: str, client_id: str, batch_seq: int, records: Sequence[HistoryRecord],
+                        fingerprint: bytes | None) -> bool:
+        def run(handle: Handle) -> bool:
+            checked = self._check_history(handle.info, fingerprint, client_id, records)
+            return self._history.append(handle, client_id, batch_seq, checked)
+
+        return self._handles.run(namespace, run)
+
+    def _read_history(self, namespace: str, after: str, limit: int) -> HistoryPage:
+        return self._handles.run(namespace, lambda handle: self._history.read(handle, after, limit))
+
+    def _history_stats(self, namespace: str) -> dict[str, int]:
+        return self._history.stats(self._handles.get(namespace, refresh=True))
 
     # ----------------------------------------------------------------- reads
 

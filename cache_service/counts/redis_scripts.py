@@ -15,6 +15,9 @@ Every write of the Redis backend is one of these scripts over keys of one shard 
 * ROLL closes a shard's open change piece when the version moved, trims history below the
   floor and returns the pieces a reader needs; SEAL rewrites a closed piece as the union of
   its roaring bitmaps; READ returns bucket contents packed for numpy.
+* HAPPEND appends one batch of fleet history records exactly once per (client id,
+  batch_seq), skips near-duplicates and trims by the budget; HREAD trims and reads after a
+  stream id (the rules of `history`).
 * CREATE makes a namespace visible once its shard state exists; ACQUIRE, RENEW, RELEASE and
   COMMIT are the rebuild lease's steps (the rules of `leases`).
 
@@ -28,7 +31,7 @@ import hashlib
 from collections.abc import Sequence
 from typing import Any, TypeAlias
 
-__all__ = ["ACQUIRE", "APPLY", "COMMIT", "CREATE", "READ", "RELEASE", "RENEW", "ROLL", "SEAL", "TICK", "Call", "Script"]
+__all__ = ["ACQUIRE", "APPLY", "COMMIT", "CREATE", "HAPPEND", "HREAD", "READ", "RELEASE", "RENEW", "ROLL", "SEAL", "TICK", "Call", "Script"]
 
 
 class Script:
@@ -244,4 +247,93 @@ local g = tonumber(redis.call('HGET', KEYS[2], 'generation') or '0')
 if tonumber(ARGV[2]) <= g then return {0, tostring(g)} end
 redis.call('HSET', KEYS[2], 'generation', ARGV[2], 'location', ARGV[3], 'token', ARGV[4], 'kind', ARGV[5])
 return {1, ''}
+""")
+
+# The fleet history (keys of `schema.history_keys`, one slot). HTRIM is shared by HAPPEND and
+# HREAD: drop the oldest entries while the history holds more than max_tokens tokens or its
+# oldest entry is older than oldest_ms. The fast path reads only the stat hash; otherwise it
+# reads entries oldest first in growing pages (1, 2, 4, .. 64) to sum what it drops, then
+# XTRIM MINID to the first kept id (MAXLEN 0 when nothing is kept: the stream keeps its last
+# id, so new ids still grow).
+_HTRIM = """
+local function id_ms(id) return tonumber(string.match(id, '^(%d+)')) end
+local function htrim(stream, stat, max_tokens, oldest_ms)
+  local st = redis.call('HMGET', stat, 'tokens', 'first')
+  local tokens, first = tonumber(st[1] or '0'), st[2] or ''
+  if tokens <= max_tokens and (first == '' or id_ms(first) >= oldest_ms) then return end
+  local from, count, kept, dropped = '-', 1, nil, nil
+  while true do
+    local page = redis.call('XRANGE', stream, from, '+', 'COUNT', count)
+    if #page == 0 then break end
+    for i = 1, #page do
+      local id, f = page[i][1], page[i][2]
+      if tokens <= max_tokens and id_ms(id) >= oldest_ms then kept = id break end
+      for j = 1, #f, 2 do if f[j] == 't' then tokens = tokens - #f[j + 1] / 4 end end
+      dropped = id
+    end
+    if kept then break end
+    from = '(' .. page[#page][1]
+    if count < 64 then count = count * 2 end
+  end
+  if dropped then
+    if kept then redis.call('XTRIM', stream, 'MINID', kept) else redis.call('XTRIM', stream, 'MAXLEN', 0) end
+    redis.call('HSET', stat, 'trimmed', dropped)
+  end
+  redis.call('HSET', stat, 'tokens', string.format('%d', tokens), 'first', kept or '')
+end
+local function hnow()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+"""
+
+# One batch of history records, exactly once per (client id, batch_seq).
+# KEYS: meta, stream, stat, seq, seen, dup. ARGV: instance, client id, batch_seq, max_tokens,
+# max_age_ms, dup_window_ms, dedup_ttl_ms, then per record: seq, group, offset, tokens
+# (raw '<i4'), near-duplicate digest ('' for none).
+# Returns -1 (another instance), 0 (duplicate: nothing stored) or 1 (stored).
+HAPPEND = Script("history_append", _HTRIM + """
+if redis.call('HGET', KEYS[1], 'instance') ~= ARGV[1] then return -1 end
+local hwm = redis.call('HGET', KEYS[4], ARGV[2])
+if hwm and tonumber(ARGV[3]) <= tonumber(hwm) then return 0 end
+local now = hnow()
+redis.call('HSET', KEYS[4], ARGV[2], ARGV[3])
+redis.call('ZADD', KEYS[5], now, ARGV[2])
+local silent = redis.call('ZRANGEBYSCORE', KEYS[5], '-inf', '(' .. (now - tonumber(ARGV[7])), 'LIMIT', 0, 16)
+for i = 1, #silent do
+  redis.call('HDEL', KEYS[4], silent[i])
+  redis.call('ZREM', KEYS[5], silent[i])
+end
+redis.call('ZREMRANGEBYSCORE', KEYS[6], '-inf', '(' .. (now - tonumber(ARGV[6])))
+local added, first = 0, nil
+for a = 8, #ARGV, 5 do
+  local digest = ARGV[a + 4]
+  local skip = false
+  if digest ~= '' then
+    if redis.call('ZSCORE', KEYS[6], digest) then skip = true else redis.call('ZADD', KEYS[6], now, digest) end
+  end
+  if not skip then
+    local id = redis.call('XADD', KEYS[2], '*', 'c', ARGV[2], 's', ARGV[a], 'g', ARGV[a + 1], 'o', ARGV[a + 2],
+                          't', ARGV[a + 3])
+    first = first or id
+    added = added + #ARGV[a + 3] / 4
+  end
+end
+if added > 0 then
+  redis.call('HINCRBY', KEYS[3], 'tokens', added)
+  if (redis.call('HGET', KEYS[3], 'first') or '') == '' then redis.call('HSET', KEYS[3], 'first', first) end
+end
+htrim(KEYS[2], KEYS[3], tonumber(ARGV[4]), now - tonumber(ARGV[5]))
+return 1
+""")
+
+# KEYS: meta, stream, stat. ARGV: instance, after ('' = from the oldest; else a stream id,
+# exclusive), limit, max_tokens, max_age_ms. Trims by the budget first (so no expired record
+# is answered), then returns {1, trimmed id or '', entries} or {-1} (another instance).
+HREAD = Script("history_read", _HTRIM + """
+if redis.call('HGET', KEYS[1], 'instance') ~= ARGV[1] then return {-1} end
+htrim(KEYS[2], KEYS[3], tonumber(ARGV[4]), hnow() - tonumber(ARGV[5]))
+local from = '-'
+if ARGV[2] ~= '' then from = '(' .. ARGV[2] end
+return {1, redis.call('HGET', KEYS[3], 'trimmed') or '', redis.call('XRANGE', KEYS[2], from, '+', 'COUNT', ARGV[3])}
 """)

@@ -13,6 +13,17 @@ Coordinator keys, hash tag ``{NS}`` (one slot per namespace)::
     P:{NS}:epochs   LIST    epoch numbers, newest first, trimmed to history_epochs + 1;
                             the last one is the floor: the oldest version changes_since serves
 
+The fleet history (`redis_history`), in the same slot: one stream per namespace, so a
+Cluster spreads namespaces, not one namespace's records::
+
+    P:{NS}:hist     STREAM  one entry per record: c (client id), s (seq, decimal int64),
+                            g (group), o (offset, decimal), t (tokens, raw '<i4' bytes)
+    P:{NS}:hstat    HASH    tokens (kept), first (id of the oldest kept entry, '' if none),
+                            trimmed (id of the newest entry trimmed, absent if none)
+    P:{NS}:hseq     HASH    client id -> highest batch_seq stored (the exactly-once rule)
+    P:{NS}:hseen    ZSET    client id, score ms of its last append (silent senders expire)
+    P:{NS}:hdup     ZSET    near-duplicate digests (16 bytes), score ms stored
+
 Shard keys, hash tag ``{NS/I/s.k}`` for shard s (k is the smallest integer that puts the tag
 in slot range [s*16384/S, (s+1)*16384/S), so shards spread evenly over the masters of a
 Cluster that owns contiguous, equal slot ranges, as ``redis-cli --cluster create`` makes)::
@@ -81,6 +92,16 @@ def namespace_of_meta_key(prefix: str, key: bytes | str) -> str | None:
         return validate_namespace(key[len(head):-len(tail)])
     except InvalidArgumentError:
         return None
+
+
+def history_keys(prefix: str, namespace: str) -> tuple[str, str, str, str, str]:
+    """(stream, stat, seq, seen, dup) keys of a namespace's fleet history, in its coordinator slot.
+
+    Not per incarnation: `drop_namespace` deletes them with the record, and every script checks
+    the record's instance, so a recreated namespace starts with an empty history.
+    """
+    base = f"{prefix}:{{{namespace}}}:"
+    return (base + "hist", base + "hstat", base + "hseq", base + "hseen", base + "hdup")
 
 
 def clock_key(prefix: str, namespace: str) -> str:

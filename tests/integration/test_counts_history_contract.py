@@ -1,0 +1,236 @@
+"""One contract for the fleet history of every counts store backend: embedded, a real standalone redis-server, a real 3-master Redis Cluster."""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+from counts_helpers import FP, OTHER_FP, VOCAB  # tests/ is on sys.path
+
+from ngramcache.cache_service.counts.history import MAX_BATCH_RECORDS, HistoryPage, HistoryRecord
+from ngramcache.cache_service.counts.store import CountsStore
+from ngramcache.client.errors import InvalidArgumentError, NamespaceNotFoundError, TokenizerMismatchError
+
+pytestmark = pytest.mark.integration
+
+
+def rec(tokens: list[int] | np.ndarray, *, seq: int = 1, group: str = "", offset: int = 1) -> HistoryRecord:
+    return HistoryRecord("", seq, group, offset, np.asarray(tokens, dtype=np.int32))
+
+
+def read_all(store: CountsStore, namespace: str, after: str = "", limit: int = 1024) -> tuple[list[HistoryRecord],
+                                                                                                 HistoryPage]:
+    """Every record after ``after``, page by page; and the last page."""
+    out: list[HistoryRecord] = []
+    while True:
+        page = store.read_history(namespace, after, limit)
+        out += page.records
+        if not page.records:
+            return out, page
+        after = page.cursor
+
+
+def shape(records: list[HistoryRecord]) -> list[tuple[str, int, str, int, list[int]]]:
+    return [(r.client_id, r.seq, r.group, r.offset, r.tokens.tolist()) for r in records]
+
+
+def test_a_batch_is_stored_exactly_once(store: CountsStore, namespace: str) -> None:
+    store.create_namespace(namespace, FP, VOCAB)
+    first = [HistoryRecord("whoever", -(2**63), "g1", 0, np.array([5, 6, 7], dtype=np.int32)),
+             rec([69_999], seq=2**63 - 1, offset=2**40 - 1)]
+    assert store.append_history(namespace, "a", 3, first, fingerprint=FP) is True
+    assert store.append_history(namespace, "a", 3, first) is False  # a retry
+    assert store.append_history(namespace, "a", 1, [rec([9])]) is False  # below the highest: a duplicate
+    assert store.append_history(namespace, "b", 1, [rec([8])]) is True  # another sender has its own seqs
+    assert store.append_history(namespace, "a", 4, [rec([1, 2])]) is True
+    assert store.append_history(namespace, "a", 5, []) is True  # empty: stores nothing, takes the seq
+    assert store.append_history(namespace, "a", 5, [rec([3])]) is False
+    records, _ = read_all(store, namespace)
+    assert shape(records) == [("a", -(2**63), "g1", 0, [5, 6, 7]), ("a", 2**63 - 1, "", 2**40 - 1, [69_999]),
+                              ("b", 1, "", 1, [8]), ("a", 1, "", 1, [1, 2])]
+    assert all(r.tokens.dtype == np.int32 for r in records)
+    assert store.history_stats(namespace) == {"records": 4, "tokens": 7, "bytes": 28}
+
+
+def test_bad_batches_are_refused_whole(store: CountsStore, namespace: str) -> None:
+    store.create_namespace(namespace, FP, VOCAB)
+    good = rec([1, 2, 3])
+    cases: list[tuple[list[HistoryRecord], str]] = [
+        ([good, rec([1, VOCAB])], "history record 1"),
+        ([good, rec([])], "history record 1"),
+        ([rec([1], group="no spaces")], "group"),
+        ([rec([1], offset=-1)], "offset"),
+        ([rec(np.zeros(4097, dtype=np.int32))], "4096"),
+        ([good] * (MAX_BATCH_RECORDS + 1), "at most 256"),
+    ]
+    for records, words in cases:
+        with pytest.raises(InvalidArgumentError, match=words):
+            store.append_history(namespace, "a", 1, records)
+    with pytest.raises(TokenizerMismatchError):
+        store.append_history(namespace, "a", 1, [good], fingerprint=OTHER_FP)
+    for bad_seq in (-1, 2**53):
+        with pytest.raises(InvalidArgumentError, match="batch_seq"):
+            store.append_history(namespace, "a", bad_seq, [good])
+    with pytest.raises(InvalidArgumentError, match="client_id"):
+        store.append_history(namespace, "", 1, [good])
+    assert store.history_stats(namespace)["records"] == 0
+    assert store.append_history(namespace, "a", 1, [good]) is True  # the refused calls took no seq
+    missing = "t-missing-" + uuid.uuid4().hex[:8]
+    with pytest.raises(NamespaceNotFoundError):
+        store.append_history(missing, "a", 1, [good])
+    with pytest.raises(NamespaceNotFoundError):
+        store.read_history(missing)
+    with pytest.raises(NamespaceNotFoundError):
+        store.history_stats(missing)
+    for bad_cursor in ("junk", "abc.", "x.y", 5):
+        with pytest.raises(InvalidArgumentError, match="cursor"):
+            store.read_history(namespace, bad_cursor)  # type: ignore[arg-type]
+    for bad_limit in (0, 65537):
+        with pytest.raises(InvalidArgumentError, match="limit"):
+            store.read_history(namespace, "", bad_limit)
+
+
+def test_reads_page_in_order_and_resume_after_a_cursor(store: CountsStore, namespace: str) -> None:
+    store.create_namespace(namespace, FP, VOCAB)
+    before = time.time() * 1000
+    for b in range(1, 6):
+        store.append_history(namespace, "a", b, [rec([b, i], seq=b, offset=10 * i) for i in range(3)])
+    everything = store.read_history(namespace, "", 65536)
+    assert [(r.seq, r.offset) for r in everything.records] == [(b, 10 * i) for b in range(1, 6) for i in range(3)]
+    assert everything.cursor == everything.records[-1].cursor and not everything.gap
+    assert len({r.cursor for r in everything.records}) == 15
+    assert all(before - 1000 <= r.time_ms <= time.time() * 1000 + 1000 for r in everything.records)
+    paged, last = read_all(store, namespace, limit=4)
+    assert shape(paged) == shape(everything.records) and not last.gap
+    assert last.cursor == everything.cursor  # nothing new: the cursor given back
+    middle = everything.records[6].cursor
+    assert shape(store.read_history(namespace, middle, 2).records) == shape(everything.records[7:9])
+    store.append_history(namespace, "a", 6, [rec([42])])
+    page = store.read_history(namespace, everything.cursor)
+    assert shape(page.records) == [("a", 1, "", 1, [42])] and not page.gap
+
+
+def test_the_byte_budget_drops_the_oldest(make_store: Callable[..., CountsStore], namespace: str) -> None:
+    store = make_store(history_max_bytes=4 * 100)
+    store.create_namespace(namespace, FP, VOCAB)
+    store.append_history(namespace, "a", 1, [rec(list(range(30)), seq=0)])
+    start = store.read_history(namespace).cursor
+    for b in range(2, 12):
+        store.append_history(namespace, "a", b, [rec(list(range(30)), seq=b)])
+    assert store.history_stats(namespace) == {"records": 3, "tokens": 90, "bytes": 360}
+    kept = store.read_history(namespace)
+    assert [r.seq for r in kept.records] == [9, 10, 11] and not kept.gap
+    behind = store.read_history(namespace, start)  # its successors were trimmed unseen
+    assert behind.gap and [r.seq for r in behind.records] == [9, 10, 11]
+    assert not store.read_history(namespace, behind.records[0].cursor).gap
+    store.append_history(namespace, "a", 20, [rec(list(range(150)), seq=20)])  # alone over the budget
+    assert store.history_stats(namespace)["records"] == 0
+    assert store.read_history(namespace, kept.cursor).gap
+
+
+def test_the_age_budget_drops_old_records(make_store: Callable[..., CountsStore], namespace: str) -> None:
+    store = make_store(history_max_age=0.4)
+    store.create_namespace(namespace, FP, VOCAB)
+    store.append_history(namespace, "a", 1, [rec([1, 2], seq=1)])
+    cursor = store.read_history(namespace).cursor
+    time.sleep(0.6)
+    old = store.read_history(namespace, "")  # a read trims too: no expired record is answered
+    assert old.records == [] and not old.gap
+    assert store.history_stats(namespace) == {"records": 0, "tokens": 0, "bytes": 0}
+    store.append_history(namespace, "a", 2, [rec([3], seq=2)])
+    page = store.read_history(namespace, cursor)
+    assert [r.seq for r in page.records] == [2] and not page.gap  # nothing unseen was lost after cursor
+    gone = store.read_history(namespace, "")
+    time.sleep(0.6)
+    store.append_history(namespace, "a", 3, [rec([4], seq=3)])
+    late = store.read_history(namespace, gone.records[0].cursor)
+    assert not late.gap and [r.seq for r in late.records] == [3]
+    stale = store.read_history(namespace, cursor)
+    assert stale.gap and [r.seq for r in stale.records] == [3]
+
+
+def test_another_incarnations_cursor_reads_from_the_oldest_with_a_gap(store: CountsStore, namespace: str) -> None:
+    store.create_namespace(namespace, FP, VOCAB)
+    store.append_history(namespace, "a", 1, [rec([1], seq=1), rec([2], seq=2)])
+    old = store.read_history(namespace)
+    other = namespace + "-o"
+    try:
+        store.create_namespace(other, FP, VOCAB)
+        store.append_history(other, "a", 1, [rec([9], seq=9)])
+        foreign = store.read_history(other).cursor
+        page = store.read_history(namespace, foreign)
+        assert page.gap and [r.seq for r in page.records] == [1, 2]
+        assert not store.read_history(namespace, page.cursor).gap
+    finally:
+        store.drop_namespace(other)
+    assert store.drop_namespace(namespace)
+    store.create_namespace(namespace, FP, VOCAB)
+    assert store.history_stats(namespace) == {"records": 0, "tokens": 0, "bytes": 0}  # the drop took the history
+    empty = store.read_history(namespace, old.cursor)
+    assert empty.gap and empty.records == [] and empty.cursor != old.cursor
+    assert not store.read_history(namespace, empty.cursor).gap  # the gap is reported once
+    assert store.append_history(namespace, "a", 1, [rec([3], seq=3)]) is True  # dedup records went too
+    again = store.read_history(namespace, empty.cursor)
+    assert [r.seq for r in again.records] == [3] and not again.gap
+
+
+def test_a_prompt_sent_by_siblings_is_stored_once(store: CountsStore, namespace: str) -> None:
+    store.create_namespace(namespace, FP, VOCAB)
+    prompt = [11, 12, 13, 14]
+    for sibling in range(8):
+        store.append_history(namespace, f"w{sibling}", 1,
+                             [rec(prompt, seq=sibling, group="p1", offset=0), rec([sibling], seq=sibling, group="p1",
+                                                                                  offset=4)])
+    store.append_history(namespace, "w0", 2, [rec(prompt, seq=20, group="p2", offset=0),  # another group
+                                              rec(prompt, seq=21, group="p1", offset=7)])  # not at offset 0
+    records, _ = read_all(store, namespace)
+    assert sum(r.offset == 0 and r.group == "p1" for r in records) == 1
+    assert sorted(r.tokens.tolist()[0] for r in records if r.offset == 4) == list(range(8))
+    assert [(r.seq, r.group) for r in records[-2:]] == [(20, "p2"), (21, "p1")]
+    assert store.history_stats(namespace)["records"] == 11
+
+
+def test_drop_namespace_removes_the_history(store: CountsStore, namespace: str) -> None:
+    store.create_namespace(namespace, FP, VOCAB)
+    store.append_history(namespace, "a", 1, [rec([1, 2, 3])])
+    assert store.drop_namespace(namespace)
+    with pytest.raises(NamespaceNotFoundError):
+        store.read_history(namespace)
+    with pytest.raises(NamespaceNotFoundError):
+        store.append_history(namespace, "a", 2, [rec([1])])
+    store.create_namespace(namespace, FP, VOCAB)
+    assert store.read_history(namespace).records == []
+
+
+def test_concurrent_appenders_lose_nothing(store: CountsStore, namespace: str) -> None:
+    store.create_namespace(namespace, FP, VOCAB)
+    clients, batches, per_batch = 6, 20, 4
+    errors: list[BaseException] = []
+
+    def sender(c: int) -> None:
+        try:
+            for b in range(1, batches + 1):
+                records = [rec([c, b, i], seq=c, offset=b * per_batch + i) for i in range(per_batch)]
+                assert store.append_history(namespace, f"c{c}", b, records) is True
+                assert store.append_history(namespace, f"c{c}", b, records) is False
+        except BaseException as exc:  # reported by the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=sender, args=(c,)) for c in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    records, _ = read_all(store, namespace, limit=37)
+    assert len(records) == clients * batches * per_batch
+    assert Counter(r.client_id for r in records) == {f"c{c}": batches * per_batch for c in range(clients)}
+    for c in range(clients):  # each sender's records in the order it sent them
+        mine = [r.offset for r in records if r.client_id == f"c{c}"]
+        assert mine == sorted(mine) and len(set(mine)) == len(mine)
+    assert len({r.cursor for r in records}) == len(records)

@@ -1,0 +1,119 @@
+"""Unit tests of counts.history: record, batch, group, cursor and budget checks, and the near-duplicate key."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ngramcache.cache_service.counts.config import CountsStoreConfig
+from ngramcache.cache_service.counts.history import (
+    MAX_BATCH_RECORDS,
+    MAX_RECORD_TOKENS,
+    HistoryBudget,
+    HistoryRecord,
+    duplicate_key,
+    parse_cursor,
+    validate_batch_seq,
+    validate_group,
+    validate_limit,
+    validate_records,
+)
+from ngramcache.client.errors import InvalidArgumentError
+
+VOCAB = 1000
+
+
+def rec(tokens: object = (1, 2, 3), *, seq: object = 7, group: object = "g", offset: object = 0) -> HistoryRecord:
+    return HistoryRecord("ignored", seq, group, offset, np.asarray(tokens))  # type: ignore[arg-type]
+
+
+def test_records_are_checked_and_normalised() -> None:
+    out = validate_records([rec(np.array([1, 2, 3], dtype=np.int64), seq=-(2**63), offset=2**40 - 1)], "me", VOCAB)
+    assert out[0].client_id == "me" and out[0].seq == -(2**63) and out[0].offset == 2**40 - 1
+    assert out[0].tokens.dtype == np.dtype("<i4") and out[0].tokens.flags.c_contiguous
+    assert validate_records([], "me", VOCAB) == []
+    assert len(validate_records([rec(np.zeros(MAX_RECORD_TOKENS, dtype=np.int32))], "me", VOCAB)) == 1
+
+
+@pytest.mark.parametrize("bad, words", [
+    (rec(()), "1..4096 tokens"),
+    (rec(np.zeros(MAX_RECORD_TOKENS + 1, dtype=np.int32)), "1..4096 tokens"),
+    (rec((1, VOCAB)), f"token {VOCAB} is outside"),
+    (rec((-1, 2)), "token -1 is outside"),
+    (rec((1.5, 2.0)), "integer array"),
+    (rec([[1, 2]]), "integer array"),
+    (rec(seq=2**63), "seq must be an int64"),
+    (rec(seq=True), "seq must be an int64"),
+    (rec(offset=-1), "offset"),
+    (rec(offset=2**40), "offset"),
+    (rec(group="a b"), "group"),
+    (rec(group="x" * 65), "group"),
+    (rec(group=None), "group"),
+])
+def test_a_bad_record_is_named(bad: HistoryRecord, words: str) -> None:
+    with pytest.raises(InvalidArgumentError, match="history record 1") as caught:
+        validate_records([rec(), bad, rec()], "me", VOCAB)
+    assert words in str(caught.value)
+
+
+def test_batch_level_checks() -> None:
+    with pytest.raises(InvalidArgumentError, match="at most 256"):
+        validate_records([rec()] * (MAX_BATCH_RECORDS + 1), "me", VOCAB)
+    with pytest.raises(InvalidArgumentError, match="client_id"):
+        validate_records([rec()], "bad id", VOCAB)
+    with pytest.raises(InvalidArgumentError, match="not a HistoryRecord"):
+        validate_records([(1, 2)], "me", VOCAB)  # type: ignore[list-item]
+    with pytest.raises(InvalidArgumentError, match="sequence"):
+        validate_records(rec(), "me", VOCAB)  # type: ignore[arg-type]
+    assert validate_batch_seq(0) == 0 and validate_batch_seq(2**53 - 1) == 2**53 - 1
+    for bad in (-1, 2**53, 1.0, True, "1"):
+        with pytest.raises(InvalidArgumentError, match="batch_seq"):
+            validate_batch_seq(bad)  # type: ignore[arg-type]
+    assert validate_limit(1) == 1 and validate_limit(65536) == 65536
+    for bad in (0, 65537, 2.0, False):
+        with pytest.raises(InvalidArgumentError, match="limit"):
+            validate_limit(bad)  # type: ignore[arg-type]
+
+
+def test_groups() -> None:
+    for good in ("", "a", "prompt:1a2b", "A-z_0.9", "x" * 64):
+        assert validate_group(good) == good
+    for bad in ("x" * 65, "a/b", "é", " "):
+        with pytest.raises(InvalidArgumentError):
+            validate_group(bad)
+
+
+def test_cursors() -> None:
+    assert parse_cursor("") is None
+    cursor = parse_cursor("abc123.1700000000000-5")
+    assert cursor is not None and (cursor.incarnation, cursor.position) == ("abc123", "1700000000000-5")
+    cursor = parse_cursor("f00.42")
+    assert cursor is not None and cursor.position == "42"
+    for bad in ("x", "abc.", ".5", "a.b", "a.1-", "a.-1", "a b.1", "a.1.2", "a" * 65 + ".1"):
+        with pytest.raises(InvalidArgumentError, match="cursor"):
+            parse_cursor(bad)
+    with pytest.raises(InvalidArgumentError, match="cursor"):
+        parse_cursor(5)  # type: ignore[arg-type]
+
+
+def test_budget_and_config() -> None:
+    assert HistoryBudget() == HistoryBudget(64 << 20, 3600.0)
+    assert HistoryBudget(max_age_s=0.0005).max_age_ms == 1
+    for bad in ({"max_bytes": 0}, {"max_bytes": 1.5}, {"max_age_s": 0}, {"max_age_s": -1.0}):
+        with pytest.raises(InvalidArgumentError, match="history"):
+            HistoryBudget(**bad)  # type: ignore[arg-type]
+    config = CountsStoreConfig.from_url("redis://h:1?history_max_bytes=4096&history_max_age=2.5")
+    assert config.history_budget == HistoryBudget(4096, 2.5)
+    assert CountsStoreConfig.from_env({"NGC_COUNTS_HISTORY_MAX_BYTES": "8"}).history_max_bytes == 8
+    with pytest.raises(InvalidArgumentError, match="history"):
+        CountsStoreConfig(history_max_bytes=0)
+    with pytest.raises(InvalidArgumentError, match="history"):
+        CountsStoreConfig.from_url(None, history_max_age=-1.0)
+
+
+def test_duplicate_key_is_group_and_tokens_at_offset_zero() -> None:
+    (a, b, c, d, e) = validate_records([rec((1, 2)), rec((1, 2), seq=9), rec((1, 2), group="h"),
+                                        rec((1, 3)), rec((1, 2), offset=5)], "me", VOCAB)
+    assert duplicate_key(a) == duplicate_key(b) and duplicate_key(a) is not None
+    assert duplicate_key(a) != duplicate_key(c) and duplicate_key(a) != duplicate_key(d)
+    assert duplicate_key(e) is None
