@@ -157,6 +157,9 @@ def add_rebuild(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     p.add_argument("--keep", type=client_cli.int_in(1, 10**6), default=3,
                    help="published generations kept, this one included (default 3)")
     p.add_argument("--no-wait", action="store_true", help="return once the rebuild started")
+    p.add_argument("--no-history", action="store_true",
+                   help="leave the fleet history out (by default the sequences it keeps join the new file's corpus "
+                        "index, so the match mode drafts from what the fleet generated)")
     p.set_defaults(func=cmd_rebuild)
 
 
@@ -168,7 +171,8 @@ def cmd_rebuild(args: argparse.Namespace) -> int:
     def progress(status: RebuildStatus) -> None:
         nonlocal shown
         line = (f"  {status.phase or 'starting'}: {status.previous_rows:,} previous rows, "
-                f"{status.dynamic_rows:,} dynamic rows, {status.corpus_tokens:,} corpus tokens")
+                f"{status.dynamic_rows:,} dynamic rows, {status.corpus_tokens:,} corpus tokens, "
+                f"{status.history_tokens:,} history tokens")
         if line != shown:
             print(line, flush=True)
             shown = line
@@ -176,7 +180,7 @@ def cmd_rebuild(args: argparse.Namespace) -> int:
     with _client(args) as admin:
         status = admin.start_rebuild(args.namespace, min_count=args.min_count, ngram_size=args.ngram_size,
                                      include_previous=args.include_previous, decay=args.decay, corpus=args.corpus,
-                                     keep=args.keep)
+                                     keep=args.keep, history=not args.no_history)
         print(f"rebuilding {args.namespace} on {status.holder} (lease token {status.lease_token})", flush=True)
         if args.no_wait:
             return 0
@@ -188,5 +192,6 @@ def cmd_rebuild(args: argparse.Namespace) -> int:
         return client_cli.EXIT_ERROR
     print(f"published generation {status.generation} of {args.namespace} in {took}: {status.n_keys:,} keys, "
           f"{status.n_followers:,} followers, {status.file_bytes / 1e6:.2f} MB ({status.dynamic_rows:,} dynamic rows, "
-          f"{status.previous_rows:,} previous rows, {status.corpus_tokens:,} corpus tokens)")
+          f"{status.previous_rows:,} previous rows, {status.corpus_tokens:,} corpus tokens, "
+          f"{status.history_tokens:,} history tokens indexed)")
     return 0

@@ -6,7 +6,8 @@ generation number under it before it publishes the file; a replica whose lease e
 (paused, partitioned) is fenced off by the store and publishes nothing (`LeaseLostError`).
 The build streams through `StaticBuilder` within its memory budget: every dynamic row of
 the static file's n-gram size with a count >= ``min_count`` (the store's export, chunk by
-chunk), the token files of ``corpus``, and, with ``include_previous``, the namespace's latest
+chunk), the token files of ``corpus``, the sequences the fleet history keeps (into the corpus
+index only: their counts are already in the dynamic counts), and, with ``include_previous``, the namespace's latest
 generation times ``decay`` when it was published from a corpus. The previous generation is
 not folded by default, and never when a rebuild made it: the store's counts are totals since
 the namespace began, so a generation that already holds them would count them twice. The file is written under a temporary name in the namespace's folder, verified
@@ -68,6 +69,8 @@ class RebuildOptions:
         corpus: token files or folders of them (.bin/.tokens/.npy) on the server to add.
         memory_budget: the builder's budget in bytes (it spills sorted runs beyond).
         keep: published generations kept after this one (older ones are deleted), >= 1.
+        history: add the sequences the namespace's fleet history keeps to the new file's corpus
+            index (index only: their counts are in the dynamic counts already).
     """
 
     min_count: int = 1
@@ -77,6 +80,7 @@ class RebuildOptions:
     corpus: tuple[str, ...] = ()
     memory_budget: int = 1 << 30
     keep: int = 3
+    history: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.min_count, bool) or not isinstance(self.min_count, int) or self.min_count < 1:
@@ -99,7 +103,7 @@ class RebuildStatus:
 
     namespace: str
     state: str = "idle"  # idle, running, done, failed
-    phase: str = ""  # previous, dynamic, corpus, writing, committing, publishing
+    phase: str = ""  # previous, dynamic, corpus, history, writing, committing, publishing
     generation: int = 0
     lease_token: int = 0
     started_unix_ms: int = 0
@@ -107,6 +111,7 @@ class RebuildStatus:
     previous_rows: int = 0
     dynamic_rows: int = 0
     corpus_tokens: int = 0
+    history_tokens: int = 0
     n_keys: int = 0
     n_followers: int = 0
     file_bytes: int = 0
@@ -215,9 +220,10 @@ class Rebuilder:
                         "its dynamic counts twice (the store's counts are totals); give its corpus with --corpus instead")
                 previous = self._static.open(info.name, latest.generation)
             ngram_size = options.ngram_size or (latest.ngram_size if latest else 2)
+            history = options.history and (await self._runner.call(self._store.history_stats, info.name))["records"] > 0
             builder = StaticBuilder(tmp, info.vocab_size, ngram_size, fingerprint=bytes.fromhex(info.fingerprint),
                                     generation=status.generation, memory_budget=options.memory_budget,
-                                    scratch_dir=ns_dir)
+                                    scratch_dir=ns_dir, corpus_index=history)
             if previous is not None:
                 status.phase = "previous"
                 await asyncio.to_thread(self._add_previous, builder, previous, options.decay, status)
@@ -226,6 +232,9 @@ class Rebuilder:
             if options.corpus:
                 status.phase = "corpus"
                 await asyncio.to_thread(self._add_corpus, builder, options.corpus, status, self.corpus_roots)
+            if history:
+                status.phase = "history"
+                await self._add_history(builder, info.name, status, renewer)
             if not (status.dynamic_rows or status.previous_rows or status.corpus_tokens):
                 raise InvalidArgumentError(
                     f"nothing to fold into a generation of {info.name!r}: no dynamic counts of {ngram_size}-grams "
@@ -248,9 +257,9 @@ class Rebuilder:
             final_state, final_error = "done", ""
             self.completed += 1
             log.info("namespace %s: rebuilt generation %d (%d keys, %d followers, %d bytes; %d dynamic rows, "
-                     "%d previous rows, %d corpus tokens)", info.name, status.generation, status.n_keys,
-                     status.n_followers, status.file_bytes, status.dynamic_rows, status.previous_rows,
-                     status.corpus_tokens)
+                     "%d previous rows, %d corpus tokens, %d history tokens indexed)", info.name, status.generation,
+                     status.n_keys, status.n_followers, status.file_bytes, status.dynamic_rows, status.previous_rows,
+                     status.corpus_tokens, status.history_tokens)
         except asyncio.CancelledError:
             final_error = "cancelled (the service is stopping)"
             self.failed += 1
@@ -311,6 +320,38 @@ class Rebuilder:
             if close is not None:
                 with contextlib.suppress(Exception):
                     await self._runner.call(close)
+
+    async def _add_history(self, builder: StaticBuilder, namespace: str, status: RebuildStatus,
+                           renewer: asyncio.Task[None]) -> None:
+        """Every sequence the history keeps as one index text: its records in offset order, a gap
+        (a record trimmed or never published) starting a new text."""
+        texts: dict[tuple[str, int], list[tuple[int, np.ndarray]]] = {}
+        after = ""
+        while True:
+            if renewer.done():
+                renewer.result()
+            page = await self._runner.call(self._store.read_history, namespace, after, 4096)
+            for r in page.records:
+                texts.setdefault((r.client_id, r.seq), []).append((r.offset, r.tokens))
+            if not page.records:
+                break
+            after = page.cursor
+
+        def add() -> None:
+            for parts in texts.values():
+                parts.sort(key=lambda part: part[0])
+                run: list[np.ndarray] = []
+                end = -1
+                for offset, tokens in [*parts, (-1, np.empty(0, np.int32))]:  # a sentinel flushes the last run
+                    if run and offset != end:
+                        builder.add_index_tokens(np.ascontiguousarray(np.concatenate(run), dtype=np.int32))
+                        status.history_tokens += sum(len(t) for t in run)
+                        run = []
+                    if len(tokens):
+                        run.append(tokens)
+                        end = offset + len(tokens)
+
+        await asyncio.to_thread(add)
 
     @staticmethod
     def _add_corpus(builder: StaticBuilder, corpus: tuple[str, ...], status: RebuildStatus,

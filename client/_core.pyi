@@ -393,6 +393,13 @@ class StaticBuilder:
         Appends int32 tokens to the current stream (all are checked before any is counted).
         """
 
+    def add_index_tokens(self, tokens: NDArray[numpy.int32]) -> None:
+        """
+        Adds int32 tokens to the corpus index only, as a text of their own (no n-gram is counted):
+        for texts whose counts arrive otherwise, such as the fleet history. A no-op without
+        corpus_index.
+        """
+
     def add_rows(self, rows: NDArray[numpy.int32]) -> None:
         """
         Adds weighted rows (n, t0, t1, t2, t3, follower, count) whose n is the builder's ngram_size.

@@ -71,6 +71,7 @@ class RebuildStatus:
     n_followers: int
     file_bytes: int
     error: str
+    history_tokens: int = 0
 
     @property
     def seconds(self) -> float:
@@ -87,7 +88,7 @@ def _namespace(ns: admin_pb2.Namespace, created: bool = False) -> NamespaceInfo:
 def _rebuild(s: admin_pb2.RebuildStatus) -> RebuildStatus:
     return RebuildStatus(s.namespace, s.state, s.phase, s.generation, s.holder, s.lease_token, s.started_unix_ms,
                          s.finished_unix_ms, s.previous_rows, s.dynamic_rows, s.corpus_tokens, s.n_keys, s.n_followers,
-                         s.file_bytes, s.error)
+                         s.file_bytes, s.error, s.history_tokens)
 
 
 class AdminClient:
@@ -194,11 +195,12 @@ class AdminClient:
 
     def start_rebuild(self, namespace: str, *, min_count: int = 1, ngram_size: int = 0, include_previous: bool = False,
                       decay: float = 1.0, corpus: Sequence[str] = (), memory_budget: int = 0,
-                      keep: int = 0) -> RebuildStatus:
-        """Start a rebuild of ``namespace`` on the replica this client talks to (docs/operations.md)."""
+                      keep: int = 0, history: bool = True) -> RebuildStatus:
+        """Start a rebuild of ``namespace`` on the replica this client talks to (docs/operations.md);
+        ``history=False`` leaves the fleet history out of the new corpus index."""
         return _rebuild(self._call(self._admin.StartRebuild, admin_pb2.StartRebuildRequest(
             namespace=namespace, min_count=min_count, ngram_size=ngram_size, include_previous=include_previous,
-            decay=decay, corpus=list(corpus), memory_budget=memory_budget, keep=keep)))
+            decay=decay, corpus=list(corpus), memory_budget=memory_budget, keep=keep, skip_history=not history)))
 
     def rebuild_status(self, namespace: str) -> RebuildStatus:
         return _rebuild(self._call(self._admin.GetRebuildStatus, admin_pb2.GetRebuildStatusRequest(namespace=namespace)))

@@ -76,6 +76,22 @@ void bind_builder(nb::module_& m) {
           nb::sig("def add_tokens(self, tokens: NDArray[numpy.int32]) -> None"), "tokens"_a,
           "Appends int32 tokens to the current stream (all are checked before any is counted).")
       .def(
+          "add_index_tokens",
+          [](PyStaticBuilder& b, nb::handle tokens) {
+            Builder& builder = b.get();
+            TokenView v = as_tokens(tokens, "tokens");
+            Status s;
+            {
+              nb::gil_scoped_release release;
+              s = builder.add_index_tokens(v.data, v.size);
+            }
+            check(s);
+          },
+          nb::sig("def add_index_tokens(self, tokens: NDArray[numpy.int32]) -> None"), "tokens"_a,
+          "Adds int32 tokens to the corpus index only, as a text of their own (no n-gram is counted):\n"
+          "for texts whose counts arrive otherwise, such as the fleet history. A no-op without\n"
+          "corpus_index.")
+      .def(
           "add_rows",
           [](PyStaticBuilder& b, nb::handle rows) {
             Builder& builder = b.get();

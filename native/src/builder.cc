@@ -234,6 +234,24 @@ class BuilderImpl : public Builder {
     text_.reserve(std::min<uint64_t>(tokens, uint64_t{1} << 24));
   }
 
+  Status add_index_tokens(const Token* data, size_t n) override {
+    const uint32_t V = opt_.header.vocab_size;
+    for (size_t i = 0; i < n; ++i) {
+      if (static_cast<uint32_t>(data[i]) >= V) {  // also catches negatives
+        return Status::InvalidArgument("token " + std::to_string(data[i]) + " at index text position " + str(i) +
+                                       " is outside the vocabulary [0, " + str(V) + ")");
+      }
+    }
+    if (!opt_.corpus_index || n == 0) return Status::Ok();
+    if (!text_.empty() && text_.back() != format::kSeparator) text_.push_back(format::kSeparator);
+    const uint64_t room = index_capacity_ > text_.size() ? index_capacity_ - text_.size() : 0;
+    const size_t take = static_cast<size_t>(std::min<uint64_t>(room, n));
+    for (size_t i = 0; i < take; ++i) text_.push_back(static_cast<uint32_t>(data[i]));
+    stats_.n_indexed += take;
+    stats_.n_not_indexed += n - take;
+    return Status::Ok();
+  }
+
   Status add_tokens(const Token* data, size_t n) override {
     const uint32_t V = opt_.header.vocab_size;
     for (size_t i = 0; i < n; ++i) {

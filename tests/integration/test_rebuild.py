@@ -276,6 +276,34 @@ def test_a_new_namespaces_generation_is_listed_on_every_replica_without_a_client
         assert ns not in two.service.registry.live()  # installed, not opened: no mirror, no sessions
 
 
+def test_a_rebuild_folds_the_fleet_history_into_the_corpus_index_and_only_there(tmp_path: Path) -> None:
+    """The sequences the history keeps join the new file's corpus index (two records of one sequence,
+    published apart, as one text); the counts are the dynamic counts alone; --no-history leaves them out."""
+    from ngramcache.cache_service.counts.history import HistoryRecord
+
+    with ServiceThread(tmp_path / "data") as svc:
+        address = f"127.0.0.1:{svc.port}"
+        ns = create(address)
+        with NgramClient(address, ns, (FP, VOCAB), cache_dir=tmp_path / "cache", **FAST) as client:
+            push_all(client, corpus(3))
+        generated = np.random.default_rng(7).integers(0, VOCAB, 64, dtype=np.int32)
+        store = svc.service.runner.store
+        store.append_history(ns, "worker-a", 1, [HistoryRecord("", 5, "g", 0, generated[:40])])
+        store.append_history(ns, "worker-a", 2, [HistoryRecord("", 5, "g", 40, generated[40:])])
+
+        done = rebuild_cli(address, ns)
+        assert done.returncode == 0, done.stderr
+        assert "64 history tokens indexed" in done.stdout, done.stdout
+        cache = StaticCache.open(tmp_path / "data" / "static" / ns / f"{1:020d}.ngc")
+        assert cache.n_indexed == 64
+        assert cache.corpus_match(generated[30:50]) == (min(20, cache.index_depth), 1)  # across the two records
+        assert file_pairs(tmp_path / "data" / "static" / ns / f"{1:020d}.ngc") == store_pairs(address, ns)
+
+        plain = rebuild_cli(address, ns, "--no-history")
+        assert plain.returncode == 0 and "0 history tokens" in plain.stdout, plain.stdout
+        assert StaticCache.open(tmp_path / "data" / "static" / ns / f"{2:020d}.ngc").n_indexed == 0
+
+
 def test_status_says_done_only_after_the_lease_is_released_and_the_finish_time_set(tmp_path: Path) -> None:
     tokens = corpus(3, 4000)
     path = tmp_path / "corpus.bin"

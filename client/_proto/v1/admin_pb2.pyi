@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class StartRebuildRequest(_message.Message):
-    __slots__ = ("namespace", "min_count", "ngram_size", "include_previous", "decay", "corpus", "memory_budget", "keep", "wait")
+    __slots__ = ("namespace", "min_count", "ngram_size", "include_previous", "decay", "corpus", "memory_budget", "keep", "wait", "skip_history")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     MIN_COUNT_FIELD_NUMBER: _ClassVar[int]
     NGRAM_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -18,6 +18,7 @@ class StartRebuildRequest(_message.Message):
     MEMORY_BUDGET_FIELD_NUMBER: _ClassVar[int]
     KEEP_FIELD_NUMBER: _ClassVar[int]
     WAIT_FIELD_NUMBER: _ClassVar[int]
+    SKIP_HISTORY_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     min_count: int
     ngram_size: int
@@ -27,7 +28,8 @@ class StartRebuildRequest(_message.Message):
     memory_budget: int
     keep: int
     wait: bool
-    def __init__(self, namespace: _Optional[str] = ..., min_count: _Optional[int] = ..., ngram_size: _Optional[int] = ..., include_previous: _Optional[bool] = ..., decay: _Optional[float] = ..., corpus: _Optional[_Iterable[str]] = ..., memory_budget: _Optional[int] = ..., keep: _Optional[int] = ..., wait: _Optional[bool] = ...) -> None: ...
+    skip_history: bool
+    def __init__(self, namespace: _Optional[str] = ..., min_count: _Optional[int] = ..., ngram_size: _Optional[int] = ..., include_previous: _Optional[bool] = ..., decay: _Optional[float] = ..., corpus: _Optional[_Iterable[str]] = ..., memory_budget: _Optional[int] = ..., keep: _Optional[int] = ..., wait: _Optional[bool] = ..., skip_history: _Optional[bool] = ...) -> None: ...
 
 class GetRebuildStatusRequest(_message.Message):
     __slots__ = ("namespace",)
@@ -36,7 +38,7 @@ class GetRebuildStatusRequest(_message.Message):
     def __init__(self, namespace: _Optional[str] = ...) -> None: ...
 
 class RebuildStatus(_message.Message):
-    __slots__ = ("namespace", "state", "phase", "generation", "lease_token", "started_unix_ms", "finished_unix_ms", "previous_rows", "dynamic_rows", "corpus_tokens", "n_keys", "n_followers", "file_bytes", "error", "holder")
+    __slots__ = ("namespace", "state", "phase", "generation", "lease_token", "started_unix_ms", "finished_unix_ms", "previous_rows", "dynamic_rows", "corpus_tokens", "n_keys", "n_followers", "file_bytes", "error", "holder", "history_tokens")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     PHASE_FIELD_NUMBER: _ClassVar[int]
@@ -52,6 +54,7 @@ class RebuildStatus(_message.Message):
     FILE_BYTES_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     HOLDER_FIELD_NUMBER: _ClassVar[int]
+    HISTORY_TOKENS_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     state: str
     phase: str
@@ -67,7 +70,8 @@ class RebuildStatus(_message.Message):
     file_bytes: int
     error: str
     holder: str
-    def __init__(self, namespace: _Optional[str] = ..., state: _Optional[str] = ..., phase: _Optional[str] = ..., generation: _Optional[int] = ..., lease_token: _Optional[int] = ..., started_unix_ms: _Optional[int] = ..., finished_unix_ms: _Optional[int] = ..., previous_rows: _Optional[int] = ..., dynamic_rows: _Optional[int] = ..., corpus_tokens: _Optional[int] = ..., n_keys: _Optional[int] = ..., n_followers: _Optional[int] = ..., file_bytes: _Optional[int] = ..., error: _Optional[str] = ..., holder: _Optional[str] = ...) -> None: ...
+    history_tokens: int
+    def __init__(self, namespace: _Optional[str] = ..., state: _Optional[str] = ..., phase: _Optional[str] = ..., generation: _Optional[int] = ..., lease_token: _Optional[int] = ..., started_unix_ms: _Optional[int] = ..., finished_unix_ms: _Optional[int] = ..., previous_rows: _Optional[int] = ..., dynamic_rows: _Optional[int] = ..., corpus_tokens: _Optional[int] = ..., n_keys: _Optional[int] = ..., n_followers: _Optional[int] = ..., file_bytes: _Optional[int] = ..., error: _Optional[str] = ..., holder: _Optional[str] = ..., history_tokens: _Optional[int] = ...) -> None: ...
 
 class Namespace(_message.Message):
     __slots__ = ("name", "tokenizer_fingerprint", "vocab_size", "buckets", "shards", "instance", "latest_generation", "counts_version")

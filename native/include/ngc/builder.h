@@ -62,6 +62,10 @@ class Builder {
   // Appends tokens to the current stream; every token MUST be below the vocabulary size
   // (checked: a bad token fails the call and adds nothing of it).
   virtual Status add_tokens(const Token* data, size_t n) = 0;
+  // Appends tokens to the corpus index only (no n-gram is counted), as its own text: for
+  // texts whose counts arrive otherwise (the fleet history, whose counts the dynamic table
+  // holds). Checked like add_tokens; a no-op without options().corpus_index.
+  virtual Status add_index_tokens(const Token* data, size_t n) = 0;
   // Adds `count` occurrences of follower `follower` after the k tokens at `key`.
   virtual Status add_count(const Token* key, Token follower, uint64_t count) = 0;
   // Adds n to the informational token count the header records (tokens observed by
