@@ -1,4 +1,4 @@
-"""transformers adapter: ngramcache drafts inside `model.generate()` (greedy, batch size 1), with the same output as plain greedy.
+"""transformers adapter: ngramcache drafts inside `model.generate()` (greedy or sampling, batch size 1), with plain generate()'s output.
 
 Which hook, and why. transformers 5.24 (the release installed with torch 2.13.0) takes a *callable* as
 ``generate(custom_generate=...)``: generate() prepares the inputs, cache, logits processors and
@@ -14,6 +14,13 @@ the model instance; a lock per model keeps two such calls on one model from over
 verification (argmax of every drafted position, KV-cache cropping, EOS and length cut-offs,
 logits processors) is transformers' own, which is why the output equals plain greedy decoding.
 
+Sampling (``do_sample=True``, with temperature, top-k, top-p...) goes through the same loop:
+transformers samples every drafted position from the model's own (processed) distribution and
+keeps the drafted tokens while they equal the samples, plus the first sample that differs. A
+drafted token d is thus kept with probability p(d), the model's: the output follows the model's
+distribution exactly, as plain sampling does, but not token for token the same random draws
+as an undrafted call with the same seed (the draws are made in another order).
+
 Usage::
 
     from ngramcache.client.adapters.transformers import DraftStats, generate
@@ -26,8 +33,9 @@ to the model's tokenizer with a vocabulary of at least ``model.config.vocab_size
 step feeds it the whole sequence (prompt + generated), drafts up to ``n_draft`` tokens, and after
 verification accepts the new sequence, as llama.cpp's lookup decoding does.
 
-Not supported by this hook: sampling, beam search, batches of more than one sequence (refused
-with ValueError), and ``streamer=`` (transformers does not pass it to custom_generate callables).
+Not supported by this hook: beam search, several return sequences, batches of more than one
+sequence (refused with ValueError), and ``streamer=`` (transformers does not pass it to
+custom_generate callables).
 """
 
 from __future__ import annotations
@@ -81,7 +89,8 @@ class NgramCandidateGenerator(CandidateGenerator):
         return self.feed.stats
 
     def get_candidates(self, input_ids: torch.LongTensor, **kwargs: Any) -> tuple[torch.LongTensor, None]:
-        """The verified sequence followed by up to `n_draft` drafted tokens (no logits: greedy only).
+        """The verified sequence followed by up to `n_draft` drafted tokens (no logits: the drafts are
+        deterministic, so transformers verifies them against its argmax or its samples).
 
         Args:
             input_ids: shape (1, length), the whole sequence so far.
@@ -131,11 +140,12 @@ def _model_lock(model: Any) -> threading.Lock:
         return lock
 
 
-def _check_greedy(model: Any, input_ids: torch.Tensor, generation_config: GenerationConfig) -> None:
+def _check_supported(model: Any, input_ids: torch.Tensor, generation_config: GenerationConfig) -> None:
     mode = generation_config.get_generation_mode()
-    if mode != GenerationMode.GREEDY_SEARCH or generation_config.num_return_sequences not in (None, 1):
+    if mode not in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE) or \
+            generation_config.num_return_sequences not in (None, 1):
         raise ValueError(
-            "ngramcache drafting supports greedy decoding only (do_sample=False, num_beams=1, "
+            "ngramcache drafting supports greedy decoding and sampling only (num_beams=1, "
             f"num_return_sequences=1, no assistant or prompt lookup); got generation mode {mode.value!r}"
         )
     if input_ids.shape[0] != 1:
@@ -164,12 +174,13 @@ def ngram_decoding(
         ``return_dict_in_generate=True``.
 
     Raises:
-        ValueError: not greedy decoding, a batch of more than one sequence, or a stateful model.
+        ValueError: beam search or several return sequences, a batch of more than one sequence, or a
+            stateful model.
         TypeError: `ngram_candidate_generator` is not an `NgramCandidateGenerator`.
     """
     if not isinstance(ngram_candidate_generator, NgramCandidateGenerator):
         raise TypeError(f"ngram_candidate_generator must be an NgramCandidateGenerator, got {type(ngram_candidate_generator).__name__}")
-    _check_greedy(model, input_ids, generation_config)
+    _check_supported(model, input_ids, generation_config)
     ngram_candidate_generator.max_length = generation_config.max_length
 
     def candidate_generator(*args: Any, **kwargs: Any) -> NgramCandidateGenerator:
@@ -196,8 +207,9 @@ def generate(
     stats: DraftStats | None = None,
     **generate_kwargs: Any,
 ) -> Any:
-    """``model.generate(input_ids, **generate_kwargs)`` with greedy decoding, speculating with
-    drafts of `drafter`: the same output, in fewer forward passes when drafts are accepted.
+    """``model.generate(input_ids, **generate_kwargs)`` speculating with drafts of `drafter`: greedy
+    decoding's output (or, with ``do_sample=True``, samples of the model's own distribution), in
+    fewer forward passes when drafts are accepted.
 
     Args:
         model: a transformers causal LM (anything with ``generate``).
@@ -213,8 +225,8 @@ def generate(
         What ``model.generate`` returns.
 
     Raises:
-        ValueError: sampling or beam search asked, a batch of more than one sequence,
-            ``streamer`` or another drafting method given.
+        ValueError: beam search or several return sequences asked, a batch of more than one
+            sequence, ``streamer`` or another drafting method given.
     """
     for name in ("streamer", "custom_generate", "assistant_model", "prompt_lookup_num_tokens"):
         if generate_kwargs.get(name) is not None:

@@ -177,15 +177,33 @@ def test_generator_reused_across_calls_counts_each_token_once(smollm2, plain_out
     assert_counted_once(drafter, 5, second[0])
 
 
+def test_sampling_drafts_and_in_the_deterministic_limit_equals_plain_generate(smollm2):
+    """do_sample=True goes through transformers' sampling verification; with top_k=1 sampling is
+    argmax, so the drafted output must equal plain generate()'s token for token."""
+    model, tok = smollm2
+    ids = prompt_ids(tok, PROMPT_FUNCTIONS[0])
+    kwargs = dict(do_sample=True, top_k=1, max_new_tokens=NEW_TOKENS)
+    plain = model.generate(ids, **kwargs)
+    drafter = Drafter(dynamic=CountTable(), fingerprint=UNTAGGED, vocab_size=model.config.vocab_size, mode="match")
+    drafter.accept(0, plain[0].numpy().astype(np.int32))  # an earlier sequence holds the output: drafts are accepted
+    stats = DraftStats()
+    out = generate(model, ids, drafter, seq_id=1, stats=stats, **kwargs)
+    assert torch.equal(out, plain)
+    assert stats.accepted > NEW_TOKENS // 2 and stats.steps < NEW_TOKENS // 2
+    torch.manual_seed(0)  # real sampling: valid tokens, drafts verified against the model's samples
+    sampled = generate(model, ids, drafter, seq_id=2, do_sample=True, temperature=0.8, max_new_tokens=NEW_TOKENS)
+    assert sampled.shape[1] > ids.shape[1] and int(sampled.max()) < model.config.vocab_size
+
+
 @pytest.mark.slow
-def test_refuses_sampling_batches_and_streamers(smollm2):
+def test_refuses_beams_batches_and_streamers(smollm2):
     model, tok = smollm2
     ids = prompt_ids(tok, PROMPT_FUNCTIONS[0])
     drafter = Drafter(dynamic=CountTable(), fingerprint=UNTAGGED, vocab_size=model.config.vocab_size)
-    with pytest.raises(ValueError, match="greedy"):
-        generate(model, ids, drafter, seq_id=1, do_sample=True, max_new_tokens=4)
-    with pytest.raises(ValueError, match="greedy"):
+    with pytest.raises(ValueError, match="sampling only"):
         generate(model, ids, drafter, seq_id=1, num_beams=2, max_new_tokens=4)
+    with pytest.raises(ValueError, match="sampling only"):
+        generate(model, ids, drafter, seq_id=1, do_sample=True, num_return_sequences=2, max_new_tokens=4)
     with pytest.raises(ValueError, match="batch size 1"):
         generate(model, ids.repeat(2, 1), drafter, seq_id=1, max_new_tokens=4)
     with pytest.raises(ValueError, match="streamer"):
