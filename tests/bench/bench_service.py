@@ -595,7 +595,7 @@ def main() -> int:
                     help="run one part of the benchmark")
     args = ap.parse_args()
 
-    from redis_servers import RedisServer
+    from helpers.redis_servers import RedisServer
 
     streams = stdlib_streams(args.files)
     text = np.concatenate(streams)

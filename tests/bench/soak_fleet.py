@@ -27,8 +27,8 @@ from pathlib import Path
 import grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: fleet_helpers, redis_servers
-from fleet_helpers import NS, Replica, Worker, stdlib_texts
-from redis_servers import RedisServer
+from helpers.fleet import NS, Replica, Worker, stdlib_texts
+from helpers.redis_servers import RedisServer
 
 from ngramcache import UNTAGGED, NgramClient
 from ngramcache.client._proto.codec import bytes_to_count_rows

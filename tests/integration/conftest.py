@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-from redis_servers import RedisClusterProcesses, RedisServer  # tests/ is on sys.path (tests/conftest.py)
+from helpers.redis_servers import RedisClusterProcesses, RedisServer
 
 from ngramcache.cache_service.counts.factory import open_counts_store
 from ngramcache.cache_service.counts.store import CountsStore

@@ -7,7 +7,7 @@ import sys
 
 import numpy as np
 import pytest
-from model_helpers import (  # tests/ is on sys.path (tests/conftest.py)
+from helpers.model import (
     PROMPT_FUNCTIONS,
     chatml,
     repeat_prompt,

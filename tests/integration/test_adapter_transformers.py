@@ -9,7 +9,7 @@ import grpc
 import numpy as np
 import pytest
 import torch
-from model_helpers import (  # tests/ is on sys.path (tests/conftest.py)
+from helpers.model import (
     PROMPT_FUNCTIONS,
     chatml,
     load_transformers_model,
@@ -17,7 +17,7 @@ from model_helpers import (  # tests/ is on sys.path (tests/conftest.py)
     stdlib_function_source,
     stdlib_module_sources,
 )
-from service_helpers import ServiceThread
+from helpers.service import ServiceThread
 
 from ngramcache import UNTAGGED, CountTable, Drafter, RemoteDrafter, StaticCache, build_static_from_tokens, load_tokenizer
 from ngramcache.client._proto.v1 import admin_pb2, admin_pb2_grpc

@@ -15,9 +15,9 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
-from corpus_helpers import FAST, FP, VOCAB
-from corpus_helpers import motif_corpus as corpus
-from service_helpers import ServiceThread, wait_until  # tests/ is on sys.path (tests/conftest.py)
+from helpers.corpus import FAST, FP, VOCAB
+from helpers.corpus import motif_corpus as corpus
+from helpers.service import ServiceThread, wait_until
 
 from ngramcache import (
     CountTable,
@@ -334,7 +334,7 @@ def test_close_counts_what_it_could_not_deliver(tmp_path: Path) -> None:
     import logging
     import signal
 
-    from service_helpers import start_serve, stop_serve
+    from helpers.service import start_serve, stop_serve
 
     p, port = start_serve(tmp_path / "data")
     stopped = False
@@ -392,7 +392,7 @@ def test_a_hung_replica_is_left_within_failover_timeout(tmp_path: Path, redis_st
     go on there, each counted once."""
     import signal
 
-    from service_helpers import start_serve, stop_serve
+    from helpers.service import start_serve, stop_serve
 
     url = redis_standalone.url
     ns = "hung-" + uuid.uuid4().hex[:8]

@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import numpy as np
 import pytest
-from counts_helpers import FP, OTHER_FP, VOCAB  # tests/ is on sys.path
+from helpers.counts import FP, OTHER_FP, VOCAB
 
 from ngramcache.cache_service.counts.history import MAX_BATCH_RECORDS, HistoryPage, HistoryRecord
 from ngramcache.cache_service.counts.store import CountsStore

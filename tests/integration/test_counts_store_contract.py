@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import numpy as np
 import pytest
-from counts_helpers import FP, OTHER_FP, VOCAB, as_counter, batch, exported, random_batch, row  # tests/ is on sys.path
+from helpers.counts import FP, OTHER_FP, VOCAB, as_counter, batch, exported, random_batch, row
 
 from ngramcache.cache_service.counts.layout import fields_and_buckets
 from ngramcache.cache_service.counts.store import CountsStore

@@ -12,8 +12,8 @@ from collections.abc import Callable
 
 import numpy as np
 import pytest
-from counts_helpers import FP, VOCAB, as_counter, batch, exported, random_batch, row  # tests/ is on sys.path
-from redis_servers import RedisClusterProcesses, RedisServer
+from helpers.counts import FP, VOCAB, as_counter, batch, exported, random_batch, row
+from helpers.redis_servers import RedisClusterProcesses, RedisServer
 
 from ngramcache.cache_service.counts.config import CountsStoreConfig
 from ngramcache.cache_service.counts.factory import open_counts_store

@@ -29,7 +29,7 @@ from typing import Any
 import kubernetes_validate
 import pytest
 import yaml
-from redis_servers import RedisServer, free_port  # tests/ is on sys.path (tests/conftest.py)
+from helpers.redis_servers import RedisServer, free_port
 
 from ngramcache.cache_service.config import ENV_PREFIX, ServiceConfig
 from ngramcache.cache_service.security import new_token, token_sha256

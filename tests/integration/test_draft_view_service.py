@@ -10,8 +10,8 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
-from corpus_helpers import FAST, FP, VOCAB, motif_corpus
-from service_helpers import ServiceThread, wait_until  # tests/ is on sys.path (tests/conftest.py)
+from helpers.corpus import FAST, FP, VOCAB, motif_corpus
+from helpers.service import ServiceThread, wait_until
 
 from ngramcache import CountTable, NgramClient
 from ngramcache.client._proto.codec import bytes_to_count_rows

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import grpc
 import pytest
-from fleet_helpers import NS, Replica, Worker, stdlib_texts  # tests/ is on sys.path
-from redis_servers import RedisClusterProcesses
+from helpers.fleet import NS, Replica, Worker, stdlib_texts
+from helpers.redis_servers import RedisClusterProcesses
 
 from ngramcache import UNTAGGED, NgramClient
 from ngramcache.client._proto.codec import bytes_to_count_rows

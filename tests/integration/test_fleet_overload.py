@@ -18,8 +18,8 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
-from fleet_helpers import NS, Replica  # tests/ is on sys.path
-from redis_servers import RedisServer
+from helpers.fleet import NS, Replica
+from helpers.redis_servers import RedisServer
 
 from ngramcache import UNTAGGED, NgramClient
 from ngramcache.client._proto.codec import bytes_to_count_rows

@@ -10,8 +10,8 @@ import time
 
 import grpc
 import pytest
-from corpus_helpers import FP, VOCAB, motif_corpus
-from service_helpers import ServiceThread
+from helpers.corpus import FP, VOCAB, motif_corpus
+from helpers.service import ServiceThread
 
 from ngramcache import CountTable, Drafter, NgramClient, RemoteDrafter, StaticCache, build_static_from_tokens
 from ngramcache.client._proto.codec import bytes_to_tokens, tokens_to_bytes

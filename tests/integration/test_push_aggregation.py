@@ -14,8 +14,8 @@ from typing import Any
 import grpc
 import numpy as np
 import pytest
-from counts_helpers import FP, as_counter  # tests/ is on sys.path
-from service_helpers import ServiceThread
+from helpers.counts import FP, as_counter
+from helpers.service import ServiceThread
 
 from ngramcache import CountTable
 from ngramcache.cache_service.counts.store import CountsStore, GroupItem, ItemOutcome

@@ -14,8 +14,8 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
-from corpus_helpers import FAST, FP, VOCAB, motif_corpus
-from service_helpers import ServiceThread, wait_until  # tests/ is on sys.path (tests/conftest.py)
+from helpers.corpus import FAST, FP, VOCAB, motif_corpus
+from helpers.service import ServiceThread, wait_until
 
 from ngramcache import NgramClient, StaticCache, build_static_from_tokens
 from ngramcache.client._proto.codec import bytes_to_count_rows
@@ -276,32 +276,33 @@ def test_a_new_namespaces_generation_is_listed_on_every_replica_without_a_client
         assert ns not in two.service.registry.live()  # installed, not opened: no mirror, no sessions
 
 
-def test_a_rebuild_folds_the_fleet_history_into_the_corpus_index_and_only_there(tmp_path: Path) -> None:
+def test_a_rebuild_folds_the_fleet_history_into_the_corpus_index_and_only_there(
+        tmp_path: Path, service: ServiceThread, raw_tokenizer: tuple[bytes, int]) -> None:
     """The sequences the history keeps join the new file's corpus index (two records of one sequence,
     published apart, as one text); the counts are the dynamic counts alone; --no-history leaves them out."""
     from ngramcache.cache_service.counts.history import HistoryRecord
 
-    with ServiceThread(tmp_path / "data") as svc:
-        address = f"127.0.0.1:{svc.port}"
-        ns = create(address)
-        with NgramClient(address, ns, (FP, VOCAB), cache_dir=tmp_path / "cache", **FAST) as client:
-            push_all(client, corpus(3))
-        generated = np.random.default_rng(7).integers(0, VOCAB, 64, dtype=np.int32)
-        store = svc.service.runner.store
-        store.append_history(ns, "worker-a", 1, [HistoryRecord("", 5, "g", 0, generated[:40])])
-        store.append_history(ns, "worker-a", 2, [HistoryRecord("", 5, "g", 40, generated[40:])])
+    address = f"127.0.0.1:{service.port}"
+    ns = create(address)
+    with NgramClient(address, ns, raw_tokenizer, cache_dir=tmp_path / "cache", **FAST) as client:
+        push_all(client, corpus(3))
+    generated = np.random.default_rng(7).integers(0, VOCAB, 64, dtype=np.int32)
+    store = service.service.runner.store
+    store.append_history(ns, "worker-a", 1, [HistoryRecord("", 5, "g", 0, generated[:40])])
+    store.append_history(ns, "worker-a", 2, [HistoryRecord("", 5, "g", 40, generated[40:])])
 
-        done = rebuild_cli(address, ns)
-        assert done.returncode == 0, done.stderr
-        assert "64 history tokens indexed" in done.stdout, done.stdout
-        cache = StaticCache.open(tmp_path / "data" / "static" / ns / f"{1:020d}.ngc")
-        assert cache.n_indexed == 64
-        assert cache.corpus_match(generated[30:50]) == (min(20, cache.index_depth), 1)  # across the two records
-        assert file_pairs(tmp_path / "data" / "static" / ns / f"{1:020d}.ngc") == store_pairs(address, ns)
+    done = rebuild_cli(address, ns)
+    assert done.returncode == 0, done.stderr
+    assert "64 history tokens indexed" in done.stdout, done.stdout
+    files = service.data_dir / "static" / ns
+    cache = StaticCache.open(files / f"{1:020d}.ngc")
+    assert cache.n_indexed == 64
+    assert cache.corpus_match(generated[30:50]) == (min(20, cache.index_depth), 1)  # across the two records
+    assert file_pairs(files / f"{1:020d}.ngc") == store_pairs(address, ns)
 
-        plain = rebuild_cli(address, ns, "--no-history")
-        assert plain.returncode == 0 and "0 history tokens" in plain.stdout, plain.stdout
-        assert StaticCache.open(tmp_path / "data" / "static" / ns / f"{2:020d}.ngc").n_indexed == 0
+    plain = rebuild_cli(address, ns, "--no-history")
+    assert plain.returncode == 0 and "0 history tokens" in plain.stdout, plain.stdout
+    assert StaticCache.open(files / f"{2:020d}.ngc").n_indexed == 0
 
 
 def test_status_says_done_only_after_the_lease_is_released_and_the_finish_time_set(tmp_path: Path) -> None:
@@ -368,10 +369,8 @@ def test_corpus_paths_are_confined_to_the_corpus_roots_and_tell_nothing(tmp_path
     """A namespace-limited admin token cannot make the server read a file outside --corpus-root; a path outside,
     missing, too long or through a link out of the root all get one PERMISSION_DENIED text; an unknown namespace
     is NOT_FOUND before any path is looked at."""
-    from service_helpers import start_serve, stop_serve
-
-    sys.path.insert(0, str(Path(__file__).parent))
-    from test_service_auth import token, write_tokens_file
+    from helpers.auth import token, write_tokens_file
+    from helpers.service import start_serve, stop_serve
 
     root = tmp_path / "corpus"
     root.mkdir()

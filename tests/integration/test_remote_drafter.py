@@ -7,9 +7,9 @@ import time
 
 import grpc
 import pytest
-from corpus_helpers import FP, VOCAB
-from corpus_helpers import motif_corpus as corpus
-from service_helpers import ServiceThread
+from helpers.corpus import FP, VOCAB
+from helpers.corpus import motif_corpus as corpus
+from helpers.service import ServiceThread
 
 from ngramcache import CountTable, Drafter, RemoteDrafter, StaticCache, build_static_from_tokens
 from ngramcache.client._proto.codec import delta_rows_to_bytes

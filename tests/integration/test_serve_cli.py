@@ -13,7 +13,7 @@ import grpc
 import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from service_helpers import SERVE_CLI, start_serve, stop_serve  # tests/ is on sys.path (tests/conftest.py)
+from helpers.service import SERVE_CLI, start_serve, stop_serve
 
 from ngramcache.client._proto.codec import bytes_to_count_rows, delta_rows_to_bytes
 from ngramcache.client._proto.v1 import admin_pb2, admin_pb2_grpc, counts_pb2, counts_pb2_grpc
@@ -130,7 +130,7 @@ def test_workers_refuse_the_embedded_store(tmp_path):
 
 
 def test_store_down_at_start_serves_not_serving_until_it_comes(tmp_path):
-    from redis_servers import RedisServer, free_port
+    from helpers.redis_servers import RedisServer, free_port
 
     redis_port = free_port()
     port = 0
@@ -193,7 +193,7 @@ def _listening_ports(pid: int) -> list[int]:
 def test_published_generations_are_mapped_before_serving(tmp_path):
     import hashlib
 
-    from service_helpers import ServiceThread
+    from helpers.service import ServiceThread
 
     from ngramcache import build_static_from_tokens
     from ngramcache.client._proto.v1 import static_files_pb2, static_files_pb2_grpc

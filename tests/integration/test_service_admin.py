@@ -9,8 +9,8 @@ from typing import Any
 
 import grpc
 import pytest
-from counts_helpers import FP, OTHER_FP, VOCAB, batch, row  # tests/ is on sys.path
-from service_helpers import ServerThread
+from helpers.counts import FP, OTHER_FP, VOCAB, batch, row
+from helpers.service import ServerThread
 
 import ngramcache
 from ngramcache.cache_service.counts.store import CountsStore

@@ -26,8 +26,9 @@ import pytest
 from grpc import aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-from service_helpers import ServerThread, ServiceThread  # tests/ is on sys.path (tests/conftest.py)
-from tls_helpers import Issued, Pki
+from helpers.auth import ALPHA, BETA, TOKENS, bearer, token, write_tokens_file
+from helpers.service import ServerThread, ServiceThread
+from helpers.tls import Issued, Pki
 
 from ngramcache import build_static_from_tokens
 from ngramcache.cache_service.interceptors.auth import AuthInterceptor
@@ -50,37 +51,6 @@ pytestmark = pytest.mark.integration
 FP = b"\x11" * 32
 VOCAB = 50
 TIMEOUT = 20
-ALPHA, BETA = "alpha", "beta"
-
-# name -> (namespaces, roles); the token itself is "tok-<name>-" padded to 32 characters.
-TOKENS: dict[str, tuple[list[str], list[str]]] = {
-    "admin_all": (["*"], ["admin"]),
-    "all_alpha": ([ALPHA, "alpha-tmp"], ["admin"]),
-    "draft_ab": ([ALPHA, BETA], ["draft"]),
-    "draft_all": (["*"], ["draft"]),
-    "push_all": (["*"], ["push"]),
-    "push_alpha": ([ALPHA], ["push"]),
-}
-
-
-def token(name: str) -> str:
-    return f"tok-{name}-".ljust(32, "x")
-
-
-def bearer(name: str) -> tuple[tuple[str, str], ...]:
-    return (("authorization", f"Bearer {token(name)}"),)
-
-
-def write_tokens_file(path: Path) -> Path:
-    lines = []
-    for name, (namespaces, roles) in TOKENS.items():
-        lines += ["[[token]]", f'name = "{name}"', f'sha256 = "{token_sha256(token(name))}"',
-                  "namespaces = [" + ", ".join(f'"{n}"' for n in namespaces) + "]",
-                  "roles = [" + ", ".join(f'"{r}"' for r in roles) + "]", ""]
-    path.write_text("\n".join(lines))
-    return path
-
-
 def static_file(folder: Path, generation: int) -> bytes:
     rng = np.random.default_rng(generation)
     path = folder / f"gen{generation}.ngc"

@@ -10,7 +10,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-from service_helpers import start_serve, stop_serve  # tests/ is on sys.path (tests/conftest.py)
+from helpers.service import start_serve, stop_serve
 
 from ngramcache.client._proto.codec import tokens_to_bytes
 from ngramcache.client._proto.v1 import (

@@ -12,9 +12,9 @@ from typing import Any
 import grpc
 import numpy as np
 import pytest
-from counts_helpers import FP, OTHER_FP, VOCAB, as_counter, batch, exported, random_batch, row  # tests/ is on sys.path
-from redis_servers import RedisServer
-from service_helpers import ServerThread
+from helpers.counts import FP, OTHER_FP, VOCAB, as_counter, batch, exported, random_batch, row
+from helpers.redis_servers import RedisServer
+from helpers.service import ServerThread
 
 from ngramcache.cache_service.counts.factory import open_counts_store
 from ngramcache.cache_service.counts.store import CountsStore

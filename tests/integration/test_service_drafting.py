@@ -14,9 +14,9 @@ import time
 import grpc
 import numpy as np
 import pytest
-from corpus_helpers import FP, VOCAB
-from corpus_helpers import motif_corpus as corpus
-from service_helpers import ServiceThread
+from helpers.corpus import FP, VOCAB
+from helpers.corpus import motif_corpus as corpus
+from helpers.service import ServiceThread
 
 from ngramcache import CountTable, Drafter, StaticCache, build_static_from_tokens
 from ngramcache.client._proto.codec import bytes_to_tokens, delta_rows_to_bytes, tokens_to_bytes

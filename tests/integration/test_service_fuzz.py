@@ -12,9 +12,9 @@ import pytest
 from google.protobuf import descriptor as _descriptor
 from google.protobuf.message import Message
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from helpers.service import ServiceThread
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from service_helpers import ServiceThread
 
 from ngramcache.client._proto.v1 import admin_pb2, admin_pb2_grpc, counts_pb2, drafting_pb2, static_files_pb2
 

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import grpc
 import pytest
-from counts_helpers import FP, VOCAB, batch, row  # tests/ is on sys.path
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from redis_servers import RedisServer
-from service_helpers import ServiceThread, wait_until
+from helpers.counts import FP, VOCAB, batch, row
+from helpers.redis_servers import RedisServer
+from helpers.service import ServiceThread, wait_until
 
 from ngramcache.cache_service.status import store_outage_message
 from ngramcache.client._proto.codec import delta_rows_to_bytes

@@ -22,13 +22,13 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
-from corpus_helpers import FP, VOCAB, motif_corpus
 from grpc import aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from helpers.corpus import FP, VOCAB, motif_corpus
+from helpers.redis_servers import RedisServer
+from helpers.service import ServerThread
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
-from redis_servers import RedisServer  # tests/ is on sys.path (tests/conftest.py)
-from service_helpers import ServerThread
 
 from ngramcache import CountTable
 from ngramcache.cache_service.counts.factory import open_counts_store
@@ -323,7 +323,7 @@ def test_reader_writer_streams_deadlines_and_cancellations() -> None:
 
 
 def test_the_whole_service_serves_metrics_on_its_own_port(tmp_path: Path) -> None:
-    from service_helpers import ServiceThread
+    from helpers.service import ServiceThread
 
     from ngramcache.client._proto.codec import tokens_to_bytes
     from ngramcache.client._proto.v1 import admin_pb2, admin_pb2_grpc, drafting_pb2, drafting_pb2_grpc

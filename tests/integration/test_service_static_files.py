@@ -14,7 +14,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
-from service_helpers import ServerThread  # tests/ is on sys.path (tests/conftest.py)
+from helpers.service import ServerThread
 
 from ngramcache import StaticCache, build_static_from_tokens
 from ngramcache.cache_service.counts.factory import open_counts_store

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import reference
+from helpers import reference
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import reference
+from helpers import reference
 
 from ngramcache import StaticCache
 from ngramcache.client import build as build_module

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from counts_helpers import FP, batch, exported  # tests/ is on sys.path
+from helpers.counts import FP, batch, exported
 
 from ngramcache.cache_service.counts.config import CountsStoreConfig
 from ngramcache.cache_service.counts.embedded import EmbeddedCountsStore

@@ -1,4 +1,4 @@
-"""The native drafter against the pure-Python reference (tests/reference.py)."""
+"""The native drafter against the pure-Python reference (tests/helpers/reference.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import reference
+from helpers import reference
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 

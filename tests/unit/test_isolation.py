@@ -1,4 +1,4 @@
-"""tests/isolation.py: a test marked `engine` that dies of a signal fails with the signal and its child's last output; the run goes on and counts every test."""
+"""tests/helpers/isolation.py: a test marked `engine` that dies of a signal fails with the signal and its child's last output; the run goes on and counts every test."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ def make_project(tmp_path: Path) -> Path:
     (tmp_path / "conftest.py").write_text(textwrap.dedent(f"""
         import sys
         sys.path.insert(0, {str(TESTS)!r})
-        from isolation import pytest_configure, pytest_runtest_logreport, pytest_runtest_protocol
+        from helpers.isolation import pytest_configure, pytest_runtest_logreport, pytest_runtest_protocol
     """))
     (tmp_path / "test_engine.py").write_text(textwrap.dedent("""
         import os, signal, sys

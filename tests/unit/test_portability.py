@@ -1,4 +1,4 @@
-"""Built native code stays within the x86-64 baseline (tests/isa_check.py): the llama.cpp libraries the engine tests load, the project's core, SuffixDecoding."""
+"""Built native code stays within the x86-64 baseline (tests/helpers/isa_check.py): the llama.cpp libraries the engine tests load, the project's core, SuffixDecoding."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from isa_check import beyond_baseline, is_dispatched_variant  # tests/ is on sys.path (tests/conftest.py)
+from helpers.isa_check import beyond_baseline, is_dispatched_variant
 
 pytestmark = pytest.mark.skipif(platform.machine() != "x86_64", reason="the baseline checked here is x86-64's")
 

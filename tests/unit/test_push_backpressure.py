@@ -10,7 +10,7 @@ import grpc
 import numpy as np
 import pytest
 from grpc import aio
-from service_helpers import ServerThread  # tests/ is on sys.path
+from helpers.service import ServerThread
 
 from ngramcache.client._proto.v1 import counts_pb2, counts_pb2_grpc
 from ngramcache.client.errors import OverloadedError

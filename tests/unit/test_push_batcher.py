@@ -13,7 +13,7 @@ from typing import Any
 import grpc
 import numpy as np
 import pytest
-from counts_helpers import FP, OTHER_FP, VOCAB, as_counter, batch, exported, random_batch, row  # tests/ is on sys.path
+from helpers.counts import FP, OTHER_FP, VOCAB, as_counter, batch, exported, random_batch, row
 
 from ngramcache.cache_service.counts import EmbeddedCountsStore
 from ngramcache.cache_service.counts.config import CountsStoreConfig

@@ -9,7 +9,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from tls_helpers import Issued, Pki  # tests/ is on sys.path (tests/conftest.py)
+from helpers.tls import Issued, Pki
 
 from ngramcache.cache_service import cli
 from ngramcache.cache_service.config import ServiceConfig

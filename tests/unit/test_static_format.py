@@ -7,7 +7,7 @@ import struct
 
 import numpy as np
 import pytest
-import reference
+from helpers import reference
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 

@@ -152,6 +152,7 @@ class ServiceThread(service_thread.ServiceThread):
 
     def __init__(self, data_dir: str | Path, **settings: Any) -> None:
         super().__init__(ServiceConfig(host="127.0.0.1", port=0, data_dir=str(data_dir), **settings), start_timeout=30)
+        self.data_dir = Path(data_dir)
 
 
 def wait_until(cond: Any, timeout: float = 15.0, what: str = "condition") -> None:

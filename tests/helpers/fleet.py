@@ -13,8 +13,8 @@ import time
 from pathlib import Path
 
 import numpy as np
-from redis_servers import free_port
 
+from helpers.redis_servers import free_port
 from ngramcache import NgramClient
 
 NS = "fleet"

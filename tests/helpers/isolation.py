@@ -97,7 +97,7 @@ def _run_child(item: pytest.Item, results: dict[str, list[TestReport]]) -> None:
         why = f"died of {_signal_name(returncode)}"
     else:
         why = f"exited with status {returncode} before this test finished"
-    message = (f"the child process running this test ({MARK!r} tests run in one; tests/isolation.py) {why}.\n"
+    message = (f"the child process running this test ({MARK!r} tests run in one; tests/helpers/isolation.py) {why}.\n"
                f"Last lines of its output:\n{tail}")
     results[victim.nodeid] = [*reports.get(victim.nodeid, []), _failed(victim, message)]
     if not finished and returncode is not None and returncode >= 0:
