@@ -53,6 +53,11 @@ _HELP = {
     "store_probe_interval": "seconds between two checks that the counts store answers; health is NOT_SERVING "
                             "while it does not (default 1)",
     "mirror_interval": "seconds between two refreshes of a namespace's dynamic mirror and draft view (default 0.25)",
+    "history_poll_interval": "seconds between two counts store reads of a namespace's fleet history tail while "
+                             "clients pull it (a push through the replica reads at once; default 0.05)",
+    "history_tail_bytes": "bytes of the newest fleet history records a replica keeps in memory per namespace, "
+                          "answering pulls without the store (default 8 MiB)",
+    "history_max_wait_ms": "longest PullHistory long poll in milliseconds; longer waits are capped (default 5000)",
     "view_top_k": "followers per n-gram in the draft view clients mirror (default 8)",
     "view_min_change_pct": "a count in the draft view is republished when it moves by more than this percent "
                            "(default 25; 0: on every change)",

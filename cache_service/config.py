@@ -29,9 +29,10 @@ ENV_PREFIX = "NGC_"
 # which a setting no longer does its job (a mirror refreshed once a day is no mirror).
 _INT_MAX = {"max_message_bytes": 2**31 - 1, "max_streams_per_connection": 2**31 - 1, "max_sessions": 10**7,
             "max_sessions_per_client": 10**7, "store_threads": 1024, "workers": 256, "view_top_k": 64,
-            "keep_generations": 10**6}
+            "keep_generations": 10**6,
+            "history_tail_bytes": 1 << 40, "history_max_wait_ms": 60_000}
 _SECONDS_MAX = {"session_idle_timeout": 7 * 86400.0, "mirror_interval": 60.0, "store_probe_interval": 60.0, "grace_period": 3600.0,
-                "rebuild_lease_seconds": 3600.0, "peer_sync_interval": 3600.0, "rebuild_every": 30 * 86400.0}
+                "rebuild_lease_seconds": 3600.0, "peer_sync_interval": 3600.0, "rebuild_every": 30 * 86400.0, "history_poll_interval": 10.0}
 
 
 @dataclasses.dataclass
@@ -65,6 +66,10 @@ class ServiceConfig:
     push_queue_rows: int = 1 << 18  # rows of pushes waiting per namespace; more are shed (OVERLOADED)
     store_probe_interval: float = 1.0  # seconds between two checks that the counts store answers (health)
     mirror_interval: float = 0.25  # seconds between two changes_since of a namespace's mirror (and draft view updates)
+    # The fleet history's tail on this replica (cache_service/history_tail.py)
+    history_poll_interval: float = 0.05  # seconds between two store reads of a pulled namespace's history tail
+    history_tail_bytes: int = 8 << 20  # bytes of newest records a namespace's tail keeps in memory
+    history_max_wait_ms: int = 5000  # longest PullHistory long poll
     # The draft view clients mirror (cache_service/draft_view.py)
     view_top_k: int = 8  # followers kept per key
     view_min_change_pct: int = 25  # a published count is updated when it moves by more than this %
@@ -102,7 +107,8 @@ class ServiceConfig:
             raise InvalidArgumentError(f"metrics_port must be in -1..65535 (-1: off, 0: any free port), got {self.metrics_port}")
         for name in ("max_sessions", "max_sessions_per_client", "max_streams_per_connection", "max_session_tokens", "max_step_tokens", "max_draft_tokens", "session_memory",
                      "max_push_rows", "push_queue_rows", "max_chunk_rows", "max_message_bytes", "max_file_bytes", "store_threads",
-                     "workers", "view_top_k", "view_max_rows", "view_max_rows_per_second", "keep_generations"):
+                     "workers", "view_top_k", "view_max_rows", "view_max_rows_per_second", "keep_generations",
+                     "history_tail_bytes", "history_max_wait_ms"):
             value = getattr(self, name)
             top = _INT_MAX.get(name, 1 << 62)
             if not isinstance(value, int) or not 1 <= value <= top:
@@ -111,7 +117,7 @@ class ServiceConfig:
             raise InvalidArgumentError(f"rebuild_every must be a number of seconds in 0..{_SECONDS_MAX['rebuild_every']:g} "
                                        f"(0: off), got {self.rebuild_every!r}")
         for name in ("session_idle_timeout", "mirror_interval", "grace_period", "rebuild_lease_seconds",
-                     "peer_sync_interval", "store_probe_interval"):
+                     "peer_sync_interval", "store_probe_interval", "history_poll_interval"):
             value = getattr(self, name)
             longest = _SECONDS_MAX[name]
             if not isinstance(value, (int, float)) or not math.isfinite(value) or not 0 < value <= longest:

@@ -18,6 +18,12 @@ Metrics (docs for each in its HELP text):
     ngramcache_duplicate_pushes_total          counter    pushes acknowledged as duplicates
     ngramcache_pushes_shed_total{reason}       counter    pushes answered OVERLOADED, nothing applied
     ngramcache_shed_rows_total                 counter    delta rows of those pushes
+    ngramcache_history_pushed_records_total    counter    fleet history records stored by PushHistory
+    ngramcache_history_pushed_bytes_total      counter    their token bytes (4 a token)
+    ngramcache_history_duplicate_pushes_total  counter    PushHistory batches acknowledged as duplicates
+    ngramcache_history_served_records_total    counter    fleet history records answered by PullHistory
+    ngramcache_history_served_bytes_total      counter    their token bytes
+    ngramcache_history_tail_lag_seconds        histogram  from the store taking a record to this replica's tail reading it
     ngramcache_store_available                 gauge      1 while the periodic store probe succeeds
     ngramcache_store_seconds{op}               histogram  counts store call latency
     ngramcache_store_errors_total{op}          counter    counts store calls that failed
@@ -111,6 +117,24 @@ class Metrics:
                                    registry=r)
         self.shed_rows = Counter("ngramcache_shed_rows", "Delta rows of the Push batches shed (their senders retry them).",
                                  registry=r)
+        self.history_pushed_records = Counter("ngramcache_history_pushed_records",
+                                              "Fleet history records PushHistory stored (duplicates and near-duplicate "
+                                              "prompts excluded).", registry=r)
+        self.history_pushed_bytes = Counter("ngramcache_history_pushed_bytes",
+                                            "Token bytes (4 a token) of the fleet history records PushHistory stored.",
+                                            registry=r)
+        self.history_duplicate_pushes = Counter("ngramcache_history_duplicate_pushes",
+                                                "PushHistory batches acknowledged as duplicates (a retry of a stored "
+                                                "batch).", registry=r)
+        self.history_served_records = Counter("ngramcache_history_served_records",
+                                              "Fleet history records PullHistory answered.", registry=r)
+        self.history_served_bytes = Counter("ngramcache_history_served_bytes",
+                                            "Token bytes (4 a token) of the fleet history records PullHistory answered.",
+                                            registry=r)
+        self.history_tail_lag = Histogram("ngramcache_history_tail_lag_seconds",
+                                          "Seconds from the counts store taking a fleet history record to this "
+                                          "replica's tail reading it (clocks of the store and the replica).",
+                                          buckets=RPC_BUCKETS, registry=r)
         self.store_available = Gauge("ngramcache_store_available",
                                      "1 while the periodic counts store probe succeeds, 0 during an outage (health "
                                      "is NOT_SERVING then).", registry=r)
@@ -149,6 +173,20 @@ class Metrics:
             self.duplicate_pushes.inc()
         else:
             self.pushed_rows.inc(rows)
+
+    def history_pushed(self, records: int, nbytes: int, *, duplicate: bool) -> None:
+        """A PushHistory batch stored `records` records of `nbytes` token bytes (or was a duplicate)."""
+        if duplicate:
+            self.history_duplicate_pushes.inc()
+        else:
+            self.history_pushed_records.inc(records)
+            self.history_pushed_bytes.inc(nbytes)
+
+    def history_served(self, records: int, nbytes: int) -> None:
+        """A PullHistory answered `records` records of `nbytes` token bytes."""
+        if records:
+            self.history_served_records.inc(records)
+            self.history_served_bytes.inc(nbytes)
 
     def push_shed(self, reason: str, rows: int) -> None:
         """A Push of `rows` rows was shed for `reason` (one of push_admission.SHED_REASONS)."""

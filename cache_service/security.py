@@ -57,8 +57,8 @@ _ENTRY_KEYS = frozenset({"name", "sha256", "namespaces", "roles"})
 class Role(enum.Enum):
     """What a token may do (docs/security.md lists the RPCs of each)."""
 
-    DRAFT = "draft"  # draft (Session, Draft) and read: Pull, List, Fetch, Watch
-    PUSH = "push"  # Counts.Push
+    DRAFT = "draft"  # draft (Session, Draft) and read: Pull, PullHistory, List, Fetch, Watch
+    PUSH = "push"  # Counts.Push, Counts.PushHistory
     ADMIN = "admin"  # everything: also CreateNamespace, DropNamespace, StaticFiles.Publish
 
 

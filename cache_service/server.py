@@ -38,6 +38,8 @@ from ngramcache.client.errors import BackendUnavailableError, LeaseHeldError, Na
 from .config import ServiceConfig
 from .confinement import parse_roots
 from .counts import CountsStore, open_counts_store, redact_url
+from .counts.history import MAX_BATCH_RECORDS, MAX_RECORD_TOKENS
+from .history_tail import HistoryTails, TailOptions
 from .interceptors.auth import AuthInterceptor
 from .interceptors.errors import ErrorInterceptor
 from .interceptors.logging import LoggingInterceptor
@@ -148,6 +150,8 @@ class Service:
             await self.rebuilder.close()
         if self.counts is not None:
             await self.counts.batcher.close()  # pushes still grouping get their answer or UNAVAILABLE
+            if self.counts.history is not None:
+                await self.counts.history.close()
         await self.registry.close()
         self._probe_pool.shutdown(wait=False)
         await asyncio.to_thread(self.runner.close)
@@ -220,6 +224,11 @@ async def create_server(config: ServiceConfig) -> tuple[Service, int]:
     observers = [MetricsInterceptor(metrics, rpc_methods(*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME)),
                  LoggingInterceptor(ok_level=logging.INFO if config.log_calls else logging.DEBUG)]
     server = aio.server(interceptors=[*observers, ErrorInterceptor(), *([auth] if auth else [])], options=options)
+    history = HistoryTails(runner, TailOptions(poll_interval=config.history_poll_interval,
+                                               ring_bytes=config.history_tail_bytes,
+                                               max_wait=config.history_max_wait_ms / 1000,
+                                               max_answer_bytes=max(1 << 16, config.max_message_bytes // 2)),
+                           metrics=metrics)
     drafting = DraftingServicer(registry, max_sessions=config.max_sessions, idle_timeout=config.session_idle_timeout,
                                 max_sessions_per_client=config.max_sessions_per_client,
                                 max_session_tokens=config.max_session_tokens, max_step_tokens=config.max_step_tokens,
@@ -228,7 +237,7 @@ async def create_server(config: ServiceConfig) -> tuple[Service, int]:
     counts = CountsServicer(runner, max_push_rows=config.max_push_rows, max_chunk_rows=config.max_chunk_rows,
                             metrics=metrics, push_batch_window_ms=config.push_batch_window_ms,
                             push_group_rows=config.push_group_rows or None, registry=registry,
-                            push_queue_rows=config.push_queue_rows)
+                            push_queue_rows=config.push_queue_rows, history=history)
     counts_pb2_grpc.add_CountsServicer_to_server(counts, server)
     static_files_pb2_grpc.add_StaticFilesServicer_to_server(
         StaticFilesServicer(static_store, runner, max_file_bytes=config.max_file_bytes, rebuilder=rebuilder), server)
@@ -236,10 +245,13 @@ async def create_server(config: ServiceConfig) -> tuple[Service, int]:
         max_message_bytes=config.max_message_bytes, max_draft_tokens=config.max_draft_tokens,
         max_step_tokens=config.max_step_tokens, max_session_tokens=config.max_session_tokens,
         max_sessions=config.max_sessions, max_batch_rows=counts.max_push_rows,
-        max_chunk_rows=config.max_chunk_rows, max_static_file_bytes=config.max_file_bytes)
+        max_chunk_rows=config.max_chunk_rows, max_static_file_bytes=config.max_file_bytes,
+        max_history_records=MAX_BATCH_RECORDS, max_history_record_tokens=MAX_RECORD_TOKENS,
+        max_history_wait_ms=config.history_max_wait_ms)
 
     async def on_drop(namespace: str) -> None:  # Admin.DropNamespace: forget its drafting state and files
         registry.drop(namespace)
+        history.drop(namespace)
         await static_store.drop(namespace)
 
     admin_pb2_grpc.add_AdminServicer_to_server(

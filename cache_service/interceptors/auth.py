@@ -89,6 +89,8 @@ RULES: dict[str, MethodRule] = {
     _method(drafting_pb2, "Drafting", "Draft"): MethodRule(Role.DRAFT, _field("namespace")),
     _method(counts_pb2, "Counts", "Push"): MethodRule(Role.PUSH, _field("namespace")),
     _method(counts_pb2, "Counts", "Pull"): MethodRule(Role.DRAFT, _field("namespace")),
+    _method(counts_pb2, "Counts", "PushHistory"): MethodRule(Role.PUSH, _field("namespace")),
+    _method(counts_pb2, "Counts", "PullHistory"): MethodRule(Role.DRAFT, _field("namespace")),
     _method(static_files_pb2, "StaticFiles", "List"): MethodRule(Role.DRAFT, _field("namespace")),
     _method(static_files_pb2, "StaticFiles", "Fetch"): MethodRule(Role.DRAFT, _field("namespace")),
     _method(static_files_pb2, "StaticFiles", "Watch"): MethodRule(Role.DRAFT, _field("namespace")),

@@ -22,7 +22,8 @@ PROTOCOL: Final = admin_pb2.DESCRIPTOR.package
 """The wire package served: "ngramcache.v1"."""
 
 V1_CAPABILITIES: Final = ("drafting.session", "drafting.draft", "drafting.match_mode", "drafting.tree", "counts.push",
-                          "counts.pull", "static_files.fetch", "static_files.watch", "static_files.publish", "admin")
+                          "counts.pull", "static_files.fetch", "static_files.watch", "static_files.publish", "admin",
+                          "counts.history")
 """Every capability of a complete v1 server (admin.proto, GetServerInfoResponse.capabilities)."""
 
 DEFAULT_PAGE_SIZE: Final = 100
@@ -51,6 +52,9 @@ class ServerLimits:
     max_draft: int = MAX_DRAFT
     ngram_max: int = NGRAM_MAX
     max_vocab: int = MAX_VOCAB
+    max_history_records: int = 0  # 0: no fleet history served
+    max_history_record_tokens: int = 0
+    max_history_wait_ms: int = 0
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -104,7 +108,10 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
                 max_step_tokens=limits.max_step_tokens, max_session_tokens=limits.max_session_tokens,
                 max_sessions=limits.max_sessions, max_batch_rows=min(limits.max_batch_rows, config.max_batch_rows),
                 dedup_window=config.dedup_window, max_chunk_rows=limits.max_chunk_rows,
-                max_static_file_bytes=limits.max_static_file_bytes))
+                max_static_file_bytes=limits.max_static_file_bytes,
+                max_history_records=limits.max_history_records,
+                max_history_record_tokens=limits.max_history_record_tokens,
+                max_history_wait_ms=limits.max_history_wait_ms))
 
     async def CreateNamespace(self, request: admin_pb2.CreateNamespaceRequest,
                               context: aio.ServicerContext) -> admin_pb2.CreateNamespaceResponse:

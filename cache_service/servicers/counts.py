@@ -1,4 +1,4 @@
-"""The Counts servicer: Push applies delta batches exactly once, Pull streams a namespace's counts (or its draft view) in chunks."""
+"""The Counts servicer: Push applies delta batches exactly once, Pull streams a namespace's counts (or its draft view) in chunks; PushHistory and PullHistory carry the fleet history."""
 
 from __future__ import annotations
 
@@ -9,12 +9,21 @@ from collections.abc import AsyncIterator
 import numpy as np
 from grpc import aio
 
-from ngramcache.client._proto.codec import DELTA_ROW_BYTES, bytes_to_delta_rows, count_rows_to_bytes
+from ngramcache.client._proto.codec import (
+    DELTA_ROW_BYTES,
+    TOKEN_BYTES,
+    bytes_to_delta_rows,
+    bytes_to_tokens,
+    count_rows_to_bytes,
+    tokens_to_bytes,
+)
 from ngramcache.client._proto.v1 import counts_pb2, counts_pb2_grpc
 from ngramcache.client.errors import BackendUnavailableError, InvalidArgumentError
 
 from ..counts.export import CountsExporter, split_rows
+from ..counts.history import MAX_BATCH_RECORDS, MAX_RECORD_TOKENS, HistoryRecord
 from ..counts.values import GroupItem
+from ..history_tail import HistoryTails
 from ..metrics import Metrics
 from ..namespaces import NamespaceRegistry
 from ..push_batcher import PushBatcher
@@ -48,12 +57,13 @@ class CountsServicer(counts_pb2_grpc.CountsServicer):
             reads (None: such a Pull is INVALID_ARGUMENT).
         push_queue_rows: most rows of pushes waiting for the store per namespace; more are
             shed with OVERLOADED (see `PushBatcher`).
+        history: the fleet history's tails (None: PushHistory and PullHistory are INVALID_ARGUMENT).
     """
 
     def __init__(self, runner: StoreRunner, *, max_push_rows: int, max_chunk_rows: int,
                  metrics: Metrics | None = None, push_batch_window_ms: float = 0.0,
                  push_group_rows: int | None = None, registry: NamespaceRegistry | None = None,
-                 push_queue_rows: int = 1 << 18) -> None:
+                 push_queue_rows: int = 1 << 18, history: HistoryTails | None = None) -> None:
         if max_push_rows < 1 or max_chunk_rows < 1:
             raise ValueError("max_push_rows and max_chunk_rows must be >= 1")
         store = runner.store
@@ -65,6 +75,7 @@ class CountsServicer(counts_pb2_grpc.CountsServicer):
         self.exporter = CountsExporter(runner)
         self._metrics = metrics  # observability (issue 8)
         self._registry = registry
+        self.history = history
 
     async def Push(self, request: counts_pb2.PushRequest, context: aio.ServicerContext) -> counts_pb2.PushResponse:
         rows = len(request.rows) // DELTA_ROW_BYTES
@@ -118,6 +129,39 @@ class CountsServicer(counts_pb2_grpc.CountsServicer):
         view_id, version, rows = await asyncio.to_thread(view.export_rows)
         for part, complete in split_rows(rows, chunk_rows):
             yield _chunk(part, version, complete, view_id, reset=True)
+
+
+    async def PushHistory(self, request: counts_pb2.PushHistoryRequest,
+                          context: aio.ServicerContext) -> counts_pb2.PushHistoryResponse:
+        history = self._history()
+        if len(request.records) > MAX_BATCH_RECORDS:
+            raise limit_exceeded(f"a PushHistory carries at most {MAX_BATCH_RECORDS} records, got {len(request.records)}")
+        records = []
+        for i, r in enumerate(request.records):
+            if len(r.tokens) > MAX_RECORD_TOKENS * TOKEN_BYTES:
+                raise limit_exceeded(f"history record {i}: at most {MAX_RECORD_TOKENS} tokens, got "
+                                     f"{len(r.tokens) // TOKEN_BYTES}")
+            # The store checks the rest (group, offset, token range, client id) for the whole batch first.
+            records.append(HistoryRecord(request.client_id, r.seq, r.group, r.offset, bytes_to_tokens(r.tokens)))
+        stored, count = await history.push(request.namespace, request.client_id, request.seq, records,
+                                           request.tokenizer_fingerprint)
+        return counts_pb2.PushHistoryResponse(duplicate=not stored, records_stored=count)
+
+    async def PullHistory(self, request: counts_pb2.PullHistoryRequest,
+                          context: aio.ServicerContext) -> counts_pb2.PullHistoryResponse:
+        history = self._history()
+        page = await history.pull(request.namespace, request.tokenizer_fingerprint, request.after,
+                                  max_records=request.max_records, wait=request.wait_ms / 1000,
+                                  exclude_client_id=request.exclude_client_id, groups=tuple(request.groups))
+        return counts_pb2.PullHistoryResponse(
+            records=[counts_pb2.HistoryRecord(seq=r.seq, group=r.group, offset=r.offset, tokens=tokens_to_bytes(r.tokens),
+                                              client_id=r.client_id, time_ms=r.time_ms) for r in page.records],
+            cursor=page.cursor, gap=page.gap)
+
+    def _history(self) -> HistoryTails:
+        if self.history is None:
+            raise InvalidArgumentError("this server does not serve the fleet history")
+        return self.history
 
 
 def _chunk(rows: np.ndarray, version: int, complete: bool, view_id: str = "", reset: bool = False) -> counts_pb2.PullResponse:

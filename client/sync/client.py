@@ -3,7 +3,8 @@
 One implementation: a daemon thread runs one asyncio loop (grpc.aio) that does every
 network call; the public API is synchronous, and ``draft``/``accept`` on the drafter it
 hands out never wait on the network. The loop runs three tasks over one `SyncState`:
-`StaticSync`, `Mirror` and `Pusher` (their modules say what each guarantees).
+`StaticSync`, `Mirror` and `Pusher` (their modules say what each guarantees), and in match
+mode two more for the fleet history: `HistoryPublisher` and `HistoryMirror`.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from ngramcache.client.errors import BackendUnavailableError, InvalidArgumentErr
 from ngramcache.client.static_files import GenerationFiles
 from ngramcache.client.sync.config import ClientConfig, HasTokenizer
 from ngramcache.client.sync.health import HealthWatch
+from ngramcache.client.sync.history import HistoryMirror, HistoryPublisher, HistoryStats
 from ngramcache.client.sync.mirror import Mirror
 from ngramcache.client.sync.pusher import Pusher
 from ngramcache.client.sync.state import SyncState
@@ -45,6 +47,10 @@ class SyncLoop:
         self.mirror = Mirror(self.state, table)
         self.pusher = Pusher(self.state)
         self.health = HealthWatch(self.state)
+        self.history_stats = HistoryStats()
+        self.publisher = HistoryPublisher(self.state, self.history_stats)
+        self.history_mirror = HistoryMirror(self.state, self.history_stats)
+        self.publisher.enabled = self.history_mirror.enabled = bool(config.history)
 
     async def connect(self) -> None:
         """Check the namespace and read the server's limits (retrying unreachable addresses until connect_timeout)."""
@@ -76,6 +82,11 @@ class SyncLoop:
 
         limits = (await state.retrying("GetServerInfo", info, until)).limits
         self.pusher.limit(limits.dedup_window, limits.max_batch_rows)
+        self.publisher.buffer.limit(limits.max_history_records, limits.max_history_record_tokens)
+        if config.history and not limits.max_history_records:
+            log.warning("ngramcache client: the service at %s does not serve the fleet history (an older version); "
+                        "drafting from this client's own history only", state.stats.address or config.addresses[0])
+            self.publisher.enabled = self.history_mirror.enabled = False
 
     async def run(self, started: Callable[[BaseException | None], None]) -> None:
         state = self.state
@@ -89,7 +100,10 @@ class SyncLoop:
         tasks = [asyncio.create_task(self.static.run(), name="ngc-static"),
                  asyncio.create_task(self.mirror.run(), name="ngc-mirror"),
                  asyncio.create_task(self.health.run(), name="ngc-health")]
+        if self.history_mirror.enabled:
+            tasks.append(asyncio.create_task(self.history_mirror.run(), name="ngc-history-mirror"))
         pusher = asyncio.create_task(self.pusher.run(), name="ngc-push")
+        publisher = asyncio.create_task(self.publisher.run(), name="ngc-history-push")
         ready = asyncio.gather(self.static.ready.wait(), self.mirror.ready.wait())
         try:
             await asyncio.wait_for(ready, state.config.ready_timeout)
@@ -103,7 +117,7 @@ class SyncLoop:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         with contextlib.suppress(Exception):
-            await pusher  # flushes within close_timeout
+            await asyncio.gather(pusher, publisher)  # both flush within close_timeout
         await self.shutdown()
 
     async def shutdown(self) -> None:
@@ -129,6 +143,26 @@ class SyncLoop:
             "overloaded": s.overloaded, "overload_waits": s.overload_waits, "retry_wait_seconds": s.retry_wait_seconds,
             "push_window": self.pusher.rate.window, "push_batch_rows": self.pusher.rate.batch_rows,
             "reconnects": s.reconnects, "downloads": s.downloads, "downloaded_bytes": s.downloaded_bytes,
+            **self.history_snapshot(),
+        }
+
+    def history_snapshot(self) -> dict[str, Any]:
+        """The fleet history's stats keys (``history_*``)."""
+        state, drafter = self.state, self.state.drafter
+        with state.lock:
+            h = dataclasses.replace(self.history_stats)
+        lag = self.history_mirror.lag
+        enabled = self.publisher.enabled
+        return {
+            "history": enabled, "history_drained_records": h.drained_records, "history_drained_tokens": h.drained_tokens,
+            "history_pending_tokens": self.publisher.buffer.pending_tokens, "history_pushed_batches": h.pushed_batches,
+            "history_pushed_records": h.pushed_records, "history_pushed_tokens": h.pushed_tokens,
+            "history_duplicate_batches": h.duplicate_batches, "history_dropped_records": h.dropped_records,
+            "history_dropped_tokens": h.dropped_tokens + (drafter.history_dropped if enabled else 0),
+            "history_pulled_records": h.pulled_records, "history_pulled_tokens": h.pulled_tokens,
+            "history_pulled_bytes": h.pulled_bytes, "history_gaps": h.gaps,
+            "history_lag_ms_p50": lag.quantile(0.5), "history_lag_ms_p99": lag.quantile(0.99),
+            "history_size": drafter.history_size if state.config.mode == "match" else 0,
         }
 
 
@@ -192,8 +226,9 @@ class NgramClient:
         self.config = ClientConfig(addresses=addrs, namespace=namespace, fingerprint=bytes(fingerprint),
                                    vocab_size=int(vocab_size), cache_dir=os.fspath(cache_dir), token=token, **options)
         table = CountTable()
+        history: dict[str, Any] = {"track_history": True} if self.config.history else {}
         self._drafter = Drafter(dynamic=table, fingerprint=self.config.fingerprint, vocab_size=self.config.vocab_size,
-                                track_deltas=True, mode=self.config.mode, **self.config.drafter_options)
+                                track_deltas=True, mode=self.config.mode, **history, **self.config.drafter_options)
         self._core = SyncLoop(self.config, self._drafter, table)
         self._loop = asyncio.new_event_loop()
         self._started = threading.Event()
@@ -228,9 +263,25 @@ class NgramClient:
         """The synced `Drafter` (the same object on every call): draft, accept and end sequences on it."""
         return self._drafter
 
+    def set_group(self, seq: int, group: str) -> None:
+        """Tag sequence ``seq`` with ``group`` in the fleet history: sequences sampled from one prompt share it.
+
+        Call it before the sequence's first accept; without it a sequence's group is a hash of
+        its first accepted tokens (its prompt).
+
+        Raises:
+            InvalidArgumentError: the fleet history is off (compatible mode, or ``history=False``),
+                or ``group`` is not 1..64 characters of [A-Za-z0-9_.:-].
+        """
+        if not self.config.history:
+            raise InvalidArgumentError("set_group needs the fleet history (mode='match', history on)")
+        self._core.publisher.buffer.set_group(seq, group)
+
     def stats(self) -> dict[str, Any]:
         """A snapshot: generation, mirror version/rows/bytes/lag, pulled rows/bytes, pushed/acked/dropped/unconfirmed rows,
-        overload (pushes shed, rate halvings, seconds waited, the current window and batch rows), reconnects, downloads."""
+        overload (pushes shed, rate halvings, seconds waited, the current window and batch rows), reconnects, downloads;
+        the fleet history's ``history_*`` keys (drained, pushed, dropped, pulled records/tokens/bytes, gaps, the
+        lag from a record's store time to this client in ms, p50 and p99 over the last 1000 records)."""
         return self._core.snapshot()
 
     def close(self) -> None:

@@ -52,7 +52,16 @@ class ClientConfig:
         mode: the drafter's mode, ``"compatible"`` (default: llama.cpp's drafts) or ``"match"``
             (longest matches over the sequence, earlier sequences and the static generation's
             corpus index; also ``drafter().draft_tree``).
-        drafter_options: more keyword arguments of the `Drafter` (max_sequences, idle_ttl, ...).
+        drafter_options: more keyword arguments of the `Drafter` (max_sequences, idle_ttl, ...;
+            in match mode ``match_params={"history_tokens": N}`` bounds the match history, the
+            fleet history's included).
+        history: share the fleet history (docs/architecture.md, "The fleet history"): publish
+            what the drafter accepts and append what the rest of the fleet accepts to its match
+            history. None (default): on in match mode, off in compatible mode (which has no match
+            history: asking for it there is an error).
+        history_push_interval: seconds between two drains of the drafter's accepted tokens.
+        history_max_pending_tokens: tokens buffered for publishing; beyond, the oldest are dropped.
+        history_max_bytes_per_s: the mirror's budget, bytes per second pulled on average (0: unlimited).
     """
 
     addresses: tuple[str, ...]
@@ -79,10 +88,28 @@ class ClientConfig:
     backoff: Backoff = dataclasses.field(default_factory=Backoff)
     mode: str = "compatible"
     drafter_options: dict[str, Any] = dataclasses.field(default_factory=dict)
+    history: bool | None = None
+    history_push_interval: float = 0.05
+    history_max_pending_tokens: int = 1 << 18
+    history_max_bytes_per_s: int = 0
 
     def __post_init__(self) -> None:
         if self.mode not in ("compatible", "match"):
             raise InvalidArgumentError(f"mode must be 'compatible' or 'match', got {self.mode!r}")
+        if self.history is None:
+            object.__setattr__(self, "history", self.mode == "match")
+        elif self.history and self.mode != "match":
+            raise InvalidArgumentError("history=True needs mode='match': the fleet history feeds the match mode's "
+                                       "history of earlier sequences, which the compatible mode does not have")
+        if not 0.001 <= self.history_push_interval <= 60:
+            raise InvalidArgumentError(f"history_push_interval must be in 0.001..60 seconds, got "
+                                       f"{self.history_push_interval}")
+        if not isinstance(self.history_max_pending_tokens, int) or self.history_max_pending_tokens < 1:
+            raise InvalidArgumentError(f"history_max_pending_tokens must be an integer >= 1, got "
+                                       f"{self.history_max_pending_tokens!r}")
+        if not isinstance(self.history_max_bytes_per_s, int) or self.history_max_bytes_per_s < 0:
+            raise InvalidArgumentError(f"history_max_bytes_per_s must be an integer >= 0 (0: unlimited), got "
+                                       f"{self.history_max_bytes_per_s!r}")
         if (self.tls_cert is None) != (self.tls_key is None) or (self.tls_cert is not None and self.tls_ca is None):
             raise InvalidArgumentError("tls_cert and tls_key go together, and with tls_ca")
         if not 0.1 <= self.failover_timeout <= 3600:

@@ -43,6 +43,8 @@ CONTRACT: dict[str, tuple[ModuleType, ModuleType, str, dict[str, tuple[bool, boo
     "counts": (counts_pb2, counts_pb2_grpc, "Counts", {
         "Push": (False, False),
         "Pull": (False, True),
+        "PushHistory": (False, False),
+        "PullHistory": (False, False),
     }),
     "static_files": (static_files_pb2, static_files_pb2_grpc, "StaticFiles", {
         "List": (False, False),
@@ -122,7 +124,10 @@ def test_request_and_response_types() -> None:
 
     assert types(drafting_pb2, "Drafting") == {
         "Session": ("SessionRequest", "SessionResponse"), "Draft": ("DraftRequest", "DraftResponse")}
-    assert types(counts_pb2, "Counts") == {"Push": ("PushRequest", "PushResponse"), "Pull": ("PullRequest", "PullResponse")}
+    assert types(counts_pb2, "Counts") == {
+        "Push": ("PushRequest", "PushResponse"), "Pull": ("PullRequest", "PullResponse"),
+        "PushHistory": ("PushHistoryRequest", "PushHistoryResponse"),
+        "PullHistory": ("PullHistoryRequest", "PullHistoryResponse")}
     assert types(static_files_pb2, "StaticFiles") == {
         "List": ("ListGenerationsRequest", "ListGenerationsResponse"), "Fetch": ("FetchRequest", "FetchResponse"),
         "Watch": ("WatchRequest", "WatchResponse"), "Publish": ("PublishRequest", "PublishResponse")}

@@ -209,7 +209,7 @@ def test_every_rpc_of_the_four_services_has_an_access_rule() -> None:
     roles = {method.rsplit("/", 1)[1]: rule.role for method, rule in RULES.items()}
     assert {m for m, r in roles.items() if r is Role.ADMIN} == {"Publish", "CreateNamespace", "DropNamespace",
                                                                               "StartRebuild"}
-    assert {m for m, r in roles.items() if r is Role.PUSH} == {"Push"}
+    assert {m for m, r in roles.items() if r is Role.PUSH} == {"Push", "PushHistory"}
     assert {m for m, r in roles.items() if r is None} == {"GetNamespace", "ListNamespaces", "GetServerInfo",
                                                           "GetRebuildStatus"}
     # Every rule that names a namespace finds it in the message that carries it.

@@ -160,7 +160,7 @@ class GetServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerLimits(_message.Message):
-    __slots__ = ("max_message_bytes", "max_draft", "ngram_max", "max_vocab", "max_draft_tokens", "max_step_tokens", "max_session_tokens", "max_sessions", "max_batch_rows", "dedup_window", "max_chunk_rows", "max_static_file_bytes")
+    __slots__ = ("max_message_bytes", "max_draft", "ngram_max", "max_vocab", "max_draft_tokens", "max_step_tokens", "max_session_tokens", "max_sessions", "max_batch_rows", "dedup_window", "max_chunk_rows", "max_static_file_bytes", "max_history_records", "max_history_record_tokens", "max_history_wait_ms")
     MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     MAX_DRAFT_FIELD_NUMBER: _ClassVar[int]
     NGRAM_MAX_FIELD_NUMBER: _ClassVar[int]
@@ -173,6 +173,9 @@ class ServerLimits(_message.Message):
     DEDUP_WINDOW_FIELD_NUMBER: _ClassVar[int]
     MAX_CHUNK_ROWS_FIELD_NUMBER: _ClassVar[int]
     MAX_STATIC_FILE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_HISTORY_RECORDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_HISTORY_RECORD_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_HISTORY_WAIT_MS_FIELD_NUMBER: _ClassVar[int]
     max_message_bytes: int
     max_draft: int
     ngram_max: int
@@ -185,7 +188,10 @@ class ServerLimits(_message.Message):
     dedup_window: int
     max_chunk_rows: int
     max_static_file_bytes: int
-    def __init__(self, max_message_bytes: _Optional[int] = ..., max_draft: _Optional[int] = ..., ngram_max: _Optional[int] = ..., max_vocab: _Optional[int] = ..., max_draft_tokens: _Optional[int] = ..., max_step_tokens: _Optional[int] = ..., max_session_tokens: _Optional[int] = ..., max_sessions: _Optional[int] = ..., max_batch_rows: _Optional[int] = ..., dedup_window: _Optional[int] = ..., max_chunk_rows: _Optional[int] = ..., max_static_file_bytes: _Optional[int] = ...) -> None: ...
+    max_history_records: int
+    max_history_record_tokens: int
+    max_history_wait_ms: int
+    def __init__(self, max_message_bytes: _Optional[int] = ..., max_draft: _Optional[int] = ..., ngram_max: _Optional[int] = ..., max_vocab: _Optional[int] = ..., max_draft_tokens: _Optional[int] = ..., max_step_tokens: _Optional[int] = ..., max_session_tokens: _Optional[int] = ..., max_sessions: _Optional[int] = ..., max_batch_rows: _Optional[int] = ..., dedup_window: _Optional[int] = ..., max_chunk_rows: _Optional[int] = ..., max_static_file_bytes: _Optional[int] = ..., max_history_records: _Optional[int] = ..., max_history_record_tokens: _Optional[int] = ..., max_history_wait_ms: _Optional[int] = ...) -> None: ...
 
 class GetServerInfoResponse(_message.Message):
     __slots__ = ("version", "protocol", "capabilities", "counts_backend", "auth_required", "limits")

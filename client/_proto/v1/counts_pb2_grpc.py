@@ -35,8 +35,8 @@ class CountsStub:
     (ngramcache.client.rows). Pushed rows are deltas (int32, 28 bytes a row); pulled rows
     are absolute counts (int64, 56 bytes a row, since a count can pass 2^31).
 
-    Roles (docs/security.md): Push the push role; Pull the draft role; each only on the
-    namespaces its token names.
+    Roles (docs/security.md): Push and PushHistory the push role; Pull and PullHistory the
+    draft role; each only on the namespaces its token names.
     """
 
     def __init__(self, channel):
@@ -55,6 +55,16 @@ class CountsStub:
                 request_serializer=ngramcache_dot_client_dot___proto_dot_v1_dot_counts__pb2.PullRequest.SerializeToString,
                 response_deserializer=ngramcache_dot_client_dot___proto_dot_v1_dot_counts__pb2.PullResponse.FromString,
                 _registered_method=True)
+        self.PushHistory = channel.unary_unary(
+                '/ngramcache.v1.Counts/PushHistory',
+                request_serializer=ngramcache_dot_client_dot___proto_dot_v1_dot_counts__pb2.PushHistoryRequest.SerializeToString,
+                response_deserializer=ngramcache_dot_client_dot___proto_dot_v1_dot_counts__pb2.PushHistoryResponse.FromString,
+                _registered_method=True)
+        self.PullHistory = channel.unary_unary(
+                '/ngramcache.v1.Counts/PullHistory',
+                request_serializer=ngramcache_dot_client_dot___proto_dot_v1_dot_counts__pb2.PullHistoryRequest.SerializeToString,
+                response_deserializer=ngramcache_dot_client_dot___proto_dot_v1_dot_counts__pb2.PullHistoryResponse.FromString,
+                _registered_method=True)
 
 
 class CountsServicer:
@@ -66,8 +76,8 @@ class CountsServicer:
     (ngramcache.client.rows). Pushed rows are deltas (int32, 28 bytes a row); pulled rows
     are absolute counts (int64, 56 bytes a row, since a count can pass 2^31).
 
-    Roles (docs/security.md): Push the push role; Pull the draft role; each only on the
-    namespaces its token names.
+    Roles (docs/security.md): Push and PushHistory the push role; Pull and PullHistory the
+    draft role; each only on the namespaces its token names.
     """
 
     def Push(self, request, context):
@@ -133,6 +143,55 @@ class CountsServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PushHistory(self, request, context):
+        """PushHistory appends the tokens some of the sender's sequences generated to the
+        namespace's fleet history (docs/architecture.md, "The fleet history"), exactly once
+        per (client_id, seq): a batch whose seq is not above the highest this client_id had
+        stored in the namespace is a duplicate (stored before; nothing changes). A sender
+        sends ONE batch at a time, with increasing seqs, and retries the same batch (same
+        seq, same records) after UNAVAILABLE or DEADLINE_EXCEEDED.
+
+        The batch is validated whole first: a bad record stores nothing. A record at offset
+        0 whose (group, tokens) equal one stored in the last few seconds is stored once
+        (siblings of one prompt publish the same prompt). The history is a recent window:
+        the oldest records go beyond the store's byte and age budgets.
+
+        Status codes:
+        - INVALID_ARGUMENT: a malformed client_id, group, offset or tokens (a length not a
+        multiple of 4, no token, a token outside [0, vocab_size)): the message names the
+        first bad record. Nothing was stored.
+        - NOT_FOUND: no such namespace.
+        - FAILED_PRECONDITION: tokenizer_fingerprint differs from the namespace's.
+        - RESOURCE_EXHAUSTED: more records than ServerLimits.max_history_records or more
+        tokens in a record than ServerLimits.max_history_record_tokens.
+        - UNAVAILABLE: the store could not be reached: retry the same batch.
+        - DEADLINE_EXCEEDED: the batch may or may not have been stored: retry it to know.
+        - UNAUTHENTICATED, PERMISSION_DENIED.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PullHistory(self, request, context):
+        """PullHistory reads the namespace's fleet history after a cursor, oldest first; a long
+        poll: when nothing is newer than `after`, the call waits up to wait_ms for something.
+
+        Mirroring: start with after = "" (the oldest record kept: a cold client gets the
+        recent window), append what arrives, and call again with the answer's `cursor`. A
+        cursor the store no longer reaches (trimmed, or from a restarted embedded store)
+        answers from the oldest kept record with gap = true.
+
+        Status codes:
+        - INVALID_ARGUMENT: a malformed field or cursor (not one this namespace gave).
+        - NOT_FOUND: no such namespace.
+        - FAILED_PRECONDITION: tokenizer_fingerprint differs from the namespace's.
+        - UNAVAILABLE: the store could not be reached: pull again from the same cursor.
+        - UNAUTHENTICATED, PERMISSION_DENIED, DEADLINE_EXCEEDED.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CountsServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -145,6 +204,16 @@ def add_CountsServicer_to_server(servicer, server):
                     servicer.Pull,
                     request_deserializer=ngramcache_dot_client_dot___proto_dot_v1_dot_counts__pb2.PullRequest.FromString,
                     response_serializer=ngramcache_dot_client_dot___proto_dot_v1_dot_counts__pb2.PullResponse.SerializeToString,
+            ),
+            'PushHistory': grpc.unary_unary_rpc_method_handler(
+                    servicer.PushHistory,
+                    request_deserializer=ngramcache_dot_client_dot___proto_dot_v1_dot_counts__pb2.PushHistoryRequest.FromString,
+                    response_serializer=ngramcache_dot_client_dot___proto_dot_v1_dot_counts__pb2.PushHistoryResponse.SerializeToString,
+            ),
+            'PullHistory': grpc.unary_unary_rpc_method_handler(
+                    servicer.PullHistory,
+                    request_deserializer=ngramcache_dot_client_dot___proto_dot_v1_dot_counts__pb2.PullHistoryRequest.FromString,
+                    response_serializer=ngramcache_dot_client_dot___proto_dot_v1_dot_counts__pb2.PullHistoryResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -163,8 +232,8 @@ class Counts:
     (ngramcache.client.rows). Pushed rows are deltas (int32, 28 bytes a row); pulled rows
     are absolute counts (int64, 56 bytes a row, since a count can pass 2^31).
 
-    Roles (docs/security.md): Push the push role; Pull the draft role; each only on the
-    namespaces its token names.
+    Roles (docs/security.md): Push and PushHistory the push role; Pull and PullHistory the
+    draft role; each only on the namespaces its token names.
     """
 
     @staticmethod
@@ -211,6 +280,60 @@ class Counts:
             '/ngramcache.v1.Counts/Pull',
             ngramcache_dot_client_dot___proto_dot_v1_dot_counts__pb2.PullRequest.SerializeToString,
             ngramcache_dot_client_dot___proto_dot_v1_dot_counts__pb2.PullResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PushHistory(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ngramcache.v1.Counts/PushHistory',
+            ngramcache_dot_client_dot___proto_dot_v1_dot_counts__pb2.PushHistoryRequest.SerializeToString,
+            ngramcache_dot_client_dot___proto_dot_v1_dot_counts__pb2.PushHistoryResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PullHistory(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ngramcache.v1.Counts/PullHistory',
+            ngramcache_dot_client_dot___proto_dot_v1_dot_counts__pb2.PullHistoryRequest.SerializeToString,
+            ngramcache_dot_client_dot___proto_dot_v1_dot_counts__pb2.PullHistoryResponse.FromString,
             options,
             channel_credentials,
             insecure,

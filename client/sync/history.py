@@ -1,0 +1,411 @@
+"""The fleet history on the client: a publisher pushing what the drafter accepts, a mirror appending what others accepted.
+
+Publisher: every ``history_push_interval`` it drains ``drafter.drain_history()``, tags each
+sequence with its group (`NgramClient.set_group`, else a hash of the sequence's first record,
+its prompt: siblings sampled from one prompt share it), splits the records to the server's
+limits and pushes ONE batch at a time with increasing seqs, retrying the same batch while the
+service is unavailable: each batch is stored exactly once. The buffer is bounded
+(``history_max_pending_tokens``); what is dropped is counted and logged, never waited for.
+
+Mirror: long-polls PullHistory from the namespace's oldest kept record (a cold client gets the
+recent window), skipping its own records, and appends each sequence's tokens to the drafter's
+match history (``drafter.add_history``), within ``history_max_bytes_per_s``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import hashlib
+import logging
+import re
+import threading
+import time
+from collections import OrderedDict, deque
+
+import numpy as np
+from numpy.typing import NDArray
+
+from ngramcache.client._proto.codec import bytes_to_tokens, tokens_to_bytes
+from ngramcache.client._proto.v1 import counts_pb2
+from ngramcache.client.errors import InvalidArgumentError, NgramCacheError
+from ngramcache.client.sync.state import SyncState
+from ngramcache.client.transport import Channel
+
+__all__ = ["HistoryBuffer", "HistoryMirror", "HistoryPublisher", "HistoryStats", "LagWindow", "PendingRecord", "SourceIds",
+           "prompt_group", "validate_group"]
+
+log = logging.getLogger("ngramcache.client.sync")
+
+MAX_RECORD_TOKENS = 4096
+"""Most tokens of a record unless the server says less (ServerLimits.max_history_record_tokens)."""
+
+MAX_BATCH_RECORDS = 256
+"""Most records of a batch unless the server says less (ServerLimits.max_history_records)."""
+
+MAX_BATCH_BYTES = 1 << 20
+"""Most token bytes of a batch: far under any message limit, small enough to retry cheaply."""
+
+MIRROR_WAIT_MS = 1000
+"""How long one PullHistory of the mirror waits for new records."""
+
+DROP_LOG_INTERVAL = 10.0
+"""Seconds between two log lines about dropped history tokens."""
+
+_GROUP_RE = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
+_KNOWN_SEQUENCES = 1 << 16  # sequences whose group (and, mirrored, whose next offset) are remembered
+
+
+def validate_group(group: str) -> str:
+    """``group`` if it is 1..64 characters of [A-Za-z0-9_.:-], else InvalidArgumentError."""
+    if not isinstance(group, str) or not _GROUP_RE.fullmatch(group):
+        shown = repr(group[:80]) if isinstance(group, str) else type(group).__name__
+        raise InvalidArgumentError(f"group must be 1..64 characters of [A-Za-z0-9_.:-], got {shown}")
+    return group
+
+
+def prompt_group(tokens: NDArray[np.int32]) -> str:
+    """The default group of a sequence: the hex of an 8-byte blake2b of its first record's tokens (its prompt)."""
+    return hashlib.blake2b(np.ascontiguousarray(tokens, dtype="<i4").tobytes(), digest_size=8).hexdigest()
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class PendingRecord:
+    """A record waiting to be pushed: tokens[i] sits at offset + i in sequence ``seq`` of group ``group``."""
+
+    seq: int
+    group: str
+    offset: int
+    tokens: NDArray[np.int32]
+
+
+class _Bounded(OrderedDict[int, str]):
+    """A dict that forgets its oldest keys beyond ``limit`` (sequences come and go)."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__()
+        self.limit = limit
+
+    def put(self, key: int, value: str) -> None:
+        self[key] = value
+        self.move_to_end(key)
+        while len(self) > self.limit:
+            self.popitem(last=False)
+
+
+class HistoryBuffer:
+    """What the publisher has drained and not yet pushed: records grouped, split to the limits, bounded in tokens.
+
+    Thread-safety: `set_group` may be called from any thread; the rest only from the background loop.
+
+    Args:
+        max_pending_tokens: most tokens buffered; beyond, the oldest records are dropped.
+        max_record_tokens, max_batch_records, max_batch_bytes: how records and batches are split.
+    """
+
+    def __init__(self, max_pending_tokens: int, *, max_record_tokens: int = MAX_RECORD_TOKENS,
+                 max_batch_records: int = MAX_BATCH_RECORDS, max_batch_bytes: int = MAX_BATCH_BYTES) -> None:
+        self.max_pending_tokens = max_pending_tokens
+        self.max_record_tokens = max_record_tokens
+        self.max_batch_records = max_batch_records
+        self.max_batch_bytes = max_batch_bytes
+        self.pending: deque[PendingRecord] = deque()
+        self.pending_tokens = 0
+        self.explicit = _Bounded(_KNOWN_SEQUENCES)  # set_group: seq -> group, under _lock
+        self._lock = threading.Lock()
+        self.derived = _Bounded(_KNOWN_SEQUENCES)  # seq -> the hash of its first record
+
+    def limit(self, max_records: int, max_record_tokens: int) -> None:
+        """Apply the server's limits (0: none given)."""
+        if max_records:
+            self.max_batch_records = max(1, min(self.max_batch_records, max_records))
+        if max_record_tokens:
+            self.max_record_tokens = max(1, min(self.max_record_tokens, max_record_tokens))
+
+    def set_group(self, seq: int, group: str) -> None:
+        group = validate_group(group)
+        with self._lock:
+            self.explicit.put(int(seq), group)
+
+    def group_of(self, seq: int, offset: int, tokens: NDArray[np.int32]) -> str:
+        with self._lock:
+            group = self.explicit.get(seq)
+        if group is not None:
+            return group
+        group = self.derived.get(seq)
+        if group is None:
+            # The first record seen of a sequence holds its opening (its prompt, when the prompt
+            # was accepted first); a sequence first seen mid-way has no prompt to hash: no group.
+            group = prompt_group(tokens) if offset == 0 else ""
+            self.derived.put(seq, group)
+        return group
+
+    def add(self, drained: list[tuple[int, int, NDArray[np.int32]]]) -> tuple[int, int]:
+        """Buffer drained (seq, offset, tokens) records, split to ``max_record_tokens``; return (records, tokens) dropped."""
+        for seq, offset, tokens in drained:
+            tokens = np.ascontiguousarray(tokens, dtype=np.int32)
+            if not len(tokens):
+                continue
+            group = self.group_of(int(seq), int(offset), tokens)
+            step = self.max_record_tokens
+            for start in range(0, len(tokens), step):
+                part = tokens[start:start + step]
+                self.pending.append(PendingRecord(int(seq), group, int(offset) + start, part))
+                self.pending_tokens += len(part)
+        return self.shrink()
+
+    def shrink(self) -> tuple[int, int]:
+        """Drop the oldest records while over ``max_pending_tokens``; return (records, tokens) dropped."""
+        records = tokens = 0
+        while self.pending_tokens > self.max_pending_tokens and self.pending:
+            gone = self.pending.popleft()
+            self.pending_tokens -= len(gone.tokens)
+            records += 1
+            tokens += len(gone.tokens)
+        return records, tokens
+
+    def take(self) -> list[PendingRecord]:
+        """The next batch: the oldest records, up to the batch limits (removed from the buffer)."""
+        batch: list[PendingRecord] = []
+        size = 0
+        while self.pending and len(batch) < self.max_batch_records:
+            n = self.pending[0].tokens.nbytes
+            if batch and size + n > self.max_batch_bytes:
+                break
+            record = self.pending.popleft()
+            self.pending_tokens -= len(record.tokens)
+            batch.append(record)
+            size += n
+        return batch
+
+
+class SourceIds:
+    """The ``source`` a mirrored record is appended to the drafter's history under: one per contiguous run of a sequence.
+
+    A record continuing where the same (client_id, seq) stopped keeps its source, so the
+    drafter continues one text; a record that does not (one was trimmed unseen, or sent twice)
+    gets another, so two pieces are never glued together.
+    """
+
+    def __init__(self, limit: int = _KNOWN_SEQUENCES) -> None:
+        self.next: OrderedDict[tuple[str, int], tuple[int, int]] = OrderedDict()  # -> (next offset, source)
+        self.limit = limit
+
+    @staticmethod
+    def source(client_id: str, seq: int, offset: int) -> int:
+        """A stable signed int64 for (client_id, seq, the offset its run started at)."""
+        digest = hashlib.blake2b(f"{client_id}\0{seq}\0{offset}".encode(), digest_size=8).digest()
+        return int.from_bytes(digest, "little", signed=True)
+
+    def of(self, client_id: str, seq: int, offset: int, length: int) -> int:
+        key = (client_id, seq)
+        known = self.next.get(key)
+        source = known[1] if known is not None and known[0] == offset else self.source(client_id, seq, offset)
+        self.next[key] = (offset + length, source)
+        self.next.move_to_end(key)
+        while len(self.next) > self.limit:
+            self.next.popitem(last=False)
+        return source
+
+
+class LagWindow:
+    """The lags (ms) of the last ``size`` records, for p50/p99."""
+
+    def __init__(self, size: int = 1000) -> None:
+        self.values: deque[float] = deque(maxlen=size)
+
+    def add(self, ms: float) -> None:
+        self.values.append(ms)
+
+    def quantile(self, q: float) -> float | None:
+        if not self.values:
+            return None
+        ordered = sorted(self.values)
+        return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
+
+
+@dataclasses.dataclass
+class HistoryStats:
+    """The fleet history's counters in `NgramClient.stats`; read and written under `SyncState.lock`."""
+
+    drained_records: int = 0
+    drained_tokens: int = 0
+    pushed_batches: int = 0
+    pushed_records: int = 0
+    pushed_tokens: int = 0
+    duplicate_batches: int = 0
+    dropped_records: int = 0
+    dropped_tokens: int = 0
+    pulled_records: int = 0
+    pulled_tokens: int = 0
+    pulled_bytes: int = 0
+    gaps: int = 0
+    cursor: str = ""
+
+
+class HistoryPublisher:
+    """Pushes the drafter's accepted tokens to the fleet history (a task of the background loop).
+
+    Args:
+        state: the shared sync state.
+        stats: the history counters (shared with the mirror).
+    """
+
+    def __init__(self, state: SyncState, stats: HistoryStats) -> None:
+        self.state = state
+        self.stats = stats
+        self.buffer = HistoryBuffer(state.config.history_max_pending_tokens)
+        self.seq = 0
+        self.enabled = True
+        self._unlogged = 0
+        self._logged_at = time.monotonic() - DROP_LOG_INTERVAL
+
+    def drain(self) -> None:
+        drained = self.state.drafter.drain_history()
+        if not drained:
+            return
+        dropped = self.buffer.add(drained)
+        with self.state.lock:
+            self.stats.drained_records += len(drained)
+            self.stats.drained_tokens += sum(len(t) for _, _, t in drained)
+        self.dropped(*dropped)
+
+    def dropped(self, records: int, tokens: int) -> None:
+        if not tokens:
+            return
+        with self.state.lock:
+            self.stats.dropped_records += records
+            self.stats.dropped_tokens += tokens
+        self._unlogged += tokens
+        self.log_drops()
+
+    def log_drops(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if not self._unlogged or (not force and now - self._logged_at < DROP_LOG_INTERVAL):
+            return
+        with self.state.lock:
+            total = self.stats.dropped_tokens
+        log.warning("ngramcache client: fleet history buffer full (history_max_pending_tokens %d) or unsendable: "
+                    "dropped %d tokens since the last report, the oldest first; %d in all (stats "
+                    "history_dropped_tokens)", self.buffer.max_pending_tokens, self._unlogged, total)
+        self._unlogged = 0
+        self._logged_at = now
+
+    async def send(self, batch: list[PendingRecord], until: float | None) -> None:
+        """Push one batch under the next seq, retrying the same (client_id, seq) while the service is unavailable."""
+        state, config = self.state, self.state.config
+        seq, self.seq = self.seq, self.seq + 1
+        request = counts_pb2.PushHistoryRequest(
+            namespace=config.namespace, tokenizer_fingerprint=config.fingerprint, client_id=state.client_id, seq=seq,
+            records=[counts_pb2.HistoryRecord(seq=r.seq, group=r.group, offset=r.offset, tokens=tokens_to_bytes(r.tokens))
+                     for r in batch])
+
+        async def call(chan: Channel) -> counts_pb2.PushHistoryResponse:
+            resp: counts_pb2.PushHistoryResponse = await chan.counts.PushHistory(
+                request, timeout=config.rpc_timeout, metadata=state.metadata)
+            return resp
+
+        tokens = sum(len(r.tokens) for r in batch)
+        try:
+            resp = await state.retrying(f"PushHistory seq {seq}", call, until)
+        except NgramCacheError as e:
+            self.dropped(len(batch), tokens)
+            log.warning("ngramcache client: fleet history batch of %d records (seq %d) dropped: %s", len(batch), seq, e)
+            return
+        except asyncio.CancelledError:  # close() ran out of close_timeout with this batch unacknowledged
+            self.dropped(len(batch), tokens)
+            raise
+        with state.lock:
+            self.stats.pushed_batches += 1
+            self.stats.pushed_records += len(batch)
+            self.stats.pushed_tokens += tokens
+            self.stats.duplicate_batches += int(resp.duplicate)
+
+    async def run(self) -> None:
+        """Drain and push until the client closes, then flush within close_timeout."""
+        assert self.state.closing is not None
+        closing, config = self.state.closing, self.state.config
+        until: float | None = None
+        while self.enabled:
+            if closing.is_set() and until is None:
+                until = time.monotonic() + config.close_timeout
+            self.drain()
+            self.log_drops()
+            while self.buffer.pending and (until is None or time.monotonic() < until):
+                await self.send(self.buffer.take(), until)
+            if until is not None:
+                break
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(closing.wait(), config.history_push_interval)
+        unsent = self.buffer.pending_tokens
+        if unsent:
+            self.dropped(len(self.buffer.pending), unsent)
+            self.buffer.pending.clear()
+            self.buffer.pending_tokens = 0
+        self.log_drops(force=True)
+
+
+class HistoryMirror:
+    """Appends the fleet's history to the drafter's match history (a task of the background loop).
+
+    Args:
+        state: the shared sync state.
+        stats: the history counters (shared with the publisher).
+    """
+
+    def __init__(self, state: SyncState, stats: HistoryStats) -> None:
+        self.state = state
+        self.stats = stats
+        self.sources = SourceIds()
+        self.lag = LagWindow()
+        self.cursor = ""
+        self.enabled = True
+
+    def apply(self, records: list[counts_pb2.HistoryRecord]) -> int:
+        """Append records to the drafter, runs of one sequence in one call; return the tokens appended."""
+        drafter, now_ms = self.state.drafter, time.time() * 1000
+        runs: OrderedDict[int, list[NDArray[np.int32]]] = OrderedDict()
+        total = 0
+        for r in records:
+            tokens = bytes_to_tokens(r.tokens)
+            total += len(tokens)
+            runs.setdefault(self.sources.of(r.client_id, r.seq, r.offset, len(tokens)), []).append(tokens)
+            if r.time_ms:
+                self.lag.add(max(0.0, now_ms - r.time_ms))
+        for source, parts in runs.items():
+            drafter.add_history(source, parts[0] if len(parts) == 1 else np.concatenate(parts))
+        return total
+
+    async def pull(self) -> None:
+        state, config = self.state, self.state.config
+        request = counts_pb2.PullHistoryRequest(
+            namespace=config.namespace, tokenizer_fingerprint=config.fingerprint, after=self.cursor,
+            max_records=1024, wait_ms=MIRROR_WAIT_MS, exclude_client_id=state.client_id)
+
+        async def call(chan: Channel) -> counts_pb2.PullHistoryResponse:
+            resp: counts_pb2.PullHistoryResponse = await chan.counts.PullHistory(
+                request, timeout=MIRROR_WAIT_MS / 1000 + config.rpc_timeout, metadata=state.metadata)
+            return resp
+
+        resp = await state.retrying("PullHistory", call)
+        tokens = self.apply(list(resp.records))
+        size = resp.ByteSize()
+        self.cursor = resp.cursor
+        if resp.gap and request.after:
+            log.info("ngramcache client: fleet history records were trimmed before this client read them (gap)")
+        with state.lock:
+            self.stats.pulled_records += len(resp.records)
+            self.stats.pulled_tokens += tokens
+            self.stats.pulled_bytes += size
+            self.stats.gaps += int(resp.gap and bool(request.after))
+            self.stats.cursor = self.cursor
+        if config.history_max_bytes_per_s:
+            await asyncio.sleep(size / config.history_max_bytes_per_s)  # the budget: bytes/s on average
+
+    async def run(self) -> None:
+        async def step() -> None:
+            await self.pull()
+
+        if self.enabled:
+            await self.state.forever("fleet history mirror", step)

@@ -1,0 +1,187 @@
+"""The fleet history's tail on a replica, over a fake store: ring, filters, long poll, one poller for many readers."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+
+from ngramcache import NamespaceNotFoundError
+from ngramcache.cache_service.counts.history import HistoryPage, HistoryRecord
+from ngramcache.cache_service.counts.namespace import NamespaceInfo
+from ngramcache.cache_service.history_tail import HistoryTails, TailOptions
+from ngramcache.cache_service.store_runner import StoreRunner
+
+FP = b"\x07" * 32
+
+
+class FakeStore:
+    """An in-memory history with cursors "inc.N"; counts its reads."""
+
+    def __init__(self) -> None:
+        self.records: list[HistoryRecord] = []
+        self.first = 0  # absolute number of records[0] (older ones trimmed)
+        self.reads = 0
+        self.exists = True
+
+    def namespace_info(self, namespace: str) -> NamespaceInfo:
+        if not self.exists:
+            raise NamespaceNotFoundError(namespace)
+        return NamespaceInfo(namespace, FP.hex(), 1000, 1, 1, "i")
+
+    def append_history(self, namespace: str, client_id: str, batch_seq: int, records: list[HistoryRecord],
+                       *, fingerprint: bytes | None = None) -> bool:
+        for r in records:
+            n = self.first + len(self.records)
+            self.records.append(HistoryRecord(client_id, r.seq, r.group, r.offset, r.tokens, f"inc.{n}",
+                                              int(time.time() * 1000)))
+        return True
+
+    def trim(self, n: int) -> None:
+        self.records = self.records[n:]
+        self.first += n
+
+    def read_history(self, namespace: str, after: str = "", limit: int = 1024) -> HistoryPage:
+        self.reads += 1
+        if not self.exists:
+            raise NamespaceNotFoundError(namespace)
+        start = 0 if not after else int(after.split(".")[1]) + 1
+        gap = start < self.first
+        start = max(start, self.first)
+        page = self.records[start - self.first:start - self.first + limit]
+        return HistoryPage(page, page[-1].cursor if page else (after if not gap else f"inc.{self.first - 1}"), gap)
+
+    def close(self) -> None:
+        pass
+
+
+def rec(seq: int, *tokens: int, group: str = "") -> HistoryRecord:
+    return HistoryRecord("", seq, group, 0, np.array(tokens, dtype=np.int32))
+
+
+def run(body: Any) -> Any:
+    return asyncio.run(body)
+
+
+def tails(store: FakeStore, **options: Any) -> HistoryTails:
+    return HistoryTails(StoreRunner(store), TailOptions(**{"poll_interval": 0.01, **options}))  # type: ignore[arg-type]
+
+
+def test_pull_reads_the_window_then_answers_from_the_ring() -> None:
+    store = FakeStore()
+    store.append_history("ns", "a", 0, [rec(1, 1, 2), rec(2, 3)])
+
+    async def body() -> None:
+        h = tails(store, poll_interval=10.0)  # only the first poll and wakes read the store
+        page = await h.pull("ns", FP, "", max_records=10, wait=0)
+        assert [r.seq for r in page.records] == [1, 2] and page.cursor == "inc.1" and not page.gap
+        await asyncio.sleep(0.05)  # the poller caught up
+        reads = store.reads
+        store.append_history("ns", "b", 0, [rec(3, 4)])
+        h.tails["ns"].wake()
+        await asyncio.sleep(0.05)
+        page = await h.pull("ns", FP, "inc.1", max_records=10, wait=0)
+        assert [r.seq for r in page.records] == [3] and page.records[0].client_id == "b"
+        assert store.reads - reads == 1  # the woken poller's read: the pull was answered from the ring
+        await h.close()
+
+    run(body())
+
+
+def test_filters_skip_records_but_move_the_cursor() -> None:
+    store = FakeStore()
+    store.append_history("ns", "me", 0, [rec(1, 1, group="g1")])
+    store.append_history("ns", "other", 0, [rec(2, 2, group="g2"), rec(3, 3, group="g1")])
+
+    async def body() -> None:
+        h = tails(store)
+        mine = await h.pull("ns", FP, "", max_records=10, wait=0, exclude_client_id="me")
+        assert [r.seq for r in mine.records] == [2, 3]
+        g1 = await h.pull("ns", FP, "", max_records=10, wait=0, exclude_client_id="me", groups=["g1"])
+        assert [r.seq for r in g1.records] == [3] and g1.cursor == "inc.2"
+        none = await h.pull("ns", FP, "", max_records=10, wait=0.05, groups=["nope"])
+        assert none.records == [] and none.cursor == "inc.2"
+        one = await h.pull("ns", FP, "", max_records=1, wait=0)
+        assert [r.seq for r in one.records] == [1] and one.cursor == "inc.0"
+        await h.close()
+
+    run(body())
+
+
+def test_a_waiting_pull_wakes_on_a_push_and_many_waiters_cost_one_poller() -> None:
+    store = FakeStore()
+    store.append_history("ns", "a", 0, [rec(1, 1)])
+
+    async def body() -> None:
+        h = tails(store, poll_interval=0.05)
+        first = await h.pull("ns", FP, "", max_records=10, wait=0)
+        await asyncio.sleep(0.1)
+        reads = store.reads
+        waiters = [asyncio.create_task(h.pull("ns", FP, first.cursor, max_records=10, wait=2.0)) for _ in range(500)]
+        await asyncio.sleep(0.3)
+        started = time.monotonic()
+        await h.push("ns", "b", 0, [rec(2, 2)], FP)
+        pages = await asyncio.gather(*waiters)
+        took = time.monotonic() - started
+        assert all([r.seq for r in p.records] == [2] for p in pages)
+        assert took < 0.5, took  # the push woke the poller at once, not after a long poll
+        # 500 readers waited 0.3 s: the poller read about 0.3/0.05 times, not 500 times that.
+        assert store.reads - reads < 30, store.reads - reads
+        await h.close()
+
+    run(body())
+
+
+def test_a_wait_times_out_with_the_cursor_unchanged_and_is_capped() -> None:
+    store = FakeStore()
+
+    async def body() -> None:
+        h = tails(store, max_wait=0.1)
+        started = time.monotonic()
+        page = await h.pull("ns", FP, "", max_records=10, wait=30)
+        assert page.records == [] and page.cursor == "" and time.monotonic() - started < 1.0
+        await h.close()
+
+    run(body())
+
+
+def test_a_cursor_older_than_the_ring_goes_to_the_store_and_reports_the_gap() -> None:
+    store = FakeStore()
+    store.append_history("ns", "a", 0, [rec(i, i) for i in range(10)])
+
+    async def body() -> None:
+        h = tails(store, ring_bytes=3 * (4 + 1 + 64))  # about 3 records
+        await h.pull("ns", FP, "", max_records=100, wait=0)
+        await asyncio.sleep(0.05)
+        assert 1 <= len(h.tails["ns"].ring) <= 3
+        page = await h.pull("ns", FP, "inc.2", max_records=100, wait=0)  # outside the ring: the store answers
+        assert [r.seq for r in page.records] == list(range(3, 10)) and not page.gap
+        store.trim(5)
+        page = await h.pull("ns", FP, "inc.1", max_records=100, wait=0)
+        assert page.gap and [r.seq for r in page.records] == list(range(5, 10))
+        await h.close()
+
+    run(body())
+
+
+def test_an_idle_namespace_stops_polling_and_a_dropped_one_is_forgotten() -> None:
+    store = FakeStore()
+
+    async def body() -> None:
+        h = tails(store, idle_after=0.1)
+        await h.pull("ns", FP, "", max_records=10, wait=0)
+        await asyncio.sleep(0.3)
+        reads = store.reads
+        await asyncio.sleep(0.2)
+        assert store.reads == reads  # idle: no store call
+        store.exists = False
+        h.tails["ns"].info = None
+        with pytest.raises(NamespaceNotFoundError):
+            await h.pull("ns", FP, "", max_records=10, wait=0)
+        assert "ns" not in h.tails
+        await h.close()
+
+    run(body())

@@ -1,0 +1,162 @@
+"""The client's fleet history logic with no server: grouping, splitting, the bounded buffer, source ids, lag quantiles, options."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from ngramcache import InvalidArgumentError
+from ngramcache.client._proto.codec import tokens_to_bytes
+from ngramcache.client._proto.v1 import counts_pb2
+from ngramcache.client.sync import ClientConfig
+from ngramcache.client.sync.history import (
+    HistoryBuffer,
+    HistoryMirror,
+    HistoryPublisher,
+    HistoryStats,
+    LagWindow,
+    SourceIds,
+    prompt_group,
+)
+from ngramcache.client.sync.state import SyncState
+
+FP = b"\x07" * 32
+
+
+def toks(*values: int) -> np.ndarray:
+    return np.array(values, dtype=np.int32)
+
+
+def config(**options: object) -> ClientConfig:
+    return ClientConfig(addresses=("127.0.0.1:1",), namespace="ns", fingerprint=FP, vocab_size=1000, cache_dir="/tmp",
+                        **options)  # type: ignore[arg-type]
+
+
+def test_siblings_of_one_prompt_share_a_group_and_continuations_keep_it() -> None:
+    buf = HistoryBuffer(1000)
+    prompt = toks(1, 2, 3)
+    buf.add([(10, 0, prompt), (11, 0, prompt), (12, 0, toks(9, 9))])
+    buf.add([(10, 3, toks(4, 5)), (11, 3, toks(6))])
+    groups = {(r.seq, r.offset): r.group for r in buf.pending}
+    assert groups[(10, 0)] == groups[(11, 0)] == groups[(10, 3)] == groups[(11, 3)] == prompt_group(prompt)
+    assert groups[(12, 0)] != groups[(10, 0)]
+    assert len(prompt_group(prompt)) == 16  # 8 bytes, hex
+
+
+def test_set_group_wins_and_a_sequence_first_seen_mid_way_has_no_group() -> None:
+    buf = HistoryBuffer(1000)
+    buf.set_group(5, "rollout-7")
+    buf.add([(5, 0, toks(1, 2)), (6, 40, toks(3))])
+    assert [(r.seq, r.group) for r in buf.pending] == [(5, "rollout-7"), (6, "")]
+    for bad in ("", "a b", "x" * 65, "é"):
+        with pytest.raises(InvalidArgumentError, match="group must be"):
+            buf.set_group(1, bad)
+
+
+def test_records_split_to_the_token_limit_with_their_offsets() -> None:
+    buf = HistoryBuffer(10_000, max_record_tokens=4)
+    buf.add([(1, 7, np.arange(10, dtype=np.int32))])
+    assert [(r.offset, r.tokens.tolist()) for r in buf.pending] == [
+        (7, [0, 1, 2, 3]), (11, [4, 5, 6, 7]), (15, [8, 9])]
+    assert buf.pending_tokens == 10
+
+
+def test_batches_respect_record_and_byte_limits() -> None:
+    buf = HistoryBuffer(10_000, max_batch_records=3, max_batch_bytes=5 * 4)
+    buf.add([(i, 0, toks(i, i)) for i in range(7)])
+    first = buf.take()
+    assert [r.seq for r in first] == [0, 1]  # 2 tokens each: a third would pass 5 tokens' bytes
+    buf.max_batch_bytes = 1 << 20
+    assert [r.seq for r in buf.take()] == [2, 3, 4]
+    assert [r.seq for r in buf.take()] == [5, 6]
+    assert buf.take() == [] and buf.pending_tokens == 0
+
+
+def test_server_limits_only_lower_the_split() -> None:
+    buf = HistoryBuffer(100)
+    buf.limit(16, 512)
+    assert (buf.max_batch_records, buf.max_record_tokens) == (16, 512)
+    buf.limit(0, 0)
+    assert (buf.max_batch_records, buf.max_record_tokens) == (16, 512)
+
+
+def test_a_full_buffer_drops_the_oldest_records_and_counts_them() -> None:
+    buf = HistoryBuffer(5)
+    assert buf.add([(1, 0, toks(1, 2, 3))]) == (0, 0)
+    assert buf.add([(2, 0, toks(4, 5, 6))]) == (1, 3)
+    assert [r.seq for r in buf.pending] == [2] and buf.pending_tokens == 3
+
+
+def test_source_ids_continue_a_contiguous_run_and_split_a_broken_one() -> None:
+    ids = SourceIds()
+    a = ids.of("c1", 1, 0, 4)
+    assert ids.of("c1", 1, 4, 2) == a  # continues
+    assert ids.of("c2", 1, 0, 4) != a  # another client
+    b = ids.of("c1", 1, 10, 3)  # offsets 6..9 never arrived: a new text
+    assert b != a and ids.of("c1", 1, 13, 1) == b
+    assert SourceIds.source("c1", 1, 0) == a  # stable across processes
+    assert -(2**63) <= a < 2**63
+
+
+def test_lag_window_quantiles() -> None:
+    lag = LagWindow(size=100)
+    assert lag.quantile(0.5) is None
+    for v in range(1, 201):
+        lag.add(float(v))  # only the last 100 are kept: 101..200
+    assert lag.quantile(0.5) in (150.0, 151.0)
+    assert lag.quantile(0.99) == 199.0
+    assert lag.quantile(1.0) == 200.0
+
+
+def test_history_option_follows_the_mode() -> None:
+    assert config(mode="match").history is True
+    assert config().history is False
+    assert config(mode="match", history=False).history is False
+    with pytest.raises(InvalidArgumentError, match="needs mode='match'"):
+        config(history=True)
+    with pytest.raises(InvalidArgumentError, match="history_max_pending_tokens"):
+        config(mode="match", history_max_pending_tokens=0)
+    with pytest.raises(InvalidArgumentError, match="history_max_bytes_per_s"):
+        config(mode="match", history_max_bytes_per_s=-1)
+
+
+class FakeDrafter:
+    def __init__(self) -> None:
+        self.outbox: list[tuple[int, int, np.ndarray]] = []
+        self.added: list[tuple[int, list[int]]] = []
+
+    def drain_history(self) -> list[tuple[int, int, np.ndarray]]:
+        out, self.outbox = self.outbox, []
+        return out
+
+    def add_history(self, source: int, tokens: np.ndarray) -> None:
+        self.added.append((source, tokens.tolist()))
+
+
+def test_mirror_appends_runs_of_one_sequence_in_one_call() -> None:
+    drafter = FakeDrafter()
+    state = SyncState(config(mode="match"), drafter)  # type: ignore[arg-type]
+    mirror = HistoryMirror(state, HistoryStats())
+
+    def rec(client: str, seq: int, offset: int, *tokens: int) -> counts_pb2.HistoryRecord:
+        return counts_pb2.HistoryRecord(client_id=client, seq=seq, offset=offset, tokens=tokens_to_bytes(toks(*tokens)))
+
+    n = mirror.apply([rec("a", 1, 0, 1, 2), rec("b", 1, 0, 7), rec("a", 1, 2, 3), rec("a", 1, 9, 5)])
+    assert n == 5
+    a = SourceIds.source("a", 1, 0)
+    assert drafter.added == [(a, [1, 2, 3]), (SourceIds.source("b", 1, 0), [7]), (SourceIds.source("a", 1, 9), [5])]
+
+
+def test_publisher_drains_groups_and_counts() -> None:
+    drafter = FakeDrafter()
+    state = SyncState(config(mode="match", history_max_pending_tokens=4), drafter)  # type: ignore[arg-type]
+    stats = HistoryStats()
+    publisher = HistoryPublisher(state, stats)
+    drafter.outbox = [(1, 0, toks(1, 2, 3)), (2, 0, toks(1, 2, 3))]
+    publisher.drain()
+    assert (stats.drained_records, stats.drained_tokens) == (2, 6)
+    assert (stats.dropped_records, stats.dropped_tokens) == (1, 3)  # over 4 tokens: the oldest went
+    assert [r.seq for r in publisher.buffer.pending] == [2]
+    asyncio.run(state.channels.close())
