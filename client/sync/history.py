@@ -15,7 +15,6 @@ match history (``drafter.add_history``), within ``history_max_bytes_per_s``.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import hashlib
 import logging
@@ -23,6 +22,7 @@ import re
 import threading
 import time
 from collections import OrderedDict, deque
+from typing import Any
 
 import numpy as np
 from numpy.typing import NDArray
@@ -323,21 +323,41 @@ class HistoryPublisher:
             self.stats.duplicate_batches += int(resp.duplicate)
 
     async def run(self) -> None:
-        """Drain and push until the client closes, then flush within close_timeout."""
+        """Drain and push until the client closes, then flush within close_timeout.
+
+        One batch is in flight at a time (the store's exactly-once rule); draining goes on
+        meanwhile, so a service that does not answer fills the bounded buffer, not the drafter.
+        """
         assert self.state.closing is not None
         closing, config = self.state.closing, self.state.config
         until: float | None = None
-        while self.enabled:
-            if closing.is_set() and until is None:
-                until = time.monotonic() + config.close_timeout
-            self.drain()
-            self.log_drops()
-            while self.buffer.pending and (until is None or time.monotonic() < until):
-                await self.send(self.buffer.take(), until)
-            if until is not None:
-                break
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(closing.wait(), config.history_push_interval)
+        sending: asyncio.Task[None] | None = None
+        closed = asyncio.create_task(closing.wait())
+        try:
+            while self.enabled:
+                if closing.is_set() and until is None:
+                    until = time.monotonic() + config.close_timeout
+                self.drain()
+                self.log_drops()
+                idle = sending is None or sending.done()
+                if idle and self.buffer.pending:
+                    sending = asyncio.create_task(self.send(self.buffer.take(), until))
+                    idle = False
+                if until is not None:
+                    if (idle and not self.buffer.pending) or time.monotonic() >= until:
+                        break
+                    await asyncio.sleep(0.005)
+                    continue
+                # Wake at the next interval, at close, or as soon as the batch in flight is answered.
+                waits: set[asyncio.Task[Any]] = {closed}
+                if sending is not None and not sending.done():
+                    waits.add(sending)
+                await asyncio.wait(waits, timeout=config.history_push_interval, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            closed.cancel()
+            if sending is not None and not sending.done():
+                sending.cancel()  # counted as dropped by send
+                await asyncio.gather(sending, return_exceptions=True)
         unsent = self.buffer.pending_tokens
         if unsent:
             self.dropped(len(self.buffer.pending), unsent)

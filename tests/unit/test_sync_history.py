@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import numpy as np
 import pytest
 
-from ngramcache import InvalidArgumentError
+from ngramcache import BackendUnavailableError, InvalidArgumentError
 from ngramcache.client._proto.codec import tokens_to_bytes
 from ngramcache.client._proto.v1 import counts_pb2
 from ngramcache.client.sync import ClientConfig
@@ -159,4 +160,59 @@ def test_publisher_drains_groups_and_counts() -> None:
     assert (stats.drained_records, stats.drained_tokens) == (2, 6)
     assert (stats.dropped_records, stats.dropped_tokens) == (1, 3)  # over 4 tokens: the oldest went
     assert [r.seq for r in publisher.buffer.pending] == [2]
+    asyncio.run(state.channels.close())
+
+
+class FakeCounts:
+    """PushHistory that fails the first ``failures`` calls with a retriable error, then stores by (client, seq)."""
+
+    def __init__(self, failures: int) -> None:
+        self.failures = failures
+        self.calls: list[int] = []
+        self.stored: dict[int, int] = {}
+
+    async def PushHistory(self, request: counts_pb2.PushHistoryRequest, **_: object) -> counts_pb2.PushHistoryResponse:
+        self.calls.append(request.seq)
+        if self.failures:
+            self.failures -= 1
+            raise BackendUnavailableError("down")
+        duplicate = request.seq in self.stored
+        self.stored.setdefault(request.seq, len(request.records))
+        return counts_pb2.PushHistoryResponse(duplicate=duplicate, records_stored=0 if duplicate else len(request.records))
+
+
+def test_publisher_sends_one_batch_at_a_time_retrying_the_same_seq_and_flushes_at_close() -> None:
+    drafter = FakeDrafter()
+    state = SyncState(config(mode="match", history_push_interval=0.01), drafter)  # type: ignore[arg-type]
+    stats = HistoryStats()
+    publisher = HistoryPublisher(state, stats)
+    publisher.buffer.max_batch_records = 2
+    counts = FakeCounts(failures=2)
+
+    class Chan:
+        def __init__(self) -> None:
+            self.counts = counts
+
+    async def retrying(what: str, call: Any, until: float | None = None) -> Any:
+        while True:
+            try:
+                return await call(Chan())
+            except BackendUnavailableError:
+                await asyncio.sleep(0.001)
+
+    state.retrying = retrying  # type: ignore[method-assign]
+
+    async def body() -> None:
+        state.closing = asyncio.Event()
+        task = asyncio.create_task(publisher.run())
+        drafter.outbox = [(i, 0, toks(i + 1)) for i in range(5)]
+        await asyncio.sleep(0.2)
+        drafter.outbox = [(9, 0, toks(1, 2))]
+        state.closing.set()
+        await task
+
+    asyncio.run(body())
+    assert counts.calls[:3] == [0, 0, 0]  # the same batch until it went through
+    assert sorted(counts.stored) == [0, 1, 2, 3] and sum(counts.stored.values()) == 6
+    assert (stats.pushed_batches, stats.pushed_records, stats.dropped_tokens) == (4, 6, 0)
     asyncio.run(state.channels.close())
