@@ -104,8 +104,8 @@ def run(address: str, args: argparse.Namespace, tmp: Path) -> None:
               f"max {max(lags):.1f} ms, mean {sum(lags) / len(lags):.1f} ms")
     records, tokens, nbytes = sb["history_pulled_records"], sb["history_pulled_tokens"], sb["history_pulled_bytes"]
     print(f"B pulled {records} records, {tokens} tokens, {nbytes} bytes: {nbytes / max(records, 1):.1f} bytes a record, "
-          f"{nbytes / max(tokens, 1):.2f} bytes a token; store-to-B lag p50 {sb['history_lag_ms_p50']} ms, "
-          f"p99 {sb['history_lag_ms_p99']} ms")
+          f"{nbytes / max(tokens, 1):.2f} bytes a token; store-to-B lag p50 {sb['history_lag_ms_p50'] or 0:.1f} ms, "
+          f"p99 {sb['history_lag_ms_p99'] or 0:.1f} ms")
     print(f"checksum {checksum.hexdigest()[:16]}")
 
 

@@ -1,0 +1,179 @@
+"""The fleet history through a real service on loopback: PushHistory / PullHistory over the embedded store (and Redis),
+and two match-mode NgramClients drafting from each other's sequences."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+from service_helpers import ServiceThread
+
+from ngramcache import NgramClient
+from ngramcache.client._proto.codec import bytes_to_tokens, tokens_to_bytes
+from ngramcache.client._proto.v1 import admin_pb2, admin_pb2_grpc, counts_pb2, counts_pb2_grpc
+from ngramcache.client.errors import InvalidArgumentError
+
+pytestmark = pytest.mark.integration
+
+FP = b"\x05" * 32
+VOCAB = 1000
+FAST = {"pull_interval": 0.05, "push_interval": 0.02, "connect_timeout": 5.0, "ready_timeout": 20.0,
+        "close_timeout": 5.0, "mode": "match"}
+
+
+def embedded(tmp_path: Path) -> str:
+    return f"embedded://{tmp_path / 'counts.snapshot'}?epoch_seconds=0"
+
+
+def record(seq: int, *tokens: int, offset: int = 0, group: str = "") -> counts_pb2.HistoryRecord:
+    return counts_pb2.HistoryRecord(seq=seq, group=group, offset=offset,
+                                    tokens=tokens_to_bytes(np.array(tokens, dtype=np.int32)))
+
+
+def create(ch: grpc.Channel, name: str) -> None:
+    admin_pb2_grpc.AdminStub(ch).CreateNamespace(admin_pb2.CreateNamespaceRequest(
+        name=name, tokenizer_fingerprint=FP, vocab_size=VOCAB), timeout=10)
+
+
+def test_push_and_pull_history_over_grpc(tmp_path: Path) -> None:
+    with ServiceThread(tmp_path / "data", counts=embedded(tmp_path)) as svc:
+        ch = grpc.insecure_channel(f"127.0.0.1:{svc.port}")
+        info = admin_pb2_grpc.AdminStub(ch).GetServerInfo(admin_pb2.GetServerInfoRequest(), timeout=10)
+        assert "counts.history" in info.capabilities
+        assert (info.limits.max_history_records, info.limits.max_history_record_tokens,
+                info.limits.max_history_wait_ms) == (256, 4096, 5000)
+        create(ch, "h")
+        stub = counts_pb2_grpc.CountsStub(ch)
+
+        def push(client: str, seq: int, *records: counts_pb2.HistoryRecord, fp: bytes = FP,
+                 ns: str = "h") -> counts_pb2.PushHistoryResponse:
+            resp: counts_pb2.PushHistoryResponse = stub.PushHistory(counts_pb2.PushHistoryRequest(
+                namespace=ns, tokenizer_fingerprint=fp, client_id=client, seq=seq, records=list(records)), timeout=10)
+            return resp
+
+        def pull(after: str = "", **fields: object) -> counts_pb2.PullHistoryResponse:
+            resp: counts_pb2.PullHistoryResponse = stub.PullHistory(counts_pb2.PullHistoryRequest(
+                namespace="h", tokenizer_fingerprint=FP, after=after, **fields), timeout=10)  # type: ignore[arg-type]
+            return resp
+
+        first = push("a", 0, record(1, 1, 2, 3, group="g"), record(1, 4, 5, offset=3, group="g"))
+        assert (first.duplicate, first.records_stored) == (False, 2)
+        again = push("a", 0, record(1, 1, 2, 3, group="g"), record(1, 4, 5, offset=3, group="g"))
+        assert again.duplicate and again.records_stored == 0  # the retry stored nothing
+        push("b", 0, record(7, 9, 9, group="other"))
+        page = pull()
+        assert [(r.client_id, r.seq, r.offset, bytes_to_tokens(r.tokens).tolist()) for r in page.records] == [
+            ("a", 1, 0, [1, 2, 3]), ("a", 1, 3, [4, 5]), ("b", 7, 0, [9, 9])]
+        assert all(abs(r.time_ms - time.time() * 1000) < 60_000 for r in page.records) and not page.gap
+        assert [r.client_id for r in pull(exclude_client_id="a").records] == ["b"]
+        assert [r.group for r in pull(groups=["g"]).records] == ["g", "g"]
+        one = pull(max_records=1)
+        assert len(one.records) == 1 and [r.seq for r in pull(one.cursor).records] == [1, 7]
+
+        # A long poll: nothing after the cursor, so the call waits; a push through the replica ends it.
+        got: list[counts_pb2.PullHistoryResponse] = []
+        waiter = threading.Thread(target=lambda: got.append(pull(page.cursor, wait_ms=4000)))
+        started = time.monotonic()
+        waiter.start()
+        time.sleep(0.3)
+        push("c", 0, record(3, 42))
+        waiter.join(10)
+        assert [r.client_id for r in got[0].records] == ["c"] and time.monotonic() - started < 2.0
+        empty = pull(got[0].cursor, wait_ms=200)
+        assert empty.records == [] and empty.cursor == got[0].cursor
+
+        def code(call: object) -> grpc.StatusCode:
+            with pytest.raises(grpc.RpcError) as caught:
+                call()  # type: ignore[operator]
+            return caught.value.code()
+
+        assert code(lambda: push("a", 1, record(1, VOCAB))) == grpc.StatusCode.INVALID_ARGUMENT
+        assert code(lambda: push("a", 1, record(1))) == grpc.StatusCode.INVALID_ARGUMENT  # no token
+        assert code(lambda: push("a", 1, record(1, 1, group="bad group"))) == grpc.StatusCode.INVALID_ARGUMENT
+        assert code(lambda: push("a", 1, *[record(1, 1)] * 257)) == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert code(lambda: push("a", 1, record(1, *[1] * 4097))) == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert code(lambda: push("a", 1, record(1, 1), fp=b"\x06" * 32)) == grpc.StatusCode.FAILED_PRECONDITION
+        assert code(lambda: push("a", 1, record(1, 1), ns="nope")) == grpc.StatusCode.NOT_FOUND
+        assert code(lambda: pull("not a cursor")) == grpc.StatusCode.INVALID_ARGUMENT
+        assert push("a", 1, record(1, 6)).records_stored == 1  # nothing refused took seq 1
+        ch.close()
+
+
+def drafts_continuation(client: NgramClient, seq: int, text: np.ndarray, cut: int, timeout: float) -> float:
+    """Seconds until ``client``'s drafter drafts ``text[cut:cut+8]`` after ``text[:cut]`` (inf: never)."""
+    drafter = client.drafter()
+    want = text[cut:cut + 8].tolist()
+    drafter.accept(seq, text[:cut])
+    started = time.monotonic()
+    while time.monotonic() - started < timeout:
+        if drafter.draft(seq, text[:cut], 8).tolist() == want:
+            return time.monotonic() - started
+        time.sleep(0.005)
+    return float("inf")
+
+
+def share_between_two_clients(address: str, ns: str, tmp_path: Path) -> None:
+    rng = np.random.default_rng(20)
+    with NgramClient(address, ns, (FP, VOCAB), cache_dir=tmp_path / "a", **FAST) as a, \
+            NgramClient(address, ns, (FP, VOCAB), cache_dir=tmp_path / "b", **FAST) as b:
+        lags = []
+        for trial in range(5):
+            text = rng.integers(0, VOCAB, 64, dtype=np.int32)
+            a.drafter().accept(trial, text[:16])  # the prompt
+            a.drafter().accept(trial, text)  # what it generated
+            lags.append(drafts_continuation(b, 1000 + trial, text, 24, timeout=10.0))
+        assert max(lags) < 5.0, lags
+        sa = a.stats()
+        sb = b.stats()
+        assert sa["history"] and sa["history_pushed_tokens"] >= 5 * 64 and sa["history_dropped_tokens"] == 0
+        assert sb["history_pulled_tokens"] >= 5 * 64 and sb["history_gaps"] == 0
+        assert sb["history_lag_ms_p50"] is not None and sb["history_lag_ms_p99"] < 5000
+        assert sb["history_size"] > sa["history_size"] - 5 * 64  # B holds A's sequences besides its own
+        # Each gets the other's records, never its own back.
+        assert sa["history_pulled_tokens"] == sb["history_pushed_tokens"] == 5 * 24
+
+
+def test_two_match_mode_clients_draft_from_each_others_sequences(tmp_path: Path) -> None:
+    with ServiceThread(tmp_path / "data", counts=embedded(tmp_path)) as svc:
+        ch = grpc.insecure_channel(f"127.0.0.1:{svc.port}")
+        create(ch, "fleet")
+        share_between_two_clients(f"127.0.0.1:{svc.port}", "fleet", tmp_path)
+        assert svc.service.metrics is not None
+        registry = svc.service.metrics.registry
+        assert (registry.get_sample_value("ngramcache_history_pushed_records_total") or 0) >= 5
+        assert (registry.get_sample_value("ngramcache_history_served_records_total") or 0) >= 5
+        ch.close()
+
+
+def test_two_clients_share_through_redis(tmp_path: Path, redis_standalone: object) -> None:
+    url = redis_standalone.url  # type: ignore[attr-defined]
+    with ServiceThread(tmp_path / "data", counts=url) as svc:
+        ch = grpc.insecure_channel(f"127.0.0.1:{svc.port}")
+        ns = f"fleet-{int(time.time() * 1000) % 10**9}"
+        create(ch, ns)
+        share_between_two_clients(f"127.0.0.1:{svc.port}", ns, tmp_path)
+        admin_pb2_grpc.AdminStub(ch).DropNamespace(admin_pb2.DropNamespaceRequest(name=ns), timeout=10)
+        ch.close()
+
+
+def test_group_and_mode_errors(tmp_path: Path) -> None:
+    with ServiceThread(tmp_path / "data", counts=embedded(tmp_path)) as svc:
+        ch = grpc.insecure_channel(f"127.0.0.1:{svc.port}")
+        create(ch, "g")
+        address = f"127.0.0.1:{svc.port}"
+        with NgramClient(address, "g", (FP, VOCAB), cache_dir=tmp_path / "a", **FAST) as nc:
+            nc.set_group(1, "prompt-1")
+            with pytest.raises(InvalidArgumentError, match="group must be"):
+                nc.set_group(1, "no spaces")
+        compatible = {**FAST, "mode": "compatible"}
+        with pytest.raises(InvalidArgumentError, match="needs mode='match'"):
+            NgramClient(address, "g", (FP, VOCAB), cache_dir=tmp_path / "b", history=True, **compatible)
+        with NgramClient(address, "g", (FP, VOCAB), cache_dir=tmp_path / "c", **compatible) as nc:
+            assert nc.stats()["history"] is False
+            with pytest.raises(InvalidArgumentError, match="set_group needs"):
+                nc.set_group(1, "x")
+        ch.close()
