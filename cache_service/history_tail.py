@@ -19,7 +19,7 @@ import dataclasses
 import logging
 import time
 from collections import deque
-from collections.abc import Collection, Iterable
+from collections.abc import Callable, Collection, Iterable
 
 from ngramcache.client.errors import NamespaceNotFoundError, NgramCacheError
 
@@ -126,6 +126,8 @@ class HistoryTail:
         self._news = asyncio.Event()  # replaced after every append: waiters wake on the one they hold
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self.listeners: list[Callable[[list[HistoryRecord]], None]] = []  # polled records go to them too
+        self.pinned = False  # poll even when nobody pulls (a listener needs the records)
 
     # -- the ring -------------------------------------------------------------------------
 
@@ -182,7 +184,7 @@ class HistoryTail:
     async def _poll(self) -> None:
         store = self.runner.store
         failures = 0
-        while time.monotonic() - self.last_used < self.options.idle_after:
+        while self.pinned or time.monotonic() - self.last_used < self.options.idle_after:
             self._wake.clear()
             try:
                 page = await self.runner.call(store.read_history, self.namespace, after=self.last or "",
@@ -199,6 +201,12 @@ class HistoryTail:
                 continue
             self.polls += 1
             self._append(page)
+            for listener in self.listeners:
+                if page.records:
+                    try:
+                        listener(page.records)
+                    except Exception:  # a listener's bug must not stop the tail every reader depends on
+                        log.exception("fleet history of %s: a tail listener failed", self.namespace)
             if len(page.records) >= _POLL_RECORDS:
                 continue  # catching up: read on at once
             try:

@@ -17,6 +17,7 @@ import contextlib
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -49,7 +50,8 @@ class LiveNamespace:
     """One namespace's drafter, dynamic mirror and static generation (see module docstring)."""
 
     def __init__(self, info: NamespaceInfo, *, max_sessions: int, session_memory: int,
-                 view_policy: ViewPolicy | None = None) -> None:
+                 view_policy: ViewPolicy | None = None,
+                 on_match_drafter: Callable[[str, Drafter], None] | None = None) -> None:
         self.info = info
         self.view_policy = view_policy
         self.fingerprint = bytes.fromhex(info.fingerprint)
@@ -58,6 +60,7 @@ class LiveNamespace:
                                max_sequences=max_sessions, max_memory=session_memory)
         self._limits = (max_sessions, session_memory)
         self._match_drafter: Drafter | None = None  # made on the first match-mode session
+        self._on_match_drafter = on_match_drafter  # the fleet history feeds and publishes it
         self.mirror = MirrorState()
         self.view: DraftView | None = None  # made after the first export
         self.view_refreshed = time.monotonic()  # when the view last took changes
@@ -87,11 +90,14 @@ class LiveNamespace:
             return self.drafter
         if self._match_drafter is None:
             d = Drafter(dynamic=self.dynamic, fingerprint=self.fingerprint, vocab_size=self.info.vocab_size,
-                        max_sequences=self._limits[0], max_memory=self._limits[1], mode="match")
+                        max_sequences=self._limits[0], max_memory=self._limits[1], mode="match",
+                        track_history=self._on_match_drafter is not None)
             cache = self.drafter.static
             if cache is not None:
                 d.set_static(cache)
             self._match_drafter = d
+            if self._on_match_drafter is not None:
+                self._on_match_drafter(self.info.name, d)
         return self._match_drafter
 
 
@@ -103,7 +109,7 @@ class NamespaceRegistry:
 
     def __init__(self, runner: StoreRunner, static_store: StaticStore, *, mirror_interval: float, max_sessions: int,
                  session_memory: int, view_policy: ViewPolicy | None = None, peer_sync: PeerSync | None = None,
-                 peer_interval: float = 1.0) -> None:
+                 peer_interval: float = 1.0, on_match_drafter: Callable[[str, Drafter], None] | None = None) -> None:
         self._runner = runner
         self._static = static_store
         self._interval = mirror_interval
@@ -113,6 +119,7 @@ class NamespaceRegistry:
         self.peer_sync = peer_sync
         self._peer_interval = peer_interval
         self._live: dict[str, LiveNamespace] = {}
+        self.on_match_drafter = on_match_drafter  # called with each namespace's match drafter when it is made
         self._opening: dict[str, asyncio.Future[LiveNamespace]] = {}
         self._closed = False
         self._scan: asyncio.Task[None] | None = None
@@ -149,7 +156,7 @@ class NamespaceRegistry:
     async def _open(self, namespace: str) -> LiveNamespace:
         info = await self._runner.call(self._runner.store.namespace_info, namespace)
         ns = LiveNamespace(info, max_sessions=self._max_sessions, session_memory=self._session_memory,
-                           view_policy=self._view_policy)
+                           view_policy=self._view_policy, on_match_drafter=self.on_match_drafter)
         await self._full_export(ns, ns.dynamic)
         ns.view = await asyncio.to_thread(DraftView, ns.dynamic, self._view_policy)
         await self._sync_from_peers(ns)

@@ -39,6 +39,7 @@ from .config import ServiceConfig
 from .confinement import parse_roots
 from .counts import CountsStore, open_counts_store, redact_url
 from .counts.history import MAX_BATCH_RECORDS, MAX_RECORD_TOKENS
+from .history_feed import ReplicaHistory
 from .history_tail import HistoryTails, TailOptions
 from .interceptors.auth import AuthInterceptor
 from .interceptors.errors import ErrorInterceptor
@@ -86,6 +87,7 @@ class Service:
         self.port = 0
         self.metrics: Metrics | None = None
         self.counts: CountsServicer | None = None
+        self.replica_history: ReplicaHistory | None = None
         self.rebuilder: Rebuilder | None = None
         self._schedule: asyncio.Task[None] | None = None
         self.metrics_http: MetricsHttpServer | None = None
@@ -150,6 +152,8 @@ class Service:
             await self.rebuilder.close()
         if self.counts is not None:
             await self.counts.batcher.close()  # pushes still grouping get their answer or UNAVAILABLE
+            if self.replica_history is not None:
+                await self.replica_history.close()
             if self.counts.history is not None:
                 await self.counts.history.close()
         await self.registry.close()
@@ -202,10 +206,17 @@ async def create_server(config: ServiceConfig) -> tuple[Service, int]:
     peer_sync = PeerSync(runner, static_store, location=config.advertise_address or config.address(),
                          token=config.peer_token or None, tls_ca=_read_optional(config.peer_tls_ca),
                          keep=config.keep_generations)
+    history = HistoryTails(runner, TailOptions(poll_interval=config.history_poll_interval,
+                                               ring_bytes=config.history_tail_bytes,
+                                               max_wait=config.history_max_wait_ms / 1000,
+                                               max_answer_bytes=max(1 << 16, config.max_message_bytes // 2)),
+                           metrics=metrics)
+    replica_history = ReplicaHistory(history, f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}",
+                                     interval=config.history_poll_interval)
     registry = NamespaceRegistry(runner, static_store, mirror_interval=config.mirror_interval,
                                  max_sessions=config.max_sessions, session_memory=config.session_memory,
                                  view_policy=config.view_policy(), peer_sync=peer_sync,
-                                 peer_interval=config.peer_sync_interval)
+                                 peer_interval=config.peer_sync_interval, on_match_drafter=replica_history.attach)
     metrics.watch_namespaces(registry.live)
     registry.start_fleet_scan()
     rebuilder = Rebuilder(runner, static_store, holder=f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}",
@@ -224,11 +235,6 @@ async def create_server(config: ServiceConfig) -> tuple[Service, int]:
     observers = [MetricsInterceptor(metrics, rpc_methods(*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME)),
                  LoggingInterceptor(ok_level=logging.INFO if config.log_calls else logging.DEBUG)]
     server = aio.server(interceptors=[*observers, ErrorInterceptor(), *([auth] if auth else [])], options=options)
-    history = HistoryTails(runner, TailOptions(poll_interval=config.history_poll_interval,
-                                               ring_bytes=config.history_tail_bytes,
-                                               max_wait=config.history_max_wait_ms / 1000,
-                                               max_answer_bytes=max(1 << 16, config.max_message_bytes // 2)),
-                           metrics=metrics)
     drafting = DraftingServicer(registry, max_sessions=config.max_sessions, idle_timeout=config.session_idle_timeout,
                                 max_sessions_per_client=config.max_sessions_per_client,
                                 max_session_tokens=config.max_session_tokens, max_step_tokens=config.max_step_tokens,
@@ -251,6 +257,7 @@ async def create_server(config: ServiceConfig) -> tuple[Service, int]:
 
     async def on_drop(namespace: str) -> None:  # Admin.DropNamespace: forget its drafting state and files
         registry.drop(namespace)
+        replica_history.detach(namespace)
         history.drop(namespace)
         await static_store.drop(namespace)
 
@@ -276,6 +283,7 @@ async def create_server(config: ServiceConfig) -> tuple[Service, int]:
     await asyncio.to_thread(static_store.remove_leftovers, 3600.0)
     service = Service(config, server, runner, static_store, registry, health_servicer, drafting)
     service.counts = counts
+    service.replica_history = replica_history
     service.rebuilder = rebuilder
     metrics.watch_rebuilds(rebuilder, peer_sync)
     if not config.advertise_address:

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from service_helpers import ServiceThread
 
-from ngramcache import NgramClient
+from ngramcache import NgramClient, RemoteDrafter
 from ngramcache.client._proto.codec import bytes_to_tokens, tokens_to_bytes
 from ngramcache.client._proto.v1 import admin_pb2, admin_pb2_grpc, counts_pb2, counts_pb2_grpc
 from ngramcache.client.errors import InvalidArgumentError
@@ -176,4 +176,27 @@ def test_group_and_mode_errors(tmp_path: Path) -> None:
             assert nc.stats()["history"] is False
             with pytest.raises(InvalidArgumentError, match="set_group needs"):
                 nc.set_group(1, "x")
+        ch.close()
+
+
+def test_the_service_match_drafter_shares_the_fleet_history(tmp_path: Path) -> None:
+    """RemoteDrafter match sessions draft what a client published, and a client drafts what a session accepted."""
+    with ServiceThread(tmp_path / "data", counts=embedded(tmp_path)) as svc:
+        ch = grpc.insecure_channel(f"127.0.0.1:{svc.port}")
+        create(ch, "svc")
+        address = f"127.0.0.1:{svc.port}"
+        rng = np.random.default_rng(7)
+        with NgramClient(address, "svc", (FP, VOCAB), cache_dir=tmp_path / "a", **FAST) as client, \
+                RemoteDrafter(address, "svc", (FP, VOCAB), mode="match") as remote:
+            remote.draft(0, np.array([1, 2, 3], dtype=np.int32), 4)  # the namespace's match drafter exists now
+            text = rng.integers(0, VOCAB, 64, dtype=np.int32)
+            client.drafter().accept(1, text)
+            want = text[24:32].tolist()
+            deadline = time.monotonic() + 10
+            while remote.draft(2, text[:24], 8).tolist() != want:
+                assert time.monotonic() < deadline, "the session never drafted the client's sequence"
+                time.sleep(0.02)
+            other = rng.integers(0, VOCAB, 64, dtype=np.int32)
+            remote.draft(3, other, 1)  # the session accepts the whole sequence
+            assert drafts_continuation(client, 4, other, 24, timeout=10.0) < 10.0
         ch.close()

@@ -1,0 +1,98 @@
+"""The service's own match drafters in the fleet history: fed from the replica's tail, their sessions' accepts published."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+from ngramcache.client import Drafter
+from ngramcache.client.errors import NgramCacheError
+from ngramcache.client.sync.history import HistoryBuffer, SourceIds
+
+from .counts.history import HistoryRecord
+from .history_tail import HistoryTails
+
+__all__ = ["ReplicaHistory"]
+
+log = logging.getLogger("ngramcache.service")
+
+
+class ReplicaHistory:
+    """Connects each namespace's match drafter (RemoteDrafter sessions in the match mode) to the fleet history.
+
+    The drafter appends what the replica's tail of the namespace reads (the tail keeps polling
+    while the drafter lives: it reads the store, not the network), skipping this replica's own
+    records; what its sessions accept is drained every ``interval`` and appended to the store
+    under the client id ``replica:<replica_id>``, one batch at a time, exactly once.
+
+    Thread-safety: use it only from the server's event loop.
+    """
+
+    def __init__(self, tails: HistoryTails, replica_id: str, *, interval: float = 0.05,
+                 max_pending_tokens: int = 1 << 18) -> None:
+        self.tails = tails
+        self.client_id = f"replica:{replica_id}"
+        self.interval = interval
+        self.max_pending_tokens = max_pending_tokens
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self.dropped_tokens = 0
+
+    def attach(self, namespace: str, drafter: Drafter) -> None:
+        """Feed and publish ``drafter``, the match drafter of ``namespace`` (`NamespaceRegistry.on_match_drafter`)."""
+        self.detach(namespace)
+        tail = self.tails.tail(namespace)
+        sources = SourceIds()
+
+        def feed(records: list[HistoryRecord]) -> None:
+            for r in records:
+                if r.client_id != self.client_id:
+                    drafter.add_history(sources.of(r.client_id, r.seq, r.offset, len(r.tokens)), r.tokens)
+
+        tail.listeners = [feed]
+        tail.pinned = True
+        if tail.ring:  # what the tail already holds: the drafter's cold start
+            feed(list(tail.ring))
+        tail.touch()
+        self._tasks[namespace] = asyncio.get_running_loop().create_task(
+            self._publish(namespace, drafter), name=f"history-publish-{namespace}")
+
+    def detach(self, namespace: str) -> None:
+        task = self._tasks.pop(namespace, None)
+        if task is not None:
+            task.cancel()
+        tail = self.tails.tails.get(namespace)
+        if tail is not None:
+            tail.listeners = []
+            tail.pinned = False
+
+    async def _publish(self, namespace: str, drafter: Drafter) -> None:
+        buffer = HistoryBuffer(self.max_pending_tokens)
+        fingerprint = drafter.fingerprint
+        seq = 0
+        while True:
+            await asyncio.sleep(self.interval)
+            _, dropped = buffer.add(drafter.drain_history())
+            self.dropped_tokens += dropped
+            while buffer.pending:
+                batch = buffer.take()
+                records = [HistoryRecord(self.client_id, r.seq, r.group, r.offset, r.tokens) for r in batch]
+                for attempt in range(5):  # the same seq: stored once, whatever is retried
+                    try:
+                        await self.tails.push(namespace, self.client_id, seq, records, fingerprint)
+                        break
+                    except NgramCacheError as e:
+                        if not e.retriable or attempt == 4:
+                            self.dropped_tokens += sum(len(r.tokens) for r in records)
+                            log.warning("fleet history of %s: a batch of this replica's sessions was dropped: %s",
+                                        namespace, e)
+                            break
+                        await asyncio.sleep(0.1 * 2 ** attempt)
+                seq += 1
+
+    async def close(self) -> None:
+        tasks = list(self._tasks.values())
+        for namespace in list(self._tasks):
+            self.detach(namespace)
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.gather(*tasks, return_exceptions=True)
