@@ -32,7 +32,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/, for redis_servers
 
-from redis_servers import RedisServer
+from helpers.redis_servers import RedisServer
 
 from ngramcache import NgramClient
 from ngramcache.client._proto.v1 import admin_pb2, admin_pb2_grpc

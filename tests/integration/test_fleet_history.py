@@ -10,7 +10,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
-from service_helpers import ServiceThread
+from helpers.service import ServiceThread
 
 from ngramcache import NgramClient, RemoteDrafter
 from ngramcache.client._proto.codec import bytes_to_tokens, tokens_to_bytes
