@@ -110,6 +110,8 @@ def print_schedule_table(title: str, cells: dict[tuple[str, int], dict[str, floa
               + f" | {top['accept_pct']:.1f} | {top['drafted_per_step']:.2f} | "
               + (f"{pulled / 1024:.0f}" if pulled is not None else "") + " |")
     k = ks[-1]
+    if not all(c in cells for c in (("fleet", k), ("sd_ideal", 1), ("sd_silo", k), ("local", k), ("fleet_pieces", k))):
+        return
     fleet, ideal = cells[("fleet", k)]["tokens_per_step"], cells[("sd_ideal", 1)]["tokens_per_step"]
     silo, local = cells[("sd_silo", k)]["tokens_per_step"], cells[("local", k)]["tokens_per_step"]
     pieces = cells[("fleet_pieces", k)]["tokens_per_step"]
@@ -158,6 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--min-piece", type=int, default=16,
                     help="the pieces row: hold a remote sequence's tokens until this many are visible or it ended (default 16)")
     ap.add_argument("--lib-dir", type=Path, default=None, help="SuffixDecoding's build (build_suffix_decoding.py)")
+    ap.add_argument("--setups", default=",".join(SETUP_KEYS), help=f"run only these (default all: {','.join(SETUP_KEYS)})")
+    ap.add_argument("--schedules", default="", help="run only the schedules whose name contains this (e.g. 'concurrent, round')")
     ap.add_argument("--no-cold-start", action="store_true")
     ap.add_argument("--json", type=Path, help="write every figure here")
     args = ap.parse_args(argv)
@@ -168,6 +172,9 @@ def main(argv: list[str] | None = None) -> int:
     workloads, meta = load_recording(args.data)
     vocab = int(meta["vocab_size"])
     ks = [int(x) for x in args.ks.split(",")]
+    keys = [key for key in args.setups.split(",") if key]
+    if unknown := set(keys) - set(SETUP_KEYS):
+        ap.error(f"unknown setups {sorted(unknown)}; choose from {','.join(SETUP_KEYS)}")
     seeds = args.seeds
     if args.quick:
         ks, seeds = [1, 8], 1
@@ -198,14 +205,16 @@ def main(argv: list[str] | None = None) -> int:
         else:
             variants = [("round-robin", Schedule(args.interval_ms, args.step_ms, True, "round-robin"))]
         for name, schedule in variants:
+            if args.schedules not in name:
+                continue
             t0 = time.perf_counter()
             cells: dict[tuple[str, int], dict[str, float]] = {}
-            for key in SETUP_KEYS:
+            for key in keys:
                 for k in [1] if key in K_FREE else ks:
                     cells[(key, k)] = run_cell(requests, key, k, schedule, seeds, make)
             title = (f"({'abc'[('rollout', 'repeated', 'control').index(workload)]}) {workload}: {len(requests)} "
                      f"requests, {n_tokens} tokens; {name}; tokens/step ({time.perf_counter() - t0:.0f} s)")
-            print_schedule_table(title, cells, ks, list(SETUP_KEYS), args.lag_ms, args.min_piece)
+            print_schedule_table(title, cells, ks, keys, args.lag_ms, args.min_piece)
             report["tables"][f"{workload} / {name}"] = {f"{key} K={k}": v for (key, k), v in cells.items()}
     if not args.no_cold_start and "rollout" in workloads:
         print("\n## Cold start: a replica joins after a quarter of the groups (round-robin, concurrent)\n")

@@ -184,7 +184,7 @@ def _batches(prompts: list[tuple[str, str]], samples: int, batch_rows: int) -> l
 
 def record(args: argparse.Namespace) -> dict[str, Any]:
     import torch
-    from model_helpers import load_transformers_model, smollm2_gguf
+    from helpers.model import load_transformers_model, smollm2_gguf
 
     torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
