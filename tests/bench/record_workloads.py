@@ -22,8 +22,8 @@ padding cut). The file is a compressed .npz (a few hundred KB):
 - ``meta``: a JSON string (model file, seed, sampling settings, timings, vocabulary size).
 
 The seed fixes the prompts and each generate call's sampling (torch's generator is reseeded
-per generate call), so a rerun on the same software gives the same file. Heavy (about 15 minutes on 2
-cores for the defaults: 75k sampled tokens at about 80 tokens/s); run it as
+per generate call), so a rerun on the same software gives the same file. Heavy (25 minutes on this
+shared 2-core VM for the defaults: 76k sampled tokens at about 55 tokens/s); run it as
 
     flock /tmp/ngc-heavy.lock nice python tests/bench/record_workloads.py
     python tests/bench/record_workloads.py --rollout 2 --repeated 2 --control 2 --out /tmp/w.npz  # sizing run
