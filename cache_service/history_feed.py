@@ -8,7 +8,7 @@ import logging
 
 from ngramcache.client import Drafter
 from ngramcache.client.errors import NgramCacheError
-from ngramcache.client.sync.history import HistoryBuffer, SourceIds
+from ngramcache.client.sync.history import HELD_IDLE_SECONDS, HistoryBuffer, SourceIds
 
 from .counts.history import HistoryRecord
 from .history_tail import HistoryTails
@@ -72,6 +72,7 @@ class ReplicaHistory:
         seq = 0
         while True:
             await asyncio.sleep(self.interval)
+            drafter.flush_history(HELD_IDLE_SECONDS)  # a finished session's last tokens join the history
             _, dropped = buffer.add(drafter.drain_history())
             self.dropped_tokens += dropped
             while buffer.pending:

@@ -273,7 +273,15 @@ class Drafter:
 
     def reset(self, seq: int) -> bool:
         """
-        Forgets sequence `seq` and frees its context table; returns whether it was known.
+        Forgets sequence `seq` and frees its context table (in the match mode, its last tokens held
+        back for a history piece join the history first); returns whether it was known.
+        """
+
+    def flush_history(self, idle_seconds: float = 0.0) -> int:
+        """
+        Moves into the match history the tokens held back for a piece (match_params history_piece)
+        of every source idle for at least `idle_seconds` (0: all); returns how many tokens. Call it
+        now and then (NgramClient does), so a finished sequence's last tokens join the history.
         """
 
     def evict_idle(self) -> int:

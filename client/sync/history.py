@@ -48,6 +48,10 @@ MAX_BATCH_BYTES = 1 << 20
 """Most token bytes of a batch: far under any message limit, small enough to retry cheaply."""
 
 MIRROR_WAIT_MS = 1000
+
+HELD_IDLE_SECONDS = 0.25
+"""Tokens a source held back for a history piece (match_params history_piece) join the history once it
+has been idle this long: a finished sequence's last tokens do not wait for more that never come."""
 """How long one PullHistory of the mirror waits for new records."""
 
 DROP_LOG_INTERVAL = 10.0
@@ -395,6 +399,7 @@ class HistoryMirror:
                 self.lag.add(max(0.0, now_ms - r.time_ms))
         for source, parts in runs.items():
             drafter.add_history(source, parts[0] if len(parts) == 1 else np.concatenate(parts))
+        drafter.flush_history(HELD_IDLE_SECONDS)
         return total
 
     async def pull(self) -> None:

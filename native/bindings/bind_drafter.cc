@@ -200,9 +200,21 @@ void bind_drafter(nb::module_& m) {
           "reset",
           [](PyDrafter& d, int64_t seq) {
             nb::gil_scoped_release release;
-            return d.drafter->sequences().reset(seq);
+            return d.drafter->reset(seq);
           },
-          "seq"_a, "Forgets sequence `seq` and frees its context table; returns whether it was known.")
+          "seq"_a,
+          "Forgets sequence `seq` and frees its context table (in the match mode, its last tokens held\n"
+          "back for a history piece join the history first); returns whether it was known.")
+      .def(
+          "flush_history",
+          [](PyDrafter& d, double idle_seconds) {
+            nb::gil_scoped_release release;
+            return d.drafter->flush_history(idle_seconds);
+          },
+          "idle_seconds"_a = 0.0,
+          "Moves into the match history the tokens held back for a piece (match_params history_piece)\n"
+          "of every source idle for at least `idle_seconds` (0: all); returns how many tokens. Call it\n"
+          "now and then (NgramClient does), so a finished sequence's last tokens join the history.")
       .def(
           "evict_idle",
           [](PyDrafter& d) {

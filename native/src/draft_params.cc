@@ -31,6 +31,7 @@ constexpr ParamRange kRanges[] = {
     {"corpus_prior", 0, 1e6, [](MatchParams& p, double x) { p.corpus_prior = x; }},
     {"max_options", 1, 8, [](MatchParams& p, double x) { p.max_options = static_cast<int>(x); }},
     {"history_tokens", 0, 1e9, [](MatchParams& p, double x) { p.history_tokens = static_cast<size_t>(x); }},
+    {"history_piece", 1, 4096, [](MatchParams& p, double x) { p.history_piece = static_cast<int>(x); }},
     {"corpus_min_match", 1, 64, [](MatchParams& p, double x) { p.corpus_min_match = static_cast<int>(x); }},
 };
 

@@ -1,6 +1,7 @@
 #include "ngc/drafter.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cstring>
 #include <mutex>
 #include <shared_mutex>
@@ -159,20 +160,102 @@ Status Drafter::accept(int64_t seq, const Token* tokens, size_t n) {
     if (options_.track_history) record_outbox(seq, static_cast<uint64_t>(fresh - tokens), fresh, n_new);
     if (!match || options_.match.history_tokens == 0) return;
     std::unique_lock lock(history_mu_);
-    append_history_locked(false, seq, fresh, n_new);
+    stage_history_locked(false, seq, fresh, n_new);
   });
 }
 
-void Drafter::append_history_locked(bool external, int64_t key, const Token* tokens, size_t n) {
+namespace {
+int64_t steady_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+// Sources holding tokens back at most; beyond, every held piece joins the history at once.
+constexpr size_t kMaxHeldSources = 4096;
+}  // namespace
+
+void Drafter::stage_history_locked(bool external, int64_t key, const Token* tokens, size_t n) {
+  const size_t piece = static_cast<size_t>(options_.match.history_piece);
+  Held* held = nullptr;
+  if (auto it = held_.find({external, key}); it != held_.end()) held = &it->second;
+  // The source that wrote last goes on writing at once (its text stays in one piece); the others
+  // hold their tokens back until they make a piece.
+  const bool at_tail = !history_any_ || (history_seq_ == key && history_external_ == external);
+  if (piece <= 1 || (held == nullptr && (at_tail || n >= piece))) {
+    append_piece_locked(external, key, tokens, n);
+    return;
+  }
+  if (held == nullptr) {
+    if (held_.size() >= kMaxHeldSources) {
+      for (auto& [k, h] : held_) append_piece_locked(k.external, k.id, h.tokens.data(), h.tokens.size());
+      held_.clear();
+      held_tokens_ = 0;
+    }
+    held = &held_[{external, key}];
+  }
+  held->tokens.insert(held->tokens.end(), tokens, tokens + n);
+  held->last_ns = steady_ns();
+  held_tokens_ += n;
+  if (held->tokens.size() >= piece) {
+    append_piece_locked(external, key, held->tokens.data(), held->tokens.size());
+    held_tokens_ -= held->tokens.size();
+    held_.erase({external, key});
+  }
+}
+
+size_t Drafter::flush_history(double idle_seconds) {
+  const int64_t now = steady_ns();
+  const int64_t idle_ns = static_cast<int64_t>(std::max(0.0, idle_seconds) * 1e9);
+  std::unique_lock lock(history_mu_);
+  size_t flushed = 0;
+  for (auto it = held_.begin(); it != held_.end();) {
+    if (now - it->second.last_ns < idle_ns) {
+      ++it;
+      continue;
+    }
+    append_piece_locked(it->first.external, it->first.id, it->second.tokens.data(), it->second.tokens.size());
+    flushed += it->second.tokens.size();
+    it = held_.erase(it);
+  }
+  held_tokens_ -= flushed;
+  return flushed;
+}
+
+bool Drafter::reset(int64_t seq) {
+  {
+    std::unique_lock lock(history_mu_);
+    if (auto it = held_.find({false, seq}); it != held_.end()) {
+      append_piece_locked(false, seq, it->second.tokens.data(), it->second.tokens.size());
+      held_tokens_ -= it->second.tokens.size();
+      held_.erase(it);
+    }
+    recent_.erase({false, seq});
+  }
+  return seqs_.reset(seq);
+}
+
+void Drafter::append_piece_locked(bool external, int64_t key, const Token* tokens, size_t n) {
   const size_t bound = options_.match.history_tokens;
+  const size_t overlap = options_.match.history_piece > 1 ? static_cast<size_t>(options_.match.history_piece) : 0;
+  std::vector<Token>* last = nullptr;
+  if (overlap > 0) {
+    if (recent_.size() >= kMaxHeldSources && recent_.find({external, key}) == recent_.end()) recent_.clear();
+    last = &recent_[{external, key}];
+  }
   if (!history_any_ || history_seq_ != key || history_external_ != external) {
     const Token separator = -1;
     history_.append(&separator, 1);
     history_seq_ = key;
     history_external_ = external;
     history_any_ = true;
+    // The new piece starts with the source's last tokens before it, so a match that reaches the
+    // end of its previous piece goes on in this one.
+    if (last != nullptr && !last->empty()) history_.append(last->data(), last->size());
   }
   history_.append(tokens, n);
+  if (last != nullptr) {
+    last->insert(last->end(), tokens, tokens + n);
+    if (last->size() > overlap) last->erase(last->begin(), last->end() - static_cast<std::ptrdiff_t>(overlap));
+  }
   if (history_.size() > bound + bound / 2) history_.keep_last(bound);  // amortized: every bound/2 tokens
 }
 
@@ -202,7 +285,7 @@ Status Drafter::add_history(int64_t source, const Token* tokens, size_t n) {
   }
   if (n == 0 || options_.match.history_tokens == 0) return Status::Ok();
   std::unique_lock lock(history_mu_);
-  append_history_locked(true, source, tokens, n);
+  stage_history_locked(true, source, tokens, n);
   return Status::Ok();
 }
 
@@ -225,7 +308,7 @@ size_t Drafter::history_size() const {
 
 size_t Drafter::memory_bytes() const {
   std::shared_lock lock(history_mu_);
-  return seqs_.memory_bytes() + history_.memory_bytes();
+  return seqs_.memory_bytes() + history_.memory_bytes() + held_tokens_ * sizeof(Token);
 }
 
 Status Drafter::check_tail(const Token* tokens, size_t n) const {

@@ -322,6 +322,35 @@ def test_add_history_lets_a_sequence_copy_what_another_drafter_generated():
     assert list(d.draft(6, tail, 4)) == []
 
 
+def test_concurrent_sequences_keep_their_history_text_in_pieces():
+    """Two sequences accepting in turn: the one that wrote last goes on at once, the other's tokens are held
+    back until they make a piece (history_piece) that starts with the source's last tokens before it, so a
+    draft runs on across pieces; reset and flush_history put the held-back rest in."""
+    a, b = list(range(10, 40)), list(range(50, 80))
+
+    def interleaved(piece: int) -> Drafter:
+        d = Drafter(vocab_size=100, fingerprint=UNTAGGED, mode="match", match_params={"history_piece": piece})
+        for k in range(2, 31, 2):  # a and b each accept 2 tokens a step
+            d.accept(1, np.array(a[:k], dtype=np.int32))
+            d.accept(2, np.array(b[:k], dtype=np.int32))
+        return d
+
+    cut = interleaved(1)
+    assert cut.history_size == 60 + 30  # a separator before every 2 tokens
+    d = interleaved(8)
+    before = d.history_size
+    d.reset(2)
+    held = d.flush_history(0.0)
+    assert d.flush_history(0.0) == 0
+    assert d.history_size - before >= held
+    # A match of 8 tokens drafts up to 8 (length_factor 1): across the pieces' ends (b's first piece ends at 63).
+    for seq, probe, follow in ((7, [90, *range(55, 63)], range(63, 71)), (8, [91, *range(15, 23)], range(23, 31))):
+        tokens = np.array(probe, dtype=np.int32)
+        d.accept(seq, tokens)
+        drafted = [int(t) for t in d.draft(seq, tokens, 8)]
+        assert len(drafted) >= 6 and drafted == list(follow)[:len(drafted)]  # each text whole across its pieces
+
+
 def test_add_history_refuses_bad_tokens_and_the_compatible_mode():
     d = Drafter(vocab_size=100, fingerprint=UNTAGGED, mode="match")
     with pytest.raises(InvalidArgumentError, match="outside the vocabulary"):

@@ -127,6 +127,7 @@ class FakeDrafter:
     def __init__(self) -> None:
         self.outbox: list[tuple[int, int, np.ndarray]] = []
         self.added: list[tuple[int, list[int]]] = []
+        self.flushes: list[float] = []
 
     def drain_history(self) -> list[tuple[int, int, np.ndarray]]:
         out, self.outbox = self.outbox, []
@@ -134,6 +135,10 @@ class FakeDrafter:
 
     def add_history(self, source: int, tokens: np.ndarray) -> None:
         self.added.append((source, tokens.tolist()))
+
+    def flush_history(self, idle_seconds: float) -> int:
+        self.flushes.append(idle_seconds)
+        return 0
 
 
 def test_mirror_appends_runs_of_one_sequence_in_one_call() -> None:

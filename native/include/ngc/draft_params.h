@@ -48,9 +48,14 @@ struct MatchParams {
   double tree_min_prob = 0.05;  // the least probability of a tree node (the budget bounds the tree); 0..1
   double length_factor = 1;     // a match of L tokens drafts at most ceil(factor x L) tokens
   size_t history_tokens = size_t{1} << 20;  // earlier sequences' tokens kept for matches
-  bool count_option = true;                 // the count tables' own walk competes with the matches
-  bool extend = false;                      // after a match's draft, the count tables go on
-  bool fallback = true;                     // nothing drafted: draft as the compatible mode does
+  // While another sequence writes the history, a sequence's tokens join it in pieces of at
+  // least this many (Drafter): sequences accepted at the same time would otherwise cut each
+  // other's text into pieces of a few tokens, and a draft stops at a piece's end. The sequence
+  // that wrote last goes on at once. 1: every token at once; 1..4096.
+  int history_piece = 16;
+  bool count_option = true;  // the count tables' own walk competes with the matches
+  bool extend = false;       // after a match's draft, the count tables go on
+  bool fallback = true;      // nothing drafted: draft as the compatible mode does
 
   // Sets the tuning parameter `name` (a name for_each_match_param() gives) to `value`,
   // checked against its range before it is converted (1.5 is a valid min_match: 1).
@@ -93,6 +98,7 @@ void for_each_match_param(const MatchParams& p, Fn&& fn) {
   fn("tree_min_prob", ParamKind::kReal, p.tree_min_prob);
   fn("length_factor", ParamKind::kReal, p.length_factor);
   fn("history_tokens", ParamKind::kInt, double(p.history_tokens));
+  fn("history_piece", ParamKind::kInt, double(p.history_piece));
   fn("count_option", ParamKind::kFlag, double(p.count_option));
   fn("extend", ParamKind::kFlag, double(p.extend));
   fn("fallback", ParamKind::kFlag, double(p.fallback));

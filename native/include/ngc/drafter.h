@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <unordered_map>
 #include <vector>
 
 #include "ngc/count_table.h"
@@ -124,8 +125,15 @@ class Drafter {
   void drain_history(std::vector<HistoryRecord>* out);
   // Tokens accepted but never drained because the outbox held kMaxOutboxTokens (in total).
   size_t history_dropped() const;
-  // Tokens in the match history now (bounded by match.history_tokens).
+  // Tokens in the match history now (bounded by match.history_tokens), not counting those
+  // still held back for their piece (match.history_piece).
   size_t history_size() const;
+  // Moves the tokens held back for a piece into the history, for the sources idle for at
+  // least `idle_seconds` (0: all); returns how many tokens. A client calls it now and then,
+  // so the last tokens of a finished sequence join the history too.
+  size_t flush_history(double idle_seconds);
+  // Forgets sequence `seq` (SequenceSet::reset), its held-back tokens joining the history first.
+  bool reset(int64_t seq);
 
   SequenceSet& sequences() { return seqs_; }
   const SequenceSet& sequences() const { return seqs_; }
@@ -147,13 +155,35 @@ class Drafter {
   int64_t history_seq_ = 0;
   bool history_any_ = false;
   bool history_external_ = false;  // history_seq_ names an add_history source, not a local sequence
+  // Tokens of each source held back until they make a piece (match.history_piece), under
+  // history_mu_; the key is (external, id).
+  struct Held {
+    std::vector<Token> tokens;
+    int64_t last_ns = 0;
+  };
+  struct HeldKey {
+    bool external;
+    int64_t id;
+    bool operator==(const HeldKey& o) const { return external == o.external && id == o.id; }
+  };
+  struct HeldKeyHash {
+    size_t operator()(const HeldKey& k) const {
+      return std::hash<int64_t>()(k.id) * 2 + static_cast<size_t>(k.external);
+    }
+  };
+  std::unordered_map<HeldKey, Held, HeldKeyHash> held_;
+  size_t held_tokens_ = 0;
+  // Each source's last history_piece tokens in the history (the overlap a new piece starts with).
+  std::unordered_map<HeldKey, std::vector<Token>, HeldKeyHash> recent_;
+  // Holds tokens back for their piece, or appends them (see append_piece_locked).
+  void stage_history_locked(bool external, int64_t key, const Token* tokens, size_t n);
   // The outbox of drain_history, under its own lock (accepts of different sequences write it).
   mutable std::mutex outbox_mu_;
   std::vector<HistoryRecord> outbox_;
   size_t outbox_tokens_ = 0;
   size_t outbox_dropped_ = 0;
   // Appends to the history under history_mu_, starting a new text when the key changes.
-  void append_history_locked(bool external, int64_t key, const Token* tokens, size_t n);
+  void append_piece_locked(bool external, int64_t key, const Token* tokens, size_t n);
   void record_outbox(int64_t seq, uint64_t offset, const Token* tokens, size_t n);
   // Checks the tokens a draft reads first (the last kNgramMax).
   Status check_tail(const Token* tokens, size_t n) const;
