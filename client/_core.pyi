@@ -277,6 +277,12 @@ class Drafter:
         back for a history piece join the history first); returns whether it was known.
         """
 
+    def end_history(self, source: int) -> int:
+        """
+        Says that add_history's `source` has ended: its tokens held back for a piece join the
+        history now; returns how many.
+        """
+
     def flush_history(self, idle_seconds: float = 0.0) -> int:
         """
         Moves into the match history the tokens held back for a piece (match_params history_piece)

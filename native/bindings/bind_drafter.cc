@@ -206,6 +206,15 @@ void bind_drafter(nb::module_& m) {
           "Forgets sequence `seq` and frees its context table (in the match mode, its last tokens held\n"
           "back for a history piece join the history first); returns whether it was known.")
       .def(
+          "end_history",
+          [](PyDrafter& d, int64_t source) {
+            nb::gil_scoped_release release;
+            return d.drafter->end_history(source);
+          },
+          "source"_a,
+          "Says that add_history's `source` has ended: its tokens held back for a piece join the\n"
+          "history now; returns how many.")
+      .def(
           "flush_history",
           [](PyDrafter& d, double idle_seconds) {
             nb::gil_scoped_release release;

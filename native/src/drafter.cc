@@ -220,6 +220,19 @@ size_t Drafter::flush_history(double idle_seconds) {
   return flushed;
 }
 
+size_t Drafter::end_history(int64_t source) {
+  std::unique_lock lock(history_mu_);
+  size_t n = 0;
+  if (auto it = held_.find({true, source}); it != held_.end()) {
+    n = it->second.tokens.size();
+    append_piece_locked(true, source, it->second.tokens.data(), n);
+    held_tokens_ -= n;
+    held_.erase(it);
+  }
+  recent_.erase({true, source});
+  return n;
+}
+
 bool Drafter::reset(int64_t seq) {
   {
     std::unique_lock lock(history_mu_);

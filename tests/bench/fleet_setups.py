@@ -119,11 +119,12 @@ class MatchFleet(MatchLocal):
             if not flush and n < self.min_piece and source not in self.ended:
                 continue
             del by_source[source]
-            if n == 0:
-                continue
-            toks = np.concatenate(pieces) if len(pieces) > 1 else pieces[0]
-            drafter.add_history(source, toks)
-            self.pulled_tokens[replica] += len(toks)
+            if n:
+                toks = np.concatenate(pieces) if len(pieces) > 1 else pieces[0]
+                drafter.add_history(source, toks)
+                self.pulled_tokens[replica] += len(toks)
+            if source in self.ended:
+                drafter.end_history(source)  # what the drafter held back for a piece joins now
         self.cursor[replica] = upto
 
     def tick(self, now: float) -> None:

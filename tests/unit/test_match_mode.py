@@ -360,6 +360,14 @@ def test_add_history_refuses_bad_tokens_and_the_compatible_mode():
         Drafter(vocab_size=100, fingerprint=UNTAGGED).add_history(1, np.array([1], dtype=np.int32))
 
 
+def test_end_history_puts_a_sources_held_back_tokens_in():
+    d = Drafter(vocab_size=100, fingerprint=UNTAGGED, mode="match")  # history_piece 16
+    d.add_history(1, np.array([1, 2, 3], dtype=np.int32))  # the first writer goes on at once
+    d.add_history(2, np.array([7, 8, 9], dtype=np.int32))  # another writer: held back for a piece
+    assert d.history_size == 4
+    assert d.end_history(2) == 3 and d.history_size == 8 and d.end_history(2) == 0
+
+
 def test_tree_drafts_are_well_formed_and_hold_both_continuations():
     d = Drafter(vocab_size=100, fingerprint=UNTAGGED, mode="match")
     seq = np.array([1, 2, 3, 10, 11, 1, 2, 3, 20, 21, 1, 2, 3], dtype=np.int32)

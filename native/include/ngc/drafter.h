@@ -134,6 +134,9 @@ class Drafter {
   size_t flush_history(double idle_seconds);
   // Forgets sequence `seq` (SequenceSet::reset), its held-back tokens joining the history first.
   bool reset(int64_t seq);
+  // add_history's `source` has ended: its held-back tokens join the history now (whatever
+  // their number) and its overlap is forgotten. Returns how many tokens joined.
+  size_t end_history(int64_t source);
 
   SequenceSet& sequences() { return seqs_; }
   const SequenceSet& sequences() const { return seqs_; }
