@@ -27,6 +27,8 @@ from ..service_thread import ServiceThread
 from .worker import PROBE_TIMEOUT, VOCAB, WorkerProcess
 
 FLEET, SOLO = "fleet", "solo"  # A and B share FLEET; B's baseline drafts from SOLO, where A never pushes
+# The same two in the match mode, where the fleet history is on: A's generated sequences reach B's drafter.
+MATCH, MATCH_SOLO = "fleet-match", "solo-match"
 SERVICE_DIR, NODE_DIR = "service", "node-cache"  # under the work folder
 # Times A accepts a probe's n-gram. The drafter's strict thresholds want a 4-gram seen twice; the
 # service's draft view raises its key minimum while the fleet pushes faster than its rate budget
@@ -62,7 +64,7 @@ def _prepare(port: int, cache: Path) -> None:
     from ngramcache import UNTAGGED, AdminClient
 
     with AdminClient(f"127.0.0.1:{port}", timeout=30) as admin:
-        for namespace in (FLEET, SOLO):
+        for namespace in (FLEET, SOLO, MATCH, MATCH_SOLO):
             admin.create_namespace(namespace, (UNTAGGED, VOCAB))
             admin.publish(namespace, cache)
 
@@ -168,8 +170,9 @@ def _serve_and_share(args: argparse.Namespace, workdir: Path, cache: Path, held_
         port = service.port
         _prepare(port, cache)
         _say(f"serving it: ngramcache.v1 on 127.0.0.1:{port} (embedded counts store in {config.data_dir}); "
-             f"published {cache.name} as generation 1 of namespaces {FLEET} and {SOLO}")
+             f"published {cache.name} as generation 1 of namespaces {FLEET}, {SOLO}, {MATCH} and {MATCH_SOLO}")
         _share(args, workdir, port, a, b, held_out, config.mirror_interval)
+        _share_history(args, workdir, port, a, b, held_out)
         for w in workers:
             w.close()
 
@@ -254,6 +257,44 @@ def _share(args: argparse.Namespace, workdir: Path, port: int, a: WorkerProcess,
         _say(f"push to visible: A accepts a new n-gram ({MARK_REPEATS} times in one request), B drafts it "
              f"{statistics.median(delays):.2f} s later (p50 of {_n(len(delays), 'probe')}, "
              f"min {min(delays):.2f} s, max {max(delays):.2f} s)", "  ")
+
+
+def _share_history(args: argparse.Namespace, workdir: Path, port: int, a: WorkerProcess, b: WorkerProcess,
+                   held_out: list[Path]) -> None:
+    """The match mode, where every client publishes the sequences it generates and mirrors the others' (the fleet
+    history): B drafts long copies from what A generated, not only from counts."""
+    address, node = f"127.0.0.1:{port}", str(workdir / NODE_DIR)
+    files_a, files_b = _split(held_out)
+    shared = [i for i, f in enumerate(files_b) if f in files_a]
+    for w, namespace in ((a, MATCH), (b, MATCH), (b, MATCH_SOLO)):
+        w.request("connect", address=address, namespace=namespace, cache_dir=node, mode="match", timeout=120)
+    _say(f"the match mode (longest matches over the sequence, earlier sequences and the corpus index), with the "
+         f"fleet history: each client publishes the sequences it generates as it accepts them and mirrors the "
+         f"others'; A replays its files on {MATCH}, then B replays its own on {MATCH_SOLO} (A never published there) "
+         f"and on {MATCH}:", "  ")
+    ra = a.request("replay", namespace=MATCH, files=[str(f) for f in files_a], n_ctx=args.n_ctx, n_draft=args.n_draft)
+    published = a.request("flush_history", namespace=MATCH)
+    pulled = b.request("wait_history", namespace=MATCH, tokens=published["tokens"], timeout=60)
+    rb_solo = b.request("replay", namespace=MATCH_SOLO, files=[str(f) for f in files_b], n_ctx=args.n_ctx,
+                        n_draft=args.n_draft)
+    rb_fleet = b.request("replay", namespace=MATCH, files=[str(f) for f in files_b], n_ctx=args.n_ctx,
+                         n_draft=args.n_draft)
+    print(f"  {'worker':<8}{'history from':<38}{'drafted':>9}{'accepted':>10}{'accept %':>10}"
+          f"{'tokens/step':>13}{'us/drafted':>12}")
+    rows = [("A", f"its own ({MATCH})", ra), ("B", f"its own ({MATCH_SOLO}): no sharing", rb_solo),
+            ("B", f"its own + A's ({MATCH}): sharing", rb_fleet)]
+    for name, label, r in rows:
+        drafted, accepted, steps, generated = _figures(r["files"])
+        print(f"  {name:<8}{label:<38}{drafted:>9,}{accepted:>10,}{_pct(accepted, drafted):>10.1f}"
+              f"{generated / max(steps, 1):>13.2f}{r['t_draft'] * 1e6 / max(drafted, 1):>12.3f}")
+    solo, fleet = _per_step(rb_solo["files"]), _per_step(rb_fleet["files"])
+    on_shared = (f" ({_per_step(rb_solo['files'], shared):.2f} -> {_per_step(rb_fleet['files'], shared):.2f} on the "
+                 f"{_n(len(shared), 'file')} A generated too)" if shared else "")
+    lag = (f"; a record reached B {pulled['lag_ms_p50']:.0f} ms after the store took it (p50; p99 "
+           f"{pulled['lag_ms_p99']:.0f} ms)" if pulled["lag_ms_p50"] is not None else "")
+    _say(f"fleet history: B's tokens per model step {solo:.2f} -> {fleet:.2f} ({fleet / max(solo, 1e-9):.2f}x){on_shared}. "
+         f"A published {published['tokens']:,} tokens in {published['records']:,} records; B pulled "
+         f"{pulled['pulled_tokens']:,} tokens ({_mb(pulled['pulled_bytes'])}){lag}.", "  ")
 
 
 def _random_ngram(rng: np.random.Generator) -> dict[str, Any]:

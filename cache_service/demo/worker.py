@@ -49,11 +49,15 @@ class _WorkerState:
     def handle(self, msg: dict[str, Any]) -> Iterator[dict[str, Any]]:
         cmd = msg["cmd"]
         if cmd == "connect":
-            yield self.connect(msg["address"], msg["namespace"], msg["cache_dir"])
+            yield self.connect(msg["address"], msg["namespace"], msg["cache_dir"], msg.get("mode", "compatible"))
         elif cmd == "replay":
             yield self.replay(msg["namespace"], msg["files"], msg["n_ctx"], msg["n_draft"], msg.get("after"))
         elif cmd == "flush":
             yield self.flush(msg["namespace"])
+        elif cmd == "flush_history":
+            yield self.flush_history(msg["namespace"])
+        elif cmd == "wait_history":
+            yield self.wait_history(msg["namespace"], msg["tokens"])
         elif cmd == "mark":
             yield self.mark(msg["namespace"], msg["tokens"])
         elif cmd == "watch":
@@ -64,11 +68,11 @@ class _WorkerState:
         else:
             raise InvalidArgumentError(f"unknown command {cmd!r}")
 
-    def connect(self, address: str, namespace: str, cache_dir: str) -> dict[str, Any]:
+    def connect(self, address: str, namespace: str, cache_dir: str, mode: str = "compatible") -> dict[str, Any]:
         from ngramcache import UNTAGGED, NgramClient
 
         t0 = time.perf_counter()
-        client = NgramClient(address, namespace, (UNTAGGED, VOCAB), cache_dir=cache_dir)
+        client = NgramClient(address, namespace, (UNTAGGED, VOCAB), cache_dir=cache_dir, mode=mode)
         self.clients[namespace] = client
         s = client.stats()
         return {"seconds": time.perf_counter() - t0, "generation": s["generation"], "downloads": s["downloads"],
@@ -149,6 +153,32 @@ class _WorkerState:
             if s["dropped_rows"] or time.monotonic() > deadline:
                 raise NgramCacheError(f"pushes to {namespace} not acknowledged: {s['acked_count']:,} of "
                                       f"{s['drained_count']:,} counts, {s['dropped_rows']:,} rows dropped")
+            time.sleep(0.01)
+
+    def flush_history(self, namespace: str) -> dict[str, Any]:
+        """Waits until every token accepted so far is published to the fleet history (acknowledged)."""
+        client = self.clients[namespace]
+        time.sleep(2 * client.config.history_push_interval)  # the next drain takes what was accepted
+        deadline = time.monotonic() + 30.0
+        while True:
+            s = client.stats()
+            if s["history_pending_tokens"] == 0 and s["history_pushed_tokens"] >= s["history_drained_tokens"]:
+                return {"tokens": s["history_pushed_tokens"], "records": s["history_pushed_records"],
+                        "dropped_tokens": s["history_dropped_tokens"]}
+            if time.monotonic() > deadline:
+                raise NgramCacheError(f"the fleet history of {namespace} not published within 30 s: "
+                                      f"{s['history_pushed_tokens']:,} of {s['history_drained_tokens']:,} tokens")
+            time.sleep(0.01)
+
+    def wait_history(self, namespace: str, tokens: int) -> dict[str, Any]:
+        """Waits until this client's history mirror pulled `tokens` tokens (another worker's, published), 30 s at most."""
+        client = self.clients[namespace]
+        deadline = time.monotonic() + 30.0
+        while True:
+            s = client.stats()
+            if s["history_pulled_tokens"] >= tokens or time.monotonic() > deadline:
+                return {"pulled_tokens": s["history_pulled_tokens"], "pulled_bytes": s["history_pulled_bytes"],
+                        "lag_ms_p50": s["history_lag_ms_p50"], "lag_ms_p99": s["history_lag_ms_p99"]}
             time.sleep(0.01)
 
     def mark(self, namespace: str, tokens: list[int]) -> dict[str, Any]:

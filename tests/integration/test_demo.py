@@ -68,13 +68,22 @@ def test_two_workers_share_counts_through_the_service(tmp_path):
     rows = {(name, label): [float(x.replace(",", "")) for x in figures]
             for name, label, *figures in ROW.findall(r.stdout)}
     assert set(rows) == {("A", "its own (fleet)"), ("B", "its own (solo): no sharing"),
-                         ("B", "its own + A's (fleet): sharing")}, r.stdout
+                         ("B", "its own + A's (fleet): sharing"), ("A", "its own (fleet-match)"),
+                         ("B", "its own (solo-match): no sharing"), ("B", "its own + A's (fleet-match): sharing")}, r.stdout
     _, accepted_solo, _, per_step_solo, _ = rows[("B", "its own (solo): no sharing")]
     _, accepted_fleet, _, per_step_fleet, us = rows[("B", "its own + A's (fleet): sharing")]
     assert accepted_fleet > accepted_solo * 1.03, r.stdout
     assert per_step_fleet > per_step_solo * 1.03, r.stdout
     assert 0 < us < 100
     assert re.search(r"sharing: on the same text B accepts \+[\d.]+% drafted tokens", out)
+
+    # The fleet history: in the match mode B drafts long copies from the sequences A generated.
+    _, _, _, history_solo, _ = rows[("B", "its own (solo-match): no sharing")]
+    _, _, _, history_fleet, _ = rows[("B", "its own + A's (fleet-match): sharing")]
+    assert history_fleet > history_solo * 1.1, r.stdout
+    m = re.search(r"fleet history: B's tokens per model step ([\d.]+) -> ([\d.]+) \(([\d.]+)x\).*?A published ([\d,]+) "
+                  r"tokens.*?B pulled ([\d,]+) tokens", out)
+    assert m and float(m.group(3)) > 1.1 and int(m.group(5).replace(",", "")) > 0, out
 
     m = re.search(r"push to visible: A accepts a new n-gram .*?, B drafts it ([\d.]+) s later \(p50 of 2 probes", out)
     assert m and 0 < float(m.group(1)) < 10, out
