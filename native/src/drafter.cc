@@ -279,7 +279,10 @@ void Drafter::record_outbox(int64_t seq, uint64_t offset, const Token* tokens, s
     return;
   }
   outbox_tokens_ += n;
-  if (!outbox_.empty() && outbox_.back().seq == seq && outbox_.back().offset + outbox_.back().tokens.size() == offset) {
+  // A sequence's first record stays its first accept alone (its prompt): publishers hash it to
+  // group siblings, and the store keeps identical prompts once.
+  if (!outbox_.empty() && outbox_.back().seq == seq && outbox_.back().offset != 0 &&
+      outbox_.back().offset + outbox_.back().tokens.size() == offset) {
     outbox_.back().tokens.insert(outbox_.back().tokens.end(), tokens, tokens + n);
     return;
   }

@@ -59,6 +59,7 @@ def load_prompts(path: Path, groups: int) -> tuple[list[list[int]], int]:
 
 def worker(rank: int, conn: Any, barrier: Any) -> None:
     """One worker process: loads the model once, then runs the setups the parent sends."""
+    os.environ.setdefault("TQDM_DISABLE", "1")  # transformers' GGUF loading draws a progress bar per worker
     sys.path.insert(0, str(ROOT / "tests"))
     import torch
     from helpers.model import load_transformers_model
@@ -209,8 +210,8 @@ def main(argv: list[str] | None = None) -> int:
               f"siloed/plain {siloed['tps'] / plain['tps']:.3f}x")
         hist = [w["history"] for w in results[f"{mode} fleet"]["workers"]]
         print(f"{mode} fleet history per worker: " + "; ".join(
-            f"pulled {h['history_pulled_tokens']:,} tokens ({h['history_pulled_bytes']:,} bytes), lag p50 "
-            f"{h['history_lag_ms_p50']} ms p99 {h['history_lag_ms_p99']} ms" for h in hist))
+            f"pulled {h['history_pulled_tokens']:,} tokens ({h['history_pulled_bytes']:,} bytes), store to worker "
+            f"p50 {h['history_lag_ms_p50'] or 0:.1f} ms, p99 {h['history_lag_ms_p99'] or 0:.1f} ms" for h in hist))
     if args.check_greedy:
         plain_out = outputs(results["greedy plain"])
         for setup in ("siloed", "fleet"):

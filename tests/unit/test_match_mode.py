@@ -291,12 +291,13 @@ def test_match_mode_copies_the_sequence_the_history_and_the_corpus(tmp_path):
 
 def test_the_history_outbox_holds_what_accept_added_with_its_offsets():
     d = Drafter(vocab_size=100, fingerprint=UNTAGGED, mode="match", track_history=True)
-    d.accept(1, np.array([1, 2, 3, 4], dtype=np.int32))
-    d.accept(1, np.array([1, 2, 3, 4, 5, 6], dtype=np.int32))  # merged with the record before
+    d.accept(1, np.array([1, 2, 3, 4], dtype=np.int32))  # the first accept (a prompt) stays a record of its own
+    d.accept(1, np.array([1, 2, 3, 4, 5, 6], dtype=np.int32))
+    d.accept(1, np.array([1, 2, 3, 4, 5, 6, 7], dtype=np.int32))  # merged with the record before
     d.accept(2, np.array([7, 8], dtype=np.int32))
-    d.accept(1, np.array([1, 2, 3, 4, 5, 6, 9], dtype=np.int32))  # another sequence came between
+    d.accept(1, np.array([1, 2, 3, 4, 5, 6, 7, 9], dtype=np.int32))  # another sequence came between
     records = [(seq, offset, list(t)) for seq, offset, t in d.drain_history()]
-    assert records == [(1, 0, [1, 2, 3, 4, 5, 6]), (2, 0, [7, 8]), (1, 6, [9])]
+    assert records == [(1, 0, [1, 2, 3, 4]), (1, 4, [5, 6, 7]), (2, 0, [7, 8]), (1, 7, [9])]
     assert d.drain_history() == [] and d.history_dropped == 0
     # Without track_history nothing is kept; the compatible mode keeps an outbox too.
     quiet = Drafter(vocab_size=100, fingerprint=UNTAGGED, mode="match")

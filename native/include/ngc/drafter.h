@@ -121,7 +121,8 @@ class Drafter {
   // mode or for a token outside the vocabulary (nothing is appended then).
   Status add_history(int64_t source, const Token* tokens, size_t n);
   // With track_history: moves the records accepted since the last call into `out`, oldest
-  // first, consecutive accepts of one sequence merged.
+  // first, consecutive accepts of one sequence merged (but never into its first record, which
+  // stays its first accept: the prompt).
   void drain_history(std::vector<HistoryRecord>* out);
   // Tokens accepted but never drained because the outbox held kMaxOutboxTokens (in total).
   size_t history_dropped() const;
