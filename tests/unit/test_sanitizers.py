@@ -40,13 +40,14 @@ def runtime(name: str) -> str:
 FLAGS = "-fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined"
 
 
-def build_key(nanobind_dir: str) -> str:
-    """What the sanitized build depends on: native/'s files, the flags, the compiler, Python and nanobind."""
+def build_key(nanobind_version: str) -> str:
+    """What the sanitized build depends on: native/'s files, the flags, the compiler, Python and nanobind
+    (versions and contents, not paths: another clone of the same code finds the same build)."""
     h = hashlib.sha256()
     for path in sorted(p for p in (ROOT / "native").rglob("*") if p.is_file()):
         h.update(str(path.relative_to(ROOT)).encode() + b"\0" + path.read_bytes() + b"\0")
     compiler = subprocess.run(["g++", "--version"], capture_output=True, text=True).stdout
-    h.update("\0".join([FLAGS, compiler, sys.version, nanobind_dir]).encode())
+    h.update("\0".join([FLAGS, compiler, sys.version, nanobind_version]).encode())
     return h.hexdigest()[:24]
 
 
@@ -55,7 +56,7 @@ def sanitized_core(tmp_path: Path) -> Path:
     import nanobind
 
     cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "ngramcache" / "asan"
-    target = cache / build_key(nanobind.cmake_dir())
+    target = cache / build_key(nanobind.__version__)
     if list(target.glob("_core*.so")):
         return target
     build = tmp_path / "build"
