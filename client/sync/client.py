@@ -159,6 +159,7 @@ class SyncLoop:
             "history_pushed_records": h.pushed_records, "history_pushed_tokens": h.pushed_tokens,
             "history_duplicate_batches": h.duplicate_batches, "history_dropped_records": h.dropped_records,
             "history_dropped_tokens": h.dropped_tokens + (drafter.history_dropped if enabled else 0),
+            "history_unconfirmed_records": h.unconfirmed_records, "history_unconfirmed_tokens": h.unconfirmed_tokens,
             "history_pulled_records": h.pulled_records, "history_pulled_tokens": h.pulled_tokens,
             "history_pulled_bytes": h.pulled_bytes, "history_gaps": h.gaps,
             "history_lag_ms_p50": lag.quantile(0.5), "history_lag_ms_p99": lag.quantile(0.99),

@@ -24,6 +24,7 @@ import time
 from collections import OrderedDict, deque
 from typing import Any
 
+import grpc
 import numpy as np
 from numpy.typing import NDArray
 
@@ -241,6 +242,10 @@ class HistoryStats:
     duplicate_batches: int = 0
     dropped_records: int = 0
     dropped_tokens: int = 0
+    # Given up after an attempt that may have been stored (a deadline, or a call cancelled in flight):
+    # the store holds between pushed and pushed + unconfirmed of them, never twice (exactly once per seq).
+    unconfirmed_records: int = 0
+    unconfirmed_tokens: int = 0
     pulled_records: int = 0
     pulled_tokens: int = 0
     pulled_bytes: int = 0
@@ -284,6 +289,15 @@ class HistoryPublisher:
         self._unlogged += tokens
         self.log_drops()
 
+    def given_up(self, records: int, tokens: int, uncertain: bool) -> None:
+        """A batch given up: dropped (never stored), or unconfirmed (an attempt may have been stored)."""
+        if not uncertain:
+            self.dropped(records, tokens)
+            return
+        with self.state.lock:
+            self.stats.unconfirmed_records += records
+            self.stats.unconfirmed_tokens += tokens
+
     def log_drops(self, force: bool = False) -> None:
         now = time.monotonic()
         if not self._unlogged or (not force and now - self._logged_at < DROP_LOG_INTERVAL):
@@ -305,20 +319,36 @@ class HistoryPublisher:
             records=[counts_pb2.HistoryRecord(seq=r.seq, group=r.group, offset=r.offset, tokens=tokens_to_bytes(r.tokens))
                      for r in batch])
 
+        # Whether an attempt may have been stored without an answer saying so (a deadline, or a call
+        # cancelled in flight): a batch then given up is unconfirmed, not dropped.
+        attempt = {"in_rpc": False, "uncertain": False}
+
         async def call(chan: Channel) -> counts_pb2.PushHistoryResponse:
-            resp: counts_pb2.PushHistoryResponse = await chan.counts.PushHistory(
-                request, timeout=config.rpc_timeout, metadata=state.metadata)
+            attempt["in_rpc"] = True
+            try:
+                resp: counts_pb2.PushHistoryResponse = await chan.counts.PushHistory(
+                    request, timeout=config.rpc_timeout, metadata=state.metadata)
+            except grpc.RpcError as e:
+                if e.code() in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN):
+                    attempt["uncertain"] = True
+                raise
+            except BaseException:  # cancelled (a channel switch, or close) after the request may have gone out
+                attempt["uncertain"] = True
+                raise
+            finally:
+                attempt["in_rpc"] = False
             return resp
 
         tokens = sum(len(r.tokens) for r in batch)
         try:
             resp = await state.retrying(f"PushHistory seq {seq}", call, until)
         except NgramCacheError as e:
-            self.dropped(len(batch), tokens)
-            log.warning("ngramcache client: fleet history batch of %d records (seq %d) dropped: %s", len(batch), seq, e)
+            self.given_up(len(batch), tokens, attempt["uncertain"])
+            log.warning("ngramcache client: fleet history batch of %d records (seq %d) %s: %s", len(batch), seq,
+                        "unconfirmed (the service may have stored it)" if attempt["uncertain"] else "dropped", e)
             return
         except asyncio.CancelledError:  # close() ran out of close_timeout with this batch unacknowledged
-            self.dropped(len(batch), tokens)
+            self.given_up(len(batch), tokens, attempt["uncertain"] or attempt["in_rpc"])
             raise
         with state.lock:
             self.stats.pushed_batches += 1
@@ -360,7 +390,7 @@ class HistoryPublisher:
         finally:
             closed.cancel()
             if sending is not None and not sending.done():
-                sending.cancel()  # counted as dropped by send
+                sending.cancel()  # counted by send: dropped, or unconfirmed if it may have been stored
                 await asyncio.gather(sending, return_exceptions=True)
         unsent = self.buffer.pending_tokens
         if unsent:

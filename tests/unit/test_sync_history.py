@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import grpc
 import numpy as np
 import pytest
 
@@ -18,6 +19,7 @@ from ngramcache.client.sync.history import (
     HistoryPublisher,
     HistoryStats,
     LagWindow,
+    PendingRecord,
     SourceIds,
     prompt_group,
 )
@@ -220,4 +222,34 @@ def test_publisher_sends_one_batch_at_a_time_retrying_the_same_seq_and_flushes_a
     assert counts.calls[:3] == [0, 0, 0]  # the same batch until it went through
     assert sorted(counts.stored) == [0, 1, 2, 3] and sum(counts.stored.values()) == 6
     assert (stats.pushed_batches, stats.pushed_records, stats.dropped_tokens) == (4, 6, 0)
+    asyncio.run(state.channels.close())
+
+
+@pytest.mark.parametrize(("code", "unconfirmed"), [(grpc.StatusCode.DEADLINE_EXCEEDED, True),
+                                                   (grpc.StatusCode.INVALID_ARGUMENT, False)])
+def test_a_batch_given_up_after_a_deadline_is_unconfirmed_and_after_a_refusal_dropped(code: Any, unconfirmed: bool) -> None:
+    drafter = FakeDrafter()
+    state = SyncState(config(mode="match"), drafter)  # type: ignore[arg-type]
+    stats = HistoryStats()
+    publisher = HistoryPublisher(state, stats)
+
+    class Counts:
+        async def PushHistory(self, request: Any, **_: object) -> Any:
+            raise grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details="no answer")
+
+    class Chan:
+        counts = Counts()
+
+    async def retrying(what: str, call: Any, until: float | None = None) -> Any:
+        try:
+            return await call(Chan())
+        except grpc.RpcError as e:  # given up at once, as after the last attempt before `until`
+            raise InvalidArgumentError(str(e.code())) from None
+
+    state.retrying = retrying  # type: ignore[method-assign]
+    batch = [PendingRecord(seq=1, group="", offset=0, tokens=toks(1, 2, 3))]
+    asyncio.run(publisher.send(batch, None))
+    got = (stats.unconfirmed_records, stats.unconfirmed_tokens, stats.dropped_records, stats.dropped_tokens)
+    assert got == ((1, 3, 0, 0) if unconfirmed else (0, 0, 1, 3))
+    assert stats.pushed_batches == 0
     asyncio.run(state.channels.close())
