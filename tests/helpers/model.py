@@ -48,14 +48,52 @@ def smollm2_gguf() -> Path:
 
 def load_transformers_model() -> tuple[Any, Any]:
     """(model, tokenizer) of the GGUF, dequantized to float32 by transformers (needs `gguf` and
-    `accelerate`), in eval mode."""
+    `accelerate`), in eval mode.
+
+    Dequantizing takes about 45 s on two cores, so the result is kept as safetensors in
+    ``~/.cache/ngramcache/transformers/<key>`` (the key: a hash of the GGUF's bytes and the versions
+    of transformers and torch) and loaded from there next time in a second or two:
+    the same float32 weights and tokenizer, saved whole or not at all.
+    """
+    import hashlib
+    import shutil
+    import tempfile
+
+    import safetensors.torch
+    import torch
+    import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
     path = smollm2_gguf()
+    h = hashlib.sha256(f"{transformers.__version__}\0{torch.__version__}\0".encode())
+    with open(path, "rb") as f:  # the content, not the path or mtime: a new virtualenv finds the same cache
+        while block := f.read(1 << 20):
+            h.update(block)
+    key = h.hexdigest()[:24]
+    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "ngramcache" / "transformers"
+    target = cache / key
+    if (target / "config.json").is_file():
+        model = AutoModelForCausalLM.from_pretrained(str(target))
+        return model.eval(), AutoTokenizer.from_pretrained(str(target))
     tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name)
+    staging: Path | None = None
+    try:  # into a folder of its own, then renamed into place: a reader never sees half a model
+        cache.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(dir=cache, prefix=".tmp-"))
+        # transformers will not save_pretrained a model it loaded from a GGUF; the weights, now float32,
+        # are saved as they are (tied ones once) with a config that no longer says gguf.
+        config = model.config.to_dict()
+        config.pop("quantization_config", None)
+        model.config.__class__.from_dict(config).save_pretrained(str(staging))
+        safetensors.torch.save_model(model, str(staging / "model.safetensors"))
+        tokenizer.save_pretrained(str(staging))
+        os.replace(staging, target)
+    except Exception:  # a cache that cannot be written (full, read-only, raced) only costs time
+        if staging is not None:
+            shutil.rmtree(staging, ignore_errors=True)
     return model.eval(), tokenizer
 
 
