@@ -171,12 +171,18 @@ class _WorkerState:
             time.sleep(0.01)
 
     def wait_history(self, namespace: str, tokens: int) -> dict[str, Any]:
-        """Waits until this client's history mirror pulled `tokens` tokens (another worker's, published), 30 s at most."""
+        """Waits until this client's history mirror pulled `tokens` tokens (another worker's, published), or pulled
+        some and then nothing more for a second (the store keeps a repeated prompt once, so a few published tokens
+        are never pulled), 30 s at most."""
         client = self.clients[namespace]
-        deadline = time.monotonic() + 30.0
+        now = time.monotonic()
+        deadline, pulled, changed = now + 30.0, -1, now
         while True:
             s = client.stats()
-            if s["history_pulled_tokens"] >= tokens or time.monotonic() > deadline:
+            now = time.monotonic()
+            if s["history_pulled_tokens"] != pulled:
+                pulled, changed = s["history_pulled_tokens"], now
+            if pulled >= tokens or (pulled > 0 and now - changed > 1.0) or now > deadline:
                 return {"pulled_tokens": s["history_pulled_tokens"], "pulled_bytes": s["history_pulled_bytes"],
                         "lag_ms_p50": s["history_lag_ms_p50"], "lag_ms_p99": s["history_lag_ms_p99"]}
             time.sleep(0.01)

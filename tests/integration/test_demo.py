@@ -18,7 +18,7 @@ pytestmark = pytest.mark.integration
 _SCRIPT = Path(sys.executable).parent / "ngramcache"  # the console script pip installed
 COMMAND = ([str(_SCRIPT)] if _SCRIPT.exists() else
            [sys.executable, "-c", "import sys; from ngramcache.cache_service.cli import main; sys.exit(main())"])
-SMALL = ["--test-files", "4", "--n-ctx", "1024"]  # A replays 4 files, B 4 (2 of them A's); ~7 s in all
+SMALL = ["--test-files", "4", "--n-ctx", "1024"]  # A replays 4 files, B 4 (2 of them A's); ~14 s in all
 ROW = re.compile(r"^\s+([AB])\s+(its own.*?)\s+([\d,]+)\s+([\d,]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)$", re.MULTILINE)
 
 
