@@ -37,7 +37,8 @@ def runtime(name: str) -> str:
     return subprocess.run(["g++", f"-print-file-name={name}"], capture_output=True, text=True, check=True).stdout.strip()
 
 
-FLAGS = "-fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined"
+# -O1, as AddressSanitizer's documentation advises for speed: the rerun took 151 s here against 225 s at -O0.
+FLAGS = "-O1 -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined"
 
 
 def build_key(nanobind_version: str) -> str:
