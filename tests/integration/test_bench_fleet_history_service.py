@@ -1,0 +1,51 @@
+"""tests/bench/bench_fleet_history_service.py's ServiceFleet: the replay through a real service and real clients
+carries one replica's output to another's drafts, and times it. A few seconds of real-time replay."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from helpers.service import ServiceThread
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+
+import fleet_sim as fs
+from bench_fleet_history_service import ServiceFleet
+from fleet_setups import MatchLocal
+
+from ngramcache import UNTAGGED, AdminClient
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+VOCAB = 1000
+
+
+def test_a_replicas_output_reaches_the_other_replicas_drafts_through_the_service(tmp_path: Path) -> None:
+    # Every request writes the same random output after a prompt of its own; they arrive one a
+    # second, alternating between two replicas, so each later request can only draft its output
+    # from what the other replica published through the service.
+    out = np.random.default_rng(3).integers(0, 800, 60).astype(np.int32)
+    reqs = [fs.Request(g, np.array([900 + g, 950 + g], dtype=np.int32), out) for g in range(3)]
+    sched = fs.Schedule(interval_ms=1000, step_ms=5, routing="round-robin")
+    with ServiceThread(tmp_path / "data") as service:
+        address = f"127.0.0.1:{service.port}"
+        with AdminClient(address, timeout=30) as admin:
+            admin.create_namespace("bench", (UNTAGGED, VOCAB))
+        fleet = ServiceFleet(2, address, "bench", VOCAB, tmp_path / "cache", sched.step_ms,
+                             {r.prompt.tobytes(): r.group for r in reqs})
+        try:
+            real = fs.simulate(reqs, fleet, sched)
+        finally:
+            fleet.close()
+    local = fs.simulate(reqs, MatchLocal(2, VOCAB), sched)
+    steps = [s for _, s, _, _ in real.per_request]
+    # The second request is the first on replica 1: locally it has nothing to draft from.
+    assert local.per_request[1][1] > 30
+    assert steps[1] < 20, steps
+    extra = real.extra
+    assert 0 < extra["mirror_lag_p50"] < 1000
+    assert extra["pulled_tokens_per_client"] >= len(out)
+    assert extra["history_dropped"] == 0
