@@ -67,13 +67,18 @@ class ServiceFleet(Setup):
     name = "ngramcache fleet, real service"
 
     def __init__(self, k: int, address: str, namespace: str, vocab: int, cache_dir: Path, step_ms: float,
-                 groups: dict[bytes, int]) -> None:
+                 groups: dict[bytes, int], counts: bool = True) -> None:
         super().__init__(k)
         self.step_ms = step_ms
         self.groups = groups  # prompt bytes -> group: Setup.start is given the prompt, not the group
         self.clients = [NgramClient(address, namespace, (UNTAGGED, vocab), cache_dir=cache_dir, mode="match",
                                     connect_timeout=10.0, ready_timeout=30.0) for _ in range(k)]
         self.drafters = [c.drafter() for c in self.clients]
+        if not counts:
+            # History only, as the simulated MatchFleet: the shared counts (the draft view the client
+            # mirrors into its dynamic table) no longer reach the drafts.
+            for d in self.drafters:
+                d.set_dynamic(None)
         ids = [c._core.state.client_id for c in self.clients]
         self.replica_of = {cid: i for i, cid in enumerate(ids)}
         self.lock = threading.Lock()
@@ -167,6 +172,14 @@ class ServiceFleet(Setup):
                 "late_ticks": float(self.late_ticks)}
 
 
+class PromptFleet(MatchFleet):
+    """MatchFleet publishing each sequence's prompt too, as the clients do (their first record is the prompt)."""
+
+    def _publish(self, replica: int, now: float) -> None:
+        for seq, _, toks in self.drafters[replica].drain_history():
+            self.records.append((now, replica, (replica << 32) | seq, toks))
+
+
 def figures(r: Result) -> dict[str, float]:
     return {"tokens_per_step": r.tokens_per_step, "accept_pct": r.accept_pct, "drafted_per_step": r.drafted_per_step,
             "sim_s": r.sim_ms / 1000, **r.extra}
@@ -188,14 +201,15 @@ def run_cell(address: str, workload: str, requests: list[Request], k: int, seeds
              args: argparse.Namespace, vocab: int, tmp: Path) -> dict[str, dict[str, float]]:
     """K real clients and the simulated setups, each seed; medians per setup."""
     groups = {r.prompt.tobytes(): r.group for r in requests}
-    runs: dict[str, list[dict[str, float]]] = {"real": [], "sim_lag": [], "sim_measured": [], "local": []}
+    runs: dict[str, list[dict[str, float]]] = {"real": [], "sim_lag": [], "sim_measured": [], "sim_prompts": [],
+                                               "local": []}
     for seed in range(seeds):
         sched = Schedule(**{**schedule.__dict__, "seed": seed})
         namespace = f"{workload}-k{k}-s{seed}-{int(time.time())}"
         with AdminClient(address, timeout=30) as admin:
             admin.create_namespace(namespace, (UNTAGGED, vocab))
         t = time.perf_counter()
-        fleet = ServiceFleet(k, address, namespace, vocab, tmp / "cache", args.step_ms, groups)
+        fleet = ServiceFleet(k, address, namespace, vocab, tmp / "cache", args.step_ms, groups, counts=not args.no_counts)
         try:
             real = simulate(requests, fleet, sched, N_DRAFT)
         finally:
@@ -206,6 +220,7 @@ def run_cell(address: str, workload: str, requests: list[Request], k: int, seeds
         runs["sim_lag"].append(figures(simulate(requests, MatchFleet(k, vocab, args.lag_ms), sched, N_DRAFT)))
         runs["sim_measured"].append({**figures(simulate(requests, MatchFleet(k, vocab, measured), sched, N_DRAFT)),
                                      "lag_ms": measured})
+        runs["sim_prompts"].append(figures(simulate(requests, PromptFleet(k, vocab, measured), sched, N_DRAFT)))
         runs["local"].append(figures(simulate(requests, MatchLocal(k, vocab), sched, N_DRAFT)))
         x = runs["real"][-1]
         print(f"  {workload} K={k} seed {seed}: real {x['tokens_per_step']:.3f} tokens/step, sim (lag {args.lag_ms:g}) "
@@ -224,8 +239,11 @@ def print_tables(cells: dict[str, dict[str, dict[str, float]]], lag_ms: float) -
         real = setups["real"]["tokens_per_step"]
         labels = {"real": "real service + clients", "sim_lag": f"simulated fleet, lag {lag_ms:g} ms",
                   "sim_measured": f"simulated fleet, lag {setups['sim_measured']['lag_ms']:.0f} ms (measured p50)",
+                  "sim_prompts": "simulated fleet, measured lag, prompts published too",
                   "local": "simulated local only (siloed)"}
         for name, label in labels.items():
+            if name not in setups:
+                continue
             f = setups[name]
             print(f"| {cell} | {label} | {f['tokens_per_step']:.3f} | {f['accept_pct']:.1f} | "
                   f"{f['drafted_per_step']:.2f} | {real / f['tokens_per_step']:.3f} |")
@@ -253,6 +271,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--step-ms", type=float, default=20.0, help="time of one step (default 20)")
     ap.add_argument("--group-interval-ms", type=float, default=1000.0, help="rollout groups arrive this often")
     ap.add_argument("--interval-ms", type=float, default=150.0, help="repeated requests arrive this often")
+    ap.add_argument("--no-counts", action="store_true",
+                    help="detach each client's mirrored counts from its drafter: the fleet history alone, as simulated")
     ap.add_argument("--json", type=Path, help="write every figure here")
     args = ap.parse_args(argv)
     if not args.data.is_file():
@@ -271,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
         service, port = start_serve(Path(tmp) / "data")
         address = f"127.0.0.1:{port}"
         print(f"service: pid {service.pid}, {address}, embedded store; recording {args.data.name} ({meta['model']}); "
-              f"step {args.step_ms:g} ms, {seeds} seed(s)", flush=True)
+              f"step {args.step_ms:g} ms, {seeds} seed(s){', counts detached' if args.no_counts else ''}", flush=True)
         try:
             for workload in names:
                 groups = (8 if workload == "rollout" else 16) if args.quick else args.groups
