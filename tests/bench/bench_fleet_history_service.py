@@ -17,12 +17,16 @@ the push, the tail and the long poll), and the clients report their own store ->
 
 Beside each real run, on the same requests and arrival order, simulated: MatchFleet at
 `--lag-ms` (100) and at the measured accept -> mirrored p50, and MatchLocal (siloed).
+The real clients also share counts (each mirrors the service's draft view into its drafter's
+dynamic table, which the match mode's count walk reads); the simulated fleet has none, so it
+drafts less. `--no-counts` detaches that table from the drafters, leaving the fleet history
+alone, as simulated; a simulated row publishing prompts too (as the clients do) is beside it.
 Figures: tokens/step, accept %, drafted/step (medians over seeds), the ratio real / simulated,
 lags p50/p99, bytes pulled per client, history dropped, and the ticks whose work (K clients'
 drafts and accepts) overran `--step-ms`.
 
     python tests/bench/bench_fleet_history_service.py --quick   # a smoke run (about a minute)
-    python tests/bench/bench_fleet_history_service.py           # K=2,4, (a) and (b), seeds 0..2 (about 9 min)
+    python tests/bench/bench_fleet_history_service.py           # K=2,4, (a) and (b), seeds 0..2 (about 8 min)
 """
 
 from __future__ import annotations
