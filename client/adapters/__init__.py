@@ -1,4 +1,4 @@
-"""Engine adapters: ngramcache drafts inside transformers' ``generate()`` and llama-cpp-python's ``Llama``.
+"""Engine adapters: ngramcache drafts inside transformers' ``generate()``, llama-cpp-python's ``Llama`` and vLLM.
 
 Each engine is an optional extra, imported only by its own module, so importing this package
 loads no engine:
@@ -6,9 +6,12 @@ loads no engine:
 - `ngramcache.client.adapters.transformers` (``pip install 'ngramcache[transformers]'``):
   `generate`, `NgramCandidateGenerator`, `ngram_decoding`;
 - `ngramcache.client.adapters.llama_cpp` (``pip install 'ngramcache[llama-cpp]'``):
-  `NgramDraftModel`.
+  `NgramDraftModel`;
+- `ngramcache.client.adapters.vllm` (vLLM 0.22 to 0.33, not a dependency: vLLM imports it):
+  `NgramCacheProposer`, for ``speculative_config={"method": "custom_class", "model": ...}``,
+  its rows mapped to drafter sequences by `ngramcache.client.adapters.batch_rows.BatchRows`.
 
-Both take any drafter with ``draft``/``accept``/``reset`` (`ngramcache.Drafter`,
+All take any drafter with ``draft``/``accept``/``reset`` (`ngramcache.Drafter`,
 ``NgramClient(...).drafter()``, `ngramcache.RemoteDrafter`) and count what they do in a
 `DraftStats`. The drafter brings its mode: ``Drafter(..., mode="match")``,
 ``NgramClient(..., mode="match")`` or ``RemoteDrafter(..., mode="match")`` makes them draft

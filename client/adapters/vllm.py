@@ -1,0 +1,287 @@
+"""vLLM adapter: an ngramcache drafter as the proposer of vLLM's ``custom_class`` speculative method.
+
+Usage (vLLM 0.22 to 0.33, whose V1 model runner has the ``custom_class`` method; 0.34 removed it;
+the interface is pinned to 0.33.0 by ``tests/unit/test_adapter_vllm_contract.py``)::
+
+    NGC_VLLM_STATIC=/data/gen-7.ngc vllm serve MODEL --speculative-config \\
+        '{"method": "custom_class", "model": "ngramcache.client.adapters.vllm.NgramCacheProposer",
+          "num_speculative_tokens": 8}'
+
+vLLM imports the class named by ``speculative_config.model`` in each worker and builds it as
+``NgramCacheProposer(vllm_config)``; its model runner then calls, after every step,
+``propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu, slot_mappings)`` with the rows of
+its persistent batch and no request ids (see `ProposerConfig` for how the drafter is chosen, and
+`ngramcache.client.adapters.batch_rows.BatchRows` for how rows become drafter sequences).
+
+Row i of the batch is ``token_ids_cpu[i, :num_tokens_no_spec[i]]``, the request's prompt and every
+verified token (the tokens sampled this step included); ``sampled_token_ids[i]`` are the tokens
+sampled this step (the accepted drafted ones and one more), empty for a row that sampled nothing
+(a prefill not finished): such a row gets no draft. ``slot_mappings`` (KV cache slots) is not
+used. The answer holds one list of token ids per row, empty where nothing is drafted, at most
+``num_speculative_tokens`` long and never past ``max_model_len``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import logging
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+from numpy.typing import NDArray
+
+from ngramcache.client.adapters.batch_rows import BatchRows
+from ngramcache.client.adapters.sequence_feed import DrafterLike, DraftStats
+from ngramcache.client.errors import InvalidArgumentError
+
+__all__ = ["NgramCacheProposer", "ProposerConfig"]
+
+log = logging.getLogger(__name__)
+
+_MODES = ("compatible", "match")
+_MAX_DRAFT = 256  # the core's kMaxDraft
+
+
+@dataclasses.dataclass(frozen=True)
+class ProposerConfig:
+    """Which drafter an `NgramCacheProposer` drafts with, read from ``NGC_VLLM_*`` variables.
+
+    vLLM builds the proposer from its own config only, in worker processes of its own, so the
+    drafter is configured through the environment (inherited by the workers) or by a subclass
+    that overrides `NgramCacheProposer.make_drafter`.
+
+    Attributes:
+        static: ``NGC_VLLM_STATIC``: a static generation file drafted from by a local `Drafter`.
+        service: ``NGC_VLLM_SERVICE``: ``host:port`` of an ngramcache service (comma-separated for
+            several): an `NgramClient` keeps a local drafter in sync with it.
+        namespace: ``NGC_VLLM_NAMESPACE``: the service's namespace (needed with a service).
+        remote: ``NGC_VLLM_REMOTE=1``: draft through the service (`RemoteDrafter`, one round
+            trip per row and step) instead of a synced local drafter.
+        tokenizer: ``NGC_VLLM_TOKENIZER``: a tokenizer spec (``tokenizer.json``, a folder holding
+            one, or ``tiktoken:<encoding>``) for a service; default: the model's tokenizer folder.
+        token: ``NGC_VLLM_TOKEN``: a bearer token for the service, or None.
+        mode: ``NGC_VLLM_MODE``: "compatible" (llama.cpp's drafts; default) or "match".
+        n_draft: ``NGC_VLLM_N_DRAFT``: most tokens drafted per row and step (default and upper
+            bound: vLLM's ``num_speculative_tokens``).
+        max_parked: ``NGC_VLLM_MAX_PARKED``: sequences kept while their request is out of the
+            batch (default: vLLM's ``max_num_seqs``).
+
+    With neither a static file nor a service, the drafter drafts from each request's own tokens
+    only (its context table), as vLLM's ``ngram`` method does from the prompt.
+    """
+
+    static: str | None = None
+    service: tuple[str, ...] = ()
+    namespace: str | None = None
+    remote: bool = False
+    tokenizer: str | None = None
+    token: str | None = None
+    mode: str = "compatible"
+    n_draft: int | None = None
+    max_parked: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.mode not in _MODES:
+            raise InvalidArgumentError(f"NGC_VLLM_MODE must be 'compatible' or 'match', got {self.mode!r}")
+        if self.n_draft is not None and not 1 <= self.n_draft <= _MAX_DRAFT:
+            raise InvalidArgumentError(f"NGC_VLLM_N_DRAFT must be in 1..{_MAX_DRAFT}, got {self.n_draft}")
+        if self.max_parked is not None and self.max_parked < 0:
+            raise InvalidArgumentError(f"NGC_VLLM_MAX_PARKED must be >= 0, got {self.max_parked}")
+        if self.static and self.service:
+            raise InvalidArgumentError("set NGC_VLLM_STATIC or NGC_VLLM_SERVICE, not both: a service brings its own "
+                                       "static generation")
+        if self.service and not self.namespace:
+            raise InvalidArgumentError("NGC_VLLM_SERVICE needs NGC_VLLM_NAMESPACE (the namespace to draft from)")
+        if self.remote and not self.service:
+            raise InvalidArgumentError("NGC_VLLM_REMOTE=1 needs NGC_VLLM_SERVICE (the service that drafts)")
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> ProposerConfig:
+        """Reads the ``NGC_VLLM_*`` variables of `env` (default: ``os.environ``), when called.
+
+        Raises:
+            InvalidArgumentError: a variable has a bad value, or they contradict each other.
+        """
+        env = os.environ if env is None else env
+
+        def text(name: str) -> str | None:
+            value = env.get(name, "").strip()
+            return value or None
+
+        def whole(name: str) -> int | None:
+            value = text(name)
+            if value is None:
+                return None
+            try:
+                return int(value)
+            except ValueError:
+                raise InvalidArgumentError(f"{name} must be a whole number, got {value!r}") from None
+
+        remote = text("NGC_VLLM_REMOTE")
+        if remote not in (None, "0", "1"):
+            raise InvalidArgumentError(f"NGC_VLLM_REMOTE must be 0 or 1, got {remote!r}")
+        service = tuple(a.strip() for a in (text("NGC_VLLM_SERVICE") or "").split(",") if a.strip())
+        return cls(static=text("NGC_VLLM_STATIC"), service=service, namespace=text("NGC_VLLM_NAMESPACE"),
+                   remote=remote == "1", tokenizer=text("NGC_VLLM_TOKENIZER"), token=text("NGC_VLLM_TOKEN"),
+                   mode=text("NGC_VLLM_MODE") or "compatible", n_draft=whole("NGC_VLLM_N_DRAFT"),
+                   max_parked=whole("NGC_VLLM_MAX_PARKED"))
+
+
+def _spec_tokens(vllm_config: Any) -> int:
+    spec = getattr(vllm_config, "speculative_config", None)
+    n = getattr(spec, "num_speculative_tokens", None)
+    if spec is None or n is None:
+        raise InvalidArgumentError("NgramCacheProposer needs vllm_config.speculative_config.num_speculative_tokens "
+                                   "(give num_speculative_tokens in --speculative-config)")
+    if not isinstance(n, int) or n < 1:
+        raise InvalidArgumentError(f"num_speculative_tokens must be a whole number >= 1, got {n!r}")
+    return n
+
+
+class NgramCacheProposer:
+    """A vLLM ``custom_class`` proposer drafting with an ngramcache drafter.
+
+    Not thread-safe: vLLM's model runner calls `propose` from one thread. The drafter it makes
+    (`make_drafter`) is its own; `close` releases it (also at interpreter exit).
+
+    Args:
+        vllm_config: vLLM's ``VllmConfig``; read: ``speculative_config.num_speculative_tokens``,
+            ``model_config.max_model_len``, ``scheduler_config.max_num_seqs`` and, for the
+            drafter, ``model_config`` (tokenizer folder, vocabulary size).
+        config: the drafter's settings (default: `ProposerConfig.from_env()`).
+
+    Raises:
+        InvalidArgumentError: a bad setting (vLLM reports it when it builds the proposer).
+    """
+
+    def __init__(self, vllm_config: Any, config: ProposerConfig | None = None) -> None:
+        self.config = ProposerConfig.from_env() if config is None else config
+        self.vllm_config = vllm_config
+        spec_tokens = _spec_tokens(vllm_config)
+        # A longer draft than num_speculative_tokens would not fit vLLM's verification buffers.
+        self.n_draft = min(spec_tokens, self.config.n_draft or spec_tokens, _MAX_DRAFT)
+        model_config = getattr(vllm_config, "model_config", None)
+        max_len = getattr(model_config, "max_model_len", None)
+        self.max_model_len: int | None = int(max_len) if max_len is not None else None
+        max_parked = self.config.max_parked
+        if max_parked is None:
+            max_parked = int(getattr(getattr(vllm_config, "scheduler_config", None), "max_num_seqs", 256) or 256)
+        self._owned: list[Any] = []  # clients this proposer opened (closed by close())
+        self.drafter: DrafterLike = self.make_drafter(vllm_config)
+        self.rows = BatchRows(self.drafter, max_parked=max_parked)
+        self.stats = DraftStats()
+        if self._owned:
+            atexit.register(self.close)
+
+    def make_drafter(self, vllm_config: Any) -> DrafterLike:
+        """The drafter to draft with, from `self.config`; override it in a subclass to bring your own.
+
+        A subclass names itself in ``speculative_config.model`` (``"mypkg.MyProposer"``); an object
+        it opens and wants closed by `close` goes in ``self._owned``.
+        """
+        from ngramcache.client import UNTAGGED, Drafter, StaticCache
+
+        cfg = self.config
+        if cfg.static:
+            if not os.path.isfile(cfg.static):
+                raise InvalidArgumentError(f"NGC_VLLM_STATIC {cfg.static} is not a file")
+            return Drafter(StaticCache.open(cfg.static), mode=cfg.mode)
+        if cfg.service:
+            tokenizer = self._tokenizer(vllm_config)
+            if cfg.remote:
+                from ngramcache.client.remote import RemoteDrafter
+
+                remote = RemoteDrafter(cfg.service[0], str(cfg.namespace), tokenizer, token=cfg.token, mode=cfg.mode)
+                self._owned.append(remote)
+                return remote
+            from ngramcache.client.sync import NgramClient
+
+            client = NgramClient(cfg.service, str(cfg.namespace), tokenizer, token=cfg.token, mode=cfg.mode)
+            self._owned.append(client)
+            return client.drafter()
+        vocab = self._vocab_size(vllm_config)
+        return Drafter(fingerprint=UNTAGGED, vocab_size=vocab, mode=cfg.mode)
+
+    def _tokenizer(self, vllm_config: Any) -> Any:
+        from ngramcache.client.tokenizer import load_tokenizer
+
+        spec = self.config.tokenizer or getattr(getattr(vllm_config, "model_config", None), "tokenizer", None)
+        if not spec:
+            raise InvalidArgumentError("NGC_VLLM_SERVICE needs the model's tokenizer: set NGC_VLLM_TOKENIZER "
+                                       "(a tokenizer.json or the folder holding it)")
+        return load_tokenizer(str(spec))
+
+    @staticmethod
+    def _vocab_size(vllm_config: Any) -> int:
+        model_config = getattr(vllm_config, "model_config", None)
+        getter = getattr(model_config, "get_vocab_size", None)
+        vocab = getter() if callable(getter) else None
+        if not isinstance(vocab, int) or vocab < 1:
+            raise InvalidArgumentError("the model's vocabulary size is unknown (vllm_config.model_config."
+                                       "get_vocab_size()): set NGC_VLLM_STATIC or NGC_VLLM_SERVICE")
+        return vocab
+
+    def propose(self, sampled_token_ids: Sequence[Sequence[int]], num_tokens_no_spec: NDArray[np.integer[Any]],
+                token_ids_cpu: NDArray[np.integer[Any]], slot_mappings: Any = None) -> list[list[int]]:
+        """Drafts for every row of the batch (see the module docstring for the arguments).
+
+        Returns:
+            One list of draft token ids per row of `sampled_token_ids` (empty: no draft).
+        """
+        del slot_mappings  # KV cache slots say nothing about which request a row holds
+        n_rows = len(sampled_token_ids)
+        out: list[list[int]] = [[] for _ in range(n_rows)]
+        rows: list[int] = []
+        tokens: list[NDArray[np.int32]] = []
+        held: list[int] = []
+        limits: list[int] = []
+        for i in range(n_rows):
+            sampled = sampled_token_ids[i]
+            if not sampled:
+                held.append(i)
+                continue
+            n = int(num_tokens_no_spec[i])
+            row = np.asarray(token_ids_cpu[i, :n])
+            if row.dtype != np.int32:
+                row = row.astype(np.int32)
+            rows.append(i)
+            tokens.append(row)
+            limits.append(self.n_draft if self.max_model_len is None else min(self.n_draft, self.max_model_len - n))
+            self.stats.steps += 1
+            self.stats.tokens += len(sampled)
+            self.stats.accepted += len(sampled) - 1  # vLLM samples the accepted drafted tokens and one more
+        seqs = self.rows.assign(rows, tokens, held)
+        wanted = [k for k, limit in enumerate(limits) if limit > 0]
+        if not wanted:
+            return out
+        drafts = self._draft([seqs[k].seq_id for k in wanted], [tokens[k] for k in wanted])
+        for k, draft in zip(wanted, drafts, strict=True):
+            chosen = draft[: limits[k]].tolist()
+            self.stats.drafted += len(chosen)
+            out[rows[k]] = chosen
+        return out
+
+    def _draft(self, seq_ids: list[int], tokens: list[NDArray[np.int32]]) -> list[NDArray[np.int32]]:
+        batch = getattr(self.drafter, "draft_batch", None)
+        if callable(batch):
+            # One call for the whole batch, with the GIL released throughout (Drafter).
+            drafts, lengths = batch(seq_ids, tokens, self.n_draft)
+            return [drafts[k, : int(lengths[k])] for k in range(len(seq_ids))]
+        return [np.asarray(self.drafter.draft(s, t, self.n_draft), dtype=np.int32) for s, t in zip(seq_ids, tokens, strict=True)]
+
+    def load_model(self, *args: Any, **kwargs: Any) -> None:
+        """Nothing to load (vLLM calls it when it loads the target model)."""
+
+    def close(self) -> None:
+        """Frees the sequences and closes the clients this proposer opened (idempotent)."""
+        owned, self._owned = self._owned, []
+        if owned or self.rows.live or self.rows.parked:
+            try:
+                self.rows.forget()
+            except Exception:  # a remote drafter whose service is gone: its sessions are gone too
+                log.debug("ngramcache vLLM proposer: freeing sequences failed", exc_info=True)
+        for obj in owned:
+            obj.close()
