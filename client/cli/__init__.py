@@ -4,7 +4,7 @@
 - `parser`: every command, its flags and their help.
 - `arguments`: argparse types and the options commands share.
 - `guards`: checks of inputs and outputs before any work; the interruption report.
-- `commands`: build, stats, inspect, merge, import-llama, export-llama.
+- `commands`: build, stats, inspect, merge, import-llama, export-llama, export-sglang.
 - `demo`: the local part of `ngramcache demo`.
 
 Every command checks its arguments and its output path before any work, so a mistake costs

@@ -1,4 +1,4 @@
-"""The file commands (build, stats, inspect, merge, import-llama, export-llama): each checks, calls the library, prints."""
+"""The file commands (build, stats, inspect, merge, import-llama, export-llama, export-sglang): each checks, calls the library, prints."""
 
 from __future__ import annotations
 
@@ -318,3 +318,22 @@ def cmd_export_llama(args: argparse.Namespace) -> int:
     return 0
 
 
+
+
+def cmd_export_sglang(args: argparse.Namespace) -> int:
+    from ngramcache.client.sglang_corpus import SGLANG_DEFAULT_MAX_TOKENS, export_sglang
+
+    check_input_file(args.input, "input")
+    check_output(args.output, [args.input])
+    cache = open_static(args.input, "input")
+    tokenizer = load_tokenizer_spec(args.tokenizer)
+    assert tokenizer is not None  # --tokenizer is required
+    with reading_static(args.input):
+        written = export_sglang(cache, tokenizer, args.output)
+    if not args.quiet:
+        print(f"exported {args.input} -> {args.output} (SGLang external n-gram corpus: {written.documents:,} documents, "
+              f"{written.tokens:,} tokens, {Path(args.output).stat().st_size:,} bytes)")
+        if written.tokens > SGLANG_DEFAULT_MAX_TOKENS:
+            print(f"note: SGLang loads at most {SGLANG_DEFAULT_MAX_TOKENS:,} corpus tokens by default: give it "
+                  f"--speculative-ngram-external-corpus-max-tokens {written.tokens + written.documents}", file=sys.stderr)
+    return 0

@@ -20,6 +20,7 @@ from ngramcache.client.cli.arguments import (
 from ngramcache.client.cli.commands import (
     cmd_build,
     cmd_export_llama,
+    cmd_export_sglang,
     cmd_import_llama,
     cmd_inspect,
     cmd_merge,
@@ -202,6 +203,20 @@ def build_parser(extra_commands: Iterable[CommandHook] = ()) -> argparse.Argumen
                      help="the llama.cpp cache file to write (replaced atomically if it exists)")
     quiet_option(exp)
     exp.set_defaults(func=cmd_export_llama)
+
+    sgl = sub.add_parser(
+        "export-sglang",
+        help="write a generation's corpus as SGLang's external n-gram corpus (JSONL of strings)",
+        description="Decodes each document of a static generation's corpus index (built with --corpus-index) "
+                    "into one JSON string a line: the file SGLang's --speculative-ngram-external-corpus-path loads.",
+    )
+    sgl.add_argument("input", metavar="IN", help="the static generation to export (with a corpus index)")
+    sgl.add_argument("-o", "--output", required=True, metavar="OUT",
+                     help="the JSONL file to write (replaced atomically if it exists)")
+    sgl.add_argument("--tokenizer", required=True, metavar="SPEC",
+                     help="the generation's tokenizer: a Hugging Face tokenizer.json path, or tiktoken:<encoding>")
+    quiet_option(sgl)
+    sgl.set_defaults(func=cmd_export_sglang)
     for add in extra_commands:
         add(sub)
     return parser

@@ -51,7 +51,7 @@ def texts(tmp_path_factory) -> Path:
 
 def test_help_explains_every_command():
     out = run("--help").stdout
-    for cmd in ["demo", "build", "stats", "inspect", "merge", "import-llama", "export-llama"]:
+    for cmd in ["demo", "build", "stats", "inspect", "merge", "import-llama", "export-llama", "export-sglang"]:
         assert cmd in out
         assert "usage:" in run(cmd, "--help").stdout
 
@@ -621,7 +621,7 @@ def test_permission_denied_is_checked_first_even_as_root(capsys, files, tmp_path
 def test_every_option_is_explained():
     parser = cli.build_parser()
     commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
-    assert set(commands) == {"demo", "build", "stats", "inspect", "merge", "import-llama", "export-llama"}
+    assert set(commands) == {"demo", "build", "stats", "inspect", "merge", "import-llama", "export-llama", "export-sglang"}
     for name, sub in commands.items():
         assert sub.description, name
         for action in sub._actions:
