@@ -130,7 +130,7 @@ class BatchRows:
             rows: the row indices that have tokens to count this step.
             tokens: for each of `rows`, the row's whole verified sequence (int32).
             held: rows in the batch with nothing to count this step (a prefill not finished):
-                they keep their sequence unchecked.
+                they keep their sequence unchecked, unless one of `rows` extends it.
 
         Returns:
             The sequence of each of `rows`, in order; each has accepted its row's tokens.
@@ -139,11 +139,6 @@ class BatchRows:
         previous = self._by_row
         current: dict[int, RowSequence] = {}
         claimed: set[int] = set()
-        for r in held:
-            seq = previous.get(r)
-            if seq is not None:
-                current[r] = seq
-                claimed.add(seq.seq_id)
         result: list[RowSequence | None] = [None] * len(rows)
         unmatched: list[int] = []
         for i, (r, toks) in enumerate(zip(rows, tokens, strict=True)):
@@ -174,6 +169,13 @@ class BatchRows:
                     self.drafter.reset(best.seq_id)
                 claimed.add(best.seq_id)
                 result[i] = best
+        for r in held:
+            # A row still prefilling keeps its sequence unless a row with tokens took it this step
+            # (the request moved and a new one is filling its old row).
+            seq = previous.get(r)
+            if seq is not None and seq.seq_id not in claimed:
+                current[r] = seq
+                claimed.add(seq.seq_id)
         out: list[RowSequence] = []
         for r, seq, toks in zip(rows, result, tokens, strict=True):
             assert seq is not None

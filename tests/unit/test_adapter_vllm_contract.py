@@ -213,6 +213,17 @@ def test_finished_sequences_are_freed_beyond_the_parking_bound():
     assert (idle.parked, idle.freed) == (0, 1)
 
 
+def test_a_moved_request_keeps_its_sequence_while_a_new_one_prefills_in_its_old_row():
+    drafter = Drafter(fingerprint=UNTAGGED, vocab_size=VOCAB)
+    rows = BatchRows(drafter)
+    a, b = np.array([1, 2, 3], dtype=np.int32), np.array([7, 8, 9], dtype=np.int32)
+    first = rows.assign([0, 1], [a, b])
+    # b moved to row 0 and grew; row 1 now holds a new request still prefilling (nothing sampled).
+    again = rows.assign([0], [np.array([7, 8, 9, 10], dtype=np.int32)], held=[1])
+    assert again[0] is first[1] and rows.started == 2 and rows.taken_over == 1
+    assert rows.parked == 1  # a: out of the batch, kept
+
+
 def test_no_draft_is_an_empty_list_and_drafts_stop_at_max_model_len(static_file):
     proposer = NgramCacheProposer(vllm_config(max_model_len=10), ProposerConfig(static=static_file))
     batch = PersistentBatch()
