@@ -1,0 +1,163 @@
+"""What finding requests by their tokens costs the vLLM proposer: `NgramCacheProposer.propose` against an oracle that knows the request ids, on one simulated batch.
+
+No vLLM and no model: a persistent batch laid out as vLLM 0.33.0's (int32 ``token_ids_cpu``
+[max_num_reqs, max_model_len], ``num_tokens_no_spec``) serves requests that copy a CPython
+standard library module (prompt: its first ``--prompt`` tokens; answer: the next
+``--new-tokens``, a stand-in for a code-editing model that mostly repeats its input). Each step
+a row keeps the drafted tokens that equal its answer and one more, as greedy verification would;
+finished requests leave, the batch is compacted as vLLM does, and waiting requests take the free
+rows. Both proposers see the same batches and draft with a context-only `Drafter`:
+
+- (a) `NgramCacheProposer`, which finds each row's sequence from its tokens (`BatchRows`);
+- (b) the oracle: a sequence per request id, `accept` and one `draft_batch` per step, nothing else.
+
+Their drafts must be equal (the checksum line). The figure is the median time of one
+``propose`` call per step, and (a)/(b).
+
+    python tests/bench/bench_vllm_proposer.py            # 256 requests, 64 rows, 1,024-token prompts
+    python tests/bench/bench_vllm_proposer.py --quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sysconfig
+import time
+import zlib
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+
+from ngramcache import UNTAGGED, Drafter
+from ngramcache.client.adapters.vllm import NgramCacheProposer, ProposerConfig
+from ngramcache.client.tokenizer import load_tokenizer
+
+
+def module_tokens(n_needed: int, count: int) -> list[np.ndarray]:
+    tok = load_tokenizer("tiktoken:qwen")
+    lib = Path(sysconfig.get_paths()["stdlib"])
+    out = []
+    for path in sorted(lib.glob("*.py")):
+        ids = tok.encode(path.read_text(encoding="utf-8", errors="replace"))
+        if len(ids) >= n_needed:
+            out.append(ids[:n_needed].astype(np.int32))
+        if len(out) == count:
+            break
+    return out
+
+
+class Oracle:
+    """The least a proposer must do: count what is new in each request, draft the batch in one call."""
+
+    def __init__(self, vocab: int, n_draft: int) -> None:
+        self.drafter = Drafter(fingerprint=UNTAGGED, vocab_size=vocab)
+        self.n_draft = n_draft
+
+    def propose(self, req_seq: list[int], sampled, num_tokens, token_ids) -> list[list[int]]:
+        seqs, toks = [], []
+        for i, s in enumerate(sampled):
+            if s:
+                t = token_ids[i, : num_tokens[i]]
+                self.drafter.accept(req_seq[i], t)
+                seqs.append(req_seq[i])
+                toks.append(t)
+        drafts, lengths = self.drafter.draft_batch(seqs, toks, self.n_draft)
+        out: list[list[int]] = [[] for _ in sampled]
+        k = 0
+        for i, s in enumerate(sampled):
+            if s:
+                out[i] = drafts[k, : lengths[k]].tolist()
+                k += 1
+        return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--requests", type=int, default=256)
+    ap.add_argument("--rows", type=int, default=64, help="max_num_seqs: rows of the batch")
+    ap.add_argument("--prompt", type=int, default=1024)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--n-draft", type=int, default=8)
+    ap.add_argument("--quick", action="store_true", help="32 requests, 8 rows, 256-token prompts")
+    args = ap.parse_args()
+    if args.quick:
+        args.requests, args.rows, args.prompt = 32, 8, 256
+    docs = module_tokens(args.prompt + args.new_tokens, args.requests)
+    if len(docs) < args.requests:
+        raise SystemExit(f"only {len(docs)} standard library modules have {args.prompt + args.new_tokens} tokens")
+    vocab = 1 + int(max(d.max() for d in docs))
+    max_len = args.prompt + args.new_tokens + args.n_draft + 1
+    config = SimpleNamespace(speculative_config=SimpleNamespace(num_speculative_tokens=args.n_draft),
+                             model_config=SimpleNamespace(max_model_len=max_len, get_vocab_size=lambda: vocab),
+                             scheduler_config=SimpleNamespace(max_num_seqs=args.rows))
+    proposer = NgramCacheProposer(config, ProposerConfig())
+    oracle = Oracle(vocab, args.n_draft)
+    token_ids = np.zeros((args.rows, max_len), dtype=np.int32)
+    num_tokens = np.zeros(args.rows, dtype=np.int32)
+    batch: list[int] = []  # request index per row
+    waiting = list(range(args.requests))
+    drafts: dict[int, list[int]] = {}
+    times_a: list[float] = []
+    times_b: list[float] = []
+    checksum_a = checksum_b = 0
+    steps = drafted = accepted = 0
+    while waiting or batch:
+        while waiting and len(batch) < args.rows:
+            r = waiting.pop(0)
+            row = len(batch)
+            batch.append(r)
+            token_ids[row, : args.prompt] = docs[r][: args.prompt]
+            num_tokens[row] = args.prompt
+            drafts[r] = []
+        sampled = []
+        for row, r in enumerate(batch):
+            n = int(num_tokens[row])
+            truth = docs[r][n:]
+            d = drafts[r]
+            keep = 0
+            while keep < len(d) and keep < len(truth) - 1 and d[keep] == truth[keep]:
+                keep += 1
+            new = truth[: keep + 1].tolist()
+            accepted += keep
+            token_ids[row, n: n + len(new)] = new
+            num_tokens[row] = n + len(new)
+            sampled.append(new)
+        t0 = time.perf_counter()
+        out_a = proposer.propose(sampled, num_tokens, token_ids, slot_mappings=None)
+        t1 = time.perf_counter()
+        out_b = oracle.propose(batch, sampled, num_tokens, token_ids)
+        t2 = time.perf_counter()
+        if steps > 0:  # the first step is the warm-up
+            times_a.append(t1 - t0)
+            times_b.append(t2 - t1)
+        steps += 1
+        for row, r in enumerate(batch):
+            drafts[r] = out_a[row]
+            drafted += len(out_a[row])
+            checksum_a = zlib.crc32(np.asarray(out_a[row], dtype=np.int32).tobytes(), checksum_a)
+            checksum_b = zlib.crc32(np.asarray(out_b[row], dtype=np.int32).tobytes(), checksum_b)
+        # Finished requests leave; the batch is compacted (the last rows move into the holes).
+        done = [row for row, r in enumerate(batch) if num_tokens[row] >= args.prompt + args.new_tokens]
+        for row in sorted(done, reverse=True):
+            last = len(batch) - 1
+            if row != last:
+                token_ids[row] = token_ids[last]
+                num_tokens[row] = num_tokens[last]
+                batch[row] = batch[last]
+            batch.pop()
+    med_a, med_b = statistics.median(times_a) * 1e6, statistics.median(times_b) * 1e6
+    print(f"{args.requests} requests, {args.rows} rows, prompts {args.prompt} tokens, {args.new_tokens} new each; "
+          f"{steps} steps, drafted {drafted:,}, accepted {accepted:,} ({accepted / max(drafted, 1):.0%})")
+    print(f"(a) NgramCacheProposer.propose  median {med_a:8.1f} us/step  ({med_a / args.rows:.1f} us/row)")
+    print(f"(b) oracle (request ids known)  median {med_b:8.1f} us/step  ({med_b / args.rows:.1f} us/row)")
+    print(f"(a)/(b) = {med_a / med_b:.2f}; rows: started {proposer.rows.started}, taken over "
+          f"{proposer.rows.taken_over}, freed {proposer.rows.freed}")
+    print(f"checksum (a) {checksum_a:08x}  (b) {checksum_b:08x}  {'equal' if checksum_a == checksum_b else 'DIFFER'}")
+    if checksum_a != checksum_b:
+        raise SystemExit(1)
+
+
+if __name__ == "__main__":
+    main()
