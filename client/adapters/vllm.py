@@ -28,7 +28,7 @@ import dataclasses
 import logging
 import os
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 from numpy.typing import NDArray
@@ -41,6 +41,7 @@ __all__ = ["NgramCacheProposer", "ProposerConfig"]
 
 log = logging.getLogger(__name__)
 
+_T = TypeVar("_T")
 _MODES = ("compatible", "match")
 _MAX_DRAFT = 256  # the core's kMaxDraft
 
@@ -63,6 +64,8 @@ class ProposerConfig:
         tokenizer: ``NGC_VLLM_TOKENIZER``: a tokenizer spec (``tokenizer.json``, a folder holding
             one, or ``tiktoken:<encoding>``) for a service; default: the model's tokenizer folder.
         token: ``NGC_VLLM_TOKEN``: a bearer token for the service, or None.
+        cache_dir: ``NGC_VLLM_CACHE_DIR``: the node's generation cache of an `NgramClient`
+            (default: its own, ``$XDG_CACHE_HOME/ngramcache``).
         mode: ``NGC_VLLM_MODE``: "compatible" (llama.cpp's drafts; default) or "match".
         n_draft: ``NGC_VLLM_N_DRAFT``: most tokens drafted per row and step (default and upper
             bound: vLLM's ``num_speculative_tokens``).
@@ -79,6 +82,7 @@ class ProposerConfig:
     remote: bool = False
     tokenizer: str | None = None
     token: str | None = None
+    cache_dir: str | None = None
     mode: str = "compatible"
     n_draft: int | None = None
     max_parked: int | None = None
@@ -126,6 +130,7 @@ class ProposerConfig:
         service = tuple(a.strip() for a in (text("NGC_VLLM_SERVICE") or "").split(",") if a.strip())
         return cls(static=text("NGC_VLLM_STATIC"), service=service, namespace=text("NGC_VLLM_NAMESPACE"),
                    remote=remote == "1", tokenizer=text("NGC_VLLM_TOKENIZER"), token=text("NGC_VLLM_TOKEN"),
+                   cache_dir=text("NGC_VLLM_CACHE_DIR"),
                    mode=text("NGC_VLLM_MODE") or "compatible", n_draft=whole("NGC_VLLM_N_DRAFT"),
                    max_parked=whole("NGC_VLLM_MAX_PARKED"))
 
@@ -145,7 +150,8 @@ class NgramCacheProposer:
     """A vLLM ``custom_class`` proposer drafting with an ngramcache drafter.
 
     Not thread-safe: vLLM's model runner calls `propose` from one thread. The drafter it makes
-    (`make_drafter`) is its own; `close` releases it (also at interpreter exit).
+    (`make_drafter`) is its own; `close` releases it (and runs at interpreter exit when a client
+    to a service was opened).
 
     Args:
         vllm_config: vLLM's ``VllmConfig``; read: ``speculative_config.num_speculative_tokens``,
@@ -173,14 +179,12 @@ class NgramCacheProposer:
         self.drafter: DrafterLike = self.make_drafter(vllm_config)
         self.rows = BatchRows(self.drafter, max_parked=max_parked)
         self.stats = DraftStats()
-        if self._owned:
-            atexit.register(self.close)
 
     def make_drafter(self, vllm_config: Any) -> DrafterLike:
         """The drafter to draft with, from `self.config`; override it in a subclass to bring your own.
 
-        A subclass names itself in ``speculative_config.model`` (``"mypkg.MyProposer"``); an object
-        it opens and wants closed by `close` goes in ``self._owned``.
+        A subclass names itself in ``speculative_config.model`` (``"mypkg.MyProposer"``) and hands
+        what it opens to `own` to have `close` close it.
         """
         from ngramcache.client import UNTAGGED, Drafter, StaticCache
 
@@ -188,31 +192,45 @@ class NgramCacheProposer:
         if cfg.static:
             if not os.path.isfile(cfg.static):
                 raise InvalidArgumentError(f"NGC_VLLM_STATIC {cfg.static} is not a file")
-            return Drafter(StaticCache.open(cfg.static), mode=cfg.mode)
+            static = StaticCache.open(cfg.static)
+            if cfg.tokenizer:  # then the file must be that tokenizer's (Drafter checks the fingerprint)
+                return Drafter(static, fingerprint=bytes(self._tokenizer(vllm_config).fingerprint), mode=cfg.mode)
+            return Drafter(static, mode=cfg.mode)
         if cfg.service:
             tokenizer = self._tokenizer(vllm_config)
             if cfg.remote:
                 from ngramcache.client.remote import RemoteDrafter
 
                 remote = RemoteDrafter(cfg.service[0], str(cfg.namespace), tokenizer, token=cfg.token, mode=cfg.mode)
-                self._owned.append(remote)
-                return remote
+                return self.own(remote)
             from ngramcache.client.sync import NgramClient
 
-            client = NgramClient(cfg.service, str(cfg.namespace), tokenizer, token=cfg.token, mode=cfg.mode)
-            self._owned.append(client)
+            client = self.own(NgramClient(cfg.service, str(cfg.namespace), tokenizer, cache_dir=cfg.cache_dir,
+                                          token=cfg.token, mode=cfg.mode))
             return client.drafter()
         vocab = self._vocab_size(vllm_config)
         return Drafter(fingerprint=UNTAGGED, vocab_size=vocab, mode=cfg.mode)
 
+    def own(self, obj: _T) -> _T:
+        """Makes `close` (and interpreter exit) close `obj` (a client `make_drafter` opened); returns it."""
+        if not self._owned:
+            atexit.register(self.close)
+        self._owned.append(obj)
+        return obj
+
     def _tokenizer(self, vllm_config: Any) -> Any:
         from ngramcache.client.tokenizer import load_tokenizer
 
-        spec = self.config.tokenizer or getattr(getattr(vllm_config, "model_config", None), "tokenizer", None)
+        if self.config.tokenizer:
+            return load_tokenizer(self.config.tokenizer)
+        spec = getattr(getattr(vllm_config, "model_config", None), "tokenizer", None)
+        hint = "set NGC_VLLM_TOKENIZER (a tokenizer.json, or the folder holding it)"
         if not spec:
-            raise InvalidArgumentError("NGC_VLLM_SERVICE needs the model's tokenizer: set NGC_VLLM_TOKENIZER "
-                                       "(a tokenizer.json or the folder holding it)")
-        return load_tokenizer(str(spec))
+            raise InvalidArgumentError(f"NGC_VLLM_SERVICE needs the model's tokenizer: {hint}")
+        try:
+            return load_tokenizer(str(spec))
+        except InvalidArgumentError as e:  # a hub name rather than a folder, say
+            raise InvalidArgumentError(f"the model's tokenizer {spec!r} is not a local tokenizer.json ({e}): {hint}") from None
 
     @staticmethod
     def _vocab_size(vllm_config: Any) -> int:
@@ -278,9 +296,10 @@ class NgramCacheProposer:
     def close(self) -> None:
         """Frees the sequences and closes the clients this proposer opened (idempotent)."""
         owned, self._owned = self._owned, []
-        if owned or self.rows.live or self.rows.parked:
+        rows: BatchRows | None = getattr(self, "rows", None)  # None: the constructor failed after opening a client
+        if rows is not None and (owned or rows.live or rows.parked):
             try:
-                self.rows.forget()
+                rows.forget()
             except Exception:  # a remote drafter whose service is gone: its sessions are gone too
                 log.debug("ngramcache vLLM proposer: freeing sequences failed", exc_info=True)
         for obj in owned:

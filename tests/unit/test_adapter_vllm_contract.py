@@ -26,7 +26,7 @@ import pytest
 from ngramcache import UNTAGGED, Drafter, StaticCache, build_static_from_tokens
 from ngramcache.client.adapters.batch_rows import BatchRows
 from ngramcache.client.adapters.vllm import NgramCacheProposer, ProposerConfig
-from ngramcache.client.errors import InvalidArgumentError
+from ngramcache.client.errors import InvalidArgumentError, TokenizerMismatchError
 
 BACKEND = "ngramcache.client.adapters.vllm.NgramCacheProposer"
 VOCAB = 200
@@ -273,3 +273,9 @@ def test_bad_vllm_config_or_static_path_is_refused_clearly(tmp_path):
         NgramCacheProposer(SimpleNamespace(), ProposerConfig())
     with pytest.raises(InvalidArgumentError, match="is not a file"):
         NgramCacheProposer(vllm_config(), ProposerConfig(static=str(tmp_path / "missing.ngc")))
+
+
+def test_a_static_file_of_another_tokenizer_is_refused(static_file):
+    config = ProposerConfig(static=static_file, tokenizer="tiktoken:qwen")  # the file is untagged (raw ids)
+    with pytest.raises(TokenizerMismatchError):
+        NgramCacheProposer(vllm_config(), config)
