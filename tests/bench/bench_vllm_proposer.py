@@ -14,7 +14,7 @@ rows. Both proposers see the same batches and draft with a context-only `Drafter
 Their drafts must be equal (the checksum line). The figure is the median time of one
 ``propose`` call per step, and (a)/(b).
 
-    python tests/bench/bench_vllm_proposer.py            # 256 requests, 64 rows, 1,024-token prompts
+    python tests/bench/bench_vllm_proposer.py            # 128 requests, 64 rows, 1,024-token prompts
     python tests/bench/bench_vllm_proposer.py --quick
 """
 
@@ -75,7 +75,7 @@ class Oracle:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--requests", type=int, default=256)
+    ap.add_argument("--requests", type=int, default=128)
     ap.add_argument("--rows", type=int, default=64, help="max_num_seqs: rows of the batch")
     ap.add_argument("--prompt", type=int, default=1024)
     ap.add_argument("--new-tokens", type=int, default=128)
