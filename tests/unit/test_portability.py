@@ -84,3 +84,13 @@ def test_suffix_decoding_peer_stays_within_the_baseline():
     module = module_path(DEFAULT_DEST)
     assert module.exists(), f"{module} is not built: the test command builds it (tests/bench/build_suffix_decoding.py)"
     assert beyond_baseline(module) == {}
+
+
+def test_llama_server_stays_within_the_baseline():
+    sys.path.insert(0, str(ROOT / "tests" / "bench"))
+    from build_llama_server import DEFAULT_CACHE, SERVER_CMAKE_ARGS, TARGET, server_dir
+
+    binary = server_dir(DEFAULT_CACHE, SERVER_CMAKE_ARGS) / TARGET
+    if not binary.exists():
+        pytest.skip(f"{binary} is not built (tests/bench/build_llama_server.py, minutes: not part of the test command)")
+    assert beyond_baseline(binary) == {}
