@@ -111,6 +111,16 @@ class LlamaServer:
                 raise ServerError(f"llama-server was not ready within the timeout:\n{self.tail()}")
             time.sleep(0.02)
 
+    def rss_mb(self) -> float:
+        """The process's resident memory (VmRSS of /proc/<pid>/status) in MB, 0 where /proc is not there."""
+        try:
+            for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+        except OSError:
+            pass
+        return 0.0
+
     def tail(self, lines: int = 30) -> str:
         try:
             return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
