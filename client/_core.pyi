@@ -246,6 +246,15 @@ class Drafter:
         sequence `seq`. Returns an int32 array, empty when nothing passes the thresholds.
         """
 
+    def draft_scored(self, seq: int, tokens: NDArray[numpy.int32], n_draft: int = 8) -> tuple[NDArray[numpy.int32], NDArray[numpy.float32]]:
+        """
+        draft() with each drafted token's odds: (tokens, odds), odds[i] (float32, 0..1) the
+        estimated chance that tokens[i] is accepted given tokens[:i] were. Compatible mode: the
+        chosen follower's count / (total + 1) at the n-gram that decided (the tokens are
+        draft()'s, token for token). Match mode: its share of the agreeing occurrences, shrunk
+        by the match length (or of the counts). Deterministic.
+        """
+
     def draft_tree(self, seq: int, tokens: NDArray[numpy.int32], budget: int = 16) -> tuple[NDArray[numpy.int32], NDArray[numpy.int32]]:
         """
         Drafts a tree of at most `budget` nodes (match mode) for engines that verify a tree in one

@@ -34,8 +34,16 @@ struct TailGrams {
   int lo = 1, hi = 0;  // sizes available (hi < lo: none)
 };
 
-// One primary (context or dynamic) try over n-gram sizes ngram_max..ngram_min.
-Token try_primary(const CountTable& table, const TailGrams& g, const StaticLookup& st, const DraftThresholds& th) {
+// The odds of a drafted token: its count over the total of the key that decided, with one
+// unseen follower added to the total so that a small sample is trusted less (2 of 2 -> 2/3).
+float count_odds(uint64_t count, uint64_t total) {
+  return static_cast<float>(static_cast<double>(count) / (static_cast<double>(total) + 1.0));
+}
+
+// One primary (context or dynamic) try over n-gram sizes ngram_max..ngram_min; `*odds` gets
+// the winner's count_odds.
+Token try_primary(const CountTable& table, const TailGrams& g, const StaticLookup& st, const DraftThresholds& th,
+                  float* odds) {
   for (int n = g.hi; n >= g.lo; --n) {
     PartView part;
     if (!table.find(g.gram[n], g.hash[n], &part)) continue;
@@ -57,25 +65,27 @@ Token try_primary(const CountTable& table, const TailGrams& g, const StaticLooku
       }
     }
     if (uint64_t{100} * best_count < min_percent * part.total) continue;
+    *odds = count_odds(best_count, part.total);
     return best;
   }
   return -1;
 }
 
-Token try_static(const StaticLookup& st) {
+Token try_static(const StaticLookup& st, float* odds) {
   if (!st.found) return -1;
   const uint64_t total = st.part.total;
   const uint64_t best = st.cache->count_at(st.part, 0);
   if (total < static_cast<uint64_t>(kLax.min_samples[1])) return -1;
   if (uint64_t{100} * best < static_cast<uint64_t>(kLax.min_percent[1]) * total) return -1;
   const Token t = st.cache->token_at(st.part, 0);
+  *odds = count_odds(best, total);
   return static_cast<uint32_t>(t) < st.cache->info().vocab_size ? t : -1;  // damaged file: no draft
 }
 
 }  // namespace
 
 int draft(const Token* seq, size_t n_seq, const CountTable* context, const CountTable* dynamic,
-          const StaticCache* static_cache, const DraftParams& params, Token* out) {
+          const StaticCache* static_cache, const DraftParams& params, Token* out, float* odds) {
   if (n_seq < 2) return 0;  // llama.cpp drafts nothing before LLAMA_NGRAM_STATIC tokens
   const int k_static = static_cache ? static_cast<int>(static_cache->info().ngram_size) : 0;
   const size_t window = static_cast<size_t>(std::max(params.ngram_max, k_static));
@@ -103,11 +113,13 @@ int draft(const Token* seq, size_t n_seq, const CountTable* context, const Count
     st.cache = static_cache;
     if (use_static) st.found = static_cache->find(tail - k_static, &st.part) == FindResult::kFound;
     Token t = -1;
-    if (context) t = try_primary(*context, g, st, kLax);
-    if (t < 0 && dynamic) t = try_primary(*dynamic, g, st, kStrict);
-    if (t < 0) t = try_static(st);
+    float p = 0;
+    if (context) t = try_primary(*context, g, st, kLax, &p);
+    if (t < 0 && dynamic) t = try_primary(*dynamic, g, st, kStrict, &p);
+    if (t < 0) t = try_static(st, &p);
     if (t < 0) break;
     buf[n_head + n_out] = t;
+    if (odds) odds[n_out] = p;
     out[n_out++] = t;
   }
   return n_out;
@@ -399,7 +411,8 @@ std::shared_ptr<SharedCountTable> Drafter::dynamic_table() const {
   return dynamic_;
 }
 
-Status Drafter::draft(int64_t seq, const Token* tokens, size_t n, int n_draft, Token* out, int* n_out) const {
+Status Drafter::draft(int64_t seq, const Token* tokens, size_t n, int n_draft, Token* out, int* n_out,
+                      float* odds) const {
   *n_out = 0;
   NGC_RETURN_IF_ERROR(check_n_draft(n_draft));
   NGC_RETURN_IF_ERROR(check_tail(tokens, n));
@@ -417,12 +430,12 @@ Status Drafter::draft(int64_t seq, const Token* tokens, size_t n, int n_draft, T
     *n_out = seqs_.with_tables(seq, [&](const CountTable* context, const SeqIndex* index) {
       std::shared_lock history(history_mu_);
       const MatchTables t{index, &history_, context, dyn, static_.get()};
-      return ngc::draft_match(tokens, n, t, mp, out);
+      return ngc::draft_match(tokens, n, t, mp, out, odds);
     });
     return Status::Ok();
   }
   *n_out = seqs_.with_context(
-      seq, [&](const CountTable* context) { return ngc::draft(tokens, n, context, dyn, static_.get(), p, out); });
+      seq, [&](const CountTable* context) { return ngc::draft(tokens, n, context, dyn, static_.get(), p, out, odds); });
   return Status::Ok();
 }
 

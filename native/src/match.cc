@@ -152,9 +152,10 @@ double share(int count, int live, const Option& o, const MatchParams& p) {
 }
 
 // Follows one option forward greedily: the draft in out[0..), its length, and its score
-// (the expected number of accepted tokens: the sum of each prefix's probability).
+// (the expected number of accepted tokens: the sum of each prefix's probability); odds[i]
+// is token i's own probability (its share), given the ones before it.
 int walk(const Sources& s, const Option& o, const MatchParams& p, int limit, Token* out, double* score,
-         double* last_prob) {
+         double* last_prob, float* odds) {
   uint64_t mask = o.n == 64 ? ~uint64_t{0} : (uint64_t{1} << o.n) - 1;
   double prob = 1.0;
   *last_prob = 1.0;
@@ -179,10 +180,12 @@ int walk(const Sources& s, const Option& o, const MatchParams& p, int limit, Tok
       if (best < 0 || counts[d] > counts[best]) best = d;  // ties: the earlier occurrence's
     }
     if (live == 0) break;
-    prob *= share(counts[best], live, o, p);
+    const double q = share(counts[best], live, o, p);
+    prob *= q;
     if (prob < p.min_prob) break;
     *score += prob;
     *last_prob = prob;
+    odds[n_out] = static_cast<float>(q);
     out[n_out++] = distinct[best];
     for (int k = 0; k < o.n; ++k) {
       if (next_of[k] != distinct[best]) mask &= ~(uint64_t{1} << k);
@@ -194,10 +197,11 @@ int walk(const Sources& s, const Option& o, const MatchParams& p, int limit, Tok
 // The count tables' walk: each token the best follower of the longest n-gram at the tail
 // of sequence + draft that the context table (else the dynamic table) knows, with its
 // share of the counts as its probability. Exact frequencies for short matches, where the
-// occurrences a chain finds are a sample.
+// occurrences a chain finds are a sample. probs[i] (when non-null) is the draft's probability
+// up to token i, odds[i] (when non-null) token i's own.
 int count_walk(const Token* seq, size_t n_seq, const CountTable* context, const CountTable* dynamic,
                const MatchParams& p, int limit, double min_prob, Token* out, double* score, double* probs = nullptr,
-               double start_prob = 1.0) {
+               double start_prob = 1.0, float* odds = nullptr) {
   *score = 0;
   if (!context && !dynamic) return 0;
   Token buf[kNgramMax + kMaxDraft];
@@ -223,10 +227,12 @@ int count_walk(const Token* seq, size_t n_seq, const CountTable* context, const 
         break;
       }
     }
-    prob *= part.max_count / (part.total + p.count_prior / found);
+    const double q = part.max_count / (part.total + p.count_prior / found);
+    prob *= q;
     if (best < 0 || prob < min_prob) break;
     *score += prob;
     if (probs) probs[n_out] = prob;
+    if (odds) odds[n_out] = static_cast<float>(q);
     buf[avail] = best;
     out[n_out++] = best;
   }
@@ -239,13 +245,13 @@ int max_length_for(const MatchParams& p, uint32_t match_length, int limit) {
 }
 
 int fallback(const Token* seq, size_t n_seq, const CountTable* context, const CountTable* dynamic,
-             const StaticCache* st, const MatchParams& p, int n_draft, Token* out) {
+             const StaticCache* st, const MatchParams& p, int n_draft, Token* out, float* odds = nullptr) {
   if (!p.fallback) return 0;
   DraftParams dp;
   dp.n_draft = n_draft;
   dp.ngram_min = p.ngram_min;
   dp.ngram_max = p.ngram_max;
-  return draft(seq, n_seq, context, dynamic, st, dp, out);
+  return draft(seq, n_seq, context, dynamic, st, dp, out, odds);
 }
 
 }  // namespace
@@ -306,7 +312,7 @@ CorpusMatch corpus_longest_match(const CorpusIndex& ix, const Token* tail, size_
   return deepest > 0 ? runs[deepest] : CorpusMatch{};
 }
 
-int draft_match(const Token* seq, size_t n_seq, const MatchTables& t, const MatchParams& p, Token* out) {
+int draft_match(const Token* seq, size_t n_seq, const MatchTables& t, const MatchParams& p, Token* out, float* odds) {
   const Sources s{seq, n_seq, t.sequence, t.history, t.static_cache ? &t.static_cache->corpus() : nullptr};
   Option options[kMaxOptions];
   const int n_options = gather_options(s, p, options);
@@ -314,28 +320,35 @@ int draft_match(const Token* seq, size_t n_seq, const MatchTables& t, const Matc
   double best_score = 0;
   int n_out = 0;
   Token buf[kMaxDraft];
+  // The odds of the draft in `out` (best_odds) and of the walk just made (buf_odds); copied
+  // to `odds` only when asked, so a draft without odds costs what it did.
+  float buf_odds[kMaxDraft], best_odds[kMaxDraft];
   double best_last = 1.0;
   for (int i = 0; i < n_options; ++i) {
     double score, last;
-    const int n = walk(s, options[i], p, max_length_for(p, options[i].length, p.n_draft), buf, &score, &last);
+    const int n = walk(s, options[i], p, max_length_for(p, options[i].length, p.n_draft), buf, &score, &last, buf_odds);
     if (n > 0 && score > best_score) {
       best_score = score;
       best_last = last;
       n_out = n;
       std::copy(buf, buf + n, out);
+      if (odds) std::copy(buf_odds, buf_odds + n, best_odds);
     }
   }
   bool counted = false;
   if (p.count_option) {
     double score;
-    const int n = count_walk(seq, n_seq, t.context, t.dynamic, p, p.n_draft, p.min_prob, buf, &score);
+    const int n =
+        count_walk(seq, n_seq, t.context, t.dynamic, p, p.n_draft, p.min_prob, buf, &score, nullptr, 1.0, buf_odds);
     if (n > 0 && score > best_score) {
       best_score = score;
       n_out = n;
       counted = true;
       std::copy(buf, buf + n, out);
+      if (odds) std::copy(buf_odds, buf_odds + n, best_odds);
     }
   }
+  if (odds) std::copy(best_odds, best_odds + n_out, odds);
   if (p.extend && n_out > 0 && !counted && n_out < p.n_draft) {
     // A match's draft ended: the count tables go on from its end, at its probability.
     Token tail[kNgramMax + kMaxDraft];
@@ -344,17 +357,18 @@ int draft_match(const Token* seq, size_t n_seq, const MatchTables& t, const Matc
     std::copy(out, out + n_out, tail + keep);
     double score;
     n_out += count_walk(tail, keep + n_out, t.context, t.dynamic, p, p.n_draft - n_out, p.min_prob, out + n_out, &score,
-                        nullptr, best_last);
+                        nullptr, best_last, odds ? odds + n_out : nullptr);
     return n_out;
   }
-  if (n_out == 0) return fallback(seq, n_seq, t.context, t.dynamic, t.static_cache, p, p.n_draft, out);
+  if (n_out == 0) return fallback(seq, n_seq, t.context, t.dynamic, t.static_cache, p, p.n_draft, out, odds);
   if (p.extend && n_out < p.n_draft) {
     // The tail of sequence + draft, contiguous, for the compatible steps.
     Token tail[2 * kNgramMax + kMaxDraft];
     const size_t keep = std::min<size_t>(n_seq, 2 * kNgramMax);
     std::copy(seq + n_seq - keep, seq + n_seq, tail);
     std::copy(out, out + n_out, tail + keep);
-    n_out += fallback(tail, keep + n_out, t.context, t.dynamic, t.static_cache, p, p.n_draft - n_out, out + n_out);
+    n_out += fallback(tail, keep + n_out, t.context, t.dynamic, t.static_cache, p, p.n_draft - n_out, out + n_out,
+                      odds ? odds + n_out : nullptr);
   }
   return n_out;
 }

@@ -43,9 +43,11 @@ constexpr DraftThresholds kStrict = {{4, 3, 2, 2}, {75, 66, 66, 66}};
 // Drafts up to params.n_draft tokens after seq[0..n_seq) into `out` (room for n_draft)
 // and returns how many. Any table may be null. The caller MUST pass valid params
 // (params.validate()). Reads only the last max(ngram_max, static n-gram size) tokens of
-// `seq`. Never allocates.
+// `seq`. Never allocates. With `odds` (room for n_draft), odds[i] is drafted token i's chance
+// of acceptance given the ones before it were accepted, estimated from the counts that chose
+// it: count / (total + 1) of the key that decided (the static key's for a static step).
 int draft(const Token* seq, size_t n_seq, const CountTable* context, const CountTable* dynamic,
-          const StaticCache* static_cache, const DraftParams& params, Token* out);
+          const StaticCache* static_cache, const DraftParams& params, Token* out, float* odds = nullptr);
 
 // What accept() added to one sequence: tokens[i] sits at offset + i in it.
 struct HistoryRecord {
@@ -101,8 +103,10 @@ class Drafter {
   std::shared_ptr<SharedCountTable> dynamic_table() const;
 
   // Drafts up to n_draft (1..kMaxDraft) tokens after tokens[0..n) of sequence `seq` into
-  // `out` (room for n_draft); `*n_out` is how many. Checks the tail tokens it reads.
-  Status draft(int64_t seq, const Token* tokens, size_t n, int n_draft, Token* out, int* n_out) const;
+  // `out` (room for n_draft); `*n_out` is how many. Checks the tail tokens it reads. With
+  // `odds` (room for n_draft), each drafted token's conditional odds (ngc::draft, draft_match).
+  Status draft(int64_t seq, const Token* tokens, size_t n, int n_draft, Token* out, int* n_out,
+               float* odds = nullptr) const;
   // draft() for m sequences: seqs[i] after tokens[i][0..sizes[i]) into out + i x n_draft
   // (room for m x n_draft), lengths[i] how many. The first failure stops the batch and
   // names its index.

@@ -61,7 +61,11 @@ struct MatchTables {
 };
 
 // Linear draft after seq[0..n_seq) into `out` (room for params.n_draft); returns how many.
-int draft_match(const Token* seq, size_t n_seq, const MatchTables& tables, const MatchParams& params, Token* out);
+// With `odds` (room for params.n_draft), odds[i] is drafted token i's probability given the
+// ones before it: its share of the agreeing occurrences (walk), of the counts (count_walk),
+// or the compatible mode's count odds (fallback, drafter.h).
+int draft_match(const Token* seq, size_t n_seq, const MatchTables& tables, const MatchParams& params, Token* out,
+                float* odds = nullptr);
 
 // Tree draft of at most `budget` (1..kMaxDraft) nodes into `tree`; returns the node count.
 int draft_tree(const Token* seq, size_t n_seq, const MatchTables& tables, const MatchParams& params, int budget,

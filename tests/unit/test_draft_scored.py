@@ -1,0 +1,69 @@
+"""Drafter.draft_scored: each drafted token's odds, from the counts (compatible) or the matches (match mode), the drafts unchanged."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from ngramcache import UNTAGGED, CountTable, Drafter
+
+
+def arr(tokens) -> np.ndarray:
+    return np.asarray(tokens, dtype=np.int32)
+
+
+def test_compatible_odds_are_the_deciding_counts_ratio():
+    # The dynamic table (strict thresholds): key (5) has 6 x3, 7 x1 (total 4, 75%: passes at size 1);
+    # then key (6) has only 3 samples (< 4) but (5, 6) has 8 x3 of 3 (passes at size 2).
+    dynamic = CountTable()
+    for stream in [[5, 6, 8]] * 3 + [[5, 7]]:
+        dynamic.update(arr(stream), ngram_min=1, ngram_max=4)
+    drafter = Drafter(dynamic=dynamic, vocab_size=16, fingerprint=UNTAGGED)
+    tokens, odds = drafter.draft_scored(1, arr([9, 5]), 8)
+    assert list(tokens) == [6, 8]
+    assert odds.dtype == np.float32
+    assert list(odds) == pytest.approx([3 / 5, 3 / 4])  # count / (total + 1)
+    assert list(drafter.draft(1, arr([9, 5]), 8)) == [6, 8]
+
+
+def test_context_odds_use_the_lax_thresholds_counts():
+    drafter = Drafter(vocab_size=16, fingerprint=UNTAGGED)
+    seq = arr([1, 2, 3, 1, 2, 3, 1, 2])
+    drafter.accept(4, seq)
+    tokens, odds = drafter.draft_scored(4, seq, 1)
+    # The longest key at the tail, (3, 1, 2), was followed by 3 once: 1 / (1 + 1).
+    assert list(tokens) == [3] and list(odds) == pytest.approx([0.5])
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seq=st.lists(st.integers(0, 5), min_size=2, max_size=60), n_draft=st.integers(1, 16),
+       mode=st.sampled_from(["compatible", "match"]))
+def test_scored_drafts_equal_plain_drafts(seq, n_draft, mode):
+    drafter = Drafter(vocab_size=8, fingerprint=UNTAGGED, mode=mode)
+    tokens = arr(seq)
+    drafter.accept(3, tokens[: len(seq) // 2])
+    drafter.accept(3, tokens)
+    plain = drafter.draft(3, tokens, n_draft)
+    scored, odds = drafter.draft_scored(3, tokens, n_draft)
+    assert list(scored) == list(plain)
+    assert len(odds) == len(scored)
+    assert all(0.0 < p <= 1.0 for p in odds)
+    again, odds_again = drafter.draft_scored(3, tokens, n_draft)
+    assert list(again) == list(scored) and list(odds_again) == list(odds)  # deterministic
+
+
+def test_match_odds_grow_with_the_match_length():
+    long_text = arr([*range(20, 40), 1, *range(20, 40)])
+    drafter = Drafter(vocab_size=64, fingerprint=UNTAGGED, mode="match")
+    drafter.accept(1, long_text[:-10])
+    tokens, odds = drafter.draft_scored(1, long_text[:-10], 4)
+    assert list(tokens) == list(long_text[-10:-6])
+    # One occurrence, every token its share 1 / (1 + prior / L) (L >= 10, the tokens matched).
+    assert len(set(odds.tolist())) == 1 and 1 / 1.1 - 1e-6 <= odds[0] < 1.0
+    shorter = Drafter(vocab_size=64, fingerprint=UNTAGGED, mode="match")
+    text = arr([20, 21, 22, 23, 1, 22, 23])  # the tail (22, 23) matched over 2 tokens only
+    shorter.accept(1, text)
+    few, odds_short = shorter.draft_scored(1, text, 1)
+    assert list(few) == [1] and odds_short[0] < odds[0]
