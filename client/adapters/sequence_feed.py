@@ -8,6 +8,9 @@ from typing import Protocol
 import numpy as np
 from numpy.typing import NDArray
 
+from ngramcache.client.adapters.draft_length import DraftLengthPolicy
+from ngramcache.client.errors import InvalidArgumentError
+
 __all__ = ["DraftStats", "DrafterLike", "SequenceFeed"]
 
 
@@ -65,11 +68,26 @@ class SequenceFeed:
         seq_id: the drafter's sequence id this feed uses.
         n_draft: most tokens drafted per step (1..256).
         stats: counters to add to (a new `DraftStats` when omitted).
+        policy: cost-aware drafting: the drafter's `draft_scored` gives each token's odds and
+            the policy sends the prefix with the most expected tokens per unit of verify cost
+            (None: every drafted token is sent, as llama.cpp does).
+
+    Raises:
+        InvalidArgumentError: a policy with a drafter that has no `draft_scored`.
     """
 
-    def __init__(self, drafter: DrafterLike, seq_id: int, n_draft: int = 8, stats: DraftStats | None = None) -> None:
+    def __init__(self, drafter: DrafterLike, seq_id: int, n_draft: int = 8, stats: DraftStats | None = None,
+                 policy: DraftLengthPolicy | None = None) -> None:
         if n_draft < 1:
             raise ValueError(f"n_draft must be at least 1, got {n_draft}")
+        if policy is not None and not hasattr(drafter, "draft_scored"):
+            raise InvalidArgumentError(
+                f"cost-aware drafting needs a drafter with draft_scored() (ngramcache.Drafter), got {type(drafter).__name__}")
+        self.policy = policy
+        # The last full draft and its odds, before the policy cut it: what the model's next
+        # tokens are compared with to calibrate the policy.
+        self._full: NDArray[np.int32] = np.empty(0, dtype=np.int32)
+        self._full_odds: NDArray[np.float32] = np.empty(0, dtype=np.float32)
         self.drafter = drafter
         self.seq_id = seq_id
         self.n_draft = n_draft
@@ -98,11 +116,16 @@ class SequenceFeed:
         continued = seen is not None and self.extends_seen(tokens)
         if continued and seen is not None and len(tokens) == len(seen):
             return True
+        if self.policy is not None and len(self._full) and continued and seen is not None:
+            self._calibrate(tokens[len(seen):])
+        self._full = self._full[:0]
         if not continued:
             # The drafter counts only positions past those it accepted before, so a sequence
             # that does not extend them starts from nothing (which also clears what an earlier
             # user of this seq id left behind).
             self.drafter.reset(self.seq_id)
+            if self.policy is not None:
+                self.policy.reset()
         self.drafter.accept(self.seq_id, tokens)
         self._seen = tokens.copy()  # engines reuse their buffers: keep a copy
         return continued
@@ -123,11 +146,32 @@ class SequenceFeed:
         n = self.n_draft if limit is None else min(self.n_draft, limit)
         if n < 1 or len(tokens) == 0:
             return np.empty(0, dtype=np.int32)
-        drafted = np.asarray(self.drafter.draft(self.seq_id, tokens, n), dtype=np.int32)[:n]
+        if self.policy is None:
+            drafted = np.asarray(self.drafter.draft(self.seq_id, tokens, n), dtype=np.int32)[:n]
+        else:
+            full, odds = self.drafter.draft_scored(self.seq_id, tokens, n)  # type: ignore[attr-defined]
+            self._full = np.asarray(full, dtype=np.int32)[:n]
+            self._full_odds = np.asarray(odds, dtype=np.float32)[: len(self._full)]
+            drafted = self._full[: self.policy.choose(self._full_odds)]
         self.stats.drafted += len(drafted)
         return drafted
+
+    def _calibrate(self, new: NDArray[np.int32]) -> None:
+        """Tells the policy how far the model's `new` tokens agreed with the last full draft.
+
+        Only the drafted positions the model produced a token for count (sent or not), so a
+        sequence drafting 0 tokens still learns from each token it generates.
+        """
+        assert self.policy is not None
+        window = min(len(new), len(self._full))
+        agree = new[:window] == self._full[:window]
+        agreed = int(np.argmin(agree)) if not agree.all() else window
+        self.policy.record(self._full_odds[:window], agreed)
 
     def reset(self) -> None:
         """Forgets the sequence (here and in the drafter)."""
         self._seen = None
+        self._full = self._full[:0]
+        if self.policy is not None:
+            self.policy.reset()
         self.drafter.reset(self.seq_id)

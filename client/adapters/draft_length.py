@@ -1,0 +1,161 @@
+"""The draft-length policy: how many drafted tokens to send, given what verifying them costs and their odds."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+
+import numpy as np
+from numpy.typing import NDArray
+
+from ngramcache.client.errors import InvalidArgumentError
+
+__all__ = ["DraftLengthPolicy", "VerifyCost", "best_length", "expected_tokens"]
+
+
+class VerifyCost:
+    """c(k): the cost of a forward pass over 1 + k tokens relative to one token (c(0) = 1).
+
+    Built from measured points (k -> seconds or relative cost), interpolated linearly between
+    them and extended past the last one along the last segment's slope; or from a callable.
+    Immutable, so thread-safe.
+
+    Args:
+        points: {k: cost} with k >= 0 and costs > 0 (at least k = 0 and one more point), a
+            sequence whose item k is c(k), or a callable k -> c(k).
+        max_k: the largest k it is tabulated for (drafts are at most this long).
+
+    Raises:
+        InvalidArgumentError: no point for k = 0, a negative k, or a cost that is not > 0.
+    """
+
+    def __init__(self, points: Mapping[int, float] | Sequence[float] | Callable[[int], float], max_k: int = 256) -> None:
+        if max_k < 0:
+            raise InvalidArgumentError(f"max_k must be >= 0, got {max_k}")
+        if callable(points):
+            raw = [float(points(k)) for k in range(max_k + 1)]
+        else:
+            table = dict(points) if isinstance(points, Mapping) else dict(enumerate(points))
+            if 0 not in table:
+                raise InvalidArgumentError("verify costs need c(0), the cost of one token")
+            if any(k < 0 for k in table):
+                raise InvalidArgumentError(f"verify cost points need k >= 0, got {sorted(table)}")
+            ks = np.array(sorted(table), dtype=np.float64)
+            cs = np.array([float(table[int(k)]) for k in ks], dtype=np.float64)
+            grid = np.arange(max_k + 1, dtype=np.float64)
+            raw = list(np.interp(grid, ks, cs))
+            if len(ks) >= 2:  # np.interp is flat past the last point: costs keep growing instead
+                slope = (cs[-1] - cs[-2]) / (ks[-1] - ks[-2])
+                for k in range(int(ks[-1]) + 1, max_k + 1):
+                    raw[k] = cs[-1] + slope * (k - ks[-1])
+        if not all(np.isfinite(c) and c > 0 for c in raw):
+            raise InvalidArgumentError(f"verify costs must be finite and > 0, got {raw[:9]}")
+        self.costs: NDArray[np.float64] = np.asarray(raw, dtype=np.float64) / raw[0]
+
+    @classmethod
+    def measure(cls, run: Callable[[int], object], ks: Sequence[int] = (0, 1, 2, 4, 8), *, repeats: int = 7,
+                max_k: int = 256) -> VerifyCost:
+        """Times `run(k)` (one forward pass over 1 + k tokens) for each k of `ks`, after one
+        warm-up each, and keeps the median of `repeats` runs per k, interpolated.
+
+        Raises:
+            InvalidArgumentError: `ks` lacks 0, or `repeats` < 1.
+        """
+        if 0 not in ks or repeats < 1:
+            raise InvalidArgumentError(f"measuring verify costs needs k = 0 among {list(ks)} and repeats >= 1")
+        points: dict[int, float] = {}
+        for k in sorted(set(ks)):
+            run(k)  # warm-up: first-use allocations are not the steady cost
+            times = []
+            for _ in range(repeats):
+                start = time.perf_counter()
+                run(k)
+                times.append(time.perf_counter() - start)
+            points[k] = float(np.median(times))
+        # Noise can make a longer batch look cheaper than a shorter one: costs never decrease.
+        running = 0.0
+        for k in sorted(points):
+            running = points[k] = max(points[k], running)
+        return cls(points, max_k)
+
+    @property
+    def max_k(self) -> int:
+        return len(self.costs) - 1
+
+    def __call__(self, k: int) -> float:
+        return float(self.costs[min(k, self.max_k)])
+
+    def __repr__(self) -> str:
+        shown = ", ".join(f"{c:.2f}" for c in self.costs[:9])
+        return f"VerifyCost([{shown}{', ...' if self.max_k > 8 else ''}])"
+
+
+def expected_tokens(odds: NDArray[np.floating] | Sequence[float]) -> NDArray[np.float64]:
+    """E[new tokens] of a verification with the first k drafted tokens, for k = 0..len(odds):
+    1 + sum_{i<=k} prod_{j<=i} odds[j] (the model's own token plus the accepted prefix)."""
+    p = np.clip(np.asarray(odds, dtype=np.float64), 0.0, 1.0)
+    return np.concatenate(([1.0], 1.0 + np.cumsum(np.cumprod(p))))
+
+
+def best_length(odds: NDArray[np.floating] | Sequence[float], cost: VerifyCost) -> int:
+    """The k in 0..len(odds) with the most expected new tokens per unit of verify cost (ties: the shorter)."""
+    gain = expected_tokens(odds)
+    k_max = min(len(gain) - 1, cost.max_k)
+    rate = gain[: k_max + 1] / cost.costs[: k_max + 1]
+    return int(np.argmax(rate))  # the first maximum: the shortest draft among equals
+
+
+class DraftLengthPolicy:
+    """Chooses each step's draft length for one sequence, its odds calibrated by the sequence's own history.
+
+    The drafter's odds come from counts and matches; how well they predict acceptance varies
+    with the text. The policy keeps a decayed ratio of tokens the model agreed with to tokens
+    the odds predicted (over the tokens the model produced after each draft, whether they were
+    sent or not), and scales the odds by it before choosing the length: a sequence whose
+    drafts fail more than the counts suggest drafts shorter, one whose drafts do better drafts
+    longer. Deterministic: the same calls give the same lengths.
+
+    Not thread-safe: one policy serves one sequence (one `SequenceFeed`).
+
+    Args:
+        cost: the engine's verify costs.
+        prior: weight, in tokens, of the uncalibrated ratio 1 (the start of each sequence).
+        decay: how much of the past the ratio keeps at each draft (0..1).
+    """
+
+    def __init__(self, cost: VerifyCost, *, prior: float = 4.0, decay: float = 0.9) -> None:
+        if prior <= 0 or not 0.0 <= decay <= 1.0:
+            raise InvalidArgumentError(f"prior must be > 0 and decay in 0..1, got {prior}, {decay}")
+        self.cost = cost
+        self.prior = prior
+        self.decay = decay
+        self.reset()
+
+    def reset(self) -> None:
+        """Forgets the sequence's history (a new sequence starts uncalibrated)."""
+        self.agreed = 0.0
+        self.predicted = 0.0
+
+    @property
+    def ratio(self) -> float:
+        """Agreed over predicted tokens so far, shrunk towards 1 by the prior."""
+        return (self.agreed + self.prior) / (self.predicted + self.prior)
+
+    def calibrated(self, odds: NDArray[np.floating] | Sequence[float]) -> NDArray[np.float64]:
+        """The odds scaled by `ratio`, within 0..1."""
+        return np.clip(np.asarray(odds, dtype=np.float64) * self.ratio, 0.0, 1.0)
+
+    def choose(self, odds: NDArray[np.floating] | Sequence[float]) -> int:
+        """How many of the drafted tokens (whose raw odds are `odds`) to send: 0..len(odds)."""
+        if len(odds) == 0:
+            return 0
+        return best_length(self.calibrated(odds), self.cost)
+
+    def record(self, odds: NDArray[np.floating] | Sequence[float], agreed: int) -> None:
+        """Learns from one step: the model's tokens agreed with the first `agreed` drafted tokens,
+        out of the len(odds) drafted tokens it produced a token for (sent or not)."""
+        if len(odds) == 0:
+            return
+        predicted = float(np.sum(np.cumprod(np.clip(np.asarray(odds, dtype=np.float64), 0.0, 1.0))))
+        self.agreed = self.decay * self.agreed + agreed
+        self.predicted = self.decay * self.predicted + predicted

@@ -1,0 +1,142 @@
+"""The draft-length policy: verify costs, the length chosen for given odds, calibration by the sequence's history."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ngramcache import UNTAGGED, Drafter, InvalidArgumentError
+from ngramcache.client.adapters.draft_length import DraftLengthPolicy, VerifyCost, best_length, expected_tokens
+from ngramcache.client.adapters.sequence_feed import SequenceFeed
+
+
+def linear(slope: float, max_k: int = 16) -> VerifyCost:
+    return VerifyCost(lambda k: 1.0 + slope * k, max_k)
+
+
+def test_verify_cost_interpolates_and_extends_past_the_last_point():
+    cost = VerifyCost({0: 2.0, 4: 4.0, 8: 8.0}, max_k=10)
+    assert cost(0) == 1.0  # relative to one token
+    assert cost(2) == pytest.approx(1.5)
+    assert cost(6) == pytest.approx(3.0)
+    assert cost(10) == pytest.approx(5.0)  # the last segment's slope, not flat
+    assert VerifyCost([1.0, 1.25, 1.5], max_k=4)(4) == pytest.approx(2.0)
+
+
+@pytest.mark.parametrize("points", [{1: 1.0, 2: 2.0}, {0: 1.0, -1: 0.5}, {0: 1.0, 1: 0.0}, [1.0, float("nan")]])
+def test_verify_cost_refuses_bad_points(points):
+    with pytest.raises(InvalidArgumentError):
+        VerifyCost(points, max_k=4)
+
+
+def test_measured_costs_never_decrease():
+    delays = {0: 0.004, 1: 0.002, 2: 0.006}  # k = 1 "measured" faster than k = 0
+    import time
+
+    cost = VerifyCost.measure(lambda k: time.sleep(delays[k]), (0, 1, 2), repeats=3, max_k=2)
+    assert list(np.diff(cost.costs)) >= [0.0, 0.0] and cost(2) > 1.2
+
+
+def test_expected_tokens():
+    assert list(expected_tokens([0.5, 0.5])) == pytest.approx([1.0, 1.5, 1.75])
+
+
+def test_best_length_for_given_costs_and_odds():
+    # E = 1, 1.9, 2.35 over c = 1, 1.5, 2.0: rates 1, 1.27, 1.18
+    assert best_length([0.9, 0.5], VerifyCost([1.0, 1.5, 2.0])) == 1
+    assert best_length([0.9] * 8, linear(0.05)) == 8  # cheap verification: send everything likely
+    assert best_length([0.99] * 8, linear(0.325)) == 8  # 9 tokens cost 3.6x, but almost all are accepted
+    assert best_length([], linear(0.1)) == 0
+
+
+def test_best_length_is_zero_when_odds_are_low():
+    assert best_length([0.3] * 8, linear(0.325)) == 0  # llama-cpp-python's 3.6x for 9 tokens
+    assert best_length([0.2, 0.9, 0.9], linear(0.3)) == 0
+
+
+def test_ties_go_to_the_shorter_draft():
+    assert best_length([0.5], VerifyCost([1.0, 1.5])) == 0  # 1/1 == 1.5/1.5
+
+
+def test_calibration_moves_with_rejections_and_recovers():
+    policy = DraftLengthPolicy(linear(0.1))
+    odds = [0.95] * 8
+    first = policy.choose(odds)
+    assert first == 8
+    for _ in range(6):
+        policy.record(odds, 0)  # the model never agrees: this sequence's odds are worse than the counts say
+    assert policy.ratio < 0.5
+    assert policy.choose(odds) < first
+    for _ in range(3):
+        policy.record(odds, 1)  # some agreement, with zero-length drafts too (all the model produced)
+    for _ in range(12):
+        policy.record(odds, 8)
+    assert policy.ratio > 1.0 and policy.choose(odds) == 8
+    policy.reset()
+    assert policy.ratio == 1.0
+
+
+def test_policy_is_deterministic():
+    def run() -> list[int]:
+        policy = DraftLengthPolicy(linear(0.3))
+        rng = np.random.default_rng(3)
+        out = []
+        for _ in range(50):
+            odds = rng.random(8)
+            out.append(policy.choose(odds))
+            policy.record(odds[: out[-1] + 1], int(rng.integers(0, out[-1] + 2)))
+        return out
+
+    assert run() == run()
+
+
+def test_policy_refuses_bad_tuning():
+    with pytest.raises(InvalidArgumentError):
+        DraftLengthPolicy(linear(0.1), decay=1.5)
+
+
+def repetitive() -> np.ndarray:
+    return np.asarray([5, 6, 7, 8, 9, 10, 11, 12] * 6, dtype=np.int32)
+
+
+def test_feed_sends_the_chosen_prefix_only():
+    drafter = Drafter(vocab_size=64, fingerprint=UNTAGGED)
+    tokens = repetitive()
+    full = drafter.draft(9, tokens, 8)  # a sequence with no context yet: counts come with accept
+    cheap = SequenceFeed(drafter, 1, 8, policy=DraftLengthPolicy(linear(0.01)))
+    costly = SequenceFeed(drafter, 2, 8, policy=DraftLengthPolicy(linear(5.0)))
+    plain = SequenceFeed(drafter, 3, 8)
+    assert len(full) == 0
+    sent_plain = plain.draft(tokens)
+    assert len(sent_plain) == 8
+    assert list(cheap.draft(tokens)) == list(sent_plain)
+    assert len(costly.draft(tokens)) == 0  # no draft is worth 6x a token's cost
+    assert costly.stats.drafted == 0 and cheap.stats.drafted == 8
+
+
+def test_feed_calibrates_from_the_models_tokens():
+    drafter = Drafter(vocab_size=64, fingerprint=UNTAGGED)
+    policy = DraftLengthPolicy(linear(0.2))
+    feed = SequenceFeed(drafter, 1, 8, policy=policy)
+    tokens = repetitive()
+    for i in range(8):  # the "model" never continues as drafted
+        drafted = feed.draft(tokens)
+        tokens = np.append(tokens, 40 + i).astype(np.int32)  # a new token each time: never drafted
+        assert len(drafted) <= 8
+    assert policy.ratio < 1.0
+    assert len(feed.draft(tokens)) < 8
+
+
+def test_a_policy_needs_draft_scored():
+    class Plain:
+        def draft(self, seq, tokens, n_draft=8):
+            return np.empty(0, dtype=np.int32)
+
+        def accept(self, seq, tokens):
+            pass
+
+        def reset(self, seq):
+            return True
+
+    with pytest.raises(InvalidArgumentError, match="draft_scored"):
+        SequenceFeed(Plain(), 1, 8, policy=DraftLengthPolicy(linear(0.1)))
