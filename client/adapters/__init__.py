@@ -16,6 +16,11 @@ All take any drafter with ``draft``/``accept``/``reset`` (`ngramcache.Drafter`,
 `DraftStats`. The drafter brings its mode: ``Drafter(..., mode="match")``,
 ``NgramClient(..., mode="match")`` or ``RemoteDrafter(..., mode="match")`` makes them draft
 longest matches (both engines verify a line, so they use `draft`, not `draft_tree`).
+
+Cost-aware drafting (``cost_aware=True`` on either engine; off by default, so the drafts stay
+llama.cpp's): `draft_length.DraftLengthPolicy` sends each step only the drafted prefix worth its
+verify cost, from the engine's measured costs (`draft_length.VerifyCost`) and the drafter's
+per-token odds (``Drafter.draft_scored``).
 """
 
 from ngramcache.client.adapters.sequence_feed import DrafterLike, DraftStats, SequenceFeed

@@ -55,28 +55,34 @@ class VerifyCost:
     @classmethod
     def measure(cls, run: Callable[[int], object], ks: Sequence[int] = (0, 1, 2, 4, 8), *, repeats: int = 7,
                 max_k: int = 256) -> VerifyCost:
-        """Times `run(k)` (one forward pass over 1 + k tokens) for each k of `ks`, after one
-        warm-up each, and keeps the median of `repeats` runs per k, interpolated.
+        """Times `run(k)` (one forward pass over 1 + k tokens) for each k of `ks`, `repeats`
+        rounds after a warm-up round, and fits c(k) = 1 + slope x k to the medians.
+
+        The rounds go over every k in turn, so a neighbour's load slows all of them alike; the
+        line (least squares, slope >= 0) is what both engines show, and a single noisy median
+        moves it less than it would move an interpolation through the points.
 
         Raises:
-            InvalidArgumentError: `ks` lacks 0, or `repeats` < 1.
+            InvalidArgumentError: fewer than two distinct k, or `repeats` < 1.
         """
-        if 0 not in ks or repeats < 1:
-            raise InvalidArgumentError(f"measuring verify costs needs k = 0 among {list(ks)} and repeats >= 1")
-        points: dict[int, float] = {}
-        for k in sorted(set(ks)):
+        order = sorted(set(ks))
+        if len(order) < 2 or order[0] < 0 or repeats < 1:
+            raise InvalidArgumentError(f"measuring verify costs needs two k >= 0 or more, got {list(ks)}, and repeats >= 1")
+        for k in order:
             run(k)  # warm-up: first-use allocations are not the steady cost
-            times = []
-            for _ in range(repeats):
+        times: dict[int, list[float]] = {k: [] for k in order}
+        for _ in range(repeats):
+            for k in order:
                 start = time.perf_counter()
                 run(k)
-                times.append(time.perf_counter() - start)
-            points[k] = float(np.median(times))
-        # Noise can make a longer batch look cheaper than a shorter one: costs never decrease.
-        running = 0.0
-        for k in sorted(points):
-            running = points[k] = max(points[k], running)
-        return cls(points, max_k)
+                times[k].append(time.perf_counter() - start)
+        x = np.array(order, dtype=np.float64)
+        y = np.array([np.median(times[k]) for k in order])
+        slope, intercept = np.polyfit(x, y, 1)
+        if intercept <= 0:  # noise beyond reason: fall back to the smallest k's median as one token's cost
+            intercept = float(y[0])
+        rel = max(0.0, float(slope) / float(intercept))
+        return cls(lambda k: 1.0 + rel * k, max_k)
 
     @property
     def max_k(self) -> int:

@@ -10,6 +10,13 @@ Usage::
     out = llm.create_completion(prompt, max_tokens=64, temperature=0.0)
     print(draft_model.stats)
 
+Cost-aware drafting (sends only the drafted prefix worth its verify cost; a batch of 9 tokens
+costs several one-token passes here)::
+
+    draft_model = NgramDraftModel(drafter, seq_id=1, n_draft=8, cost_aware=True)
+    llm = Llama(model_path="model.gguf", draft_model=draft_model)
+    draft_model.measure(llm)  # once, before the first generation: a second or two
+
 ``logits_all`` need not be given: llama-cpp-python turns it on whenever a ``draft_model`` is set
 (verifying a draft samples at every drafted position). The drafter (`ngramcache.Drafter`,
 `NgramClient(...).drafter()` or `RemoteDrafter`) must be bound to the GGUF's tokenizer, with a
@@ -33,6 +40,7 @@ it), so its accepted tokens are neither counted in `stats` nor accepted by the d
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -45,9 +53,34 @@ except ImportError as e:  # the engine is an optional extra
         "ngramcache.client.adapters.llama_cpp needs llama-cpp-python: pip install 'ngramcache[llama-cpp]'"
     ) from e
 
+from ngramcache.client.adapters.draft_length import DraftLengthPolicy, VerifyCost
 from ngramcache.client.adapters.sequence_feed import DrafterLike, DraftStats, SequenceFeed
+from ngramcache.client.errors import InvalidArgumentError
 
-__all__ = ["DraftStats", "NgramDraftModel"]
+__all__ = ["DraftStats", "NgramDraftModel", "measure_verify_cost"]
+
+
+def measure_verify_cost(llm: Any, *, context: int = 128, ks: tuple[int, ...] = (0, 1, 2, 4, 8),
+                        repeats: int = 7) -> VerifyCost:
+    """Measures `llm`'s verify costs: ``Llama.eval`` of 1 + k tokens after `context` evaluated
+    tokens (rolled back after each), medians of `repeats`; then resets `llm`.
+
+    Measure the ``Llama`` as it decodes (with its ``draft_model`` set, so ``logits_all`` is on):
+    computing the logits of every position is part of what a verification costs.
+    """
+    vocab = int(llm.n_vocab())
+    ids = [(i * 7919) % vocab for i in range(context + max(ks) + 1)]  # fixed ids: reproducible
+    llm.reset()
+    llm.eval(ids[:context])
+
+    def run(k: int) -> None:
+        llm.n_tokens = context  # eval() drops the KV cache past n_tokens first
+        llm.eval(ids[context: context + 1 + k])
+
+    try:
+        return VerifyCost.measure(run, ks, repeats=repeats)
+    finally:
+        llm.reset()
 
 
 class NgramDraftModel(LlamaDraftModel):
@@ -60,12 +93,44 @@ class NgramDraftModel(LlamaDraftModel):
         seq_id: the drafter's sequence id to use (each new generation resets it).
         n_draft: most tokens drafted per call (1..256).
         stats: counters to add to (`self.stats`; a new `DraftStats` when omitted).
+        cost_aware: send each call only the drafted prefix with the most expected new tokens per
+            unit of verify cost (0 tokens included). Needs the costs: `verify_cost`, or a call
+            of `measure(llm)` before the first generation (the draft model never sees the
+            ``Llama``). Off by default: every drafted token is sent, as llama.cpp does.
+        verify_cost: the verify costs c(k) (a `VerifyCost`, a list whose item k is c(k), or a
+            callable); implies `cost_aware`.
+
+    Raises:
+        InvalidArgumentError: `cost_aware` with a drafter that has no ``draft_scored``.
     """
 
-    def __init__(self, drafter: DrafterLike, seq_id: int = 0, n_draft: int = 8, *, stats: DraftStats | None = None) -> None:
+    def __init__(self, drafter: DrafterLike, seq_id: int = 0, n_draft: int = 8, *, stats: DraftStats | None = None,
+                 cost_aware: bool = False,
+                 verify_cost: VerifyCost | Sequence[float] | Callable[[int], float] | None = None) -> None:
+        self.cost_aware = cost_aware or verify_cost is not None
         self.feed = SequenceFeed(drafter, seq_id, n_draft, stats)
+        if self.cost_aware and not hasattr(drafter, "draft_scored"):
+            raise InvalidArgumentError(
+                f"cost-aware drafting needs a drafter with draft_scored() (ngramcache.Drafter), got {type(drafter).__name__}")
+        if verify_cost is not None:
+            self.set_verify_cost(verify_cost)
         self._last_draft: NDArray[np.int32] = np.empty(0, dtype=np.int32)
         self.generations = 0  # generations started (calls that found a new or extended prompt)
+
+    def set_verify_cost(self, cost: VerifyCost | Sequence[float] | Callable[[int], float]) -> None:
+        """Drafts cost-aware from now on, with verify costs `cost`."""
+        if not isinstance(cost, VerifyCost):
+            cost = VerifyCost(cost, max(self.feed.n_draft, 8))
+        self.cost_aware = True
+        self.feed = SequenceFeed(self.feed.drafter, self.feed.seq_id, self.feed.n_draft, self.feed.stats,
+                                 DraftLengthPolicy(cost))
+
+    def measure(self, llm: Any, **kwargs: Any) -> VerifyCost:
+        """Measures `llm`'s verify costs (`measure_verify_cost`, a second or two) and drafts
+        cost-aware with them; call it once, before the first generation. Returns the costs."""
+        cost = measure_verify_cost(llm, **kwargs)
+        self.set_verify_cost(cost)
+        return cost
 
     @property
     def stats(self) -> DraftStats:
@@ -78,6 +143,10 @@ class NgramDraftModel(LlamaDraftModel):
         Returns:
             An int32 (intc) array, empty when the drafter has nothing.
         """
+        if self.cost_aware and self.feed.policy is None:
+            raise InvalidArgumentError(
+                "NgramDraftModel(cost_aware=True) needs its verify costs: call draft_model.measure(llm) "
+                "before generating, or pass verify_cost=")
         tokens = np.asarray(input_ids, dtype=np.int32)
         seen = self.feed.seen
         stats = self.feed.stats

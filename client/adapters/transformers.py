@@ -40,8 +40,10 @@ custom_generate callables).
 
 from __future__ import annotations
 
+import inspect
 import threading
 import weakref
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -58,9 +60,10 @@ except ImportError as e:  # the engine is an optional extra
         "pip install 'ngramcache[transformers]'"
     ) from e
 
+from ngramcache.client.adapters.draft_length import DraftLengthPolicy, VerifyCost
 from ngramcache.client.adapters.sequence_feed import DrafterLike, DraftStats, SequenceFeed
 
-__all__ = ["DraftStats", "NgramCandidateGenerator", "generate", "ngram_decoding"]
+__all__ = ["DraftStats", "NgramCandidateGenerator", "generate", "measure_verify_cost", "ngram_decoding"]
 
 
 class NgramCandidateGenerator(CandidateGenerator):
@@ -76,10 +79,15 @@ class NgramCandidateGenerator(CandidateGenerator):
         seq_id: the drafter's sequence id to use.
         n_draft: most tokens drafted per step (1..256).
         stats: counters to add to (`self.stats`; a new `DraftStats` when omitted).
+        verify_cost: cost-aware drafting with these verify costs (`VerifyCost`, e.g. from
+            `measure_verify_cost`): each step sends the drafted prefix with the most expected
+            tokens per unit of cost, 0 tokens included. None: every drafted token is sent.
     """
 
-    def __init__(self, drafter: DrafterLike, seq_id: int, n_draft: int = 8, *, stats: DraftStats | None = None) -> None:
-        self.feed = SequenceFeed(drafter, seq_id, n_draft, stats)
+    def __init__(self, drafter: DrafterLike, seq_id: int, n_draft: int = 8, *, stats: DraftStats | None = None,
+                 verify_cost: VerifyCost | None = None) -> None:
+        policy = DraftLengthPolicy(verify_cost) if verify_cost is not None else None
+        self.feed = SequenceFeed(drafter, seq_id, n_draft, stats, policy)
         # The generation's max_length (set by ngram_decoding): no draft reaches past it.
         self.max_length: int | None = None
 
@@ -126,6 +134,44 @@ def _to_numpy(input_ids: torch.Tensor) -> NDArray[np.int32]:
     """Row 0 of a (1, length) tensor of token ids as int32."""
     tokens: NDArray[np.int32] = np.asarray(input_ids[0].detach().to("cpu").numpy(), dtype=np.int32)
     return tokens
+
+
+_costs: weakref.WeakKeyDictionary[Any, VerifyCost] = weakref.WeakKeyDictionary()
+
+
+def measure_verify_cost(model: Any, *, context: int = 128, ks: tuple[int, ...] = (0, 1, 2, 4, 8),
+                        repeats: int = 7) -> VerifyCost:
+    """Measures the model's verify costs: forward passes over 1 + k tokens after a cached
+    context of `context` tokens (the KV cache cropped back after each), medians of `repeats`.
+
+    About 40 forward passes: well under a second for a small model on CPU.
+    """
+    device = next(model.parameters()).device
+    vocab = int(model.config.vocab_size)
+    # Fixed, ordinary token ids (not a random draw): the measurement is reproducible.
+    ids = (torch.arange(context + max(ks) + 1, device=device) * 7919 % vocab).unsqueeze(0)
+    # transformers 5 renames the forward's past_key_values to cache (the old name warns).
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    with torch.no_grad():
+        out = model(ids[:, :context], use_cache=True)
+        cache = getattr(out, "cache", None)
+        if cache is None:
+            cache = out.past_key_values
+
+        def run(k: int) -> None:
+            model(ids[:, context: context + 1 + k], use_cache=True, **{name: cache})
+            cache.crop(-(1 + k))  # a negative size removes that many tokens (transformers 4.x and 5.x alike)
+
+        return VerifyCost.measure(run, ks, repeats=repeats)
+
+
+def _verify_cost_of(model: Any) -> VerifyCost:
+    """The model's verify costs, measured at its first cost-aware generation and kept."""
+    with _model_lock(model):
+        cost = _costs.get(model)
+        if cost is None:
+            cost = _costs[model] = measure_verify_cost(model)
+        return cost
 
 
 _locks_guard = threading.Lock()
@@ -205,6 +251,8 @@ def generate(
     seq_id: int,
     n_draft: int = 8,
     stats: DraftStats | None = None,
+    cost_aware: bool = False,
+    verify_cost: VerifyCost | Sequence[float] | Callable[[int], float] | None = None,
     **generate_kwargs: Any,
 ) -> Any:
     """``model.generate(input_ids, **generate_kwargs)`` speculating with drafts of `drafter`: greedy
@@ -218,6 +266,13 @@ def generate(
         seq_id: the drafter's sequence id for this generation (reset at its start).
         n_draft: most tokens drafted per step (1..256).
         stats: counters to add this generation's steps, drafted, accepted and new tokens to.
+        cost_aware: send each step only the drafted prefix with the most expected new tokens
+            per unit of verify cost (0 tokens included; the output is unchanged). Needs a
+            drafter with ``draft_scored`` (`ngramcache.Drafter`). Off by default: every drafted
+            token is sent, as llama.cpp does.
+        verify_cost: the verify costs c(k) to use with `cost_aware` (a `VerifyCost`, a list
+            whose item k is c(k), or a callable); by default they are measured on `model`
+            at its first cost-aware call (`measure_verify_cost`, under a second) and kept.
         **generate_kwargs: passed to ``model.generate`` (``max_new_tokens``, ``attention_mask``,
             ``eos_token_id``, ``return_dict_in_generate``...); ``do_sample`` defaults to False.
 
@@ -232,5 +287,11 @@ def generate(
         if generate_kwargs.get(name) is not None:
             raise ValueError(f"{name}= is not supported with ngramcache drafting")
     generate_kwargs.setdefault("do_sample", False)
-    generator = NgramCandidateGenerator(drafter, seq_id, n_draft, stats=stats)
+    cost: VerifyCost | None = None
+    if cost_aware:
+        if verify_cost is None:
+            cost = _verify_cost_of(model)
+        else:
+            cost = verify_cost if isinstance(verify_cost, VerifyCost) else VerifyCost(verify_cost, max(n_draft, 8))
+    generator = NgramCandidateGenerator(drafter, seq_id, n_draft, stats=stats, verify_cost=cost)
     return model.generate(input_ids, custom_generate=ngram_decoding, ngram_candidate_generator=generator, **generate_kwargs)

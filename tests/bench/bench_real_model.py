@@ -40,7 +40,13 @@ Setups, per engine:
   competing; no static file, so no corpus index), merged after each request as in (c);
 - (f) (d) in the match mode: ``NgramClient(..., mode="match").drafter()`` on a namespace of its
   own (so (d)'s and (f)'s pushes do not add up) holding the same static generation; its drafts
-  also match the static generation's corpus index.
+  also match the static generation's corpus index;
+- (g) (c) cost-aware and (h) (e) cost-aware: the same local Drafters, but each step sends only the
+  drafted prefix with the most expected new tokens per unit of verify cost (0 tokens included),
+  from the drafter's per-token odds (``draft_scored``) calibrated by the sequence's accepted
+  drafts, and the engine's verify costs c(k), measured once before the run (transformers: the
+  adapter's ``measure_verify_cost`` on the model; llama-cpp-python: ``NgramDraftModel.measure``
+  on the setup's Llama), printed with the results.
 
 All setups decode greedily: every output should be token for token that of (a), the reference
 of the "same as (a)" column (with transformers; llama.cpp's batched kernels round differently
@@ -76,6 +82,7 @@ to see the noise, run it twice.
     python tests/bench/bench_real_model.py                    # both engines, 50 requests, 128 tokens
     python tests/bench/bench_real_model.py --engine transformers --quick
     python tests/bench/bench_real_model.py --setups a,c,e     # plain, local Drafter in both modes
+    python tests/bench/bench_real_model.py --setups a,b,c,e,g,h  # cost-aware drafting against fixed 8-token drafts
 """
 
 from __future__ import annotations
@@ -113,10 +120,11 @@ from helpers.model import smollm2_gguf  # sets HF_HUB_OFFLINE; transformers is i
 
 SKIP_DIRS = {"site-packages", "test", "tests", "idlelib", "lib2to3", "turtledemo", "__pycache__"}
 KINDS = ("repeat", "type hints", "docstring", "rename")
-SETUPS = ("a", "b", "c", "d", "e", "f")
-LOCAL = ("c", "e")  # a local Drafter per worker, merged after each request: (c) compatible, (e) match
+SETUPS = ("a", "b", "c", "d", "e", "f", "g", "h")
+LOCAL = ("c", "e", "g", "h")  # a local Drafter per worker, merged after each request: (c) compatible, (e) match
 SERVICE = ("d", "f")  # an NgramClient per worker: (d) compatible, (f) match
-MATCH = {"e": "c", "f": "d"}  # a match-mode setup -> its compatible-mode counterpart
+MATCH = {"e": "c", "f": "d", "h": "g"}  # a match-mode setup -> its compatible-mode counterpart
+COST_AWARE = {"g": "c", "h": "e"}  # a cost-aware setup -> the same drafter sending every drafted token
 SOLO = "d-alone"  # worker B drafting through a namespace without A's counts
 FUNCS_PER_FILE = 3
 
@@ -391,7 +399,7 @@ class TransformersEngine:
         from transformers import AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
 
-        from ngramcache.client.adapters.transformers import DraftStats, generate
+        from ngramcache.client.adapters.transformers import DraftStats, generate, measure_verify_cost
 
         hf_logging.set_verbosity_error()
         hf_logging.disable_progress_bar()
@@ -404,11 +412,14 @@ class TransformersEngine:
         self.counter = PassCounter()
         self.model.register_forward_pre_hook(self._hook, with_kwargs=True)
         self.stats_mismatch = 0  # generations whose adapter DraftStats disagree with the counted passes
+        self.verify_cost: Any = None  # measured at the first cost-aware run (uncounted: before the hook counts)
+        self.measure_verify_cost = measure_verify_cost
         self.title = (f"transformers {transformers.__version__} (torch {torch.__version__}, {args.threads} threads, "
                       f"float32 dequantized from the GGUF)")
         self.labels = {"a": "(a) plain greedy", "b": f"(b) prompt_lookup_num_tokens={args.pld_tokens}",
                        "c": "(c) ngramcache, local Drafter", "d": "(d) ngramcache + service",
-                       "e": "(e) (c) in the match mode", "f": "(f) (d) in the match mode"}
+                       "e": "(e) (c) in the match mode", "f": "(f) (d) in the match mode",
+                       "g": "(g) (c) cost-aware", "h": "(h) (e) cost-aware"}
 
     def _hook(self, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         ids = kwargs["input_ids"] if "input_ids" in kwargs else args[0]
@@ -431,8 +442,15 @@ class TransformersEngine:
             elif setup == "b":
                 out = self.model.generate(inp, prompt_lookup_num_tokens=self.args.pld_tokens, **kwargs)
             else:
+                cost: dict[str, Any] = {}
+                if setup in COST_AWARE:
+                    if self.verify_cost is None:
+                        self.verify_cost = self.measure_verify_cost(self.model)
+                        self.counter.reset(len(ids))
+                        t0 = time.perf_counter()
+                    cost = dict(cost_aware=True, verify_cost=self.verify_cost)
                 out = self.adapter_generate(self.model, inp, drafter, seq_id=seq, n_draft=self.args.n_draft,
-                                            stats=stats, **kwargs)
+                                            stats=stats, **cost, **kwargs)
         seconds = time.perf_counter() - t0
         c = self.counter
         run = Run(out[0, len(ids):].tolist(), seconds, c.forwards, c.drafted, c.drafts)
@@ -470,7 +488,9 @@ class LlamaCppEngine:
                       f"n_ctx {n_ctx})")
         self.labels = {"a": "(a) plain greedy", "b": f"(b) LlamaPromptLookupDecoding({args.pld_tokens})",
                        "c": "(c) ngramcache, local Drafter", "d": "(d) ngramcache + service",
-                       "e": "(e) (c) in the match mode", "f": "(f) (d) in the match mode"}
+                       "e": "(e) (c) in the match mode", "f": "(f) (d) in the match mode",
+                       "g": "(g) (c) cost-aware", "h": "(h) (e) cost-aware"}
+        self.verify_cost: Any = None  # measured on the first cost-aware setup's Llama
 
     def _llama(self, draft_model: Any) -> Any:
         llm = self.Llama(model_path=str(self.gguf), n_ctx=self.n_ctx, n_threads=self.args.threads,
@@ -499,6 +519,10 @@ class LlamaCppEngine:
             llm = self.instances.get(setup)
             if llm is None:
                 llm = self.instances[setup] = self._llama(dm)
+            if setup in COST_AWARE and not dm.cost_aware:
+                if self.verify_cost is None:
+                    self.verify_cost = dm.measure(llm)  # before the run's counter is reset: uncounted
+                dm.set_verify_cost(self.verify_cost)
             llm.draft_model = dm
         self.counter.reset(len(ids))
         out: list[int] = []
@@ -746,6 +770,18 @@ def report(engine: Any, result: dict[str, Any], reqs_a: list[Request], reqs_b: l
             f"({s}) vs ({MATCH[s]}) tokens/s {t:.2f}x over the run, median per request {med:.2f}x; passes/token "
             f"{sums[MATCH[s]].forwards / sums[MATCH[s]].tokens:.3f} -> {sums[s].forwards / sums[s].tokens:.3f} ({p:.2f}x)"
             for s, (t, med, p) in match.items()))
+    cost = {}
+    for s, base in COST_AWARE.items():
+        if s in setups and base in setups:
+            t, med = speed(s, base)
+            cost[s] = (t, med)
+    if engine.verify_cost is not None:
+        print(f"verify costs c(k), k = 0..8, measured: {', '.join(f'{c:.2f}' for c in engine.verify_cost.costs[:9])}")
+    if cost:
+        print("cost-aware vs fixed drafts: " + "; ".join(
+            f"({s}) vs ({COST_AWARE[s]}) tokens/s {t:.2f}x over the run, median per request {med:.2f}x; passes/token "
+            f"{sums[COST_AWARE[s]].forwards / sums[COST_AWARE[s]].tokens:.3f} -> {sums[s].forwards / sums[s].tokens:.3f}"
+            for s, (t, med) in cost.items()))
     if isinstance(engine, TransformersEngine) and engine.stats_mismatch:
         print(f"note: the adapter's DraftStats disagree with the counted forward passes in {engine.stats_mismatch} generations")
     if isinstance(engine, LlamaCppEngine):
@@ -785,7 +821,7 @@ def report(engine: Any, result: dict[str, Any], reqs_a: list[Request], reqs_b: l
         print(f"fleet (f): A pushed {v['acked_rows']:,} rows ({v['acked_count']:,} counts), all acknowledged; "
               f"B started once all {v['probed']} 4-grams A's last request counted twice were in its mirror "
               f"({v['waited']:.2f} s; {v['mirror_rows']:,} rows mirrored; static generation {v['generation']})")
-    return {"sums": sums, "ratios": ratios, "match": match, "fleet": fleet,
+    return {"sums": sums, "ratios": ratios, "match": match, "fleet": fleet, "cost": cost,
             "same": {s: same_tokens(runs[s], ref) for s in setups}, "n": n}
 
 
@@ -803,7 +839,7 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="threads per engine (default: every core)")
     ap.add_argument("--seed", type=int, default=7, help="seed of the workload (default 7)")
     ap.add_argument("--setups", default=",".join(SETUPS),
-                    help="the setups to run, a comma list of letters a-f (default all: a,b,c,d,e,f); (a), plain "
+                    help="the setups to run, a comma list of letters a-h (default all: a,b,c,d,e,f,g,h); (a), plain "
                          "greedy, is always run: it is the reference of the 'same as (a)' column")
     args = ap.parse_args()
     chosen = {x.strip().lower() for x in args.setups.split(",") if x.strip()}
@@ -915,6 +951,15 @@ def main() -> int:
                           + f"; same as (a): {same_list}")
                 else:
                     print(f"llama-cpp-python, same as (a): {same_list}")
+            aware = [s for s in COST_AWARE if s in setups]
+            if aware:
+                sums = res["sums"]
+                plain = {s: sums[s].tps / sums["a"].tps for s in aware}
+                line = "; ".join(f"({s}) {plain[s]:.2f}x (a)" + (f", {ratios[s][0]:.2f}x (b)" if s in ratios else "")
+                                 + (f", {res['cost'][s][0]:.2f}x ({COST_AWARE[s]})" if s in res["cost"] else "")
+                                 for s in aware)
+                print(f"targets, {name} cost-aware (llama-cpp-python >= 1.10x (a) and >= 1.3x (b); transformers "
+                      f">= 1.5x (b); never slower than fixed drafts): {line}")
             if "on A's functions" in fleet:
                 x = fleet["on A's functions"]
                 print(f"targets, {name} fleet: B's tokens per pass on A's functions >= 1.1x with A's counts: "

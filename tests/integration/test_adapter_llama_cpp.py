@@ -16,7 +16,7 @@ from helpers.model import (
     stdlib_module_sources,
 )
 
-from ngramcache import UNTAGGED, CountTable, Drafter, StaticCache, build_static_from_tokens
+from ngramcache import UNTAGGED, CountTable, Drafter, InvalidArgumentError, StaticCache, build_static_from_tokens
 from ngramcache.client.adapters.llama_cpp import DraftStats, NgramDraftModel
 
 pytestmark = [pytest.mark.integration, pytest.mark.engine]
@@ -244,3 +244,32 @@ def test_two_generations_on_one_llama(llama_cls, static_cache):
         assert dm.feed.seen is not None and list(dm.feed.seen[: len(prompt)]) == prompt
     assert dm.generations == 2 and dm.stats.accepted > 0
     llm.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["compatible", "match"])
+def test_cost_aware_generation_matches_plain_greedy(llama_cls, plain, static_cache, mode):
+    """Costs measured on the Llama before the first generation; drafts only shortened, so greedy decoding's output."""
+    spec = PROMPT_FUNCTIONS[0]
+    prompt = plain.tokenize(chatml(repeat_prompt(stdlib_function_source(spec))).encode(), add_bos=False, special=True)
+    reference = complete(plain, prompt)
+
+    drafter = Drafter(static=static_cache, dynamic=CountTable(), mode=mode)
+    dm = NgramDraftModel(drafter, seq_id=12, n_draft=8, cost_aware=True)
+    llm = llama_cls(model_path=str(smollm2_gguf()), n_ctx=2048, seed=0, draft_model=dm, verbose=False)
+    with pytest.raises(InvalidArgumentError, match="measure"):
+        complete(llm, prompt)  # cost-aware without costs: told what to do, not a traceback from inside
+    cost = dm.measure(llm, repeats=3)
+    assert cost(0) == 1.0 and cost(8) >= cost(1) >= 1.0
+    got = complete(llm, prompt)
+    assert len(got) >= 32 and dm.stats.accepted > 0
+    if got != reference:  # batched kernels round differently (see the test above): near ties only
+        slack = greedy_slack(llama_cls, prompt, got)
+        near_ties = [s for s in slack if s > 0]
+        assert len(near_ties) <= 2 and max(near_ties) < 0.5, (slack, got, reference)
+    llm.close()
+
+
+def test_cost_aware_needs_draft_scored():
+    with pytest.raises(InvalidArgumentError, match="draft_scored"):
+        NgramDraftModel(RecordingDrafter(), cost_aware=True)

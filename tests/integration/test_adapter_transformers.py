@@ -19,9 +19,24 @@ from helpers.model import (
 )
 from helpers.service import ServiceThread
 
-from ngramcache import UNTAGGED, CountTable, Drafter, RemoteDrafter, StaticCache, build_static_from_tokens, load_tokenizer
+from ngramcache import (
+    UNTAGGED,
+    CountTable,
+    Drafter,
+    InvalidArgumentError,
+    RemoteDrafter,
+    StaticCache,
+    build_static_from_tokens,
+    load_tokenizer,
+)
 from ngramcache.client._proto.v1 import admin_pb2, admin_pb2_grpc
-from ngramcache.client.adapters.transformers import DraftStats, NgramCandidateGenerator, generate, ngram_decoding
+from ngramcache.client.adapters.transformers import (
+    DraftStats,
+    NgramCandidateGenerator,
+    generate,
+    measure_verify_cost,
+    ngram_decoding,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.engine]
 
@@ -238,3 +253,43 @@ def test_missing_engine_names_the_extra():
             "except ImportError as e:\n    print(e)\nelse:\n    raise SystemExit('imported')\n")
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout
     assert "pip install 'ngramcache[transformers]'" in out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["compatible", "match"])
+def test_cost_aware_output_equals_plain_greedy(smollm2, static_cache, plain_outputs, mode):
+    """Cost-aware drafting only shortens drafts: greedy output unchanged; the costs measured on the model grow with k."""
+    model, tok = smollm2
+    spec = PROMPT_FUNCTIONS[0]
+    ids = prompt_ids(tok, spec)
+    cost = measure_verify_cost(model, repeats=3)
+    assert cost(0) == 1.0 and cost(8) >= cost(1) >= 1.0
+    drafter = Drafter(static=static_cache, dynamic=CountTable(), mode=mode)
+    stats = DraftStats()
+    out = generate(model, ids, drafter, seq_id=5, n_draft=8, max_new_tokens=NEW_TOKENS, stats=stats,
+                   cost_aware=True, verify_cost=cost)
+    assert torch.equal(out, plain_outputs[spec])
+    assert stats.accepted > 0 and stats.steps + stats.accepted == stats.tokens
+    # A cost no draft can pay for: no token is sent, and the output is still plain greedy decoding's.
+    none = DraftStats()
+    out = generate(model, ids, Drafter(static=static_cache, dynamic=CountTable(), mode=mode), seq_id=6,
+                   max_new_tokens=NEW_TOKENS, stats=none, cost_aware=True, verify_cost=lambda k: 1.0 + 10.0 * k)
+    assert torch.equal(out, plain_outputs[spec]) and none.drafted == 0
+
+
+def test_cost_aware_needs_draft_scored(smollm2):
+    model, tok = smollm2
+
+    class NoOdds:
+        def draft(self, seq, tokens, n_draft=8):
+            return np.empty(0, dtype=np.int32)
+
+        def accept(self, seq, tokens):
+            pass
+
+        def reset(self, seq):
+            return True
+
+    with pytest.raises(InvalidArgumentError, match="draft_scored"):
+        generate(model, prompt_ids(tok, PROMPT_FUNCTIONS[0]), NoOdds(), seq_id=1, max_new_tokens=4, cost_aware=True,
+                 verify_cost=[1.0, 1.5])

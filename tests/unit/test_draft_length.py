@@ -29,12 +29,14 @@ def test_verify_cost_refuses_bad_points(points):
         VerifyCost(points, max_k=4)
 
 
-def test_measured_costs_never_decrease():
-    delays = {0: 0.004, 1: 0.002, 2: 0.006}  # k = 1 "measured" faster than k = 0
+def test_measured_costs_are_a_line_through_the_medians():
     import time
 
-    cost = VerifyCost.measure(lambda k: time.sleep(delays[k]), (0, 1, 2), repeats=3, max_k=2)
-    assert list(np.diff(cost.costs)) >= [0.0, 0.0] and cost(2) > 1.2
+    cost = VerifyCost.measure(lambda k: time.sleep(0.002 + 0.001 * k), (0, 2, 4), repeats=3, max_k=8)
+    assert cost(0) == 1.0 and cost(8) > cost(4) > cost(2) > 1.0
+    assert cost(4) == pytest.approx(3.0, rel=0.5)  # (2 + 4) / 2 ms, loosely: sleeps overshoot
+    with pytest.raises(InvalidArgumentError):
+        VerifyCost.measure(lambda k: None, (0,), repeats=1)
 
 
 def test_expected_tokens():
