@@ -92,6 +92,11 @@ class NgramCandidateGenerator(CandidateGenerator):
         self.max_length: int | None = None
 
     @property
+    def num_drafting_tokens(self) -> int:
+        """Most tokens drafted a step (transformers 5.25+ asks, to size what its cache keeps for a rewind)."""
+        return self.feed.n_draft
+
+    @property
     def stats(self) -> DraftStats:
         """Forward passes (steps), drafted and accepted tokens, new tokens so far."""
         return self.feed.stats
