@@ -40,6 +40,7 @@ it), so its accepted tokens are neither counted in `stats` nor accepted by the d
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -60,27 +61,67 @@ from ngramcache.client.errors import InvalidArgumentError
 __all__ = ["DraftStats", "NgramDraftModel", "measure_verify_cost"]
 
 
-def measure_verify_cost(llm: Any, *, context: int = 128, ks: tuple[int, ...] = (0, 1, 2, 4, 8),
-                        repeats: int = 7) -> VerifyCost:
-    """Measures `llm`'s verify costs: ``Llama.eval`` of 1 + k tokens after `context` evaluated
-    tokens (rolled back after each), medians of `repeats`; then resets `llm`.
+class _ProbeDraft(LlamaDraftModel):
+    """A draft model that proposes k fixed tokens and notes when it is called: the time between
+    two calls is one pass of the generation loop with k drafted tokens (almost always rejected)."""
 
-    Measure the ``Llama`` as it decodes (with its ``draft_model`` set, so ``logits_all`` is on):
-    computing the logits of every position is part of what a verification costs.
+    def __init__(self, k: int, vocab: int) -> None:
+        self.k = k
+        self.vocab = vocab
+        self.calls: list[float] = []
+
+    def __call__(self, input_ids: NDArray[np.intc], /, **kwargs: Any) -> NDArray[np.intc]:
+        self.calls.append(time.perf_counter())
+        n = len(input_ids)
+        return np.array([(n * 7919 + 31 * i) % self.vocab for i in range(self.k)], dtype=np.intc)
+
+
+def measure_verify_cost(llm: Any, *, context: int = 64, ks: tuple[int, ...] = (0, 1, 2, 4, 8),
+                        passes: int = 8, repeats: int = 3) -> VerifyCost:
+    """Measures `llm`'s verify costs in its own generation loop: ``Llama.generate`` (greedy) with
+    a probe draft model that proposes k tokens each pass, timing the passes between its calls;
+    c(k) is the median pass with k drafted tokens over the median pass with none. Then restores
+    the ``Llama``'s draft model and resets it (a second or two).
+
+    A pass costs more than ``Llama.eval`` of 1 + k tokens: the loop also samples, in Python, and
+    rolls the KV cache back after a rejected token, and with llama.cpp's CPU kernels one drafted
+    token can cost as much as the pass without it (measured here: c(1) = 2.0 in the loop against
+    1.4 for the evaluation alone). The costs are the measured points, interpolated.
+
+    Args:
+        context: prompt tokens (fixed ids, so runs are reproducible) before the timed passes.
+        ks: draft lengths measured (0 and at least one more).
+        passes: timed passes per k and round (plus one untimed, the prompt's).
+        repeats: rounds over every k (a neighbour's load slows them alike).
     """
+    order = sorted(set(ks))
+    if len(order) < 2 or order[0] != 0 or passes < 1 or repeats < 1:
+        raise InvalidArgumentError(f"measuring verify costs needs k = 0 and another k, passes >= 1 and repeats >= 1, "
+                                   f"got ks {list(ks)}, passes {passes}, repeats {repeats}")
     vocab = int(llm.n_vocab())
-    ids = [(i * 7919) % vocab for i in range(context + max(ks) + 1)]  # fixed ids: reproducible
-    llm.reset()
-    llm.eval(ids[:context])
-
-    def run(k: int) -> None:
-        llm.n_tokens = context  # eval() drops the KV cache past n_tokens first
-        llm.eval(ids[context: context + 1 + k])
-
+    prompt = [(i * 7919) % vocab for i in range(context)]
+    saved = llm.draft_model
+    times: dict[int, list[float]] = {k: [] for k in order}
     try:
-        return VerifyCost.measure(run, ks, repeats=repeats)
+        for round_ in range(repeats + 1):  # round 0 warms up (first-use allocations)
+            for k in order:
+                probe = _ProbeDraft(k, vocab)
+                llm.draft_model = probe
+                tokens = llm.generate(prompt, temp=0.0, reset=True)
+                for _ in zip(range(passes + 2), tokens):
+                    pass
+                tokens.close()
+                if round_:
+                    times[k].extend(np.diff(probe.calls)[1:].tolist())
     finally:
+        llm.draft_model = saved
         llm.reset()
+    medians = {k: float(np.median(times[k])) for k in order if times[k]}
+    if len(medians) < 2:
+        raise InvalidArgumentError("the generation loop made too few passes to time: raise passes")
+    # Costs never fall with k (a noisy point would make a longer draft look cheaper).
+    cs = np.maximum.accumulate(np.array([medians[k] for k in sorted(medians)]))
+    return VerifyCost(dict(zip(sorted(medians), cs.tolist())))
 
 
 class NgramDraftModel(LlamaDraftModel):
