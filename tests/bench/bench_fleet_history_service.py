@@ -66,17 +66,19 @@ def quantile(values: list[float], q: float) -> float:
 
 
 class ServiceFleet(Setup):
-    """K real NgramClients (match mode) on one namespace of a running service, replayed in real time."""
+    """K real NgramClients (match mode) on one namespace of a running service, replayed in real time
+    (or, siloed, each on a namespace of its own: its own counts and no one else's history)."""
 
     name = "ngramcache fleet, real service"
 
-    def __init__(self, k: int, address: str, namespace: str, vocab: int, cache_dir: Path, step_ms: float,
+    def __init__(self, k: int, address: str, namespace: str | list[str], vocab: int, cache_dir: Path, step_ms: float,
                  groups: dict[bytes, int], counts: bool = True) -> None:
         super().__init__(k)
         self.step_ms = step_ms
         self.groups = groups  # prompt bytes -> group: Setup.start is given the prompt, not the group
-        self.clients = [NgramClient(address, namespace, (UNTAGGED, vocab), cache_dir=cache_dir, mode="match",
-                                    connect_timeout=10.0, ready_timeout=30.0) for _ in range(k)]
+        namespaces = [namespace] * k if isinstance(namespace, str) else namespace
+        self.clients = [NgramClient(address, ns, (UNTAGGED, vocab), cache_dir=cache_dir, mode="match",
+                                    connect_timeout=10.0, ready_timeout=30.0) for ns in namespaces]
         self.drafters = [c.drafter() for c in self.clients]
         if not counts:
             # History only, as the simulated MatchFleet: the shared counts (the draft view the client
@@ -207,6 +209,8 @@ def run_cell(address: str, workload: str, requests: list[Request], k: int, seeds
     groups = {r.prompt.tobytes(): r.group for r in requests}
     runs: dict[str, list[dict[str, float]]] = {"real": [], "sim_lag": [], "sim_measured": [], "sim_prompts": [],
                                                "local": []}
+    if args.siloed:
+        runs["real_siloed"] = []
     for seed in range(seeds):
         sched = Schedule(**{**schedule.__dict__, "seed": seed})
         namespace = f"{workload}-k{k}-s{seed}-{int(time.time())}"
@@ -226,10 +230,22 @@ def run_cell(address: str, workload: str, requests: list[Request], k: int, seeds
                                      "lag_ms": measured})
         runs["sim_prompts"].append(figures(simulate(requests, PromptFleet(k, vocab, measured), sched, N_DRAFT)))
         runs["local"].append(figures(simulate(requests, MatchLocal(k, vocab), sched, N_DRAFT)))
+        if args.siloed:  # the same clients, each on a namespace of its own: the real siloed baseline
+            silos = [f"{namespace}-silo{i}" for i in range(k)]
+            with AdminClient(address, timeout=30) as admin:
+                for ns in silos:
+                    admin.create_namespace(ns, (UNTAGGED, vocab))
+            siloed = ServiceFleet(k, address, silos, vocab, tmp / "cache", args.step_ms, groups,
+                                  counts=not args.no_counts)
+            try:
+                runs["real_siloed"].append(figures(simulate(requests, siloed, sched, N_DRAFT)))
+            finally:
+                siloed.close()
         x = runs["real"][-1]
         print(f"  {workload} K={k} seed {seed}: real {x['tokens_per_step']:.3f} tokens/step, sim (lag {args.lag_ms:g}) "
               f"{runs['sim_lag'][-1]['tokens_per_step']:.3f}, sim (lag {measured:.0f}) "
-              f"{runs['sim_measured'][-1]['tokens_per_step']:.3f}, local {runs['local'][-1]['tokens_per_step']:.3f}; "
+              f"{runs['sim_measured'][-1]['tokens_per_step']:.3f}, local {runs['local'][-1]['tokens_per_step']:.3f}"
+              + (f", real siloed {runs['real_siloed'][-1]['tokens_per_step']:.3f}" if args.siloed else "") + "; "
               f"accept->mirrored p50 {measured:.0f} ms; ticks over {args.step_ms:g} ms "
               f"{x['tick_overrun_pct']:.1f}%; {wall:.0f} s", flush=True)
     return {name: median_of(rs) for name, rs in runs.items()}
@@ -244,7 +260,8 @@ def print_tables(cells: dict[str, dict[str, dict[str, float]]], lag_ms: float) -
         labels = {"real": "real service + clients", "sim_lag": f"simulated fleet, lag {lag_ms:g} ms",
                   "sim_measured": f"simulated fleet, lag {setups['sim_measured']['lag_ms']:.0f} ms (measured p50)",
                   "sim_prompts": "simulated fleet, measured lag, prompts published too",
-                  "local": "simulated local only (siloed)"}
+                  "local": "simulated local only (siloed)",
+                  "real_siloed": "real service + clients, siloed (a namespace each)"}
         for name, label in labels.items():
             if name not in setups:
                 continue
@@ -277,6 +294,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--interval-ms", type=float, default=150.0, help="repeated requests arrive this often")
     ap.add_argument("--no-counts", action="store_true",
                     help="detach each client's mirrored counts from its drafter: the fleet history alone, as simulated")
+    ap.add_argument("--siloed", action="store_true",
+                    help="also run the real clients siloed, each on a namespace of its own (the real baseline)")
     ap.add_argument("--json", type=Path, help="write every figure here")
     args = ap.parse_args(argv)
     if not args.data.is_file():
