@@ -24,13 +24,13 @@ import time
 from collections import OrderedDict, deque
 from typing import Any
 
-import grpc
 import numpy as np
 from numpy.typing import NDArray
 
 from ngramcache.client._proto.codec import bytes_to_tokens, tokens_to_bytes
 from ngramcache.client._proto.v1 import counts_pb2
 from ngramcache.client.errors import InvalidArgumentError, NgramCacheError
+from ngramcache.client.sync.attempt import Attempts
 from ngramcache.client.sync.state import SyncState
 from ngramcache.client.transport import Channel
 
@@ -319,36 +319,23 @@ class HistoryPublisher:
             records=[counts_pb2.HistoryRecord(seq=r.seq, group=r.group, offset=r.offset, tokens=tokens_to_bytes(r.tokens))
                      for r in batch])
 
-        # Whether an attempt may have been stored without an answer saying so (a deadline, or a call
-        # cancelled in flight): a batch then given up is unconfirmed, not dropped.
-        attempt = {"in_rpc": False, "uncertain": False}
+        attempts = Attempts()
 
         async def call(chan: Channel) -> counts_pb2.PushHistoryResponse:
-            attempt["in_rpc"] = True
-            try:
-                resp: counts_pb2.PushHistoryResponse = await chan.counts.PushHistory(
-                    request, timeout=config.rpc_timeout, metadata=state.metadata)
-            except grpc.RpcError as e:
-                if e.code() in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN):
-                    attempt["uncertain"] = True
-                raise
-            except BaseException:  # cancelled (a channel switch, or close) after the request may have gone out
-                attempt["uncertain"] = True
-                raise
-            finally:
-                attempt["in_rpc"] = False
+            resp: counts_pb2.PushHistoryResponse = await attempts.call(lambda: chan.counts.PushHistory(
+                request, timeout=config.rpc_timeout, metadata=state.metadata))
             return resp
 
         tokens = sum(len(r.tokens) for r in batch)
         try:
             resp = await state.retrying(f"PushHistory seq {seq}", call, until)
         except NgramCacheError as e:
-            self.given_up(len(batch), tokens, attempt["uncertain"])
+            self.given_up(len(batch), tokens, attempts.given_up())
             log.warning("ngramcache client: fleet history batch of %d records (seq %d) %s: %s", len(batch), seq,
-                        "unconfirmed (the service may have stored it)" if attempt["uncertain"] else "dropped", e)
+                        attempts.outcome("stored"), e)
             return
         except asyncio.CancelledError:  # close() ran out of close_timeout with this batch unacknowledged
-            self.given_up(len(batch), tokens, attempt["uncertain"] or attempt["in_rpc"])
+            self.given_up(len(batch), tokens, attempts.given_up(cancelled=True))
             raise
         with state.lock:
             self.stats.pushed_batches += 1
