@@ -134,9 +134,9 @@ class HistoryMirror:
             return
         groups = frozenset(live)
         if groups - self.groups:
-            # A group newly live: what it wrote before the tail's position is held already, and
-            # what comes after reaches the group cursor in order (so MirroredRuns never sees a
-            # sequence's later record before its earlier ones from this side).
+            # A group newly live: what it wrote before the tail's position the tail brought already,
+            # so its records are read from there on, in order (a sequence's parts then join one
+            # text; MirroredRuns would keep records out of order apart, as separate texts).
             self.group_cursor = self.cursor
         self.groups = groups
         try:
@@ -150,8 +150,8 @@ class HistoryMirror:
             self.groups_per_pull = 0
             return
         if any(r.group not in groups for r in resp.records):
-            log.info("ngramcache client: the service ignores PullHistory's groups filter (a server older than it, "
-                     "or a proxy that drops it): fleet history pulled by the namespace's tail alone")
+            log.info("ngramcache client: the service ignores PullHistory's groups filter (a proxy that drops the "
+                     "field, or another implementation): fleet history pulled by the namespace's tail alone")
             self.groups_per_pull = 0
         received = self.apply(list(resp.records))
         size = resp.ByteSize()

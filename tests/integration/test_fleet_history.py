@@ -127,6 +127,8 @@ def share_between_two_clients(address: str, ns: str, tmp_path: Path) -> None:
             a.drafter().accept(trial, text)  # what it generated
             lags.append(drafts_continuation(b, 1000 + trial, text, 24, timeout=10.0))
         assert max(lags) < 5.0, lags
+        # B's last record may still be on its way to A (B drafted A's text before its own push was pulled).
+        wait_until(lambda: a.stats()["history_pulled_tokens"] >= 5 * 24, timeout=10, what="A pulling B's records")
         sa = a.stats()
         sb = b.stats()
         assert sa["history"] and sa["history_pushed_tokens"] >= 5 * 64 and sa["history_dropped_tokens"] == 0
