@@ -8,7 +8,8 @@ import logging
 
 from ngramcache.client import Drafter
 from ngramcache.client.errors import NgramCacheError
-from ngramcache.client.sync.history import HELD_IDLE_SECONDS, HistoryBuffer, SourceIds
+from ngramcache.client.sync.history import HistoryBuffer
+from ngramcache.client.sync.history_sources import HELD_IDLE_SECONDS, SourceIds
 
 from .counts.history import HistoryRecord
 from .history_tail import HistoryTails

@@ -25,7 +25,8 @@ from ngramcache.client.errors import BackendUnavailableError, InvalidArgumentErr
 from ngramcache.client.static_files import GenerationFiles
 from ngramcache.client.sync.config import ClientConfig, HasTokenizer
 from ngramcache.client.sync.health import HealthWatch
-from ngramcache.client.sync.history import HistoryMirror, HistoryPublisher, HistoryStats
+from ngramcache.client.sync.history import HistoryPublisher, HistoryStats
+from ngramcache.client.sync.history_mirror import HistoryMirror
 from ngramcache.client.sync.mirror import Mirror
 from ngramcache.client.sync.pusher import Pusher
 from ngramcache.client.sync.state import SyncState
@@ -49,7 +50,7 @@ class SyncLoop:
         self.health = HealthWatch(self.state)
         self.history_stats = HistoryStats()
         self.publisher = HistoryPublisher(self.state, self.history_stats)
-        self.history_mirror = HistoryMirror(self.state, self.history_stats)
+        self.history_mirror = HistoryMirror(self.state, self.history_stats, self.publisher.buffer.live)
         self.publisher.enabled = self.history_mirror.enabled = bool(config.history)
 
     async def connect(self) -> None:
@@ -162,6 +163,10 @@ class SyncLoop:
             "history_unconfirmed_records": h.unconfirmed_records, "history_unconfirmed_tokens": h.unconfirmed_tokens,
             "history_pulled_records": h.pulled_records, "history_pulled_tokens": h.pulled_tokens,
             "history_pulled_bytes": h.pulled_bytes, "history_gaps": h.gaps,
+            "history_group_pull": enabled and self.history_mirror.groups_per_pull > 0,
+            "history_group_pulls": h.group_pulls, "history_group_pulled_records": h.group_pulled_records,
+            "history_group_pulled_tokens": h.group_pulled_tokens, "history_group_pulled_bytes": h.group_pulled_bytes,
+            "history_appended_tokens": h.appended_tokens, "history_repeated_tokens": h.repeated_tokens,
             "history_lag_ms_p50": lag.quantile(0.5), "history_lag_ms_p99": lag.quantile(0.99),
             "history_size": drafter.history_size if state.config.mode == "match" else 0,
         }
@@ -281,8 +286,9 @@ class NgramClient:
     def stats(self) -> dict[str, Any]:
         """A snapshot: generation, mirror version/rows/bytes/lag, pulled rows/bytes, pushed/acked/dropped/unconfirmed rows,
         overload (pushes shed, rate halvings, seconds waited, the current window and batch rows), reconnects, downloads;
-        the fleet history's ``history_*`` keys (drained, pushed, dropped, pulled records/tokens/bytes, gaps, the
-        lag from a record's store time to this client in ms, p50 and p99 over the last 1000 records)."""
+        the fleet history's ``history_*`` keys (drained, pushed, dropped, pulled records/tokens/bytes by the tail and
+        ``history_group_*`` by the live groups' pulls, tokens appended and tokens received again, gaps, the lag from a
+        record's store time to this client in ms, p50 and p99 over the last 1000 records)."""
         return self._core.snapshot()
 
     def close(self) -> None:

@@ -62,6 +62,11 @@ class ClientConfig:
         history_push_interval: seconds between two drains of the drafter's accepted tokens.
         history_max_pending_tokens: tokens buffered for publishing; beyond, the oldest are dropped.
         history_max_bytes_per_s: the mirror's budget, bytes per second pulled on average (0: unlimited).
+        history_pull_records: most records of one PullHistory of the mirror (1..65536; the server may
+            answer fewer: its byte bound).
+        history_groups_per_pull: most live groups (this client's sequences' groups, the most recently
+            used first) whose records the mirror pulls before the namespace's tail while the tail is
+            behind (0..64; 0: the tail alone).
     """
 
     addresses: tuple[str, ...]
@@ -92,6 +97,8 @@ class ClientConfig:
     history_push_interval: float = 0.05
     history_max_pending_tokens: int = 1 << 18
     history_max_bytes_per_s: int = 0
+    history_pull_records: int = 1024
+    history_groups_per_pull: int = 8
 
     def __post_init__(self) -> None:
         if self.mode not in ("compatible", "match"):
@@ -110,6 +117,12 @@ class ClientConfig:
         if not isinstance(self.history_max_bytes_per_s, int) or self.history_max_bytes_per_s < 0:
             raise InvalidArgumentError(f"history_max_bytes_per_s must be an integer >= 0 (0: unlimited), got "
                                        f"{self.history_max_bytes_per_s!r}")
+        if not isinstance(self.history_pull_records, int) or not 1 <= self.history_pull_records <= 65536:
+            raise InvalidArgumentError(f"history_pull_records must be an integer in 1..65536, got "
+                                       f"{self.history_pull_records!r}")
+        if not isinstance(self.history_groups_per_pull, int) or not 0 <= self.history_groups_per_pull <= 64:
+            raise InvalidArgumentError(f"history_groups_per_pull must be an integer in 0..64 (0: no group pulls), got "
+                                       f"{self.history_groups_per_pull!r}")
         if (self.tls_cert is None) != (self.tls_key is None) or (self.tls_cert is not None and self.tls_ca is None):
             raise InvalidArgumentError("tls_cert and tls_key go together, and with tls_ca")
         if not 0.1 <= self.failover_timeout <= 3600:

@@ -1,4 +1,4 @@
-"""The fleet history on the client: a publisher pushing what the drafter accepts, a mirror appending what others accepted.
+"""The fleet history on the client, publishing side: the buffer of accepted records, the live groups, the publisher.
 
 Publisher: every ``history_push_interval`` it drains ``drafter.drain_history()``, tags each
 sequence with its group (`NgramClient.set_group`, else a hash of the sequence's first record,
@@ -6,10 +6,8 @@ its prompt: siblings sampled from one prompt share it), splits the records to th
 limits and pushes ONE batch at a time with increasing seqs, retrying the same batch while the
 service is unavailable: each batch is stored exactly once. The buffer is bounded
 (``history_max_pending_tokens``); what is dropped is counted and logged, never waited for.
-
-Mirror: long-polls PullHistory from the namespace's oldest kept record (a cold client gets the
-recent window), skipping its own records, and appends each sequence's tokens to the drafter's
-match history (``drafter.add_history``), within ``history_max_bytes_per_s``.
+The groups it tags records with are this client's live groups (`LiveGroups`), which the mirror
+(`ngramcache.client.sync.history_mirror`) pulls first.
 """
 
 from __future__ import annotations
@@ -24,18 +22,19 @@ import time
 from collections import OrderedDict, deque
 from typing import Any
 
-import grpc
 import numpy as np
 from numpy.typing import NDArray
 
-from ngramcache.client._proto.codec import bytes_to_tokens, tokens_to_bytes
+from ngramcache.client._proto.codec import tokens_to_bytes
 from ngramcache.client._proto.v1 import counts_pb2
 from ngramcache.client.errors import InvalidArgumentError, NgramCacheError
+from ngramcache.client.sync.attempt import Attempts
+from ngramcache.client.sync.history_sources import KNOWN_SEQUENCES
 from ngramcache.client.sync.state import SyncState
 from ngramcache.client.transport import Channel
 
-__all__ = ["HistoryBuffer", "HistoryMirror", "HistoryPublisher", "HistoryStats", "LagWindow", "PendingRecord", "SourceIds",
-           "prompt_group", "validate_group"]
+__all__ = ["HistoryBuffer", "HistoryPublisher", "HistoryStats", "LiveGroups", "PendingRecord", "prompt_group",
+           "validate_group"]
 
 log = logging.getLogger("ngramcache.client.sync")
 
@@ -48,18 +47,14 @@ MAX_BATCH_RECORDS = 256
 MAX_BATCH_BYTES = 1 << 20
 """Most token bytes of a batch: far under any message limit, small enough to retry cheaply."""
 
-MIRROR_WAIT_MS = 1000
-
-HELD_IDLE_SECONDS = 0.25
-"""Tokens a source held back for a history piece (match_params history_piece) join the history once it
-has been idle this long: a finished sequence's last tokens do not wait for more that never come."""
-"""How long one PullHistory of the mirror waits for new records."""
+GROUP_LIVE_SECONDS = 30.0
+"""A group stays live this long after this client last published (or `set_group` named) a sequence of it."""
 
 DROP_LOG_INTERVAL = 10.0
 """Seconds between two log lines about dropped history tokens."""
 
 _GROUP_RE = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
-_KNOWN_SEQUENCES = 1 << 16  # sequences whose group (and, mirrored, whose next offset) are remembered
+_KNOWN_GROUPS = 4096  # live groups remembered; beyond, the least recently used is forgotten
 
 
 def validate_group(group: str) -> str:
@@ -99,6 +94,46 @@ class _Bounded(OrderedDict[int, str]):
             self.popitem(last=False)
 
 
+class LiveGroups:
+    """The groups of the sequences this client publishes now, most recently used first.
+
+    A group becomes live when `set_group` names it or a drained record carries it, and stays
+    live for ``ttl`` seconds after its last use. The mirror pulls their records first.
+
+    Thread-safety: every method may be called from any thread.
+    """
+
+    def __init__(self, ttl: float = GROUP_LIVE_SECONDS, limit: int = _KNOWN_GROUPS) -> None:
+        self.ttl = ttl
+        self.limit = limit
+        self._used: OrderedDict[str, float] = OrderedDict()  # group -> monotonic time of its last use
+        self._lock = threading.Lock()
+
+    def touch(self, group: str, now: float | None = None) -> None:
+        """``group`` is used now ("" is no group and is ignored)."""
+        if not group:
+            return
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            self._used[group] = now
+            self._used.move_to_end(group)
+            while len(self._used) > self.limit:
+                self._used.popitem(last=False)
+
+    def recent(self, most: int, now: float | None = None) -> list[str]:
+        """At most ``most`` live groups, the most recently used first (expired ones are forgotten)."""
+        now = time.monotonic() if now is None else now
+        out: list[str] = []
+        with self._lock:
+            for group, used in reversed(self._used.items()):
+                if len(out) >= most or now - used > self.ttl:
+                    break  # past `most`, or expired (and the older ones with it)
+                out.append(group)
+            while self._used and now - next(iter(self._used.values())) > self.ttl:
+                self._used.popitem(last=False)
+        return out
+
+
 class HistoryBuffer:
     """What the publisher has drained and not yet pushed: records grouped, split to the limits, bounded in tokens.
 
@@ -117,9 +152,10 @@ class HistoryBuffer:
         self.max_batch_bytes = max_batch_bytes
         self.pending: deque[PendingRecord] = deque()
         self.pending_tokens = 0
-        self.explicit = _Bounded(_KNOWN_SEQUENCES)  # set_group: seq -> group, under _lock
+        self.explicit = _Bounded(KNOWN_SEQUENCES)  # set_group: seq -> group, under _lock
         self._lock = threading.Lock()
-        self.derived = _Bounded(_KNOWN_SEQUENCES)  # seq -> the hash of its first record
+        self.derived = _Bounded(KNOWN_SEQUENCES)  # seq -> the hash of its first record
+        self.live = LiveGroups()
 
     def limit(self, max_records: int, max_record_tokens: int) -> None:
         """Apply the server's limits (0: none given)."""
@@ -132,6 +168,7 @@ class HistoryBuffer:
         group = validate_group(group)
         with self._lock:
             self.explicit.put(int(seq), group)
+        self.live.touch(group)
 
     def group_of(self, seq: int, offset: int, tokens: NDArray[np.int32]) -> str:
         with self._lock:
@@ -153,6 +190,7 @@ class HistoryBuffer:
             if not len(tokens):
                 continue
             group = self.group_of(int(seq), int(offset), tokens)
+            self.live.touch(group)
             step = self.max_record_tokens
             for start in range(0, len(tokens), step):
                 part = tokens[start:start + step]
@@ -185,51 +223,6 @@ class HistoryBuffer:
         return batch
 
 
-class SourceIds:
-    """The ``source`` a mirrored record is appended to the drafter's history under: one per contiguous run of a sequence.
-
-    A record continuing where the same (client_id, seq) stopped keeps its source, so the
-    drafter continues one text; a record that does not (one was trimmed unseen, or sent twice)
-    gets another, so two pieces are never glued together.
-    """
-
-    def __init__(self, limit: int = _KNOWN_SEQUENCES) -> None:
-        self.next: OrderedDict[tuple[str, int], tuple[int, int]] = OrderedDict()  # -> (next offset, source)
-        self.limit = limit
-
-    @staticmethod
-    def source(client_id: str, seq: int, offset: int) -> int:
-        """A stable signed int64 for (client_id, seq, the offset its run started at)."""
-        digest = hashlib.blake2b(f"{client_id}\0{seq}\0{offset}".encode(), digest_size=8).digest()
-        return int.from_bytes(digest, "little", signed=True)
-
-    def of(self, client_id: str, seq: int, offset: int, length: int) -> int:
-        key = (client_id, seq)
-        known = self.next.get(key)
-        source = known[1] if known is not None and known[0] == offset else self.source(client_id, seq, offset)
-        self.next[key] = (offset + length, source)
-        self.next.move_to_end(key)
-        while len(self.next) > self.limit:
-            self.next.popitem(last=False)
-        return source
-
-
-class LagWindow:
-    """The lags (ms) of the last ``size`` records, for p50/p99."""
-
-    def __init__(self, size: int = 1000) -> None:
-        self.values: deque[float] = deque(maxlen=size)
-
-    def add(self, ms: float) -> None:
-        self.values.append(ms)
-
-    def quantile(self, q: float) -> float | None:
-        if not self.values:
-            return None
-        ordered = sorted(self.values)
-        return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
-
-
 @dataclasses.dataclass
 class HistoryStats:
     """The fleet history's counters in `NgramClient.stats`; read and written under `SyncState.lock`."""
@@ -246,11 +239,20 @@ class HistoryStats:
     # the store holds between pushed and pushed + unconfirmed of them, never twice (exactly once per seq).
     unconfirmed_records: int = 0
     unconfirmed_tokens: int = 0
+    # What the namespace's tail brought (pulled_*) and what the group pulls brought (group_pulled_*);
+    # of both, tokens appended to the drafter and tokens it already held (a record that came both ways).
     pulled_records: int = 0
     pulled_tokens: int = 0
     pulled_bytes: int = 0
+    group_pulls: int = 0
+    group_pulled_records: int = 0
+    group_pulled_tokens: int = 0
+    group_pulled_bytes: int = 0
+    appended_tokens: int = 0
+    repeated_tokens: int = 0
     gaps: int = 0
     cursor: str = ""
+    group_cursor: str = ""
 
 
 class HistoryPublisher:
@@ -319,36 +321,23 @@ class HistoryPublisher:
             records=[counts_pb2.HistoryRecord(seq=r.seq, group=r.group, offset=r.offset, tokens=tokens_to_bytes(r.tokens))
                      for r in batch])
 
-        # Whether an attempt may have been stored without an answer saying so (a deadline, or a call
-        # cancelled in flight): a batch then given up is unconfirmed, not dropped.
-        attempt = {"in_rpc": False, "uncertain": False}
+        attempts = Attempts()
 
         async def call(chan: Channel) -> counts_pb2.PushHistoryResponse:
-            attempt["in_rpc"] = True
-            try:
-                resp: counts_pb2.PushHistoryResponse = await chan.counts.PushHistory(
-                    request, timeout=config.rpc_timeout, metadata=state.metadata)
-            except grpc.RpcError as e:
-                if e.code() in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN):
-                    attempt["uncertain"] = True
-                raise
-            except BaseException:  # cancelled (a channel switch, or close) after the request may have gone out
-                attempt["uncertain"] = True
-                raise
-            finally:
-                attempt["in_rpc"] = False
+            resp: counts_pb2.PushHistoryResponse = await attempts.call(lambda: chan.counts.PushHistory(
+                request, timeout=config.rpc_timeout, metadata=state.metadata))
             return resp
 
         tokens = sum(len(r.tokens) for r in batch)
         try:
             resp = await state.retrying(f"PushHistory seq {seq}", call, until)
         except NgramCacheError as e:
-            self.given_up(len(batch), tokens, attempt["uncertain"])
+            self.given_up(len(batch), tokens, attempts.given_up())
             log.warning("ngramcache client: fleet history batch of %d records (seq %d) %s: %s", len(batch), seq,
-                        "unconfirmed (the service may have stored it)" if attempt["uncertain"] else "dropped", e)
+                        attempts.outcome("stored"), e)
             return
         except asyncio.CancelledError:  # close() ran out of close_timeout with this batch unacknowledged
-            self.given_up(len(batch), tokens, attempt["uncertain"] or attempt["in_rpc"])
+            self.given_up(len(batch), tokens, attempts.given_up(cancelled=True))
             raise
         with state.lock:
             self.stats.pushed_batches += 1
@@ -398,69 +387,3 @@ class HistoryPublisher:
             self.buffer.pending.clear()
             self.buffer.pending_tokens = 0
         self.log_drops(force=True)
-
-
-class HistoryMirror:
-    """Appends the fleet's history to the drafter's match history (a task of the background loop).
-
-    Args:
-        state: the shared sync state.
-        stats: the history counters (shared with the publisher).
-    """
-
-    def __init__(self, state: SyncState, stats: HistoryStats) -> None:
-        self.state = state
-        self.stats = stats
-        self.sources = SourceIds()
-        self.lag = LagWindow()
-        self.cursor = ""
-        self.enabled = True
-
-    def apply(self, records: list[counts_pb2.HistoryRecord]) -> int:
-        """Append records to the drafter, runs of one sequence in one call; return the tokens appended."""
-        drafter, now_ms = self.state.drafter, time.time() * 1000
-        runs: OrderedDict[int, list[NDArray[np.int32]]] = OrderedDict()
-        total = 0
-        for r in records:
-            tokens = bytes_to_tokens(r.tokens)
-            total += len(tokens)
-            runs.setdefault(self.sources.of(r.client_id, r.seq, r.offset, len(tokens)), []).append(tokens)
-            if r.time_ms:
-                self.lag.add(max(0.0, now_ms - r.time_ms))
-        for source, parts in runs.items():
-            drafter.add_history(source, parts[0] if len(parts) == 1 else np.concatenate(parts))
-        drafter.flush_history(HELD_IDLE_SECONDS)
-        return total
-
-    async def pull(self) -> None:
-        state, config = self.state, self.state.config
-        request = counts_pb2.PullHistoryRequest(
-            namespace=config.namespace, tokenizer_fingerprint=config.fingerprint, after=self.cursor,
-            max_records=1024, wait_ms=MIRROR_WAIT_MS, exclude_client_id=state.client_id)
-
-        async def call(chan: Channel) -> counts_pb2.PullHistoryResponse:
-            resp: counts_pb2.PullHistoryResponse = await chan.counts.PullHistory(
-                request, timeout=MIRROR_WAIT_MS / 1000 + config.rpc_timeout, metadata=state.metadata)
-            return resp
-
-        resp = await state.retrying("PullHistory", call)
-        tokens = self.apply(list(resp.records))
-        size = resp.ByteSize()
-        self.cursor = resp.cursor
-        if resp.gap and request.after:
-            log.info("ngramcache client: fleet history records were trimmed before this client read them (gap)")
-        with state.lock:
-            self.stats.pulled_records += len(resp.records)
-            self.stats.pulled_tokens += tokens
-            self.stats.pulled_bytes += size
-            self.stats.gaps += int(resp.gap and bool(request.after))
-            self.stats.cursor = self.cursor
-        if config.history_max_bytes_per_s:
-            await asyncio.sleep(size / config.history_max_bytes_per_s)  # the budget: bytes/s on average
-
-    async def run(self) -> None:
-        async def step() -> None:
-            await self.pull()
-
-        if self.enabled:
-            await self.state.forever("fleet history mirror", step)

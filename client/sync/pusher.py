@@ -31,6 +31,7 @@ from ngramcache.client._proto.codec import delta_rows_to_bytes
 from ngramcache.client._proto.v1 import counts_pb2
 from ngramcache.client.errors import NgramCacheError, OverloadedError
 from ngramcache.client.rows import COUNT, DELTA_DTYPE, KEY_WIDTH, ROW_WIDTH
+from ngramcache.client.sync.attempt import Attempts
 from ngramcache.client.sync.state import SyncState
 from ngramcache.client.transport import Channel, error_from_rpc
 from ngramcache.client.wire_errors import retry_after_of
@@ -223,29 +224,19 @@ class Pusher:
         request = counts_pb2.PushRequest(namespace=self.state.config.namespace, tokenizer_fingerprint=self.state.config.fingerprint,
                                          client_id=self.state.client_id, seq=seq, rows=delta_rows_to_bytes(rows))
 
-        # Whether an attempt may have been applied without an answer saying so (a deadline, or close
-        # cancelling a call in flight): if the batch is then given up, its rows are unconfirmed, not dropped.
-        attempt = {"in_rpc": False, "uncertain": False}
+        attempts = Attempts()
 
         async def call(chan: Channel) -> counts_pb2.PushResponse:
-            attempt["in_rpc"] = True
             try:
-                resp: counts_pb2.PushResponse = await chan.counts.Push(request, timeout=self.state.config.rpc_timeout,
-                                                                       metadata=self.state.metadata)
+                resp: counts_pb2.PushResponse = await attempts.call(lambda: chan.counts.Push(
+                    request, timeout=self.state.config.rpc_timeout, metadata=self.state.metadata))
             except grpc.RpcError as e:
-                if e.code() in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN):
-                    attempt["uncertain"] = True
                 err = error_from_rpc(e)
                 if isinstance(err, OverloadedError):  # handled here, with its hint, not as a failure
                     trailing = e.trailing_metadata() if hasattr(e, "trailing_metadata") else None
                     err.retry_after = retry_after_of(trailing)
                     raise err from None
                 raise
-            except BaseException:  # cancelled (a channel switch, or close) after the request may have gone out
-                attempt["uncertain"] = True
-                raise
-            finally:
-                attempt["in_rpc"] = False
             return resp
 
         try:
@@ -259,12 +250,11 @@ class Pusher:
                         raise
                     await asyncio.sleep(wait)
         except NgramCacheError as e:
-            self.count_given_up(rows, attempt["uncertain"])
-            log.warning("ngramcache client: push of %d rows (seq %d) %s: %s", len(rows), seq,
-                        "unconfirmed (the service may have applied it)" if attempt["uncertain"] else "dropped", e)
+            self.count_given_up(rows, attempts.given_up())
+            log.warning("ngramcache client: push of %d rows (seq %d) %s: %s", len(rows), seq, attempts.outcome("applied"), e)
             return
         except asyncio.CancelledError:  # close() ran out of close_timeout with this batch unacknowledged
-            uncertain = attempt["uncertain"] or attempt["in_rpc"]
+            uncertain = attempts.given_up(cancelled=True)
             self.count_given_up(rows, uncertain)
             if uncertain:
                 self.unconfirmed_at_close += len(rows)

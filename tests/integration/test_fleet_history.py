@@ -1,5 +1,5 @@
 """The fleet history through a real service on loopback: PushHistory / PullHistory over the embedded store (and Redis),
-and two match-mode NgramClients drafting from each other's sequences."""
+two match-mode NgramClients drafting from each other's sequences, and a client's live group pulled before a backlog."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
-from helpers.service import ServiceThread
+from helpers.service import ServiceThread, wait_until
 
 from ngramcache import NgramClient, RemoteDrafter
 from ngramcache.client._proto.codec import bytes_to_tokens, tokens_to_bytes
@@ -127,6 +127,8 @@ def share_between_two_clients(address: str, ns: str, tmp_path: Path) -> None:
             a.drafter().accept(trial, text)  # what it generated
             lags.append(drafts_continuation(b, 1000 + trial, text, 24, timeout=10.0))
         assert max(lags) < 5.0, lags
+        # B's last record may still be on its way to A (B drafted A's text before its own push was pulled).
+        wait_until(lambda: a.stats()["history_pulled_tokens"] >= 5 * 24, timeout=10, what="A pulling B's records")
         sa = a.stats()
         sb = b.stats()
         assert sa["history"] and sa["history_pushed_tokens"] >= 5 * 64 and sa["history_dropped_tokens"] == 0
@@ -199,4 +201,51 @@ def test_the_service_match_drafter_shares_the_fleet_history(tmp_path: Path) -> N
             other = rng.integers(0, VOCAB, 64, dtype=np.int32)
             remote.draft(3, other, 1)  # the session accepts the whole sequence
             assert drafts_continuation(client, 4, other, 24, timeout=10.0) < 10.0
+        ch.close()
+
+
+def test_group_first_mirror_drafts_a_siblings_output_before_its_tail_reaches_it(tmp_path: Path) -> None:
+    """Behind a backlog of unrelated records, a sibling's sequence of this client's live group is draftable after the
+    mirror's first rounds while the tail (8 records a page, slowed by the byte budget) is still far behind; when the
+    tail reaches the sibling's records, nothing is appended twice."""
+    noise, per_push, length = 600, 200, 8
+    with ServiceThread(tmp_path / "data", counts=embedded(tmp_path)) as svc:
+        ch = grpc.insecure_channel(f"127.0.0.1:{svc.port}")
+        create(ch, "gf")
+        stub = counts_pb2_grpc.CountsStub(ch)
+        rng = np.random.default_rng(33)
+
+        def push(client: str, seq: int, records: list[counts_pb2.HistoryRecord]) -> None:
+            resp = stub.PushHistory(counts_pb2.PushHistoryRequest(
+                namespace="gf", tokenizer_fingerprint=FP, client_id=client, seq=seq, records=records), timeout=10)
+            assert resp.records_stored == len(records)
+
+        for batch in range(noise // per_push):
+            push("others", batch, [record(i, *rng.integers(0, VOCAB, length).tolist(), group=f"req-{i}")
+                                   for i in range(batch * per_push, (batch + 1) * per_push)])
+        sibling = rng.integers(0, VOCAB, 64, dtype=np.int32)
+        push("sibling", 0, [record(1, *sibling[16 * k:16 * k + 16].tolist(), offset=16 * k, group="rollout-1")
+                            for k in range(4)])
+
+        options = {**FAST, "history_pull_records": 8, "history_max_bytes_per_s": 4000,
+                   "drafter_options": {"match_params": {"history_piece": 1}}}
+        with NgramClient(f"127.0.0.1:{svc.port}", "gf", (FP, VOCAB), cache_dir=tmp_path / "c", **options) as nc:
+            drafter = nc.drafter()
+            nc.set_group(5, "rollout-1")  # the client is about to generate a sibling: the group is live
+            want = sibling[24:32].tolist()
+            wait_until(lambda: drafter.draft(5, sibling[:24], 8).tolist() == want, timeout=10,
+                       what="the sibling's continuation drafted")
+            first = nc.stats()
+            assert (first["history_group_pulled_records"], first["history_group_pulled_tokens"]) == (4, 64), first
+            assert first["history_pulled_records"] < noise / 2, first  # the tail is still far behind
+            assert first["history_group_pull"]
+
+            wait_until(lambda: nc.stats()["history_pulled_records"] == noise + 4, timeout=60,
+                       what="the tail reaching the sibling's records")
+            last = nc.stats()
+            assert last["history_pulled_tokens"] == noise * length + 64
+            assert last["history_appended_tokens"] == noise * length + 64  # every token once
+            assert last["history_repeated_tokens"] == 64  # the sibling's, brought again by the tail
+            # history_piece 1: no overlap copied; one separator per text started (600 noise sequences, the sibling).
+            assert last["history_size"] == noise * length + 64 + noise + 1
         ch.close()

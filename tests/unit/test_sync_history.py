@@ -1,4 +1,5 @@
-"""The client's fleet history logic with no server: grouping, splitting, the bounded buffer, source ids, lag quantiles, options."""
+"""The client's fleet history logic with no server: grouping, splitting, the bounded buffer, source ids, lag quantiles, options,
+the publisher's batches and their outcome."""
 
 from __future__ import annotations
 
@@ -13,16 +14,9 @@ from ngramcache import BackendUnavailableError, InvalidArgumentError
 from ngramcache.client._proto.codec import tokens_to_bytes
 from ngramcache.client._proto.v1 import counts_pb2
 from ngramcache.client.sync import ClientConfig
-from ngramcache.client.sync.history import (
-    HistoryBuffer,
-    HistoryMirror,
-    HistoryPublisher,
-    HistoryStats,
-    LagWindow,
-    PendingRecord,
-    SourceIds,
-    prompt_group,
-)
+from ngramcache.client.sync.history import HistoryBuffer, HistoryPublisher, HistoryStats, PendingRecord, prompt_group
+from ngramcache.client.sync.history_mirror import HistoryMirror, LagWindow
+from ngramcache.client.sync.history_sources import SourceIds
 from ngramcache.client.sync.state import SyncState
 
 FP = b"\x07" * 32
@@ -123,6 +117,10 @@ def test_history_option_follows_the_mode() -> None:
         config(mode="match", history_max_pending_tokens=0)
     with pytest.raises(InvalidArgumentError, match="history_max_bytes_per_s"):
         config(mode="match", history_max_bytes_per_s=-1)
+    with pytest.raises(InvalidArgumentError, match="history_pull_records"):
+        config(mode="match", history_pull_records=0)
+    with pytest.raises(InvalidArgumentError, match="history_groups_per_pull"):
+        config(mode="match", history_groups_per_pull=65)
 
 
 class FakeDrafter:

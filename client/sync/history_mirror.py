@@ -1,0 +1,195 @@
+"""The fleet history mirror: what other clients accepted, pulled (this client's live groups first) into the drafter's match history.
+
+Each round pulls the namespace's tail: a long poll of PullHistory from the mirror's cursor
+(at first the namespace's oldest kept record, so a cold client gets the recent window),
+``history_pull_records`` records at most, skipping this client's own records. While the tail
+is behind (its last page was full: a backlog of many clients' records) and this client has
+live groups (`LiveGroups`: the groups of the sequences it publishes now), the round first
+pulls those groups' records alone (PullHistory with ``groups``, at most
+``history_groups_per_pull`` of them, the most recently used first), from a cursor of their own
+that starts at the tail's position when a group becomes live: a sibling's output is then
+draftable after one round, not after the whole backlog. Such a record reaches the mirror a
+second time with the tail; `MirroredRuns` appends every token of a sequence once. Both pulls
+share the budget ``history_max_bytes_per_s``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import OrderedDict, deque
+
+import numpy as np
+from numpy.typing import NDArray
+
+from ngramcache.client._proto.codec import bytes_to_tokens
+from ngramcache.client._proto.v1 import counts_pb2
+from ngramcache.client.errors import NgramCacheError
+from ngramcache.client.sync.history import HistoryStats, LiveGroups
+from ngramcache.client.sync.history_sources import HELD_IDLE_SECONDS, MirroredRuns
+from ngramcache.client.sync.state import SyncState
+from ngramcache.client.transport import Channel
+
+__all__ = ["MIRROR_WAIT_MS", "HistoryMirror", "LagWindow"]
+
+log = logging.getLogger("ngramcache.client.sync")
+
+MIRROR_WAIT_MS = 1000
+"""How long one PullHistory of the tail waits for new records (the group pull never waits)."""
+
+_BEHIND_BYTES = 1 << 20  # an answer this large is a catch-up page, whatever its record count
+
+
+class LagWindow:
+    """The lags (ms) of the last ``size`` records, for p50/p99."""
+
+    def __init__(self, size: int = 1000) -> None:
+        self.values: deque[float] = deque(maxlen=size)
+
+    def add(self, ms: float) -> None:
+        self.values.append(ms)
+
+    def quantile(self, q: float) -> float | None:
+        if not self.values:
+            return None
+        ordered = sorted(self.values)
+        return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
+
+
+class HistoryMirror:
+    """Appends the fleet's history to the drafter's match history (a task of the background loop; see the module docstring).
+
+    Args:
+        state: the shared sync state.
+        stats: the history counters (shared with the publisher).
+        live: the publisher's live groups, pulled first (None: the tail alone).
+    """
+
+    def __init__(self, state: SyncState, stats: HistoryStats, live: LiveGroups | None = None) -> None:
+        self.state = state
+        self.stats = stats
+        self.live = live
+        self.runs = MirroredRuns()
+        self.lag = LagWindow()
+        self.cursor = ""
+        self.behind = True  # the tail's last page was full (at first: not known, so assumed)
+        self.groups_per_pull = state.config.history_groups_per_pull
+        self.group_cursor = ""
+        self.groups: frozenset[str] = frozenset()  # the groups the group cursor has followed since it was set
+        self.enabled = True
+
+    def apply(self, records: list[counts_pb2.HistoryRecord]) -> int:
+        """Append what the drafter does not hold yet of ``records``, a source's parts in one call; return the tokens
+        received (those appended and those held already are counted in the stats)."""
+        drafter, now_ms = self.state.drafter, time.time() * 1000
+        runs: OrderedDict[int, list[NDArray[np.int32]]] = OrderedDict()
+        received = appended = 0
+        for r in records:
+            tokens = bytes_to_tokens(r.tokens)
+            received += len(tokens)
+            parts = self.runs.fresh(r.client_id, r.seq, r.offset, tokens)
+            for source, part in parts:
+                runs.setdefault(source, []).append(part)
+                appended += len(part)
+            if parts and r.time_ms:  # the lag to draftable: a record's first arrival only
+                self.lag.add(max(0.0, now_ms - r.time_ms))
+        for source, pieces in runs.items():
+            drafter.add_history(source, pieces[0] if len(pieces) == 1 else np.concatenate(pieces))
+        drafter.flush_history(HELD_IDLE_SECONDS)
+        with self.state.lock:
+            self.stats.appended_tokens += appended
+            self.stats.repeated_tokens += received - appended
+        return received
+
+    async def _pull(self, what: str, request: counts_pb2.PullHistoryRequest) -> counts_pb2.PullHistoryResponse:
+        state, config = self.state, self.state.config
+
+        async def call(chan: Channel) -> counts_pb2.PullHistoryResponse:
+            resp: counts_pb2.PullHistoryResponse = await chan.counts.PullHistory(
+                request, timeout=request.wait_ms / 1000 + config.rpc_timeout, metadata=state.metadata)
+            return resp
+
+        return await state.retrying(what, call)
+
+    def _request(self, after: str, wait_ms: int, groups: list[str] | None = None) -> counts_pb2.PullHistoryRequest:
+        config = self.state.config
+        return counts_pb2.PullHistoryRequest(
+            namespace=config.namespace, tokenizer_fingerprint=config.fingerprint, after=after,
+            max_records=config.history_pull_records, wait_ms=wait_ms, exclude_client_id=self.state.client_id,
+            groups=groups or [])
+
+    async def _spend(self, size: int) -> None:
+        rate = self.state.config.history_max_bytes_per_s
+        if rate:
+            await asyncio.sleep(size / rate)  # the budget: bytes/s on average, both pulls together
+
+    async def pull_groups(self) -> None:
+        """The live groups' records after the group cursor, when the tail is behind (else the cursor follows the tail)."""
+        live = self.live.recent(self.groups_per_pull) if self.live is not None and self.groups_per_pull else []
+        if not live or not self.behind:
+            # The tail is at the head (or nothing is live): it brings the groups' records as soon as
+            # anything else; a group pull would only fetch them twice.
+            self.group_cursor, self.groups = self.cursor, frozenset()
+            return
+        groups = frozenset(live)
+        if groups - self.groups:
+            # A group newly live: what it wrote before the tail's position the tail brought already,
+            # so its records are read from there on, in order (a sequence's parts then join one
+            # text; MirroredRuns would keep records out of order apart, as separate texts).
+            self.group_cursor = self.cursor
+        self.groups = groups
+        try:
+            resp = await self._pull("PullHistory (live groups)", self._request(self.group_cursor, 0, live))
+        except NgramCacheError as e:
+            if e.retriable:
+                raise
+            # Refused for good (a service that will not take the filter): the tail alone must go on.
+            log.warning("ngramcache client: the service refused the fleet history pull of this client's groups (%s); "
+                        "pulling by the namespace's tail alone", e)
+            self.groups_per_pull = 0
+            return
+        if any(r.group not in groups for r in resp.records):
+            log.info("ngramcache client: the service ignores PullHistory's groups filter (a proxy that drops the "
+                     "field, or another implementation): fleet history pulled by the namespace's tail alone")
+            self.groups_per_pull = 0
+        received = self.apply(list(resp.records))
+        size = resp.ByteSize()
+        self.group_cursor = resp.cursor
+        with self.state.lock:
+            self.stats.group_pulls += 1
+            self.stats.group_pulled_records += len(resp.records)
+            self.stats.group_pulled_tokens += received
+            self.stats.group_pulled_bytes += size
+            self.stats.group_cursor = self.group_cursor
+        await self._spend(size)
+
+    async def pull_tail(self) -> None:
+        """The namespace's records after the cursor (a long poll)."""
+        request = self._request(self.cursor, MIRROR_WAIT_MS)
+        resp = await self._pull("PullHistory", request)
+        received = self.apply(list(resp.records))
+        size = resp.ByteSize()
+        self.cursor = resp.cursor
+        self.behind = len(resp.records) >= request.max_records or size >= _BEHIND_BYTES
+        if resp.gap and request.after:
+            log.info("ngramcache client: fleet history records were trimmed before this client read them (gap)")
+        with self.state.lock:
+            self.stats.pulled_records += len(resp.records)
+            self.stats.pulled_tokens += received
+            self.stats.pulled_bytes += size
+            self.stats.gaps += int(resp.gap and bool(request.after))
+            self.stats.cursor = self.cursor
+        await self._spend(size)
+
+    async def pull(self) -> None:
+        """One round: the live groups first (while the tail is behind), then the tail."""
+        await self.pull_groups()
+        await self.pull_tail()
+
+    async def run(self) -> None:
+        async def step() -> None:
+            await self.pull()
+
+        if self.enabled:
+            await self.state.forever("fleet history mirror", step)
