@@ -17,6 +17,8 @@ Setups (fleet_setups.py), side by side, linear drafts of 8 tokens for all:
   arctic-inference build, tests/bench/build_suffix_decoding.py);
 - SuffixDecoding ideal: one cache that sees every request at zero lag;
 - ngramcache local only: one match-mode Drafter per replica, its own history;
+- ngramcache local, own counts: the same with each replica's own counts mirrored back to its
+  dynamic table, as a real client alone on its namespace drafts (the siloed real client);
 - ngramcache fleet: the same plus the other replicas' output through add_history after the
   lag (and at lag 0; and holding a remote sequence's tokens back until `--min-piece` are
   visible, since every add_history piece starts a new text of the history), and the fleet's
@@ -51,13 +53,14 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from fleet_setups import MatchFleet, MatchLocal, MatchShared, PromptLookup, SuffixTrees  # noqa: E402
+from fleet_setups import MatchFleet, MatchLocal, MatchShared, MatchSiloed, PromptLookup, SuffixTrees  # noqa: E402
 from fleet_sim import Request, Result, Schedule, Setup, load_recording, simulate  # noqa: E402
 
 DEFAULT_DATA = ROOT / "tests" / "bench" / "data" / "fleet_workloads.npz"
-SETUP_KEYS = ("pl", "sd_silo", "sd_ideal", "local", "fleet", "fleet_lag0", "fleet_pieces", "ngc_shared")
+SETUP_KEYS = ("pl", "sd_silo", "sd_ideal", "local", "local_counts", "fleet", "fleet_lag0", "fleet_pieces", "ngc_shared")
 LABELS = {"pl": "prompt lookup (per request)", "sd_silo": "SuffixDecoding siloed (per replica)",
           "sd_ideal": "SuffixDecoding ideal (one tree, no lag)", "local": "ngramcache local only",
+          "local_counts": "ngramcache local, own counts mirrored (a client alone on its namespace)",
           "fleet": "ngramcache fleet (lag {lag:g} ms)", "fleet_lag0": "ngramcache fleet (lag 0)",
           "fleet_pieces": "ngramcache fleet (lag {lag:g} ms, remote pieces >= {piece} tokens)",
           "ngc_shared": "ngramcache one drafter (no lag; diagnostic)"}
@@ -75,6 +78,8 @@ def make_setup(key: str, k: int, vocab: int, lag_ms: float, params: dict[str, fl
         return SuffixTrees(k, shared=True, lib_dir=lib_dir)
     if key == "local":
         return MatchLocal(k, vocab, params)
+    if key == "local_counts":
+        return MatchSiloed(k, vocab, params)
     if key == "ngc_shared":
         return MatchShared(k, vocab, params)
     return MatchFleet(k, vocab, 0.0 if key == "fleet_lag0" else lag_ms, params, min_piece if key == "fleet_pieces" else 0,
@@ -123,6 +128,8 @@ def print_schedule_table(title: str, cells: dict[tuple[str, int], dict[str, floa
     pieces = cells[("fleet_pieces", k)]["tokens_per_step"]
     print(f"\nK={k}: fleet / ideal SD {fleet / ideal:.3f}x, fleet / siloed SD {fleet / silo:.3f}x, "
           f"fleet / local {fleet / local:.3f}x; with pieces: {pieces / ideal:.3f}x, {pieces / silo:.3f}x, {pieces / local:.3f}x")
+    if ("local_counts", k) in cells:
+        print(f"fleet / local with its own counts {fleet / cells[('local_counts', k)]['tokens_per_step']:.3f}x")
 
 
 def cold_start(requests: list[Request], k: int, join_after: int, schedule: Schedule, make: Callable[..., Setup],

@@ -6,6 +6,8 @@
   method drives it, with vLLM's defaults: tests/bench/peer_drafters.py) with one cache per
   replica (siloed, as vLLM runs it) or one cache for every request at zero lag (the ideal).
 - `MatchLocal`: one match-mode Drafter per replica, with its own history.
+- `MatchSiloed`: the same with each replica's own counts mirrored back to it, as a real client
+  alone on its namespace drafts (fleet_counts.py, one fleet of one per replica).
 - `MatchFleet`: the same, plus every other replica's accepted output tokens appended through
   `add_history` once `lag_ms` has passed since they were accepted. Each replica's Drafter
   tracks its history (drain_history after each accept); a record becomes visible to the others
@@ -68,6 +70,21 @@ class MatchLocal(PromptLookup):
                  track_history: bool = False, track_deltas: bool = False) -> None:
         Setup.__init__(self, k)
         self.drafters = [_match_drafter(vocab_size, match_params, track_history, track_deltas) for _ in range(k)]
+
+
+class MatchSiloed(MatchLocal):
+    """MatchLocal as real clients each alone on a namespace of their own run: each replica's own
+    counts come back to its dynamic table through a draft view of its own (one FleetCounts each)."""
+
+    name = "ngramcache local, own counts"
+
+    def __init__(self, k: int, vocab_size: int, match_params: dict[str, float] | None = None) -> None:
+        super().__init__(k, vocab_size, match_params, track_deltas=True)
+        self.counts = [FleetCounts([d]) for d in self.drafters]
+
+    def tick(self, now: float) -> None:
+        for counts in self.counts:
+            counts.tick(now)
 
 
 class MatchFleet(MatchLocal):

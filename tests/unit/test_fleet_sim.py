@@ -14,7 +14,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
 import fleet_sim as fs
-from fleet_setups import MatchFleet, MatchLocal, PromptLookup
+from fleet_setups import MatchFleet, MatchLocal, MatchSiloed, PromptLookup
 
 VOCAB = 1000
 
@@ -179,6 +179,16 @@ def test_fleet_counts_reach_every_replica_through_the_draft_view_after_push_refr
     # Replica 1 drafts from the shared counts for a sequence it never saw (no history, no context).
     assert fleet.drafters[1].draft(99, np.array([5, 3, 1, 2], dtype=np.int32), 1).tolist() == [3]
     assert fleet.extra()["view_rows_pulled_per_client"] == published
+
+
+def test_a_siloed_replica_gets_its_own_counts_back_and_never_another_replicas():
+    silo = MatchSiloed(2, VOCAB)
+    seq = np.array([1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2], dtype=np.int32)
+    silo.start(0, 7, seq[:2], 0)
+    silo.observe(0, 7, seq, len(seq) - 2, 0)
+    silo.tick(1000)
+    own, other = (c.tables[0] for c in silo.counts)
+    assert _followers(own, [1, 2]) == {3: 3} and other.n_entries == 0
 
 
 def test_fleet_without_counts_leaves_the_dynamic_table_empty():
