@@ -17,9 +17,14 @@ Setups (fleet_setups.py), side by side, linear drafts of 8 tokens for all:
   arctic-inference build, tests/bench/build_suffix_decoding.py);
 - SuffixDecoding ideal: one cache that sees every request at zero lag;
 - ngramcache local only: one match-mode Drafter per replica, its own history;
+- ngramcache local, own counts: the same with each replica's own counts mirrored back to its
+  dynamic table, as a real client alone on its namespace drafts (the siloed real client);
 - ngramcache fleet: the same plus the other replicas' output through add_history after the
   lag (and at lag 0; and holding a remote sequence's tokens back until `--min-piece` are
-  visible, since every add_history piece starts a new text of the history);
+  visible, since every add_history piece starts a new text of the history), and the fleet's
+  counts as real clients share them (fleet_counts.py: pushed every 100 ms, filtered by the
+  service's draft view every 250 ms, mirrored into each replica's dynamic table every 500 ms;
+  `--no-counts`: the history alone);
 - ngramcache one drafter (a diagnostic): one Drafter for every request at zero lag.
 
 Figures: tokens per step (all output tokens / steps), accept % (accepted / drafted), drafted
@@ -48,13 +53,14 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from fleet_setups import MatchFleet, MatchLocal, MatchShared, PromptLookup, SuffixTrees  # noqa: E402
+from fleet_setups import MatchFleet, MatchLocal, MatchShared, MatchSiloed, PromptLookup, SuffixTrees  # noqa: E402
 from fleet_sim import Request, Result, Schedule, Setup, load_recording, simulate  # noqa: E402
 
 DEFAULT_DATA = ROOT / "tests" / "bench" / "data" / "fleet_workloads.npz"
-SETUP_KEYS = ("pl", "sd_silo", "sd_ideal", "local", "fleet", "fleet_lag0", "fleet_pieces", "ngc_shared")
+SETUP_KEYS = ("pl", "sd_silo", "sd_ideal", "local", "local_counts", "fleet", "fleet_lag0", "fleet_pieces", "ngc_shared")
 LABELS = {"pl": "prompt lookup (per request)", "sd_silo": "SuffixDecoding siloed (per replica)",
           "sd_ideal": "SuffixDecoding ideal (one tree, no lag)", "local": "ngramcache local only",
+          "local_counts": "ngramcache local, own counts mirrored (a client alone on its namespace)",
           "fleet": "ngramcache fleet (lag {lag:g} ms)", "fleet_lag0": "ngramcache fleet (lag 0)",
           "fleet_pieces": "ngramcache fleet (lag {lag:g} ms, remote pieces >= {piece} tokens)",
           "ngc_shared": "ngramcache one drafter (no lag; diagnostic)"}
@@ -63,7 +69,7 @@ K_FREE = ("pl", "sd_ideal", "ngc_shared")
 
 
 def make_setup(key: str, k: int, vocab: int, lag_ms: float, params: dict[str, float] | None,
-               lib_dir: Path | None, min_piece: int = 0) -> Setup:
+               lib_dir: Path | None, min_piece: int = 0, counts: bool = True) -> Setup:
     if key == "pl":
         return PromptLookup(k, vocab, params)
     if key == "sd_silo":
@@ -72,9 +78,12 @@ def make_setup(key: str, k: int, vocab: int, lag_ms: float, params: dict[str, fl
         return SuffixTrees(k, shared=True, lib_dir=lib_dir)
     if key == "local":
         return MatchLocal(k, vocab, params)
+    if key == "local_counts":
+        return MatchSiloed(k, vocab, params)
     if key == "ngc_shared":
         return MatchShared(k, vocab, params)
-    return MatchFleet(k, vocab, 0.0 if key == "fleet_lag0" else lag_ms, params, min_piece if key == "fleet_pieces" else 0)
+    return MatchFleet(k, vocab, 0.0 if key == "fleet_lag0" else lag_ms, params, min_piece if key == "fleet_pieces" else 0,
+                      counts=counts)
 
 
 def summarize(results: list[Result]) -> dict[str, float]:
@@ -108,7 +117,9 @@ def print_schedule_table(title: str, cells: dict[tuple[str, int], dict[str, floa
         pulled = top.get("pulled_bytes_per_client")
         print(f"| {LABELS[key].format(lag=lag, piece=piece)} | " + " | ".join(f"{x:.3f}" for x in row)
               + f" | {top['accept_pct']:.1f} | {top['drafted_per_step']:.2f} | "
-              + (f"{pulled / 1024:.0f}" if pulled is not None else "") + " |")
+              + (f"{pulled / 1024:.0f}" if pulled is not None else "")
+              + (f" + {top['view_rows_pulled_per_client'] / 1000:.0f}k view rows" if "view_rows_pulled_per_client" in top
+                 else "") + " |")
     k = ks[-1]
     if not all(c in cells for c in (("fleet", k), ("sd_ideal", 1), ("sd_silo", k), ("local", k), ("fleet_pieces", k))):
         return
@@ -117,6 +128,8 @@ def print_schedule_table(title: str, cells: dict[tuple[str, int], dict[str, floa
     pieces = cells[("fleet_pieces", k)]["tokens_per_step"]
     print(f"\nK={k}: fleet / ideal SD {fleet / ideal:.3f}x, fleet / siloed SD {fleet / silo:.3f}x, "
           f"fleet / local {fleet / local:.3f}x; with pieces: {pieces / ideal:.3f}x, {pieces / silo:.3f}x, {pieces / local:.3f}x")
+    if ("local_counts", k) in cells:
+        print(f"fleet / local with its own counts {fleet / cells[('local_counts', k)]['tokens_per_step']:.3f}x")
 
 
 def cold_start(requests: list[Request], k: int, join_after: int, schedule: Schedule, make: Callable[..., Setup],
@@ -162,6 +175,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lib-dir", type=Path, default=None, help="SuffixDecoding's build (build_suffix_decoding.py)")
     ap.add_argument("--setups", default=",".join(SETUP_KEYS), help=f"run only these (default all: {','.join(SETUP_KEYS)})")
     ap.add_argument("--schedules", default="", help="run only the schedules whose name contains this (e.g. 'concurrent, round')")
+    ap.add_argument("--no-counts", action="store_true",
+                    help="the fleet shares its history only, not its counts (the draft view mirrored into each "
+                         "replica's dynamic table, as real clients do)")
     ap.add_argument("--no-cold-start", action="store_true")
     ap.add_argument("--json", type=Path, help="write every figure here")
     args = ap.parse_args(argv)
@@ -190,10 +206,11 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
     def make(key: str, k: int) -> Setup:
-        return make_setup(key, k, vocab, args.lag_ms, args.match_params, args.lib_dir, args.min_piece)
+        return make_setup(key, k, vocab, args.lag_ms, args.match_params, args.lib_dir, args.min_piece, not args.no_counts)
 
     print(f"recording: {args.data.name} ({meta['model']}, seed {meta['seed']}); lag {args.lag_ms:g} ms, step "
-          f"{args.step_ms:g} ms, {seeds} seed(s), match params {args.match_params or 'defaults'}, min piece {args.min_piece}")
+          f"{args.step_ms:g} ms, {seeds} seed(s), match params {args.match_params or 'defaults'}, min piece {args.min_piece}, "
+          f"fleet counts {'off' if args.no_counts else 'on (draft view, default intervals)'}")
     report: dict[str, Any] = {"meta": meta, "args": {k: str(v) for k, v in vars(args).items()}, "tables": {}}
     t_all = time.perf_counter()
     for workload in args.workloads.split(","):

@@ -6,11 +6,16 @@
   method drives it, with vLLM's defaults: tests/bench/peer_drafters.py) with one cache per
   replica (siloed, as vLLM runs it) or one cache for every request at zero lag (the ideal).
 - `MatchLocal`: one match-mode Drafter per replica, with its own history.
+- `MatchSiloed`: the same with each replica's own counts mirrored back to it, as a real client
+  alone on its namespace drafts (fleet_counts.py, one fleet of one per replica).
 - `MatchFleet`: the same, plus every other replica's accepted output tokens appended through
   `add_history` once `lag_ms` has passed since they were accepted. Each replica's Drafter
   tracks its history (drain_history after each accept); a record becomes visible to the others
   at its accept time + lag, and what becomes visible in one tick is appended grouped by source
   (one source per (replica, request)), so one pull continues each remote sequence's text.
+  With `counts`, each replica's drafter also drafts from the fleet's counts as a real client
+  mirrors them into its dynamic table (fleet_counts.py: pushed, filtered by the service's
+  draft view, pulled).
 """
 
 from __future__ import annotations
@@ -20,14 +25,16 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from fleet_counts import FleetCounts
 from fleet_sim import Setup
 
 from ngramcache.client import _core
 
 
-def _match_drafter(vocab_size: int, match_params: dict[str, float] | None, track_history: bool = False) -> Any:
+def _match_drafter(vocab_size: int, match_params: dict[str, float] | None, track_history: bool = False,
+                   track_deltas: bool = False) -> Any:
     return _core.Drafter(vocab_size=vocab_size, fingerprint=_core.UNTAGGED, mode="match", match_params=match_params,
-                         track_history=track_history)
+                         track_history=track_history, track_deltas=track_deltas)
 
 
 class PromptLookup(Setup):
@@ -60,19 +67,36 @@ class MatchLocal(PromptLookup):
     name = "ngramcache local only"
 
     def __init__(self, k: int, vocab_size: int, match_params: dict[str, float] | None = None,
-                 track_history: bool = False) -> None:
+                 track_history: bool = False, track_deltas: bool = False) -> None:
         Setup.__init__(self, k)
-        self.drafters = [_match_drafter(vocab_size, match_params, track_history) for _ in range(k)]
+        self.drafters = [_match_drafter(vocab_size, match_params, track_history, track_deltas) for _ in range(k)]
+
+
+class MatchSiloed(MatchLocal):
+    """MatchLocal as real clients each alone on a namespace of their own run: each replica's own
+    counts come back to its dynamic table through a draft view of its own (one FleetCounts each)."""
+
+    name = "ngramcache local, own counts"
+
+    def __init__(self, k: int, vocab_size: int, match_params: dict[str, float] | None = None) -> None:
+        super().__init__(k, vocab_size, match_params, track_deltas=True)
+        self.counts = [FleetCounts([d]) for d in self.drafters]
+
+    def tick(self, now: float) -> None:
+        for counts in self.counts:
+            counts.tick(now)
 
 
 class MatchFleet(MatchLocal):
-    """MatchLocal plus the other replicas' output tokens through add_history after `lag_ms`."""
+    """MatchLocal plus the other replicas' output tokens through add_history after `lag_ms`, and
+    with `counts` the fleet's shared counts as the real clients mirror them (FleetCounts)."""
 
     name = "ngramcache fleet"
 
     def __init__(self, k: int, vocab_size: int, lag_ms: float, match_params: dict[str, float] | None = None,
-                 min_piece: int = 0) -> None:
-        super().__init__(k, vocab_size, match_params, track_history=True)
+                 min_piece: int = 0, counts: bool = False) -> None:
+        super().__init__(k, vocab_size, match_params, track_history=True, track_deltas=counts)
+        self.counts = FleetCounts(self.drafters) if counts else None
         self.lag_ms = lag_ms
         # > 0: a remote sequence's visible tokens are held back until this many are pending (or it
         # ended), so fewer, longer pieces reach add_history (every piece starts a new text).
@@ -128,6 +152,8 @@ class MatchFleet(MatchLocal):
         self.cursor[replica] = upto
 
     def tick(self, now: float) -> None:
+        if self.counts is not None:
+            self.counts.tick(now)
         n = len(self.records)
         for replica in range(self.k):
             if not self.active[replica]:
@@ -150,7 +176,8 @@ class MatchFleet(MatchLocal):
 
     def extra(self) -> dict[str, float]:
         return {"pulled_bytes_per_client": 4.0 * sum(self.pulled_tokens) / self.k,
-                "history_dropped": float(sum(d.history_dropped for d in self.drafters))}
+                "history_dropped": float(sum(d.history_dropped for d in self.drafters)),
+                **(self.counts.extra() if self.counts is not None else {})}
 
 
 class MatchShared(MatchLocal):

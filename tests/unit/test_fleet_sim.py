@@ -14,7 +14,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
 import fleet_sim as fs
-from fleet_setups import MatchFleet, MatchLocal, PromptLookup
+from fleet_setups import MatchFleet, MatchLocal, MatchSiloed, PromptLookup
 
 VOCAB = 1000
 
@@ -146,6 +146,55 @@ def test_fleet_min_piece_holds_tokens_until_enough_or_the_end():
     fleet.finish(0, 1, 20)
     fleet.tick(40)
     assert fleet.pulled_tokens[1] == 2
+
+
+def _followers(table, ngram):
+    tokens, counts = table.lookup(ngram)
+    return dict(zip(tokens.tolist(), counts.tolist()))
+
+
+def test_fleet_counts_reach_every_replica_through_the_draft_view_after_push_refresh_and_pull():
+    fleet = MatchFleet(2, VOCAB, lag_ms=1e9, counts=True)  # the history never arrives: counts alone
+    counts = fleet.counts
+    assert counts is not None and (counts.push_ms, counts.refresh_ms, counts.pull_ms) == (100, 250, 500)
+    fleet.start(0, 7, np.array([1, 2], dtype=np.int32), 0)
+    # [1] -> 2 four times (the view's 1-gram minimum is 4), [2] -> 3 three times (under it),
+    # [1, 2] -> 3 three times (the 2-gram minimum is 3), [3, 1, 2] -> 3 twice (3-grams: 2).
+    seq = np.array([1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2], dtype=np.int32)
+    fleet.observe(0, 7, seq, len(seq) - 2, 0)
+    fleet.tick(240)  # pushed (replica 0 pushes at 50 + 100 k ms), not yet in the view (refreshed at 250 k)
+    assert counts.pushed_rows > 0 and counts.view.published.n_entries == 0
+    fleet.tick(260)  # in the view; replica 0 pulls (at 250 + 500 k), replica 1 not yet (at 500 k)
+    published = counts.view.published.n_entries
+    assert published > 0
+    assert (counts.tables[0].n_entries, counts.tables[1].n_entries) == (published, 0)
+    fleet.tick(500)
+    for table in counts.tables:  # the source's own counts come back to it too, as to a real client
+        assert table.n_entries == published
+        assert _followers(table, [1]) == {2: 4}
+        assert _followers(table, [2]) == {}
+        assert _followers(table, [1, 2]) == {3: 3}
+        assert _followers(table, [3, 1, 2]) == {3: 2}
+    assert fleet.drafters[1].dynamic.n_entries == published
+    # Replica 1 drafts from the shared counts for a sequence it never saw (no history, no context).
+    assert fleet.drafters[1].draft(99, np.array([5, 3, 1, 2], dtype=np.int32), 1).tolist() == [3]
+    assert fleet.extra()["view_rows_pulled_per_client"] == published
+
+
+def test_a_siloed_replica_gets_its_own_counts_back_and_never_another_replicas():
+    silo = MatchSiloed(2, VOCAB)
+    seq = np.array([1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2], dtype=np.int32)
+    silo.start(0, 7, seq[:2], 0)
+    silo.observe(0, 7, seq, len(seq) - 2, 0)
+    silo.tick(1000)
+    own, other = (c.tables[0] for c in silo.counts)
+    assert _followers(own, [1, 2]) == {3: 3} and other.n_entries == 0
+
+
+def test_fleet_without_counts_leaves_the_dynamic_table_empty():
+    fleet = MatchFleet(2, VOCAB, lag_ms=0)
+    assert fleet.counts is None and fleet.drafters[1].dynamic is None
+    assert "view_rows_pulled_per_client" not in fleet.extra()
 
 
 def test_sharing_helps_a_repeated_output_and_prompt_lookup_does_not_share():
