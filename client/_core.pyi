@@ -262,6 +262,15 @@ class Drafter:
         sequence). Parents come before their children.
         """
 
+    def draft_tree_scored(self, seq: int, tokens: NDArray[numpy.int32], budget: int = 16) -> tuple[NDArray[numpy.int32], NDArray[numpy.int32], NDArray[numpy.float32]]:
+        """
+        draft_tree() with each node's odds: (tokens, parents, probs), probs[i] (float32, 0..1) the
+        estimated chance that node i and every node above it are accepted. Nodes come best first
+        (probs never rise), so the first m nodes are the tree a budget of m would draft: a
+        cost-aware engine keeps the prefix worth its verify cost (ngramcache.client.adapters.
+        draft_length.best_tree_size). Deterministic.
+        """
+
     @property
     def mode(self) -> str:
         """'compatible' or 'match'."""

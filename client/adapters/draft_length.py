@@ -10,7 +10,7 @@ from numpy.typing import NDArray
 
 from ngramcache.client.errors import InvalidArgumentError
 
-__all__ = ["DraftLengthPolicy", "VerifyCost", "best_length", "expected_tokens"]
+__all__ = ["DraftLengthPolicy", "VerifyCost", "best_length", "best_tree_size", "expected_tokens"]
 
 
 class VerifyCost:
@@ -111,6 +111,20 @@ def best_length(odds: NDArray[np.floating] | Sequence[float], cost: VerifyCost) 
     return int(np.argmax(rate))  # the first maximum: the shortest draft among equals
 
 
+def best_tree_size(probs: NDArray[np.floating] | Sequence[float], cost: VerifyCost) -> int:
+    """How many of a best-first tree's nodes to verify: the m in 0..len(probs) with the most
+    expected new tokens, 1 + sum(probs[:m]), per unit of verify cost c(m) (ties: the smaller).
+
+    `probs[i]` is node i's path probability (`Drafter.draft_tree_scored`): a verification accepts
+    one root-to-node path, so the accepted drafted tokens expected are the sum of the nodes'
+    chances to be on it. Best-first nodes make every prefix a tree, so the first m nodes are sent.
+    """
+    p = np.clip(np.asarray(probs, dtype=np.float64), 0.0, 1.0)
+    gain = np.concatenate(([1.0], 1.0 + np.cumsum(p)))
+    m_max = min(len(gain) - 1, cost.max_k)
+    return int(np.argmax(gain[: m_max + 1] / cost.costs[: m_max + 1]))
+
+
 class DraftLengthPolicy:
     """Chooses each step's draft length for one sequence, its odds calibrated by the sequence's own history.
 
@@ -162,6 +176,35 @@ class DraftLengthPolicy:
         out of the len(odds) drafted tokens it produced a token for (sent or not)."""
         if len(odds) == 0:
             return
-        predicted = float(np.sum(np.cumprod(np.clip(np.asarray(odds, dtype=np.float64), 0.0, 1.0))))
+        self._learn(float(np.sum(np.cumprod(np.clip(np.asarray(odds, dtype=np.float64), 0.0, 1.0)))), agreed)
+
+    def choose_tree(self, probs: NDArray[np.floating] | Sequence[float],
+                    parents: NDArray[np.integer] | Sequence[int]) -> int:
+        """How many nodes of a best-first tree (`Drafter.draft_tree_scored`: path probabilities
+        `probs`, `parents`) to verify: 0..len(probs), its odds calibrated as `choose` does (each
+        node's own odds, given its parent, scaled by `ratio`)."""
+        if len(probs) == 0:
+            return 0
+        return best_tree_size(self.calibrated_tree(probs, parents), self.cost)
+
+    def calibrated_tree(self, probs: NDArray[np.floating] | Sequence[float],
+                        parents: NDArray[np.integer] | Sequence[int]) -> NDArray[np.float64]:
+        """A tree's path probabilities with each node's conditional odds scaled by `ratio`, within 0..1."""
+        p = np.clip(np.asarray(probs, dtype=np.float64), 0.0, 1.0)
+        out = np.empty_like(p)
+        for i, parent in enumerate(parents):  # parents come first, so out[parent] is set
+            above = 1.0 if parent < 0 else p[parent]
+            own = p[i] / above if above > 0 else 0.0
+            out[i] = min(1.0, own * self.ratio) * (1.0 if parent < 0 else out[parent])
+        return out
+
+    def record_tree(self, probs: NDArray[np.floating] | Sequence[float], agreed: int) -> None:
+        """Learns from one tree step: the model's tokens agreed with a path of `agreed` nodes of a
+        tree whose path probabilities (all its nodes, sent or not) are `probs`."""
+        if len(probs) == 0:
+            return
+        self._learn(float(np.sum(np.clip(np.asarray(probs, dtype=np.float64), 0.0, 1.0))), agreed)
+
+    def _learn(self, predicted: float, agreed: int) -> None:
         self.agreed = self.decay * self.agreed + agreed
         self.predicted = self.decay * self.predicted + predicted

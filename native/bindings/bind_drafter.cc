@@ -168,6 +168,29 @@ void bind_drafter(nb::module_& m) {
           "Drafts a tree of at most `budget` nodes (match mode) for engines that verify a tree in one\n"
           "pass: (tokens, parents), node i is tokens[i] and follows node parents[i] (-1: follows the\n"
           "sequence). Parents come before their children.")
+      .def(
+          "draft_tree_scored",
+          [](PyDrafter& d, int64_t seq, nb::handle tokens, int budget) {
+            TokenView v = as_tokens(tokens, "tokens");
+            DraftTree tree;
+            Status s;
+            {
+              nb::gil_scoped_release release;
+              s = d.drafter->draft_tree(seq, v.data, v.size, budget, &tree);
+            }
+            check(s);
+            const size_t n = tree.tokens.size();
+            return nb::make_tuple(to_numpy(std::move(tree.tokens), {n}), to_numpy(std::move(tree.parents), {n}),
+                                  to_numpy(std::move(tree.probs), {n}));
+          },
+          nb::sig("def draft_tree_scored(self, seq: int, tokens: NDArray[numpy.int32], budget: int = 16) -> "
+                  "tuple[NDArray[numpy.int32], NDArray[numpy.int32], NDArray[numpy.float32]]"),
+          "seq"_a, "tokens"_a, "budget"_a = 16,
+          "draft_tree() with each node's odds: (tokens, parents, probs), probs[i] (float32, 0..1) the\n"
+          "estimated chance that node i and every node above it are accepted. Nodes come best first\n"
+          "(probs never rise), so the first m nodes are the tree a budget of m would draft: a\n"
+          "cost-aware engine keeps the prefix worth its verify cost (ngramcache.client.adapters.\n"
+          "draft_length.best_tree_size). Deterministic.")
       .def_prop_ro(
           "mode", [](PyDrafter& d) { return std::string(draft_mode_name(d.drafter->options().mode)); },
           "'compatible' or 'match'.")

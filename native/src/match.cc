@@ -445,6 +445,7 @@ int draft_tree(const Token* seq, size_t n_seq, const MatchTables& t, const Match
     if (existing < 0) {
       tree->tokens.push_back(node.token);
       tree->parents.push_back(node.parent);
+      tree->probs.push_back(static_cast<float>(node.prob));
       existing = static_cast<int>(tree->tokens.size()) - 1;
     }
     if (node.option >= kChain) {
@@ -456,10 +457,14 @@ int draft_tree(const Token* seq, size_t n_seq, const MatchTables& t, const Match
   }
   if (tree->tokens.empty()) {
     Token buf[kMaxDraft];
-    const int n = fallback(seq, n_seq, t.context, t.dynamic, t.static_cache, p, budget, buf);
+    float odds[kMaxDraft];
+    const int n = fallback(seq, n_seq, t.context, t.dynamic, t.static_cache, p, budget, buf, odds);
+    double path = 1.0;
     for (int i = 0; i < n; ++i) {
+      path *= odds[i];
       tree->tokens.push_back(buf[i]);
       tree->parents.push_back(i - 1);
+      tree->probs.push_back(static_cast<float>(path));
     }
   }
   return static_cast<int>(tree->tokens.size());

@@ -6,7 +6,13 @@ import numpy as np
 import pytest
 
 from ngramcache import UNTAGGED, Drafter, InvalidArgumentError
-from ngramcache.client.adapters.draft_length import DraftLengthPolicy, VerifyCost, best_length, expected_tokens
+from ngramcache.client.adapters.draft_length import (
+    DraftLengthPolicy,
+    VerifyCost,
+    best_length,
+    best_tree_size,
+    expected_tokens,
+)
 from ngramcache.client.adapters.sequence_feed import SequenceFeed
 
 
@@ -142,3 +148,23 @@ def test_a_policy_needs_draft_scored():
 
     with pytest.raises(InvalidArgumentError, match="draft_scored"):
         SequenceFeed(Plain(), 1, 8, policy=DraftLengthPolicy(linear(0.1)))
+
+
+def test_tree_size_keeps_the_nodes_worth_their_cost():
+    probs = [0.9, 0.8, 0.7, 0.2, 0.1, 0.05]
+    assert best_tree_size(probs, VerifyCost([1.0] * 7)) == 6  # free verification: every node
+    assert best_tree_size(probs, VerifyCost(lambda k: 1.0 + 0.5 * k, 8)) == 3  # (1 + 2.4) / 2.5 beats (1 + 2.6) / 3.0
+    assert best_tree_size(probs, VerifyCost(lambda k: 1.0 + 2.0 * k, 8)) == 0  # dearer than any node's odds
+    assert best_tree_size([], VerifyCost([1.0, 1.1])) == 0
+
+
+def test_tree_odds_are_calibrated_per_node_given_its_parent():
+    policy = DraftLengthPolicy(VerifyCost(lambda k: 1.0 + 0.5 * k, 8))
+    probs, parents = [0.8, 0.4, 0.6], [-1, 0, -1]
+    assert np.allclose(policy.calibrated_tree(probs, parents), probs)  # uncalibrated: ratio 1
+    for _ in range(20):  # nothing the odds predicted was accepted
+        policy.record_tree(probs, 0)
+    low = policy.calibrated_tree(probs, parents)
+    r = policy.ratio
+    assert r < 0.5 and np.allclose(low, [0.8 * r, 0.8 * r * (0.5 * r), 0.6 * r])
+    assert policy.choose_tree(probs, parents) == 0

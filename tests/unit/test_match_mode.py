@@ -458,3 +458,23 @@ def test_build_stats_and_inspect_in_the_match_mode(tmp_path, capsys):
     rc, _, err = cli(capsys, "build", src, "-o", tmp_path / "d.ngc", "--vocab-size", 500, "--fingerprint", "untagged",
                      "--index-depth", 8)
     assert rc == 2 and "add --corpus-index" in err and not (tmp_path / "d.ngc").exists()
+
+
+def test_scored_trees_come_best_first_and_every_prefix_is_a_smaller_budgets_tree():
+    rng = np.random.default_rng(5)
+    block = rng.integers(0, 40, 60).astype(np.int32)
+    d = Drafter(vocab_size=100, fingerprint=UNTAGGED, mode="match")
+    for i, variant in enumerate((block, np.concatenate([block[:30], rng.integers(0, 40, 30)]).astype(np.int32))):
+        d.accept(i, variant)
+        d.reset(i)
+    seq = np.concatenate([rng.integers(50, 60, 5), block[:20]]).astype(np.int32)
+    d.accept(9, seq)
+    tokens, parents, probs = d.draft_tree_scored(9, seq, 16)
+    assert len(tokens) > 4 and probs.dtype == np.float32
+    assert np.array_equal(tokens, d.draft_tree(9, seq, 16)[0])
+    assert all(-1 <= p < i for i, p in enumerate(parents))
+    assert np.all((probs > 0) & (probs <= 1)) and np.all(np.diff(probs) <= 1e-7)  # best first
+    assert all(probs[i] <= probs[p] + 1e-7 for i, p in enumerate(parents) if p >= 0)  # a path's odds only fall
+    for m in range(1, len(tokens) + 1):  # what a cost-aware engine keeps is the tree a budget of m drafts
+        small, small_parents = d.draft_tree(9, seq, m)
+        assert np.array_equal(small, tokens[:m]) and np.array_equal(small_parents, parents[:m])

@@ -41,13 +41,17 @@
 namespace ngc {
 
 // One drafted tree: node i is tokens[i], child of parents[i] (-1: of the sequence's last
-// token). Parents come before their children.
+// token), with probs[i] the estimated chance that its whole path is accepted. Nodes come in
+// best-first order: parents before their children, probs never rising, so every prefix of
+// the nodes is a tree (the one a smaller budget would draft).
 struct DraftTree {
   std::vector<Token> tokens;
   std::vector<int32_t> parents;
+  std::vector<float> probs;
   void clear() {
     tokens.clear();
     parents.clear();
+    probs.clear();
   }
 };
 
