@@ -31,6 +31,19 @@ void set_dynamic(PyDrafter& d, nb::object table) {
   d.dynamic_ref = table;
 }
 
+// draft_tree() with the GIL released; raises the core's error.
+DraftTree run_draft_tree(PyDrafter& d, int64_t seq, nb::handle tokens, int budget) {
+  TokenView v = as_tokens(tokens, "tokens");
+  DraftTree tree;
+  Status s;
+  {
+    nb::gil_scoped_release release;
+    s = d.drafter->draft_tree(seq, v.data, v.size, budget, &tree);
+  }
+  check(s);
+  return tree;
+}
+
 }  // namespace
 
 // Tests and benchmarks tune with the overrides; users keep the defaults.
@@ -151,14 +164,7 @@ void bind_drafter(nb::module_& m) {
       .def(
           "draft_tree",
           [](PyDrafter& d, int64_t seq, nb::handle tokens, int budget) {
-            TokenView v = as_tokens(tokens, "tokens");
-            DraftTree tree;
-            Status s;
-            {
-              nb::gil_scoped_release release;
-              s = d.drafter->draft_tree(seq, v.data, v.size, budget, &tree);
-            }
-            check(s);
+            DraftTree tree = run_draft_tree(d, seq, tokens, budget);
             const size_t n = tree.tokens.size();
             return nb::make_tuple(to_numpy(std::move(tree.tokens), {n}), to_numpy(std::move(tree.parents), {n}));
           },
@@ -171,14 +177,7 @@ void bind_drafter(nb::module_& m) {
       .def(
           "draft_tree_scored",
           [](PyDrafter& d, int64_t seq, nb::handle tokens, int budget) {
-            TokenView v = as_tokens(tokens, "tokens");
-            DraftTree tree;
-            Status s;
-            {
-              nb::gil_scoped_release release;
-              s = d.drafter->draft_tree(seq, v.data, v.size, budget, &tree);
-            }
-            check(s);
+            DraftTree tree = run_draft_tree(d, seq, tokens, budget);
             const size_t n = tree.tokens.size();
             return nb::make_tuple(to_numpy(std::move(tree.tokens), {n}), to_numpy(std::move(tree.parents), {n}),
                                   to_numpy(std::move(tree.probs), {n}));
