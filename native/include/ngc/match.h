@@ -7,7 +7,7 @@
 //     two tokens, each compared backwards to find how long it matches;
 //   - in the corpus index of the static file (static_format.h: TEXT, SUFFIXES, BUCKETS):
 //     a sorted run of positions narrowed one token further back at a time, every match
-//     length's run kept (corpus_matches).
+//     length's run kept (corpus_matches; it and build_corpus_index live in corpus_index.cc).
 // Each source gives options: its max_options longest distinct match lengths, each with up
 // to max_candidates occurrences (spread evenly over a long run). An option's draft follows
 // its occurrences forward: each token is the most frequent next token of the occurrences
