@@ -93,6 +93,9 @@ def measure_verify_cost(llm: Any, *, context: int = 64, ks: tuple[int, ...] = (0
         ks: draft lengths measured (0 and at least one more).
         passes: timed passes per k and round (plus one untimed, the prompt's).
         repeats: rounds over every k (a neighbour's load slows them alike).
+
+    Raises:
+        InvalidArgumentError: `ks` without 0 or another k, `passes` or `repeats` < 1.
     """
     order = sorted(set(ks))
     if len(order) < 2 or order[0] != 0 or passes < 1 or repeats < 1:

@@ -62,6 +62,7 @@ except ImportError as e:  # the engine is an optional extra
 
 from ngramcache.client.adapters.draft_length import DraftLengthPolicy, VerifyCost
 from ngramcache.client.adapters.sequence_feed import DrafterLike, DraftStats, SequenceFeed
+from ngramcache.client.errors import InvalidArgumentError
 
 __all__ = ["DraftStats", "NgramCandidateGenerator", "generate", "measure_verify_cost", "ngram_decoding"]
 
@@ -198,10 +199,13 @@ def measure_verify_cost(model: Any, *, context: int = 32, ks: tuple[int, ...] = 
         ks: draft lengths measured (0 and at least one more).
         passes: timed steps per k and round.
         repeats: rounds over every k (a neighbour's load slows them alike), after a warm-up round.
+
+    Raises:
+        InvalidArgumentError: `ks` without 0 or another k, `passes` or `repeats` < 1.
     """
     order = sorted(set(ks))
     if len(order) < 2 or order[0] != 0 or passes < 1 or repeats < 1:
-        raise ValueError(f"measuring verify costs needs k = 0 and another k, passes >= 1 and repeats >= 1, "
+        raise InvalidArgumentError(f"measuring verify costs needs k = 0 and another k, passes >= 1 and repeats >= 1, "
                          f"got ks {list(ks)}, passes {passes}, repeats {repeats}")
     device = next(model.parameters()).device
     vocab = int(model.config.vocab_size)
@@ -218,7 +222,7 @@ def measure_verify_cost(model: Any, *, context: int = 32, ks: tuple[int, ...] = 
                 times[k].extend(np.diff(probe.calls)[1:].tolist())
     medians = {k: float(np.median(v)) for k, v in times.items() if v}
     if len(medians) < 2:
-        raise ValueError("the decoding loop made too few steps to time: raise passes")
+        raise InvalidArgumentError("the decoding loop made too few steps to time: raise passes")
     # Costs never fall with k (a noisy point would make a longer draft look cheaper).
     costs = np.maximum.accumulate(np.array([medians[k] for k in sorted(medians)]))
     return VerifyCost(dict(zip(sorted(medians), costs.tolist())))

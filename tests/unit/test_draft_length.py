@@ -168,3 +168,13 @@ def test_tree_odds_are_calibrated_per_node_given_its_parent():
     r = policy.ratio
     assert r < 0.5 and np.allclose(low, [0.8 * r, 0.8 * r * (0.5 * r), 0.6 * r])
     assert policy.choose_tree(probs, parents) == 0
+
+
+def test_measuring_in_an_engines_loop_refuses_bad_arguments():
+    # Checked before the engine is touched: no model is needed to be told.
+    from ngramcache.client.adapters.transformers import measure_verify_cost
+
+    with pytest.raises(InvalidArgumentError, match="k = 0"):
+        measure_verify_cost(object(), ks=(1, 2))
+    with pytest.raises(InvalidArgumentError, match="passes >= 1"):
+        measure_verify_cost(object(), passes=0)
