@@ -84,6 +84,34 @@ class VerifyCost:
         rel = max(0.0, float(slope) / float(intercept))
         return cls(lambda k: 1.0 + rel * k, max_k)
 
+    @classmethod
+    def measure_loop(cls, call_times: Callable[[int], Sequence[float]], ks: Sequence[int] = (0, 1, 2, 4, 8), *,
+                     repeats: int = 3, max_k: int = 256) -> VerifyCost:
+        """c(k) measured in an engine's own decoding loop: `call_times(k)` runs the loop with a
+        probe that drafts k tokens each step and returns the times of the probe's calls, so the
+        gaps between them (the first one dropped: the prompt's) are steps with k drafted tokens.
+        `repeats` rounds over every k after a warm-up round; c(k) is the median step with k
+        over the median step with none, made never to fall with k (a noisy point would make a
+        longer draft look cheaper), and interpolated between the measured k.
+
+        Raises:
+            InvalidArgumentError: `ks` without 0 or another k, `repeats` < 1, or too few steps timed.
+        """
+        order = sorted(set(ks))
+        if len(order) < 2 or order[0] != 0 or repeats < 1:
+            raise InvalidArgumentError(f"measuring verify costs needs k = 0 and another k and repeats >= 1, "
+                                       f"got ks {list(ks)}, repeats {repeats}")
+        steps: dict[int, list[float]] = {k: [] for k in order}
+        for round_ in range(repeats + 1):  # round 0 warms up (first-use allocations)
+            for k in order:
+                times = np.diff(np.asarray(call_times(k), dtype=np.float64))[1:]
+                if round_:
+                    steps[k].extend(times.tolist())
+        if any(not v for v in steps.values()):
+            raise InvalidArgumentError("the decoding loop made too few steps to time: raise passes")
+        medians = np.maximum.accumulate(np.array([np.median(steps[k]) for k in order]))
+        return cls(dict(zip(order, medians.tolist())), max_k)
+
     @property
     def max_k(self) -> int:
         return len(self.costs) - 1

@@ -97,34 +97,26 @@ def measure_verify_cost(llm: Any, *, context: int = 64, ks: tuple[int, ...] = (0
     Raises:
         InvalidArgumentError: `ks` without 0 or another k, `passes` or `repeats` < 1.
     """
-    order = sorted(set(ks))
-    if len(order) < 2 or order[0] != 0 or passes < 1 or repeats < 1:
-        raise InvalidArgumentError(f"measuring verify costs needs k = 0 and another k, passes >= 1 and repeats >= 1, "
-                                   f"got ks {list(ks)}, passes {passes}, repeats {repeats}")
+    if passes < 1:
+        raise InvalidArgumentError(f"measuring verify costs needs passes >= 1, got {passes}")
     vocab = int(llm.n_vocab())
     prompt = [(i * 7919) % vocab for i in range(context)]
     saved = llm.draft_model
-    times: dict[int, list[float]] = {k: [] for k in order}
+
+    def call_times(k: int) -> list[float]:
+        probe = _ProbeDraft(k, vocab)
+        llm.draft_model = probe
+        tokens = llm.generate(prompt, temp=0.0, reset=True)
+        for _ in zip(range(passes + 2), tokens):
+            pass
+        tokens.close()
+        return probe.calls
+
     try:
-        for round_ in range(repeats + 1):  # round 0 warms up (first-use allocations)
-            for k in order:
-                probe = _ProbeDraft(k, vocab)
-                llm.draft_model = probe
-                tokens = llm.generate(prompt, temp=0.0, reset=True)
-                for _ in zip(range(passes + 2), tokens):
-                    pass
-                tokens.close()
-                if round_:
-                    times[k].extend(np.diff(probe.calls)[1:].tolist())
+        return VerifyCost.measure_loop(call_times, ks, repeats=repeats)
     finally:
         llm.draft_model = saved
         llm.reset()
-    medians = {k: float(np.median(times[k])) for k in order if times[k]}
-    if len(medians) < 2:
-        raise InvalidArgumentError("the generation loop made too few passes to time: raise passes")
-    # Costs never fall with k (a noisy point would make a longer draft look cheaper).
-    cs = np.maximum.accumulate(np.array([medians[k] for k in sorted(medians)]))
-    return VerifyCost(dict(zip(sorted(medians), cs.tolist())))
 
 
 class NgramDraftModel(LlamaDraftModel):

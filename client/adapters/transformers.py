@@ -203,29 +203,20 @@ def measure_verify_cost(model: Any, *, context: int = 32, ks: tuple[int, ...] = 
     Raises:
         InvalidArgumentError: `ks` without 0 or another k, `passes` or `repeats` < 1.
     """
-    order = sorted(set(ks))
-    if len(order) < 2 or order[0] != 0 or passes < 1 or repeats < 1:
-        raise InvalidArgumentError(f"measuring verify costs needs k = 0 and another k, passes >= 1 and repeats >= 1, "
-                         f"got ks {list(ks)}, passes {passes}, repeats {repeats}")
-    device = next(model.parameters()).device
-    vocab = int(model.config.vocab_size)
-    ids = (torch.arange(context, device=device) * 7919 % vocab).unsqueeze(0)
-    times: dict[int, list[float]] = {k: [] for k in order}
-    for round_ in range(repeats + 1):  # round 0 warms up (first-use allocations)
-        for k in order:
-            probe = _ProbeCandidates(k, vocab)
-            with torch.no_grad():
-                model.generate(ids, attention_mask=torch.ones_like(ids), custom_generate=ngram_decoding,
-                               ngram_candidate_generator=probe, max_new_tokens=passes + 2, min_new_tokens=passes + 2,
-                               do_sample=False, pad_token_id=0)
-            if round_:
-                times[k].extend(np.diff(probe.calls)[1:].tolist())
-    medians = {k: float(np.median(v)) for k, v in times.items() if v}
-    if len(medians) < 2:
-        raise InvalidArgumentError("the decoding loop made too few steps to time: raise passes")
-    # Costs never fall with k (a noisy point would make a longer draft look cheaper).
-    costs = np.maximum.accumulate(np.array([medians[k] for k in sorted(medians)]))
-    return VerifyCost(dict(zip(sorted(medians), costs.tolist())))
+    if passes < 1:
+        raise InvalidArgumentError(f"measuring verify costs needs passes >= 1, got {passes}")
+
+    def call_times(k: int) -> list[float]:
+        vocab = int(model.config.vocab_size)
+        ids = (torch.arange(context, device=next(model.parameters()).device) * 7919 % vocab).unsqueeze(0)
+        probe = _ProbeCandidates(k, vocab)
+        with torch.no_grad():
+            model.generate(ids, attention_mask=torch.ones_like(ids), custom_generate=ngram_decoding,
+                           ngram_candidate_generator=probe, max_new_tokens=passes + 2, min_new_tokens=passes + 2,
+                           do_sample=False, pad_token_id=0)
+        return probe.calls
+
+    return VerifyCost.measure_loop(call_times, ks, repeats=repeats)
 
 
 def _verify_cost_of(model: Any) -> VerifyCost:

@@ -9,6 +9,7 @@ import grpc
 import numpy as np
 import pytest
 import torch
+from helpers.drafters import NoOddsDrafter
 from helpers.model import (
     PROMPT_FUNCTIONS,
     chatml,
@@ -280,16 +281,6 @@ def test_cost_aware_output_equals_plain_greedy(smollm2, static_cache, plain_outp
 def test_cost_aware_needs_draft_scored(smollm2):
     model, tok = smollm2
 
-    class NoOdds:
-        def draft(self, seq, tokens, n_draft=8):
-            return np.empty(0, dtype=np.int32)
-
-        def accept(self, seq, tokens):
-            pass
-
-        def reset(self, seq):
-            return True
-
     with pytest.raises(InvalidArgumentError, match="draft_scored"):
-        generate(model, prompt_ids(tok, PROMPT_FUNCTIONS[0]), NoOdds(), seq_id=1, max_new_tokens=4, cost_aware=True,
+        generate(model, prompt_ids(tok, PROMPT_FUNCTIONS[0]), NoOddsDrafter(), seq_id=1, max_new_tokens=4, cost_aware=True,
                  verify_cost=[1.0, 1.5])

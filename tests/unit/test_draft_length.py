@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from helpers.drafters import NoOddsDrafter
 
 from ngramcache import UNTAGGED, Drafter, InvalidArgumentError
 from ngramcache.client.adapters.draft_length import (
@@ -136,18 +137,8 @@ def test_feed_calibrates_from_the_models_tokens():
 
 
 def test_a_policy_needs_draft_scored():
-    class Plain:
-        def draft(self, seq, tokens, n_draft=8):
-            return np.empty(0, dtype=np.int32)
-
-        def accept(self, seq, tokens):
-            pass
-
-        def reset(self, seq):
-            return True
-
     with pytest.raises(InvalidArgumentError, match="draft_scored"):
-        SequenceFeed(Plain(), 1, 8, policy=DraftLengthPolicy(linear(0.1)))
+        SequenceFeed(NoOddsDrafter(), 1, 8, policy=DraftLengthPolicy(linear(0.1)))
 
 
 def test_tree_size_keeps_the_nodes_worth_their_cost():
@@ -178,3 +169,19 @@ def test_measuring_in_an_engines_loop_refuses_bad_arguments():
         measure_verify_cost(object(), ks=(1, 2))
     with pytest.raises(InvalidArgumentError, match="passes >= 1"):
         measure_verify_cost(object(), passes=0)
+
+
+def test_loop_costs_are_median_steps_never_falling_with_k():
+    # Synthetic probe runs: the first gap (the prompt) is dropped; a noisy k=4 cheaper than k=2
+    # is lifted to k=2's cost; k=3 is interpolated.
+    step = {0: 10.0, 1: 20.0, 2: 24.0, 4: 22.0, 8: 40.0}
+
+    def call_times(k: int) -> list[float]:
+        return list(np.cumsum([500.0] + [step[k]] * 5))
+
+    cost = VerifyCost.measure_loop(call_times, (0, 1, 2, 4, 8), repeats=2, max_k=8)
+    assert np.allclose(cost.costs, [1.0, 2.0, 2.4, 2.4, 2.4, 2.8, 3.2, 3.6, 4.0])
+    with pytest.raises(InvalidArgumentError, match="too few steps"):
+        VerifyCost.measure_loop(lambda k: [0.0, 1.0], (0, 1), repeats=1)
+    with pytest.raises(InvalidArgumentError, match="k = 0"):
+        VerifyCost.measure_loop(call_times, (1, 2))

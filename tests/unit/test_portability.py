@@ -86,6 +86,18 @@ def test_suffix_decoding_peer_stays_within_the_baseline():
     assert beyond_baseline(module) == {}
 
 
+def test_llama_server_recipe_is_portable():
+    # Always checked: the flags the benchmark builds llama-server with (the build itself takes
+    # minutes and is not part of the test command; the binary is checked below where it exists).
+    sys.path.insert(0, str(ROOT / "tests" / "bench"))
+    from build_llama_server import SERVER_CMAKE_ARGS
+
+    flags = SERVER_CMAKE_ARGS.split()
+    assert "-DGGML_NATIVE=OFF" in flags and "-DGGML_AVX512=OFF" in flags
+    assert {"-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF"} <= set(flags)
+    assert not any("march=native" in f or f in ("-DGGML_NATIVE=ON", "-DGGML_AVX512=ON") for f in flags), flags
+
+
 def test_llama_server_stays_within_the_baseline():
     sys.path.insert(0, str(ROOT / "tests" / "bench"))
     from build_llama_server import DEFAULT_CACHE, SERVER_CMAKE_ARGS, TARGET, server_dir
