@@ -149,11 +149,15 @@ class _ProbeCandidates(NgramCandidateGenerator):
     """Candidates of k fixed tokens, noting when they are asked for: the time between two calls is
     one step of the assisted-decoding loop with k drafted tokens (almost always rejected)."""
 
-    def __init__(self, k: int, vocab: int) -> None:
-        super().__init__(_NoDrafter(), seq_id=0, n_draft=max(k, 1))
+    def __init__(self, k: int, vocab: int) -> None:  # no drafter: get_candidates is its own
         self.k = k
         self.vocab = vocab
+        self.max_length: int | None = None
         self.calls: list[float] = []
+
+    @property
+    def num_drafting_tokens(self) -> int:
+        return max(self.k, 1)
 
     def get_candidates(self, input_ids: torch.LongTensor, **kwargs: Any) -> tuple[torch.LongTensor, None]:
         self.calls.append(time.perf_counter())
@@ -166,19 +170,6 @@ class _ProbeCandidates(NgramCandidateGenerator):
 
     def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.Tensor, num_matches: int) -> None:
         pass
-
-
-class _NoDrafter:
-    """The probe's drafter: never asked to draft."""
-
-    def draft(self, seq: int, tokens: NDArray[np.int32], n_draft: int = 8) -> NDArray[np.int32]:
-        return np.empty(0, dtype=np.int32)
-
-    def accept(self, seq: int, tokens: NDArray[np.int32]) -> None:
-        pass
-
-    def reset(self, seq: int) -> bool:
-        return True
 
 
 def measure_verify_cost(model: Any, *, context: int = 32, ks: tuple[int, ...] = (0, 1, 2, 4, 8),
