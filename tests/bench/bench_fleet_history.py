@@ -191,6 +191,9 @@ def main(argv: list[str] | None = None) -> int:
     keys = [key for key in args.setups.split(",") if key]
     if unknown := set(keys) - set(SETUP_KEYS):
         ap.error(f"unknown setups {sorted(unknown)}; choose from {','.join(SETUP_KEYS)}")
+    names = [w for w in args.workloads.split(",") if w]
+    if unknown := set(names) - set(workloads):
+        ap.error(f"unknown workloads {sorted(unknown)}; the recording has {','.join(workloads)}")
     seeds = args.seeds
     if args.quick:
         ks, seeds = [1, 8], 1
@@ -213,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
           f"fleet counts {'off' if args.no_counts else 'on (draft view, default intervals)'}")
     report: dict[str, Any] = {"meta": meta, "args": {k: str(v) for k, v in vars(args).items()}, "tables": {}}
     t_all = time.perf_counter()
-    for workload in args.workloads.split(","):
+    for workload in names:
         requests = workloads[workload]
         n_tokens = sum(len(r.output) for r in requests)
         if workload == "rollout":
