@@ -3,6 +3,7 @@ hooks that run `engine` tests in a child process."""
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -14,6 +15,13 @@ from helpers.redis_servers import free_port as _free_port
 from helpers.service import ServiceThread
 
 __all__ = ["pytest_configure", "pytest_runtest_logreport", "pytest_runtest_protocol", "pytest_terminal_summary"]
+
+# A test command started in the background of a script (`bash .ci/run &`) inherits SIGINT ignored,
+# and every process it starts would too: the Ctrl-C tests (of `serve`, of the builder) could never
+# see their SIGINT. Here Ctrl-C raises KeyboardInterrupt again; the processes the tests start get
+# the default action back at exec, as a terminal would give them.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture
