@@ -52,10 +52,12 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_real_model import Service, build_workload, flush, stdlib_files
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for helpers
 from build_llama_server import DEFAULT_CACHE, SERVER_CMAKE_ARGS, build_server
-from helpers.model import smollm2_gguf  # bench_real_model put tests/ on the path
+from helpers.model import smollm2_gguf
 from llama_server import Completion, LlamaServer, ServerError, Timings
+from real_model_service import Service, flush
+from real_model_workload import build_workload, stdlib_files
 
 from ngramcache import AdminClient, NgramClient, build_static_from_tokens, load_tokenizer
 
