@@ -18,6 +18,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for help
 from helpers.model import smollm2_gguf
 
 COST_AWARE = {"g": "c", "h": "e"}  # a cost-aware setup -> the same drafter sending every drafted token
+DRAFTED_LABELS = {"c": "(c) ngramcache, local Drafter", "d": "(d) ngramcache + service",
+                  "e": "(e) (c) in the match mode", "f": "(f) (d) in the match mode",
+                  "g": "(g) (c) cost-aware", "h": "(h) (e) cost-aware"}  # the setups' names in both engines' tables
 
 
 @dataclass
@@ -105,10 +108,7 @@ class TransformersEngine:
         self.measure_verify_cost = measure_verify_cost
         self.title = (f"transformers {transformers.__version__} (torch {torch.__version__}, {args.threads} threads, "
                       f"float32 dequantized from the GGUF)")
-        self.labels = {"a": "(a) plain greedy", "b": f"(b) prompt_lookup_num_tokens={args.pld_tokens}",
-                       "c": "(c) ngramcache, local Drafter", "d": "(d) ngramcache + service",
-                       "e": "(e) (c) in the match mode", "f": "(f) (d) in the match mode",
-                       "g": "(g) (c) cost-aware", "h": "(h) (e) cost-aware"}
+        self.labels = {"a": "(a) plain greedy", "b": f"(b) prompt_lookup_num_tokens={args.pld_tokens}", **DRAFTED_LABELS}
 
     def _hook(self, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         ids = kwargs["input_ids"] if "input_ids" in kwargs else args[0]
@@ -176,9 +176,7 @@ class LlamaCppEngine:
         self.title = (f"llama-cpp-python {llama_cpp.__version__} ({args.threads} threads, Q4_1 GGUF, "
                       f"n_ctx {n_ctx})")
         self.labels = {"a": "(a) plain greedy", "b": f"(b) LlamaPromptLookupDecoding({args.pld_tokens})",
-                       "c": "(c) ngramcache, local Drafter", "d": "(d) ngramcache + service",
-                       "e": "(e) (c) in the match mode", "f": "(f) (d) in the match mode",
-                       "g": "(g) (c) cost-aware", "h": "(h) (e) cost-aware"}
+                       **DRAFTED_LABELS}
         self.verify_cost: Any = None  # measured on the first cost-aware setup's Llama
 
     def _llama(self, draft_model: Any) -> Any:
