@@ -268,10 +268,15 @@ def test_ctrl_c_at_any_moment_of_the_start_is_one_line_and_130(tmp_path, delay):
     assert os.path.exists(script), "the console script is installed by pip install -e (tests/run_all.sh)"
     p = subprocess.Popen([script, "serve", "--port", "0", "--data-dir", str(tmp_path / "d")],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    _wait_until_importing(p.pid)
-    time.sleep(delay)
-    p.send_signal(signal.SIGINT)
-    _, err = p.communicate(timeout=60)
+    try:
+        _wait_until_importing(p.pid)
+        time.sleep(delay)
+        p.send_signal(signal.SIGINT)
+        _, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:  # a failed test leaves no server running
+            p.kill()
+            p.communicate()
     assert p.returncode == 130, (p.returncode, err)
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
     assert len([line for line in err.splitlines() if not line[:4].isdigit()]) <= 2, err  # log lines aside
