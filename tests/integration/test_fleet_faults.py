@@ -52,7 +52,8 @@ def store_total(address: str) -> int:
         return sum(int(bytes_to_count_rows(c.rows)[:, 6].sum()) for c in chunks)
 
 
-def test_a_fleet_rides_out_kills_restarts_rebuilds_and_corruption(tmp_path: Path) -> None:
+def test_a_fleet_rides_out_kills_restarts_rebuilds_and_corruption(tmp_path: Path,
+                                                                  caplog: pytest.LogCaptureFixture) -> None:
     with RedisClusterProcesses(masters=3, args=DURABLE) as cluster:
         replicas = [Replica(tmp_path, i, cluster.url) for i in range(3)]
         clients: list[NgramClient] = []
@@ -168,5 +169,10 @@ def test_a_fleet_rides_out_kills_restarts_rebuilds_and_corruption(tmp_path: Path
         assert len(convergence) == 3 and max(convergence) <= 10.0, convergence
         # The lease let no two rebuilds publish one generation number; numbers only grew.
         assert len(published) == len(set(published)) and published == sorted(published), published
-        assert re.search(r"fetching generation \d+ from .* failed", "".join(
-            r.log.read_text() for r in replicas)), "no replica refused the corrupt transfer"
+        # The corrupt file was served and refused: by the other replica when it fetched during the
+        # window, else (it may have fetched the good file in the moment before the corruption) by the
+        # builder's clients, which download from it; either way everyone ended on the good bytes (converge).
+        refused_by_replica = re.search(r"fetching generation \d+ from .* failed", "".join(
+            r.log.read_text() for r in replicas))
+        refused_by_client = any("is corrupt" in r.getMessage() for r in caplog.records)
+        assert refused_by_replica or refused_by_client, "nobody refused the corrupt transfer"
