@@ -256,14 +256,20 @@ def test_missing_engine_names_the_extra():
     assert "pip install 'ngramcache[transformers]'" in out
 
 
+@pytest.fixture(scope="module")
+def verify_cost(smollm2):
+    """The model's verify costs, measured once for both modes (about 18 s on this CPU)."""
+    return measure_verify_cost(smollm2[0], repeats=3)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["compatible", "match"])
-def test_cost_aware_output_equals_plain_greedy(smollm2, static_cache, plain_outputs, mode):
+def test_cost_aware_output_equals_plain_greedy(smollm2, static_cache, plain_outputs, verify_cost, mode):
     """Cost-aware drafting only shortens drafts: greedy output unchanged; the costs measured on the model grow with k."""
     model, tok = smollm2
     spec = PROMPT_FUNCTIONS[0]
     ids = prompt_ids(tok, spec)
-    cost = measure_verify_cost(model, repeats=3)
+    cost = verify_cost
     assert cost(0) == 1.0 and cost(8) >= cost(1) >= 1.0
     drafter = Drafter(static=static_cache, dynamic=CountTable(), mode=mode)
     stats = DraftStats()
