@@ -17,6 +17,7 @@ tests/unit/test_fuzz.py runs the same targets for a few seconds each.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import re
 import shutil
@@ -29,6 +30,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 FUZZ_SRC = ROOT / "native" / "fuzz"
 BUILD_DIR = ROOT / "build" / "fuzz"
+# Builds kept for the tests, one folder per key (native/'s files and the compiler): a clean clone
+# of an unchanged core runs the targets built before instead of compiling them again.
+CACHE_DIR = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "ngramcache" / "fuzz"
 # target -> (seed corpus written by make_seeds, dictionary in native/fuzz)
 TARGETS = {
     "fuzz_static_cache": ("static", "static.dict"),
@@ -100,11 +104,37 @@ def build(build_dir: Path = BUILD_DIR) -> Path:
         r = subprocess.run(step, capture_output=True, text=True)
         if r.returncode != 0:
             raise FuzzSetupError(f"{' '.join(step)} failed:\n{r.stdout[-4000:]}\n{r.stderr[-4000:]}")
+    write_seeds(build_dir)
+    return build_dir
+
+
+def cached_build(cache_dir: Path = CACHE_DIR) -> Path:
+    """build() into cache_dir/<key>, the key a hash of native/'s files and clang's version: a build
+    made before from the same sources is reused (its seeds rewritten), a missing or unfinished one is
+    made anew. Returns the build folder."""
+    clang = shutil.which("clang++")
+    if clang is None:
+        return build()  # raises FuzzSetupError with what to install
+    h = hashlib.sha256(subprocess.run([clang, "--version"], capture_output=True, text=True).stdout.encode())
+    for path in sorted(p for p in (ROOT / "native").rglob("*") if p.is_file()):
+        h.update(str(path.relative_to(ROOT)).encode() + b"\0" + path.read_bytes() + b"\0")
+    build_dir = cache_dir / h.hexdigest()[:24]
+    done = build_dir / ".complete"
+    if done.exists():
+        write_seeds(build_dir)
+        return build_dir
+    shutil.rmtree(build_dir, ignore_errors=True)  # an unfinished build, maybe configured by another clone
+    build(build_dir)
+    done.touch()
+    return build_dir
+
+
+def write_seeds(build_dir: Path) -> None:
+    """Rewrites the seed corpora of build_dir/seeds with the built make_seeds."""
     seeds = build_dir / "seeds"
     shutil.rmtree(seeds, ignore_errors=True)
     subprocess.run([str(build_dir / "make_seeds"), str(seeds / "static"), str(seeds / "llama")],
                    check=True, capture_output=True)
-    return build_dir
 
 
 def _last_int(pattern: str, text: str) -> int | None:

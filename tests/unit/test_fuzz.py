@@ -1,8 +1,10 @@
 """The libFuzzer targets of native/fuzz/ (ASan + UBSan): a short run each, and the saved crashes.
 
 tests/bench/fuzz_static.py is the long run (10M executions a target) and the driver used
-here: it builds the targets into build/fuzz (incrementally) and writes their seeds. clang
-and its libFuzzer runtime are required, not optional: tests/run_all.sh installs them.
+here: it builds the targets (kept in ``~/.cache/ngramcache/fuzz/<key>``, the key a hash of
+native/'s files and clang's version, so an unchanged core is not compiled again) and writes
+their seeds. clang and its libFuzzer runtime are required, not optional: tests/run_all.sh
+installs them.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ CRASHES = sorted(p for p in (ROOT / "native" / "fuzz" / "crashes").glob("*/*") i
 @pytest.fixture(scope="module")
 def build_dir() -> Path:
     try:
-        return fuzz.build()
+        return fuzz.cached_build()
     except fuzz.FuzzSetupError as e:
         pytest.fail(str(e), pytrace=False)
 
