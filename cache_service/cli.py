@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import getpass
 import logging
@@ -197,9 +198,11 @@ def _serve_workers(config: ServiceConfig, args: argparse.Namespace) -> int:
         line = c.stdout.readline()
         started += "listening on" in line
     if started < len(children):
+        signalled = list(stopping)  # a signal before they all started (they wait for an unreachable store)
         relay(signal.SIGTERM, None)
-        for c in children:
-            c.wait()
+        codes = [c.wait() for c in children]
+        if signalled:
+            return client_cli.EXIT_INTERRUPTED if signalled[0] == signal.SIGINT else max(codes)
         raise OSError(f"only {started} of {len(children)} workers started on {config.host}:{port}")
     print(f"ngramcache serve: listening on {config.host}:{port} ({len(children)} workers, pids "
           f"{', '.join(str(c.pid) for c in children)})", flush=True)
@@ -223,10 +226,21 @@ async def _serve(config: ServiceConfig) -> int:
     # Before the server starts and says so: a SIGTERM right after "listening" drains, never kills.
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal, sig)
-    service, port = await create_server(config)
+    stopper = asyncio.create_task(stop.wait())
+    # The start waits for the counts store as long as it is unreachable: a signal meanwhile stops it
+    # (nothing is served yet but health, so there is nothing to drain) rather than waiting for SIGKILL.
+    starting = asyncio.create_task(create_server(config))
+    await asyncio.wait({starting, stopper}, return_when=asyncio.FIRST_COMPLETED)
+    if not starting.done():
+        starting.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await starting
+        print(f"ngramcache serve: {signal.Signals(got[0]).name} before the counts store answered: stopped",
+              file=sys.stderr, flush=True)
+        return client_cli.EXIT_INTERRUPTED if got[0] == signal.SIGINT else 0
+    service, port = starting.result()
     print(f"ngramcache serve: listening on {config.host}:{port}", flush=True)
     waiter = asyncio.create_task(service.wait_for_termination())
-    stopper = asyncio.create_task(stop.wait())
     await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)
     name = signal.Signals(got[0]).name if got else "server ended"
     print(f"ngramcache serve: {name}: draining (up to {config.grace_period:g} s)...", file=sys.stderr, flush=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -168,6 +169,45 @@ def test_store_down_at_start_serves_not_serving_until_it_comes(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+@pytest.mark.parametrize(("sig", "code"), [(signal.SIGTERM, 0), (signal.SIGINT, 130)], ids=["SIGTERM", "SIGINT"])
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_signal_while_the_store_is_down_stops_at_once(tmp_path, sig, code, workers):
+    """The start waits for an unreachable store as long as it takes; SIGTERM or Ctrl-C meanwhile stops it in one
+    line each, at once (it used to wait on until the 30 s of a SIGKILL)."""
+    from helpers.redis_servers import free_port
+
+    proc = subprocess.Popen([*CLI, "serve", "--workers", str(workers), "--port", "0", "--data-dir", str(tmp_path / "d"),
+                             "--counts", f"redis://127.0.0.1:{free_port()}"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    pids = [proc.pid]
+    try:
+        deadline = time.monotonic() + 20
+        while len(pids) <= (workers if workers > 1 else 0) or not any(_listening_ports(p) for p in pids):
+            assert time.monotonic() < deadline and proc.poll() is None  # waiting for the interim health server(s)
+            time.sleep(0.1)
+            pids = [proc.pid, *_children(proc.pid)]
+        sent = time.monotonic()
+        proc.send_signal(sig)
+        out, err = proc.communicate(timeout=20)
+        took = time.monotonic() - sent
+    finally:
+        for pid in pids[::-1]:  # the workers too: they hold the pipes open
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        proc.communicate()
+    assert proc.returncode == code and took < 5, (proc.returncode, took, err[-2000:])
+    assert err.count(f"{sig.name} before the counts store answered: stopped") == workers, err
+    assert "Traceback" not in err and "listening" not in out
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(c) for c in f.read().split()]
+    except OSError:
+        return []
 
 
 def _listening_ports(pid: int) -> list[int]:
