@@ -157,6 +157,15 @@ def cold_start(requests: list[Request], k: int, join_after: int, schedule: Sched
     return out
 
 
+def schedules_of(workload: str, args: argparse.Namespace) -> list[tuple[str, Schedule]]:
+    """The schedules a workload is replayed under, by name: rollout groups' siblings arrive together
+    (concurrent) or one after another, routed round-robin or by group; single requests round-robin."""
+    if workload == "rollout":
+        return [(f"{mode}, {routing}", Schedule(args.group_interval_ms, args.step_ms, mode == "concurrent", routing))
+                for mode in ("concurrent", "sequential") for routing in ("round-robin", "group")]
+    return [("round-robin", Schedule(args.interval_ms, args.step_ms, True, "round-robin"))]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="Replays the recorded fleet workloads over K simulated replicas: "
                                              "ngramcache's fleet history against siloed and ideal SuffixDecoding.")
@@ -174,7 +183,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="the pieces row: hold a remote sequence's tokens until this many are visible or it ended (default 16)")
     ap.add_argument("--lib-dir", type=Path, default=None, help="SuffixDecoding's build (build_suffix_decoding.py)")
     ap.add_argument("--setups", default=",".join(SETUP_KEYS), help=f"run only these (default all: {','.join(SETUP_KEYS)})")
-    ap.add_argument("--schedules", default="", help="run only the schedules whose name contains this (e.g. 'concurrent, round')")
+    ap.add_argument("--schedules", default="", help="run only the schedules whose name contains this: rollout's are 'concurrent' or 'sequential', then "
+                         "', round-robin' or ', group'; repeated's and control's 'round-robin' (e.g. 'concurrent, round')")
     ap.add_argument("--no-counts", action="store_true",
                     help="the fleet shares its history only, not its counts (the draft view mirrored into each "
                          "replica's dynamic table, as real clients do)")
@@ -194,6 +204,10 @@ def main(argv: list[str] | None = None) -> int:
     names = [w for w in args.workloads.split(",") if w]
     if unknown := set(names) - set(workloads):
         ap.error(f"unknown workloads {sorted(unknown)}; the recording has {','.join(workloads)}")
+    schedules = {w: schedules_of(w, args) for w in names}
+    if not any(args.schedules in name for w in names for name, _ in schedules[w]):
+        ap.error(f"no schedule of {','.join(names)} contains {args.schedules!r}; they are: "
+                 + "; ".join(f"{w}: {', '.join(repr(n) for n, _ in schedules[w])}" for w in names))
     seeds = args.seeds
     if args.quick:
         ks, seeds = [1, 8], 1
@@ -219,12 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     for workload in names:
         requests = workloads[workload]
         n_tokens = sum(len(r.output) for r in requests)
-        if workload == "rollout":
-            variants = [(f"{mode}, {routing}", Schedule(args.group_interval_ms, args.step_ms, mode == "concurrent", routing))
-                        for mode in ("concurrent", "sequential") for routing in ("round-robin", "group")]
-        else:
-            variants = [("round-robin", Schedule(args.interval_ms, args.step_ms, True, "round-robin"))]
-        for name, schedule in variants:
+        for name, schedule in schedules[workload]:
             if args.schedules not in name:
                 continue
             t0 = time.perf_counter()
