@@ -208,3 +208,17 @@ def test_sharing_helps_a_repeated_output_and_prompt_lookup_does_not_share():
     fleet = fs.simulate(reqs, MatchFleet(4, VOCAB, lag_ms=100), sched)
     assert pl.tokens_per_step == pytest.approx(1.0)
     assert fleet.tokens_per_step > local.tokens_per_step > pl.tokens_per_step
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--workloads", "rollouts"], "unknown workloads ['rollouts']"),
+    (["--workloads", "repeated", "--schedules", "concurrent"], "no schedule of repeated contains 'concurrent'"),
+    (["--setups", "fleet,sd"], "unknown setups ['sd']"),
+])
+def test_the_benchmark_refuses_names_it_has_not(args, message, capsys):
+    """A misspelt workload, setup or schedule is a usage error naming the choices, not a traceback or an empty run."""
+    import bench_fleet_history
+
+    with pytest.raises(SystemExit) as e:
+        bench_fleet_history.main(args)
+    assert e.value.code == 2 and message in capsys.readouterr().err
