@@ -21,24 +21,16 @@ from __future__ import annotations
 import dataclasses
 import enum
 import hashlib
-import logging
 import re
 import secrets
 import ssl
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
-
-import grpc
+from typing import Any
 
 from ngramcache.client.errors import InvalidArgumentError
 
 from .counts.namespace import validate_namespace
-
-if TYPE_CHECKING:
-    from .config import ServiceConfig
-
-log = logging.getLogger("ngramcache.service")
 
 ALL_NAMESPACES = "*"
 """In a grant's ``namespaces``: every namespace, present and future."""
@@ -299,20 +291,5 @@ def read_tls_files(cert: str | None, key: str | None, client_ca: str | None) -> 
     return TlsFiles(cert=cert_pem, key=key_pem, client_ca=ca_pem)
 
 
-def server_credentials(config: ServiceConfig) -> grpc.ServerCredentials | None:
-    """The credentials to listen with: TLS (mutual with ``tls_client_ca``), or None for plaintext.
-
-    Logs what it chose; warns when bearer tokens would cross a non-loopback network in plaintext.
-    """
-    files = read_tls_files(config.tls_cert, config.tls_key, config.tls_client_ca)
-    if files is None:
-        if config.tokens_file and not config.is_loopback():
-            log.warning("bearer tokens travel in plaintext to %s: configure tls_cert and tls_key", config.host)
-        return None
-    log.info("TLS on%s", ", client certificates required (mutual TLS)" if files.client_ca else "")
-    return grpc.ssl_server_credentials([(files.key, files.cert)], root_certificates=files.client_ca,
-                                       require_client_auth=files.client_ca is not None)
-
-
 __all__ = ["ALL_NAMESPACES", "Role", "TlsFiles", "TokenGrant", "TokenTable", "load_tokens", "new_token",
-           "parse_grant", "read_tls_files", "server_credentials", "token_sha256", "token_toml"]
+           "parse_grant", "read_tls_files", "token_sha256", "token_toml"]

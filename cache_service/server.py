@@ -19,6 +19,7 @@ import socket
 import time
 from pathlib import Path
 
+import grpc
 from grpc import aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
@@ -49,7 +50,7 @@ from .metrics import Metrics, MetricsHttpServer, start_metrics_http_server
 from .namespaces import NamespaceRegistry
 from .peer_sync import PeerSync
 from .rebuild import Rebuilder, RebuildOptions
-from .security import server_credentials
+from .security import read_tls_files
 from .servicers.admin import AdminServicer, ServerInfo, ServerLimits
 from .servicers.counts import CountsServicer
 from .servicers.drafting import DraftingServicer
@@ -308,6 +309,21 @@ async def create_server(config: ServiceConfig) -> tuple[Service, int]:
     log.info("serving ngramcache.v1 on %s:%d (pid %d), counts store %s, data dir %s", config.host, port, os.getpid(),
              redact_url(config.counts_url), data_dir.resolve())
     return service, port
+
+
+def server_credentials(config: ServiceConfig) -> grpc.ServerCredentials | None:
+    """The credentials to listen with: TLS (mutual with ``tls_client_ca``), or None for plaintext.
+
+    Logs what it chose; warns when bearer tokens would cross a non-loopback network in plaintext.
+    """
+    files = read_tls_files(config.tls_cert, config.tls_key, config.tls_client_ca)
+    if files is None:
+        if config.tokens_file and not config.is_loopback():
+            log.warning("bearer tokens travel in plaintext to %s: configure tls_cert and tls_key", config.host)
+        return None
+    log.info("TLS on%s", ", client certificates required (mutual TLS)" if files.client_ca else "")
+    return grpc.ssl_server_credentials([(files.key, files.cert)], root_certificates=files.client_ca,
+                                       require_client_auth=files.client_ca is not None)
 
 
 def _read_optional(path: str | None) -> bytes | None:
