@@ -93,6 +93,11 @@ def test_eight_clients_pushing_overlapping_ngrams_with_retries_count_exactly_wha
         name="agg", tokenizer_fingerprint=FP, vocab_size=VOCAB), timeout=30)
     data = {c: real_batches(3, 3 * c) for c in range(CLIENTS)}
     acknowledged: dict[tuple[str, int], np.ndarray] = {}
+    # Per batch: its units, and the units each reply said it applied. On a Cluster a batch is a
+    # unit per shard, deduplicated per shard, so two groups holding the same batch at once may
+    # each apply some of its units (neither reply is then a whole duplicate): exactly once is per unit.
+    units: dict[tuple[str, int], int] = {}
+    applied_units: Counter[tuple[str, int]] = Counter()
     stats = Counter[str]()
     lock = threading.Lock()
     errors: list[BaseException] = []
@@ -133,6 +138,8 @@ def test_eight_clients_pushing_overlapping_ngrams_with_retries_count_exactly_wha
                     with lock:
                         stats["duplicate" if reply.duplicate else "applied"] += 1
                         acknowledged[client_id, sent] = data[c][sent]
+                        units[client_id, sent] = reply.units
+                        applied_units[client_id, sent] += reply.applied_units
             # An acknowledged batch sent again long after: a duplicate.
             assert stub.Push(request(client_id, 1, data[c][1]), timeout=30).duplicate
         except BaseException as exc:
@@ -149,8 +156,11 @@ def test_eight_clients_pushing_overlapping_ngrams_with_retries_count_exactly_wha
     for deltas in acknowledged.values():
         expected.update(as_counter(deltas))
     assert pulled(counts_pb2_grpc.CountsStub(channel), "agg") == expected
-    # Every batch applied exactly once, however often it was sent...
-    assert stats["applied"] <= len(acknowledged) and stats["duplicate"] > 0
+    # Every unit of every batch applied exactly once, however often it was sent (a reply lost to
+    # its deadline is not seen, so at most once in the replies seen)...
+    over = {key: (applied_units[key], units[key]) for key in units if applied_units[key] > units[key]}
+    assert not over, f"(applied units seen, units) of batches applied more than once: {over}"
+    assert all(units.values()) and stats["duplicate"] > 0
     # ...and the service did aggregate: fewer store calls than pushes, some with several clients' batches.
     assert max(slow.calls) > 1 and len(slow.calls) < sum(slow.calls)
     channel.close()
