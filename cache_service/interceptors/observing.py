@@ -82,16 +82,20 @@ def final_status(exc: BaseException | None, context: aio.ServicerContext) -> tup
 class _FirstRequest:
     """A request stream that keeps its first message; otherwise the stream itself (same awaits, same cancellation)."""
 
-    __slots__ = ("_it", "first")
+    __slots__ = ("_it", "_requests", "first")
 
     def __init__(self, requests: AsyncIterator[Any]) -> None:
-        self._it = requests.__aiter__()
+        self._requests = requests
+        self._it: AsyncIterator[Any] | None = None  # taken at the first read: gRPC's receiver, once
+        # taken, warns "never awaited" when a refused call never reads it
         self.first: Any = None
 
     def __aiter__(self) -> _FirstRequest:
         return self
 
     async def __anext__(self) -> Any:
+        if self._it is None:
+            self._it = self._requests.__aiter__()
         request = await self._it.__anext__()
         if self.first is None:
             self.first = request

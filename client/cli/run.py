@@ -49,7 +49,9 @@ def main(argv: list[str] | None = None, extra_commands: Iterable[CommandHook] = 
         return EXIT_INTERRUPTED
     except BrokenPipeError:  # `ngramcache inspect F | head`: the reader left; not an error
         with suppress(OSError):
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            null = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(null, sys.stdout.fileno())  # Python's flush of stdout at exit goes nowhere
+            os.close(null)
         return 0
     except MemoryError:
         hint = ": give a smaller --memory-budget" if args is not None and hasattr(args, "memory_budget") else ""
