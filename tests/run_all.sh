@@ -106,6 +106,7 @@ step_end
 step_start "generated files, ruff and mypy"
 .venv/bin/python native/stubgen.py --check
 .venv/bin/python proto/generate.py --check
+.venv/bin/python docs/gen_api.py --check   # docs/api.md, the Python API reference from the docstrings
 # The native sources keep native/.clang-format's style.
 find native \( -name '*.h' -o -name '*.cc' \) -print0 | xargs -0 clang-format --dry-run --Werror
 

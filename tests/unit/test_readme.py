@@ -35,3 +35,42 @@ def test_readme_links_stay_inside_the_repository():
             assert not target.startswith(("http:", "https:", "/")), f"{doc.name} links outside: {target}"
             assert (doc.parent / target).resolve().is_relative_to(root), f"{doc.name}: {target}"
             assert (doc.parent / target).exists(), f"{doc.name}: broken link {target}"
+
+
+def test_readme_is_a_front_page():
+    text = README.read_text()
+    assert len(text.splitlines()) <= 250, "README.md is the front page: measurements go to docs/benchmarks.md"
+    for page in ("docs/benchmarks.md", "docs/api.md", "docs/engines.md", "docs/python.md", "docs/cli.md"):
+        assert f"]({page}" in text, f"README.md does not link {page}"
+
+
+def test_benchmark_commands_name_scripts_that_exist():
+    root = README.parent
+    for doc in [README, *sorted((root / "docs").glob("*.md"))]:
+        for script in re.findall(r"tests/bench/[\w/]+\.py", doc.read_text()):
+            assert (root / script).exists(), f"{doc.name} names {script}, which does not exist"
+
+
+def test_docs_refer_to_measurements_where_they_are():
+    # The measurement tables live in docs/benchmarks.md, not in the README.
+    root = README.parent
+    for doc in [*sorted((root / "docs").glob("*.md")), root / "tests" / "bench" / "README.md"]:
+        text = doc.read_text()
+        assert not re.search(r'README(\.md)?,? "(Measured|llama-server|Fleet history)', text), \
+            f"{doc.name} sends readers to a README section that moved to docs/benchmarks.md"
+        assert "README's \"Measured\"" not in text and "The README gives the measured" not in text, doc.name
+
+
+def test_sglang_facts_match_its_source():
+    # Read from SGLang 0.5.23's source: corpora can be added and removed at run time, and a
+    # corpus past --speculative-ngram-external-corpus-max-tokens fails startup (no truncation).
+    root = README.parent
+    pages = {p.name: p.read_text() for p in [README, *sorted((root / "docs").glob("*.md"))] if p.name != "api.md"}
+    for name, text in pages.items():
+        flat = " ".join(text.split())
+        assert "loads at most 10M tokens" not in flat, f"{name}: SGLang refuses a corpus past its limit, it does not truncate"
+        assert "SGLang does not reload it" not in flat, f"{name}: SGLang adds corpora at run time (/add_external_corpus)"
+    engines = " ".join(pages["engines.md"].split())
+    for fact in ("SGLang 0.5.23", "POST /add_external_corpus", "POST /remove_external_corpus", "GET /list_external_corpora",
+                 "fail to start", "--speculative-ngram-external-sam-budget"):
+        assert fact in engines, f"docs/engines.md does not say {fact!r}"
