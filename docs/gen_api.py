@@ -45,7 +45,9 @@ class Definition:
     source: str
 
 
-# --- reading the sources ---------------------------------------------------------------------
+Function = ast.FunctionDef | ast.AsyncFunctionDef  # a def or an async def
+
+
 
 _parsed: dict[str, tuple[ast.Module, str]] = {}
 
@@ -54,15 +56,10 @@ def module_file(module: str) -> Path:
     """The source file of an installed module name (a package's __init__.py; the core's stub)."""
     for prefix, folder in PACKAGES.items():
         if module == prefix or module.startswith(prefix + "."):
-            parts = module[len(prefix):].lstrip(".").split(".") if module != prefix else []
-            base = folder.joinpath(*parts)
+            base = folder.joinpath(*module[len(prefix):].split(".")[1:])
             for candidate in (base / "__init__.py", base.with_suffix(".py"), base.with_suffix(".pyi")):
-                if parts and candidate == base / "__init__.py" and not base.is_dir():
-                    continue
                 if candidate.is_file():
                     return candidate
-            if not parts and (folder / "__init__.py").is_file():
-                return folder / "__init__.py"
     raise GenerationError(f"no source file for module {module}")
 
 
@@ -106,10 +103,11 @@ def module_all(module: str) -> list[str]:
     """The module's ``__all__`` (a list or tuple of string literals)."""
     tree, _ = parse(module)
     for stmt in top_statements(tree.body):
-        targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target] if isinstance(stmt, ast.AnnAssign) else []
-        if any(isinstance(t, ast.Name) and t.id == "__all__" for t in targets) and stmt.value is not None:
-            value = ast.literal_eval(stmt.value)
-            return [str(v) for v in value]
+        if not isinstance(stmt, (ast.Assign, ast.AnnAssign)) or stmt.value is None:
+            continue
+        targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target]
+        if any(isinstance(t, ast.Name) and t.id == "__all__" for t in targets):
+            return [str(v) for v in ast.literal_eval(stmt.value)]
     raise GenerationError(f"{module} has no __all__")
 
 
@@ -139,7 +137,6 @@ def adapter_modules() -> list[str]:
     return [ADAPTERS] + [f"{ADAPTERS}.{s}" for s in subs]
 
 
-# --- rendering -------------------------------------------------------------------------------
 
 def text_of(node: ast.AST | None, source: str) -> str:
     """The source text of a node, whitespace collapsed (the same on every Python version)."""
@@ -151,7 +148,7 @@ def text_of(node: ast.AST | None, source: str) -> str:
     return re.sub(r"\s+", " ", segment).replace("( ", "(").replace(" )", ")").replace("[ ", "[").replace(" ]", "]")
 
 
-def decorator_names(node: ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef) -> list[str]:
+def decorator_names(node: ast.ClassDef | Function) -> list[str]:
     names = []
     for d in node.decorator_list:
         target = d.func if isinstance(d, ast.Call) else d
@@ -295,7 +292,7 @@ def is_public(name: str) -> bool:
     return not name.startswith("_")
 
 
-def render_function(node: ast.FunctionDef | ast.AsyncFunctionDef, source: str, qualname: str, heading: str,
+def render_function(node: Function, source: str, qualname: str, heading: str,
                     method: bool) -> list[str]:
     decorators = decorator_names(node)
     prefix = "async " if isinstance(node, ast.AsyncFunctionDef) else ""
@@ -315,15 +312,15 @@ def render_function(node: ast.FunctionDef | ast.AsyncFunctionDef, source: str, q
     return [f"{heading} `{qualname}`{kind}", "", "```python", sig, "```", "", docstring_markdown(ast.get_docstring(node)), ""]
 
 
-def class_members(node: ast.ClassDef) -> tuple[ast.FunctionDef | None, list[ast.stmt]]:
-    """The class's ``__init__`` (None if it has none) and its public methods, properties and attributes."""
-    init = None
-    members: list[ast.stmt] = []
+def class_members(node: ast.ClassDef) -> tuple[Function | None, list[Function]]:
+    """The class's ``__init__`` (None if it has none) and its public methods and properties."""
+    init: Function | None = None
+    members: list[Function] = []
     seen: set[str] = set()
     for stmt in node.body:
         if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef)):
             if stmt.name == "__init__":
-                init = stmt  # type: ignore[assignment]
+                init = stmt
             elif (is_public(stmt.name) or stmt.name == "__call__") \
                     and "setter" not in ast.unparse(stmt.decorator_list[0] if stmt.decorator_list else ast.Constant(0)):
                 if stmt.name in seen and "overload" not in decorator_names(stmt):
@@ -402,8 +399,8 @@ def render_class(node: ast.ClassDef, source: str, name: str) -> list[str]:
     attributes = class_attributes(node, source, is_dataclass)
     if attributes:
         out += ["**Class attributes:**", "", "```python", *attributes, "```", ""]
-    for member in sorted(members, key=lambda m: m.name):  # type: ignore[attr-defined]
-        out += render_function(member, source, f"{name}.{member.name}", "####", method=True)  # type: ignore[arg-type]
+    for member in sorted(members, key=lambda m: m.name):
+        out += render_function(member, source, f"{name}.{member.name}", "####", method=True)
     return out
 
 
