@@ -47,8 +47,11 @@ class ReplicaHistory:
 
         def feed(records: list[HistoryRecord]) -> None:
             for r in records:
-                if r.client_id != self.client_id:
-                    drafter.add_history(sources.of(r.client_id, r.seq, r.offset, len(r.tokens)), r.tokens)
+                if r.client_id == self.client_id:
+                    sources.prompts.learn(r.group, r.offset, r.tokens)  # a sibling's sequence may start with it
+                    continue
+                offset, tokens = sources.whole(r.client_id, r.seq, r.group, r.offset, r.tokens)
+                drafter.add_history(sources.of(r.client_id, r.seq, offset, len(tokens)), tokens)
 
         tail.listeners = [feed]
         tail.pinned = True

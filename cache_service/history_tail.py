@@ -23,7 +23,7 @@ from collections.abc import Callable, Collection, Iterable
 
 from ngramcache.client.errors import NamespaceNotFoundError, NgramCacheError
 
-from .counts.history import HistoryPage, HistoryRecord
+from .counts.history import HistoryAppend, HistoryPage, HistoryRecord
 from .counts.namespace import NamespaceInfo, check_tokenizer
 from .metrics import Metrics
 from .store_runner import StoreRunner
@@ -298,18 +298,16 @@ class HistoryTails:
         return tail
 
     async def push(self, namespace: str, client_id: str, seq: int, records: list[HistoryRecord],
-                   fingerprint: bytes) -> tuple[bool, int]:
-        """Store one batch exactly once; return (stored, records stored). Wakes the namespace's poller."""
-        stored = await self.runner.call(self.runner.store.append_history, namespace, client_id, seq, records,
-                                        fingerprint=fingerprint)
+                   fingerprint: bytes) -> HistoryAppend:
+        """Store one batch exactly once; return what the store did (stored and skipped). Wakes the namespace's poller."""
+        done: HistoryAppend = await self.runner.call(self.runner.store.append_history, namespace, client_id, seq,
+                                                     records, fingerprint=fingerprint)
         tail = self.tails.get(namespace)
         if tail is not None:
             tail.wake()
-        count = len(records) if stored else 0
         if self.metrics is not None:
-            self.metrics.history_pushed(count, sum(int(r.tokens.nbytes) for r in records) if stored else 0,
-                                        duplicate=not stored)
-        return stored, count
+            self.metrics.history_pushed(done)
+        return done
 
     async def pull(self, namespace: str, fingerprint: bytes, after: str, *, max_records: int, wait: float,
                    exclude_client_id: str = "", groups: Collection[str] = ()) -> TailPage:

@@ -20,6 +20,8 @@ Metrics (docs for each in its HELP text):
     ngramcache_shed_rows_total                 counter    delta rows of those pushes
     ngramcache_history_pushed_records_total    counter    fleet history records stored by PushHistory
     ngramcache_history_pushed_bytes_total      counter    their token bytes (4 a token)
+    ngramcache_history_skipped_records_total   counter    near-duplicate prompts PushHistory took and did not store
+    ngramcache_history_skipped_bytes_total     counter    their token bytes
     ngramcache_history_duplicate_pushes_total  counter    PushHistory batches acknowledged as duplicates
     ngramcache_history_served_records_total    counter    fleet history records answered by PullHistory
     ngramcache_history_served_bytes_total      counter    their token bytes
@@ -53,6 +55,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from ngramcache.client.errors import BackendUnavailableError, NgramCacheError
+
+from .counts.history import BYTES_PER_TOKEN, HistoryAppend
 
 if TYPE_CHECKING:
     from wsgiref.simple_server import WSGIServer
@@ -123,6 +127,13 @@ class Metrics:
         self.history_pushed_bytes = Counter("ngramcache_history_pushed_bytes",
                                             "Token bytes (4 a token) of the fleet history records PushHistory stored.",
                                             registry=r)
+        self.history_skipped_records = Counter("ngramcache_history_skipped_records",
+                                               "Fleet history records PushHistory took but did not store: near-"
+                                               "duplicate prompts (a sibling's equal prompt was stored in the last "
+                                               "10 s). Records taken = pushed + skipped.", registry=r)
+        self.history_skipped_bytes = Counter("ngramcache_history_skipped_bytes",
+                                             "Token bytes (4 a token) of the near-duplicate prompts PushHistory did "
+                                             "not store.", registry=r)
         self.history_duplicate_pushes = Counter("ngramcache_history_duplicate_pushes",
                                                 "PushHistory batches acknowledged as duplicates (a retry of a stored "
                                                 "batch).", registry=r)
@@ -174,13 +185,15 @@ class Metrics:
         else:
             self.pushed_rows.inc(rows)
 
-    def history_pushed(self, records: int, nbytes: int, *, duplicate: bool) -> None:
-        """A PushHistory batch stored `records` records of `nbytes` token bytes (or was a duplicate)."""
-        if duplicate:
+    def history_pushed(self, done: HistoryAppend) -> None:
+        """A PushHistory batch was stored (its records stored and near-duplicates skipped) or was a duplicate."""
+        if not done.stored:
             self.history_duplicate_pushes.inc()
-        else:
-            self.history_pushed_records.inc(records)
-            self.history_pushed_bytes.inc(nbytes)
+            return
+        self.history_pushed_records.inc(done.records)
+        self.history_pushed_bytes.inc(done.tokens * BYTES_PER_TOKEN)
+        self.history_skipped_records.inc(done.skipped_records)
+        self.history_skipped_bytes.inc(done.skipped_tokens * BYTES_PER_TOKEN)
 
     def history_served(self, records: int, nbytes: int) -> None:
         """A PullHistory answered `records` records of `nbytes` token bytes."""

@@ -36,7 +36,7 @@ from ngramcache.client.errors import (
 from .config import CountsStoreConfig, StoreAddress, parse_url, redact_url
 from .embedded import EmbeddedCountsStore
 from .factory import open_counts_store
-from .history import MAX_BATCH_RECORDS, MAX_RECORD_TOKENS, HistoryBudget, HistoryPage, HistoryRecord
+from .history import MAX_BATCH_RECORDS, MAX_RECORD_TOKENS, HistoryAppend, HistoryBudget, HistoryPage, HistoryRecord
 from .layout import HASH_SEED, EncodedBatch, decode_fields, encode_batch, ngram_bucket
 from .namespace import NamespaceInfo, normalize_fingerprint, token_width
 from .redis_backend import RedisCountsStore
@@ -54,6 +54,7 @@ __all__ = [
     "EmbeddedCountsStore",
     "EncodedBatch",
     "GroupItem",
+    "HistoryAppend",
     "HistoryBudget",
     "HistoryPage",
     "HistoryRecord",

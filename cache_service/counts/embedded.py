@@ -48,7 +48,7 @@ from ngramcache.client.rows import (
 from .config import CountsStoreConfig
 from .dedup import DedupWindow
 from .embedded_history import NamespaceHistory
-from .history import HistoryPage, HistoryRecord
+from .history import HistoryAppend, HistoryPage, HistoryRecord
 from .layout import (
     EncodedBatch,
     decode_fields,
@@ -274,7 +274,7 @@ class EmbeddedCountsStore(CountsStore):
     # ----------------------------------------------------------------- the fleet history (`embedded_history`)
 
     def _append_history(self, namespace: str, client_id: str, batch_seq: int, records: Sequence[HistoryRecord],
-                        fingerprint: bytes | None) -> bool:
+                        fingerprint: bytes | None) -> HistoryAppend:
         with self._lock:
             info = self._ns(namespace).info
         checked = self._check_history(info, fingerprint, client_id, records)  # outside the lock

@@ -17,6 +17,7 @@ from ngramcache.client.errors import InvalidArgumentError
 from .history import (
     BYTES_PER_TOKEN,
     DUPLICATE_WINDOW_MS,
+    HistoryAppend,
     HistoryBudget,
     HistoryPage,
     HistoryRecord,
@@ -52,17 +53,21 @@ class NamespaceHistory:
         self._appends = 0
 
     def append(self, client_id: str, batch_seq: int, records: list[HistoryRecord], budget: HistoryBudget,
-               now_ms: int) -> bool:
-        """Store a checked batch unless (client_id, batch_seq) is a duplicate; trim to ``budget``."""
+               now_ms: int) -> HistoryAppend:
+        """Store a checked batch unless (client_id, batch_seq) is a duplicate, near-duplicate prompts skipped; trim to
+        ``budget``."""
         sender = self._senders.get(client_id)
         if sender is not None and batch_seq <= sender[0]:
-            return False
+            return HistoryAppend(False)
         self._senders[client_id] = (batch_seq, now_ms)
         self._forget_recent(now_ms)
+        stored = tokens = skipped = skipped_tokens = 0
         for record in records:
             key = duplicate_key(record)
             if key is not None:
                 if key in self._recent:
+                    skipped += 1
+                    skipped_tokens += len(record.tokens)
                     continue
                 self._recent[key] = now_ms
             position = self._next
@@ -71,13 +76,15 @@ class NamespaceHistory:
                                                format_cursor(self.incarnation, str(position)), now_ms))
             self._positions.append(position)
             self._tokens += len(record.tokens)
+            stored += 1
+            tokens += len(record.tokens)
         self.trim(budget, now_ms)
         self._appends += 1
         if self._appends % _SWEEP_EVERY == 0:
             silent = now_ms - self._dedup_ttl_ms
             for cid in [cid for cid, (_, touched) in self._senders.items() if touched < silent]:
                 del self._senders[cid]
-        return True
+        return HistoryAppend(True, stored, tokens, skipped, skipped_tokens)
 
     def _forget_recent(self, now_ms: int) -> None:
         horizon = now_ms - DUPLICATE_WINDOW_MS

@@ -22,11 +22,13 @@ __all__ = [
     "MAX_READ_LIMIT",
     "MAX_RECORD_TOKENS",
     "Cursor",
+    "HistoryAppend",
     "HistoryBudget",
     "HistoryPage",
     "HistoryRecord",
     "duplicate_key",
     "format_cursor",
+    "is_prompt",
     "parse_cursor",
     "validate_batch_seq",
     "validate_group",
@@ -50,7 +52,7 @@ BYTES_PER_TOKEN: Final = 4
 """What a stored token counts against the byte budget (int32)."""
 
 DUPLICATE_WINDOW_MS: Final = 10_000
-"""A record at offset 0 equal to one stored this recently (same group, same tokens) is not stored again."""
+"""A prompt record (`is_prompt`) equal to one stored this recently (same group, same tokens) is not stored again."""
 
 _INT64_MIN: Final = -(2**63)
 _INT64_MAX: Final = 2**63 - 1
@@ -80,6 +82,26 @@ class HistoryRecord:
     tokens: np.ndarray
     cursor: str = ""
     time_ms: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class HistoryAppend:
+    """What `append_history` did with one batch: its records are stored or skipped, never anything else.
+
+    Attributes:
+        stored: False for a duplicate (a retry of a batch stored before): nothing happened now
+            and every count is 0.
+        records, tokens: what this call stored.
+        skipped_records, skipped_tokens: near-duplicate prompts this call did not store (the same
+            prompt stored in the last DUPLICATE_WINDOW_MS); with ``records``/``tokens`` they add up
+            to the whole batch.
+    """
+
+    stored: bool
+    records: int = 0
+    tokens: int = 0
+    skipped_records: int = 0
+    skipped_tokens: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -227,14 +249,31 @@ def validate_records(records: Sequence[HistoryRecord], client_id: str, vocab_siz
     return checked
 
 
-def duplicate_key(record: HistoryRecord) -> bytes | None:
-    """The near-duplicate key of a checked record: a digest of (group, tokens) at offset 0, else None.
+def is_prompt(record: HistoryRecord) -> bool:
+    """Whether a checked record is a sequence's prompt: at offset 0, in the group its tokens name.
 
-    Two records with one key are the same prompt (or the same opening) sent by siblings; the
-    store keeps the first and skips the others for DUPLICATE_WINDOW_MS after it (best effort:
-    a digest per key, forgotten once the window passed or the namespace dropped).
+    The client tags a sequence it has no explicit group for with the hex of an 8-byte BLAKE2b of
+    its first record's tokens (``client.sync.history_sources.prompt_group``: its prompt, which the
+    siblings sampled from it share). Such a record is the prompt itself, and its group names it,
+    so a reader that holds one sibling's copy can put it back in front of another sibling's
+    sequence (`MirroredRuns`). Any other record at offset 0 (an explicit group's, or a prompt
+    drained with generated tokens) is a sequence's own start and never a near-duplicate.
     """
-    if record.offset != 0:
+    if record.offset != 0 or len(record.group) != 16:
+        return False
+    digest = hashlib.blake2b(np.ascontiguousarray(record.tokens, dtype="<i4").tobytes(), digest_size=8)
+    return digest.hexdigest() == record.group
+
+
+def duplicate_key(record: HistoryRecord) -> bytes | None:
+    """The near-duplicate key of a checked record: a digest of (group, tokens) for a prompt (`is_prompt`), else None.
+
+    Two records with one key are the same prompt sent by siblings; the store keeps the first and
+    skips the others for DUPLICATE_WINDOW_MS after it (best effort: a digest per key, forgotten
+    once the window passed or the namespace dropped). Records that are not prompts are never
+    compared, so no sequence loses its start to a sibling's.
+    """
+    if not is_prompt(record):
         return None
     digest = hashlib.blake2b(record.group.encode(), digest_size=16, person=b"ngc-history")
     digest.update(b"\0")

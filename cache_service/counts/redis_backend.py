@@ -24,7 +24,7 @@ from ngramcache.client.errors import NamespaceNotFoundError
 
 from . import schema
 from .config import CountsStoreConfig
-from .history import HistoryPage, HistoryRecord
+from .history import HistoryAppend, HistoryPage, HistoryRecord
 from .leases import CommittedGeneration, Lease
 from .namespace import NamespaceInfo, validate_namespace
 from .redis_connection import RedisConnection
@@ -174,8 +174,8 @@ class RedisCountsStore(CountsStore):
     # ----------------------------------------------------------------- the fleet history (`redis_history`)
 
     def _append_history(self, namespace: str, client_id: str, batch_seq: int, records: Sequence[HistoryRecord],
-                        fingerprint: bytes | None) -> bool:
-        def run(handle: Handle) -> bool:
+                        fingerprint: bytes | None) -> HistoryAppend:
+        def run(handle: Handle) -> HistoryAppend:
             checked = self._check_history(handle.info, fingerprint, client_id, records)
             return self._history.append(handle, client_id, batch_seq, checked)
 

@@ -22,6 +22,7 @@ from .config import CountsStoreConfig
 from .history import (
     BYTES_PER_TOKEN,
     DUPLICATE_WINDOW_MS,
+    HistoryAppend,
     HistoryPage,
     HistoryRecord,
     duplicate_key,
@@ -56,7 +57,7 @@ class RedisHistory:
     def _keys(self, handle: Handle) -> tuple[str, str, str, str, str]:
         return schema.history_keys(self._config.prefix, handle.info.name)
 
-    def append(self, handle: Handle, client_id: str, batch_seq: int, records: Sequence[HistoryRecord]) -> bool:
+    def append(self, handle: Handle, client_id: str, batch_seq: int, records: Sequence[HistoryRecord]) -> HistoryAppend:
         """Run HAPPEND for checked records; raises StaleHandle when the namespace changed instance."""
         budget = self._config.history_budget
         args: list[Any] = [handle.info.instance, client_id, batch_seq, budget.max_bytes // BYTES_PER_TOKEN,
@@ -64,10 +65,12 @@ class RedisHistory:
         for record in records:
             args += [record.seq, record.group, record.offset, record.tokens.tobytes(), duplicate_key(record) or b""]
         stream, stat, seq, seen, dup = self._keys(handle)
-        reply = int(self._conn.run_one(HAPPEND, [handle.meta, stream, stat, seq, seen, dup], args))
-        if reply < 0:
+        reply = [int(x) for x in self._conn.run_one(HAPPEND, [handle.meta, stream, stat, seq, seen, dup], args)]
+        if reply[0] < 0:
             raise StaleHandle
-        return reply == 1
+        if reply[0] == 0:
+            return HistoryAppend(False)
+        return HistoryAppend(True, *reply[1:5])
 
     def read(self, handle: Handle, after: str, limit: int) -> HistoryPage:
         """Run HREAD after cursor ``after`` (see `CountsStore.read_history`)."""

@@ -290,12 +290,13 @@ end
 # One batch of history records, exactly once per (client id, batch_seq).
 # KEYS: meta, stream, stat, seq, seen, dup. ARGV: instance, client id, batch_seq, max_tokens,
 # max_age_ms, dup_window_ms, dedup_ttl_ms, then per record: seq, group, offset, tokens
-# (raw '<i4'), near-duplicate digest ('' for none).
-# Returns -1 (another instance), 0 (duplicate: nothing stored) or 1 (stored).
+# (raw '<i4'), near-duplicate digest ('' for none: not a prompt).
+# Returns {-1} (another instance), {0} (duplicate: nothing stored) or {1, records stored, tokens
+# stored, near-duplicates skipped, their tokens}.
 HAPPEND = Script("history_append", _HTRIM + """
-if redis.call('HGET', KEYS[1], 'instance') ~= ARGV[1] then return -1 end
+if redis.call('HGET', KEYS[1], 'instance') ~= ARGV[1] then return {-1} end
 local hwm = redis.call('HGET', KEYS[4], ARGV[2])
-if hwm and tonumber(ARGV[3]) <= tonumber(hwm) then return 0 end
+if hwm and tonumber(ARGV[3]) <= tonumber(hwm) then return {0} end
 local now = hnow()
 redis.call('HSET', KEYS[4], ARGV[2], ARGV[3])
 redis.call('ZADD', KEYS[5], now, ARGV[2])
@@ -305,18 +306,22 @@ for i = 1, #silent do
   redis.call('ZREM', KEYS[5], silent[i])
 end
 redis.call('ZREMRANGEBYSCORE', KEYS[6], '-inf', '(' .. (now - tonumber(ARGV[6])))
-local added, first = 0, nil
+local added, records, skipped, skipped_tokens, first = 0, 0, 0, 0, nil
 for a = 8, #ARGV, 5 do
   local digest = ARGV[a + 4]
   local skip = false
   if digest ~= '' then
     if redis.call('ZSCORE', KEYS[6], digest) then skip = true else redis.call('ZADD', KEYS[6], now, digest) end
   end
-  if not skip then
+  if skip then
+    skipped = skipped + 1
+    skipped_tokens = skipped_tokens + #ARGV[a + 3] / 4
+  else
     local id = redis.call('XADD', KEYS[2], '*', 'c', ARGV[2], 's', ARGV[a], 'g', ARGV[a + 1], 'o', ARGV[a + 2],
                           't', ARGV[a + 3])
     first = first or id
     added = added + #ARGV[a + 3] / 4
+    records = records + 1
   end
 end
 if added > 0 then
@@ -324,7 +329,7 @@ if added > 0 then
   if (redis.call('HGET', KEYS[3], 'first') or '') == '' then redis.call('HSET', KEYS[3], 'first', first) end
 end
 htrim(KEYS[2], KEYS[3], tonumber(ARGV[4]), now - tonumber(ARGV[5]))
-return 1
+return {1, records, added, skipped, skipped_tokens}
 """)
 
 # KEYS: meta, stream, stat. ARGV: instance, after ('' = from the oldest; else a stream id,

@@ -38,7 +38,7 @@ from ngramcache.client.rows import COUNT, validate_deltas
 
 from .config import CountsStoreConfig
 from .dedup import DedupWindow, batch_too_old
-from .history import HistoryPage, HistoryRecord, validate_batch_seq, validate_limit, validate_records
+from .history import HistoryAppend, HistoryPage, HistoryRecord, validate_batch_seq, validate_limit, validate_records
 from .layout import MAX_AGGREGATED_COUNT
 from .leases import CommittedGeneration, Lease, LeaseTable, check_lease_args, check_ttl, lease_held, lease_lost, not_newer
 from .namespace import (
@@ -295,20 +295,22 @@ class CountsStore(abc.ABC):
     # ----------------------------------------------------------------- the fleet history (rules in `history`)
 
     def append_history(self, namespace: str, client_id: str, batch_seq: int, records: Sequence[HistoryRecord], *,
-                       fingerprint: bytes | None = None) -> bool:
+                       fingerprint: bytes | None = None) -> HistoryAppend:
         """Append one batch of history records, exactly once per (client_id, batch_seq).
 
         A sender sends one batch at a time with increasing batch_seqs, so a batch_seq at or
         below the highest this client_id had stored in this namespace is a duplicate (a
-        retry): nothing is stored and the answer is False. The records are checked whole
+        retry): nothing is stored and the answer's ``stored`` is False. The records are checked whole
         first; a bad one raises and nothing is stored (the batch_seq is not consumed). Each
         record's client_id is ignored and set to ``client_id``. An empty batch stores nothing
         but consumes its batch_seq.
 
-        Near-duplicates are stored once, best effort: a record at offset 0 whose (group,
-        tokens) digest (`history.duplicate_key`) equals that of a record stored in the last
-        `history.DUPLICATE_WINDOW_MS` (the same prompt sent by 8 siblings) is skipped; the
-        digests are kept only for that window.
+        Near-duplicate prompts are stored once, best effort: a prompt record (`history.is_prompt`:
+        at offset 0, in the group its tokens name) whose (group, tokens) digest
+        (`history.duplicate_key`) equals that of one stored in the last
+        `history.DUPLICATE_WINDOW_MS` (the same prompt sent by 8 siblings) is skipped and counted
+        in the answer's ``skipped_*``; the digests are kept only for that window. No other record
+        is ever skipped, so stored + skipped is the whole batch.
 
         After the append the history is trimmed to ``config.history_budget``: oldest first,
         while it holds more than ``max_bytes`` (4 bytes a token) or records older than
@@ -323,7 +325,8 @@ class CountsStore(abc.ABC):
             fingerprint: when given, must match the namespace's tokenizer.
 
         Returns:
-            True when this call stored the batch, False for a duplicate.
+            What this call did: ``stored`` False for a duplicate; else the records and tokens
+            stored and skipped (`history.HistoryAppend`).
 
         Raises:
             InvalidArgumentError: a bad argument or record (the message names the first bad one).
@@ -434,7 +437,7 @@ class CountsStore(abc.ABC):
         """
 
     def _append_history(self, namespace: str, client_id: str, batch_seq: int, records: Sequence[HistoryRecord],
-                        fingerprint: bytes | None) -> bool:
+                        fingerprint: bytes | None) -> HistoryAppend:
         """`append_history` with a valid client_id and batch_seq; check with `_check_history` first."""
         raise NgramCacheError(f"{type(self).__name__} keeps no fleet history")
 

@@ -143,9 +143,11 @@ class CountsServicer(counts_pb2_grpc.CountsServicer):
                                      f"{len(r.tokens) // TOKEN_BYTES}")
             # The store checks the rest (group, offset, token range, client id) for the whole batch first.
             records.append(HistoryRecord(request.client_id, r.seq, r.group, r.offset, bytes_to_tokens(r.tokens)))
-        stored, count = await history.push(request.namespace, request.client_id, request.seq, records,
-                                           request.tokenizer_fingerprint)
-        return counts_pb2.PushHistoryResponse(duplicate=not stored, records_stored=count)
+        done = await history.push(request.namespace, request.client_id, request.seq, records,
+                                  request.tokenizer_fingerprint)
+        return counts_pb2.PushHistoryResponse(duplicate=not done.stored, records_stored=done.records,
+                                              tokens_stored=done.tokens, records_skipped=done.skipped_records,
+                                              tokens_skipped=done.skipped_tokens)
 
     async def PullHistory(self, request: counts_pb2.PullHistoryRequest,
                           context: aio.ServicerContext) -> counts_pb2.PullHistoryResponse:

@@ -154,11 +154,15 @@ class SyncLoop:
             h = dataclasses.replace(self.history_stats)
         lag = self.history_mirror.lag
         enabled = self.publisher.enabled
+        entries = drafter.history_size if state.config.mode == "match" else 0
         return {
             "history": enabled, "history_drained_records": h.drained_records, "history_drained_tokens": h.drained_tokens,
             "history_pending_tokens": self.publisher.buffer.pending_tokens, "history_pushed_batches": h.pushed_batches,
             "history_pushed_records": h.pushed_records, "history_pushed_tokens": h.pushed_tokens,
-            "history_duplicate_batches": h.duplicate_batches, "history_dropped_records": h.dropped_records,
+            "history_stored_records": h.stored_records, "history_stored_tokens": h.stored_tokens,
+            "history_skipped_records": h.skipped_records, "history_skipped_tokens": h.skipped_tokens,
+            "history_duplicate_batches": h.duplicate_batches, "history_duplicate_records": h.duplicate_records,
+            "history_duplicate_tokens": h.duplicate_tokens, "history_dropped_records": h.dropped_records,
             "history_dropped_tokens": h.dropped_tokens + (drafter.history_dropped if enabled else 0),
             "history_unconfirmed_records": h.unconfirmed_records, "history_unconfirmed_tokens": h.unconfirmed_tokens,
             "history_pulled_records": h.pulled_records, "history_pulled_tokens": h.pulled_tokens,
@@ -167,8 +171,11 @@ class SyncLoop:
             "history_group_pulls": h.group_pulls, "history_group_pulled_records": h.group_pulled_records,
             "history_group_pulled_tokens": h.group_pulled_tokens, "history_group_pulled_bytes": h.group_pulled_bytes,
             "history_appended_tokens": h.appended_tokens, "history_repeated_tokens": h.repeated_tokens,
+            "history_restored_tokens": h.restored_tokens,
             "history_lag_ms_p50": lag.quantile(0.5), "history_lag_ms_p99": lag.quantile(0.99),
-            "history_size": drafter.history_size if state.config.mode == "match" else 0,
+            # Entries of the drafter's match history (what match_params history_tokens bounds): its tokens plus a
+            # separator before each text piece, so not a token count; history_size is its old name.
+            "history_entries": entries, "history_size": entries,
         }
 
 

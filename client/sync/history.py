@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import hashlib
 import logging
 import re
 import threading
@@ -29,7 +28,7 @@ from ngramcache.client._proto.codec import tokens_to_bytes
 from ngramcache.client._proto.v1 import counts_pb2
 from ngramcache.client.errors import InvalidArgumentError, NgramCacheError
 from ngramcache.client.sync.attempt import Attempts
-from ngramcache.client.sync.history_sources import KNOWN_SEQUENCES
+from ngramcache.client.sync.history_sources import KNOWN_SEQUENCES, Prompts, prompt_group
 from ngramcache.client.sync.state import SyncState
 from ngramcache.client.transport import Channel
 
@@ -65,11 +64,6 @@ def validate_group(group: str) -> str:
     return group
 
 
-def prompt_group(tokens: NDArray[np.int32]) -> str:
-    """The default group of a sequence: the hex of an 8-byte blake2b of its first record's tokens (its prompt)."""
-    return hashlib.blake2b(np.ascontiguousarray(tokens, dtype="<i4").tobytes(), digest_size=8).hexdigest()
-
-
 @dataclasses.dataclass(frozen=True, eq=False)
 class PendingRecord:
     """A record waiting to be pushed: tokens[i] sits at offset + i in sequence ``seq`` of group ``group``."""
@@ -98,7 +92,10 @@ class LiveGroups:
     """The groups of the sequences this client publishes now, most recently used first.
 
     A group becomes live when `set_group` names it or a drained record carries it, and stays
-    live for ``ttl`` seconds after its last use. The mirror pulls their records first.
+    live for ``ttl`` seconds after its last use. The mirror pulls their records first. `prompts`
+    holds the prompts this client published under their default groups: the store may keep a
+    sibling's copy of one rather than this client's, and the mirror puts it back in front of that
+    sibling's sequence (its pulls skip this client's own records).
 
     Thread-safety: every method may be called from any thread.
     """
@@ -108,6 +105,7 @@ class LiveGroups:
         self.limit = limit
         self._used: OrderedDict[str, float] = OrderedDict()  # group -> monotonic time of its last use
         self._lock = threading.Lock()
+        self.prompts = Prompts()
 
     def touch(self, group: str, now: float | None = None) -> None:
         """``group`` is used now ("" is no group and is ignored)."""
@@ -181,6 +179,7 @@ class HistoryBuffer:
             # was accepted first); a sequence first seen mid-way has no prompt to hash: no group.
             group = prompt_group(tokens) if offset == 0 else ""
             self.derived.put(seq, group)
+            self.live.prompts.learn(group, offset, tokens)
         return group
 
     def add(self, drained: list[tuple[int, int, NDArray[np.int32]]]) -> tuple[int, int]:
@@ -229,10 +228,18 @@ class HistoryStats:
 
     drained_records: int = 0
     drained_tokens: int = 0
+    # pushed_* (acknowledged) = stored_* (kept by the store) + skipped_* (near-duplicate prompts it skipped:
+    # a sibling's equal copy is kept) + duplicate_* (batches answered duplicate: stored by an earlier attempt).
     pushed_batches: int = 0
     pushed_records: int = 0
     pushed_tokens: int = 0
+    stored_records: int = 0
+    stored_tokens: int = 0
+    skipped_records: int = 0
+    skipped_tokens: int = 0
     duplicate_batches: int = 0
+    duplicate_records: int = 0
+    duplicate_tokens: int = 0
     dropped_records: int = 0
     dropped_tokens: int = 0
     # Given up after an attempt that may have been stored (a deadline, or a call cancelled in flight):
@@ -250,6 +257,7 @@ class HistoryStats:
     group_pulled_bytes: int = 0
     appended_tokens: int = 0
     repeated_tokens: int = 0
+    restored_tokens: int = 0  # of appended_tokens: prompts put back in front of sequences whose copy the store skipped
     gaps: int = 0
     cursor: str = ""
     group_cursor: str = ""
@@ -343,7 +351,17 @@ class HistoryPublisher:
             self.stats.pushed_batches += 1
             self.stats.pushed_records += len(batch)
             self.stats.pushed_tokens += tokens
-            self.stats.duplicate_batches += int(resp.duplicate)
+            if resp.duplicate:
+                self.stats.duplicate_batches += 1
+                self.stats.duplicate_records += len(batch)
+                self.stats.duplicate_tokens += tokens
+            else:
+                # A server from before tokens_stored answers 0 there and stores every record.
+                stored_tokens = resp.tokens_stored if resp.tokens_stored or not resp.records_stored else tokens
+                self.stats.stored_records += resp.records_stored
+                self.stats.stored_tokens += stored_tokens
+                self.stats.skipped_records += resp.records_skipped
+                self.stats.skipped_tokens += resp.tokens_skipped
 
     async def run(self) -> None:
         """Drain and push until the client closes, then flush within close_timeout.

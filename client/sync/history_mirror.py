@@ -70,7 +70,7 @@ class HistoryMirror:
         self.state = state
         self.stats = stats
         self.live = live
-        self.runs = MirroredRuns()
+        self.runs = MirroredRuns(prompts=live.prompts if live is not None else None)
         self.lag = LagWindow()
         self.cursor = ""
         self.behind = True  # the tail's last page was full (at first: not known, so assumed)
@@ -84,11 +84,12 @@ class HistoryMirror:
         received (those appended and those held already are counted in the stats)."""
         drafter, now_ms = self.state.drafter, time.time() * 1000
         runs: OrderedDict[int, list[NDArray[np.int32]]] = OrderedDict()
-        received = appended = 0
+        received = appended = restored = 0
         for r in records:
             tokens = bytes_to_tokens(r.tokens)
             received += len(tokens)
-            parts = self.runs.fresh(r.client_id, r.seq, r.offset, tokens)
+            parts = self.runs.fresh(r.client_id, r.seq, r.offset, tokens, r.group)
+            restored += max(0, sum(len(part) for _, part in parts) - len(tokens))  # a prompt put in front
             for source, part in parts:
                 runs.setdefault(source, []).append(part)
                 appended += len(part)
@@ -99,7 +100,8 @@ class HistoryMirror:
         drafter.flush_history(HELD_IDLE_SECONDS)
         with self.state.lock:
             self.stats.appended_tokens += appended
-            self.stats.repeated_tokens += received - appended
+            self.stats.restored_tokens += restored
+            self.stats.repeated_tokens += received + restored - appended
         return received
 
     async def _pull(self, what: str, request: counts_pb2.PullHistoryRequest) -> counts_pb2.PullHistoryResponse:

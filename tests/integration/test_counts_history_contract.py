@@ -12,9 +12,10 @@ import numpy as np
 import pytest
 from helpers.counts import FP, OTHER_FP, VOCAB
 
-from ngramcache.cache_service.counts.history import MAX_BATCH_RECORDS, HistoryPage, HistoryRecord
+from ngramcache.cache_service.counts.history import MAX_BATCH_RECORDS, HistoryAppend, HistoryPage, HistoryRecord
 from ngramcache.cache_service.counts.store import CountsStore
 from ngramcache.client.errors import InvalidArgumentError, NamespaceNotFoundError, TokenizerMismatchError
+from ngramcache.client.sync.history_sources import prompt_group
 
 pytestmark = pytest.mark.integration
 
@@ -43,13 +44,13 @@ def test_a_batch_is_stored_exactly_once(store: CountsStore, namespace: str) -> N
     store.create_namespace(namespace, FP, VOCAB)
     first = [HistoryRecord("whoever", -(2**63), "g1", 0, np.array([5, 6, 7], dtype=np.int32)),
              rec([69_999], seq=2**63 - 1, offset=2**40 - 1)]
-    assert store.append_history(namespace, "a", 3, first, fingerprint=FP) is True
-    assert store.append_history(namespace, "a", 3, first) is False  # a retry
-    assert store.append_history(namespace, "a", 1, [rec([9])]) is False  # below the highest: a duplicate
-    assert store.append_history(namespace, "b", 1, [rec([8])]) is True  # another sender has its own seqs
-    assert store.append_history(namespace, "a", 4, [rec([1, 2])]) is True
-    assert store.append_history(namespace, "a", 5, []) is True  # empty: stores nothing, takes the seq
-    assert store.append_history(namespace, "a", 5, [rec([3])]) is False
+    assert store.append_history(namespace, "a", 3, first, fingerprint=FP) == HistoryAppend(True, 2, 4)
+    assert store.append_history(namespace, "a", 3, first) == HistoryAppend(False)  # a retry
+    assert store.append_history(namespace, "a", 1, [rec([9])]) == HistoryAppend(False)  # below the highest
+    assert store.append_history(namespace, "b", 1, [rec([8])]).stored  # another sender has its own seqs
+    assert store.append_history(namespace, "a", 4, [rec([1, 2])]) == HistoryAppend(True, 1, 2)
+    assert store.append_history(namespace, "a", 5, []) == HistoryAppend(True)  # empty: stores nothing, takes the seq
+    assert not store.append_history(namespace, "a", 5, [rec([3])]).stored
     records, _ = read_all(store, namespace)
     assert shape(records) == [("a", -(2**63), "g1", 0, [5, 6, 7]), ("a", 2**63 - 1, "", 2**40 - 1, [69_999]),
                               ("b", 1, "", 1, [8]), ("a", 1, "", 1, [1, 2])]
@@ -79,7 +80,7 @@ def test_bad_batches_are_refused_whole(store: CountsStore, namespace: str) -> No
     with pytest.raises(InvalidArgumentError, match="client_id"):
         store.append_history(namespace, "", 1, [good])
     assert store.history_stats(namespace)["records"] == 0
-    assert store.append_history(namespace, "a", 1, [good]) is True  # the refused calls took no seq
+    assert store.append_history(namespace, "a", 1, [good]).stored  # the refused calls took no seq
     missing = "t-missing-" + uuid.uuid4().hex[:8]
     with pytest.raises(NamespaceNotFoundError):
         store.append_history(missing, "a", 1, [good])
@@ -174,25 +175,45 @@ def test_another_incarnations_cursor_reads_from_the_oldest_with_a_gap(store: Cou
     empty = store.read_history(namespace, old.cursor)
     assert empty.gap and empty.records == [] and empty.cursor != old.cursor
     assert not store.read_history(namespace, empty.cursor).gap  # the gap is reported once
-    assert store.append_history(namespace, "a", 1, [rec([3], seq=3)]) is True  # dedup records went too
+    assert store.append_history(namespace, "a", 1, [rec([3], seq=3)]).stored  # dedup records went too
     again = store.read_history(namespace, empty.cursor)
     assert [r.seq for r in again.records] == [3] and not again.gap
 
 
-def test_a_prompt_sent_by_siblings_is_stored_once(store: CountsStore, namespace: str) -> None:
+def test_a_prompt_sent_by_siblings_is_stored_once_and_counted_as_skipped(store: CountsStore, namespace: str) -> None:
     store.create_namespace(namespace, FP, VOCAB)
     prompt = [11, 12, 13, 14]
-    for sibling in range(8):
-        store.append_history(namespace, f"w{sibling}", 1,
-                             [rec(prompt, seq=sibling, group="p1", offset=0), rec([sibling], seq=sibling, group="p1",
-                                                                                  offset=4)])
-    store.append_history(namespace, "w0", 2, [rec(prompt, seq=20, group="p2", offset=0),  # another group
-                                              rec(prompt, seq=21, group="p1", offset=7)])  # not at offset 0
+    p1 = prompt_group(np.array(prompt))  # the client's default group: the prompt's hash
+    replies = [store.append_history(namespace, f"w{sibling}", 1,
+                                    [rec(prompt, seq=sibling, group=p1, offset=0),
+                                     rec([sibling], seq=sibling, group=p1, offset=4)])
+               for sibling in range(8)]
+    # Every record is stored or skipped, and the reply says which: stored + skipped is the batch.
+    assert replies == [HistoryAppend(True, 2, 5)] + [HistoryAppend(True, 1, 1, 1, 4)] * 7
+    assert store.append_history(namespace, "w0", 2, [rec(prompt, seq=20, group="p2", offset=0),  # another group
+                                                     rec(prompt, seq=21, group=p1, offset=7)]  # not at offset 0
+                                ) == HistoryAppend(True, 2, 8)
     records, _ = read_all(store, namespace)
-    assert sum(r.offset == 0 and r.group == "p1" for r in records) == 1
+    assert sum(r.offset == 0 and r.group == p1 for r in records) == 1
     assert sorted(r.tokens.tolist()[0] for r in records if r.offset == 4) == list(range(8))
-    assert [(r.seq, r.group) for r in records[-2:]] == [(20, "p2"), (21, "p1")]
-    assert store.history_stats(namespace)["records"] == 11
+    assert [(r.seq, r.group) for r in records[-2:]] == [(20, "p2"), (21, p1)]
+    assert store.history_stats(namespace) == {"records": 11, "tokens": 4 + 8 + 8, "bytes": 80}
+
+
+def test_a_sequence_start_that_is_not_a_prompt_is_never_skipped(store: CountsStore, namespace: str) -> None:
+    """Equal records at offset 0 that are not a prompt in its own group (an explicit group's opening, a prompt drained
+    together with generated tokens) are each sibling's own start: all kept."""
+    store.create_namespace(namespace, FP, VOCAB)
+    opening = [11, 12, 13, 14, 15]
+    explicit = [store.append_history(namespace, f"e{s}", 1, [rec(opening, seq=s, group="rollout-1", offset=0)])
+                for s in range(3)]
+    drained = prompt_group(np.array(opening[:4]))  # the group names the prompt, the record holds one token more
+    longer = [store.append_history(namespace, f"d{s}", 1, [rec(opening, seq=s, group=drained, offset=0)])
+              for s in range(3)]
+    assert explicit + longer == [HistoryAppend(True, 1, 5)] * 6
+    records, _ = read_all(store, namespace)
+    assert [(r.client_id, r.offset, r.tokens.tolist()) for r in records] == (
+        [(f"e{s}", 0, opening) for s in range(3)] + [(f"d{s}", 0, opening) for s in range(3)])
 
 
 def test_drop_namespace_removes_the_history(store: CountsStore, namespace: str) -> None:
@@ -216,8 +237,8 @@ def test_concurrent_appenders_lose_nothing(store: CountsStore, namespace: str) -
         try:
             for b in range(1, batches + 1):
                 records = [rec([c, b, i], seq=c, offset=b * per_batch + i) for i in range(per_batch)]
-                assert store.append_history(namespace, f"c{c}", b, records) is True
-                assert store.append_history(namespace, f"c{c}", b, records) is False
+                assert store.append_history(namespace, f"c{c}", b, records) == HistoryAppend(True, per_batch, 3 * per_batch)
+                assert store.append_history(namespace, f"c{c}", b, records) == HistoryAppend(False)
         except BaseException as exc:  # reported by the main thread
             errors.append(exc)
 

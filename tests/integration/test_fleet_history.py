@@ -129,12 +129,14 @@ def share_between_two_clients(address: str, ns: str, tmp_path: Path) -> None:
         assert max(lags) < 5.0, lags
         # B's last record may still be on its way to A (B drafted A's text before its own push was pulled).
         wait_until(lambda: a.stats()["history_pulled_tokens"] >= 5 * 24, timeout=10, what="A pulling B's records")
+        # and A's last records on their way to B (B drafted each text from its first records).
+        wait_until(lambda: b.stats()["history_pulled_tokens"] >= 5 * 64, timeout=10, what="B pulling A's records")
         sa = a.stats()
         sb = b.stats()
         assert sa["history"] and sa["history_pushed_tokens"] >= 5 * 64 and sa["history_dropped_tokens"] == 0
         assert sb["history_pulled_tokens"] >= 5 * 64 and sb["history_gaps"] == 0
         assert sb["history_lag_ms_p50"] is not None and sb["history_lag_ms_p99"] < 5000
-        assert sb["history_size"] > sa["history_size"] - 5 * 64  # B holds A's sequences besides its own
+        assert sb["history_entries"] > sa["history_entries"] - 5 * 64  # B holds A's sequences besides its own
         # Each gets the other's records, never its own back.
         assert sa["history_pulled_tokens"] == sb["history_pushed_tokens"] == 5 * 24
 
@@ -247,5 +249,54 @@ def test_group_first_mirror_drafts_a_siblings_output_before_its_tail_reaches_it(
             assert last["history_appended_tokens"] == noise * length + 64  # every token once
             assert last["history_repeated_tokens"] == 64  # the sibling's, brought again by the tail
             # history_piece 1: no overlap copied; one separator per text started (600 noise sequences, the sibling).
-            assert last["history_size"] == noise * length + 64 + noise + 1
+            assert last["history_entries"] == noise * length + 64 + noise + 1
+            assert last["history_size"] == last["history_entries"]  # the old name, still readable
+        ch.close()
+
+
+def test_siblings_prompt_is_stored_once_the_stats_add_up_and_the_sibling_keeps_its_start(tmp_path: Path) -> None:
+    """Two siblings publish one prompt (their default group: its hash) and different answers. The store keeps the
+    prompt once: the second sibling's copy is counted skipped, in its reply, its client's stats and the service's
+    metrics, so what was pushed = what is readable + what was skipped. A third client drafts the second sibling's
+    answer from right after the prompt: the prompt is put back in front of its sequence."""
+    rng = np.random.default_rng(41)
+    prompt = rng.integers(0, VOCAB, 16, dtype=np.int32)
+    answers = [rng.integers(0, VOCAB, 48, dtype=np.int32) for _ in range(2)]
+    with ServiceThread(tmp_path / "data", counts=embedded(tmp_path)) as svc:
+        ch = grpc.insecure_channel(f"127.0.0.1:{svc.port}")
+        create(ch, "sib")
+        address = f"127.0.0.1:{svc.port}"
+        with NgramClient(address, "sib", (FP, VOCAB), cache_dir=tmp_path / "a", **FAST) as a, \
+                NgramClient(address, "sib", (FP, VOCAB), cache_dir=tmp_path / "b", **FAST) as b, \
+                NgramClient(address, "sib", (FP, VOCAB), cache_dir=tmp_path / "c", **FAST) as c:
+            for client, answer in zip((a, b), answers):
+                client.drafter().accept(1, prompt)  # the prompt alone first: it names the group
+                wait_until(lambda cl=client: cl.stats()["history_pushed_tokens"] == len(prompt), what="the prompt pushed")
+                client.drafter().accept(1, np.concatenate([prompt, answer]))
+                wait_until(lambda cl=client: cl.stats()["history_pushed_tokens"] == len(prompt) + 48,
+                           what="the answer pushed")
+            sa, sb = a.stats(), b.stats()
+            for s in (sa, sb):
+                assert s["history_pushed_tokens"] == (s["history_stored_tokens"] + s["history_skipped_tokens"]
+                                                      + s["history_duplicate_tokens"])
+            assert (sa["history_skipped_records"], sa["history_skipped_tokens"]) == (0, 0)
+            assert (sb["history_skipped_records"], sb["history_skipped_tokens"]) == (1, len(prompt))
+            # C drafts B's answer after the prompt and two of B's tokens: an 18-token match through the prompt (B's
+            # answer alone would match 2 tokens, which drafts 2 at most).
+            b_text = np.concatenate([prompt, answers[1]])
+            assert drafts_continuation(c, 9, b_text, len(prompt) + 2, timeout=10.0) < 10.0
+            assert c.stats()["history_restored_tokens"] == len(prompt)
+        stub = counts_pb2_grpc.CountsStub(ch)
+        readable = stub.PullHistory(counts_pb2.PullHistoryRequest(namespace="sib", tokenizer_fingerprint=FP),
+                                    timeout=10)
+        siblings = {sa["client_id"], sb["client_id"]}  # C published what it drafted from too
+        stored = sum(len(bytes_to_tokens(r.tokens)) for r in readable.records if r.client_id in siblings)
+        assert stored == sa["history_stored_tokens"] + sb["history_stored_tokens"] == 2 * 48 + len(prompt)
+        assert stored + sb["history_skipped_tokens"] == sa["history_pushed_tokens"] + sb["history_pushed_tokens"]
+        assert svc.service.metrics is not None
+        value = svc.service.metrics.registry.get_sample_value
+        assert value("ngramcache_history_pushed_bytes_total") == 4 * sum(len(bytes_to_tokens(r.tokens))
+                                                                          for r in readable.records)
+        assert value("ngramcache_history_skipped_records_total") == 1
+        assert value("ngramcache_history_skipped_bytes_total") == 4 * len(prompt)
         ch.close()

@@ -12,6 +12,7 @@ from ngramcache.cache_service.counts.history import (
     HistoryBudget,
     HistoryRecord,
     duplicate_key,
+    is_prompt,
     parse_cursor,
     validate_batch_seq,
     validate_group,
@@ -19,6 +20,7 @@ from ngramcache.cache_service.counts.history import (
     validate_records,
 )
 from ngramcache.client.errors import InvalidArgumentError
+from ngramcache.client.sync.history_sources import prompt_group
 
 VOCAB = 1000
 
@@ -111,9 +113,19 @@ def test_budget_and_config() -> None:
         CountsStoreConfig.from_url(None, history_max_age=-1.0)
 
 
-def test_duplicate_key_is_group_and_tokens_at_offset_zero() -> None:
-    (a, b, c, d, e) = validate_records([rec((1, 2)), rec((1, 2), seq=9), rec((1, 2), group="h"),
-                                        rec((1, 3)), rec((1, 2), offset=5)], "me", VOCAB)
+def test_duplicate_key_is_group_and_tokens_of_a_prompt_only() -> None:
+    """Only a prompt (offset 0, in the group its tokens name: the client's default group) has a near-duplicate key;
+    any other record at offset 0 (an explicit group's, a prompt drained with generated tokens) is a sequence's own
+    start and is never skipped for a sibling's."""
+    g12, g13 = prompt_group(np.array([1, 2], np.int32)), prompt_group(np.array([1, 3], np.int32))
+    (a, b, c, d, e, f) = validate_records([rec((1, 2), group=g12), rec((1, 2), seq=9, group=g12),
+                                           rec((1, 3), group=g13), rec((1, 2), group="h"), rec((1, 2), group=g12,
+                                                                                                offset=5),
+                                           rec((1, 2, 3), group=g12)], "me", VOCAB)
+    assert [is_prompt(r) for r in (a, b, c, d, e, f)] == [True, True, True, False, False, False]
     assert duplicate_key(a) == duplicate_key(b) and duplicate_key(a) is not None
-    assert duplicate_key(a) != duplicate_key(c) and duplicate_key(a) != duplicate_key(d)
-    assert duplicate_key(e) is None
+    assert duplicate_key(a) != duplicate_key(c)
+    assert duplicate_key(d) is None and duplicate_key(e) is None and duplicate_key(f) is None
+    # The store's rule and the client's default group agree on the digest (int32 little-endian, 8-byte BLAKE2b).
+    tokens = np.arange(300, dtype=np.int64)
+    assert is_prompt(HistoryRecord("c", 1, prompt_group(tokens), 0, tokens.astype("<i4")))

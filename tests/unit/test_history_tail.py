@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 
 from ngramcache import NamespaceNotFoundError
-from ngramcache.cache_service.counts.history import HistoryPage, HistoryRecord
+from ngramcache.cache_service.counts.history import HistoryAppend, HistoryPage, HistoryRecord
 from ngramcache.cache_service.counts.namespace import NamespaceInfo
 from ngramcache.cache_service.history_tail import HistoryTails, TailOptions
+from ngramcache.cache_service.metrics import Metrics
 from ngramcache.cache_service.store_runner import StoreRunner
 
 FP = b"\x07" * 32
@@ -26,6 +27,7 @@ class FakeStore:
         self.first = 0  # absolute number of records[0] (older ones trimmed)
         self.reads = 0
         self.exists = True
+        self.skip: set[str] = set()  # groups whose records append_history skips
 
     def namespace_info(self, namespace: str) -> NamespaceInfo:
         if not self.exists:
@@ -33,12 +35,16 @@ class FakeStore:
         return NamespaceInfo(namespace, FP.hex(), 1000, 1, 1, "i")
 
     def append_history(self, namespace: str, client_id: str, batch_seq: int, records: list[HistoryRecord],
-                       *, fingerprint: bytes | None = None) -> bool:
-        for r in records:
+                       *, fingerprint: bytes | None = None) -> HistoryAppend:
+        """Stores every record but those in `skip` (as the store skips near-duplicate prompts)."""
+        kept = [r for r in records if r.group not in self.skip]
+        for r in kept:
             n = self.first + len(self.records)
             self.records.append(HistoryRecord(client_id, r.seq, r.group, r.offset, r.tokens, f"inc.{n}",
                                               int(time.time() * 1000)))
-        return True
+        skipped = [r for r in records if r.group in self.skip]
+        return HistoryAppend(True, len(kept), sum(len(r.tokens) for r in kept), len(skipped),
+                             sum(len(r.tokens) for r in skipped))
 
     def trim(self, n: int) -> None:
         self.records = self.records[n:]
@@ -185,3 +191,25 @@ def test_an_idle_namespace_stops_polling_and_a_dropped_one_is_forgotten() -> Non
         await h.close()
 
     run(body())
+
+
+def test_push_metrics_count_what_the_store_stored_and_skipped_apart() -> None:
+    """ngramcache_history_pushed_* counts the records the store kept (its help: near-duplicate prompts excluded);
+    the near-duplicates it skipped are ngramcache_history_skipped_*: the two add up to what PushHistory took."""
+    store = FakeStore()
+    store.skip = {"dup"}
+    metrics = Metrics()
+
+    async def body() -> None:
+        h = HistoryTails(StoreRunner(store), TailOptions(poll_interval=0.01), metrics)  # type: ignore[arg-type]
+        done = await h.push("ns", "a", 0, [rec(1, 1, 2, 3), rec(2, 4, 5, group="dup")], FP)
+        assert done == HistoryAppend(True, 1, 3, 1, 2)
+        await h.close()
+
+    run(body())
+    value = metrics.registry.get_sample_value
+    assert value("ngramcache_history_pushed_records_total") == 1
+    assert value("ngramcache_history_pushed_bytes_total") == 12
+    assert value("ngramcache_history_skipped_records_total") == 1
+    assert value("ngramcache_history_skipped_bytes_total") == 8
+    assert value("ngramcache_history_duplicate_pushes_total") == 0

@@ -251,3 +251,70 @@ def test_a_batch_given_up_after_a_deadline_is_unconfirmed_and_after_a_refusal_dr
     assert got == ((1, 3, 0, 0) if unconfirmed else (0, 0, 1, 3))
     assert stats.pushed_batches == 0
     asyncio.run(state.channels.close())
+
+
+def test_pushed_adds_up_to_stored_skipped_and_duplicate() -> None:
+    """The publisher's counts of what the service acknowledged split the way the store did it, so history_pushed_*
+    is stored + skipped (near-duplicate prompts) + duplicate (stored by an earlier attempt); a server from before
+    tokens_stored (0 there, every record stored) still adds up."""
+    drafter = FakeDrafter()
+    state = SyncState(config(mode="match"), drafter)  # type: ignore[arg-type]
+    stats = HistoryStats()
+    publisher = HistoryPublisher(state, stats)
+    replies = [counts_pb2.PushHistoryResponse(records_stored=1, tokens_stored=2, records_skipped=1, tokens_skipped=3),
+               counts_pb2.PushHistoryResponse(duplicate=True),
+               counts_pb2.PushHistoryResponse(records_stored=2)]  # an older server: no token counts
+
+    class Chan:
+        class counts:  # the stub's attribute name
+            @staticmethod
+            async def PushHistory(request: Any, **_: object) -> Any:
+                return replies.pop(0)
+
+    async def retrying(what: str, call: Any, until: float | None = None) -> Any:
+        return await call(Chan())
+
+    state.retrying = retrying  # type: ignore[method-assign]
+    prompt = toks(1, 2, 3)
+    for batch in ([PendingRecord(1, prompt_group(prompt), 0, prompt), PendingRecord(1, prompt_group(prompt), 3,
+                                                                                    toks(4, 5))],
+                  [PendingRecord(2, "", 5, toks(6))], [PendingRecord(3, "", 0, toks(7)), PendingRecord(3, "", 1, toks(8))]):
+        asyncio.run(publisher.send(batch, None))
+    assert (stats.pushed_records, stats.pushed_tokens) == (5, 8)
+    assert (stats.stored_records, stats.stored_tokens) == (3, 4)
+    assert (stats.skipped_records, stats.skipped_tokens) == (1, 3)
+    assert (stats.duplicate_batches, stats.duplicate_records, stats.duplicate_tokens) == (1, 1, 1)
+    assert stats.pushed_tokens == stats.stored_tokens + stats.skipped_tokens + stats.duplicate_tokens
+    asyncio.run(state.channels.close())
+
+
+def test_the_mirror_puts_a_skipped_prompt_back_in_front_of_the_sibling_sequence() -> None:
+    """The store kept sibling a's copy of a prompt and skipped b's: b's sequence reaches the mirror at offset
+    len(prompt); the drafter gets it whole, prompt first, under b's source from offset 0. A prompt this client
+    published itself (its pulls skip its own records) serves the same way."""
+    drafter = FakeDrafter()
+    state = SyncState(config(mode="match"), drafter)  # type: ignore[arg-type]
+    stats = HistoryStats()
+    publisher = HistoryPublisher(state, stats)
+    mirror = HistoryMirror(state, stats, publisher.buffer.live)
+    prompt = toks(11, 12, 13)
+    group = prompt_group(prompt)
+
+    def rec(client: str, seq: int, offset: int, tokens: np.ndarray, group: str = group) -> counts_pb2.HistoryRecord:
+        return counts_pb2.HistoryRecord(client_id=client, seq=seq, group=group, offset=offset,
+                                        tokens=tokens_to_bytes(tokens))
+
+    assert mirror.apply([rec("a", 1, 0, prompt), rec("a", 1, 3, toks(20, 21)), rec("b", 7, 3, toks(30, 31))]) == 7
+    assert drafter.added == [(SourceIds.source("a", 1, 0), [11, 12, 13, 20, 21]),
+                             (SourceIds.source("b", 7, 0), [11, 12, 13, 30, 31])]
+    assert (stats.appended_tokens, stats.restored_tokens, stats.repeated_tokens) == (10, 3, 0)
+    # Not a prompt (an explicit group, or an offset that is not the prompt's length): nothing is put in front.
+    mirror.apply([rec("c", 1, 3, toks(40), group="rollout-1"), rec("d", 1, 4, toks(50))])
+    assert drafter.added[-2:] == [(SourceIds.source("c", 1, 3), [40]), (SourceIds.source("d", 1, 4), [50])]
+    # This client's own prompt: the publisher remembers it when it tags the sequence.
+    drafter.outbox = [(5, 0, toks(60, 61))]
+    publisher.drain()
+    mine = prompt_group(toks(60, 61))
+    mirror.apply([rec("e", 2, 2, toks(70), group=mine)])
+    assert drafter.added[-1] == (SourceIds.source("e", 2, 0), [60, 61, 70])
+    asyncio.run(state.channels.close())

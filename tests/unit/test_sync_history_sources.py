@@ -1,10 +1,11 @@
-"""MirroredRuns: every token of a remote sequence appended once, whatever order and overlap its records come in."""
+"""MirroredRuns: every token of a remote sequence appended once, whatever order and overlap its records come in; a prompt the
+store kept only a sibling's copy of put back in front of a sequence (Prompts)."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from ngramcache.client.sync.history_sources import MirroredRuns, SourceIds
+from ngramcache.client.sync.history_sources import MirroredRuns, Prompts, SourceIds, prompt_group
 
 
 def seq_tokens(start: int, stop: int) -> np.ndarray:
@@ -68,3 +69,34 @@ def test_an_empty_record_appends_nothing() -> None:
     runs = MirroredRuns()
     assert parts(runs, 5, 5) == []
     assert parts(runs, 0, 3) == [(src(0), seq_tokens(0, 3).tolist())]
+
+
+def test_prompts_are_kept_by_group_bounded_and_put_back_only_at_their_length() -> None:
+    prompts = Prompts(max_tokens=5)
+    p, q = np.array([1, 2, 3], np.int32), np.array([4, 5, 6], np.int32)
+    prompts.learn(prompt_group(p), 0, p)
+    prompts.learn("rollout-1", 0, p)  # not named by its tokens: not a prompt
+    prompts.learn(prompt_group(p), 3, p)  # not at offset 0
+    assert prompts.start(prompt_group(p), 3).tolist() == [1, 2, 3]
+    assert prompts.start(prompt_group(p), 4) is None and prompts.start("rollout-1", 3) is None
+    prompts.learn(prompt_group(q), 0, q)  # 6 tokens > 5: the least recently seen goes
+    assert prompts.start(prompt_group(p), 3) is None and prompts.start(prompt_group(q), 3).tolist() == [4, 5, 6]
+    assert prompts.tokens == 3
+
+
+def test_a_sequence_first_seen_after_its_groups_prompt_is_appended_whole() -> None:
+    runs = MirroredRuns()
+    p = np.array([1, 2, 3], np.int32)
+    g = prompt_group(p)
+    assert [(s, t.tolist()) for s, t in runs.fresh("a", 1, 0, p, g)] == [(src(0, "a"), [1, 2, 3])]
+    assert [(s, t.tolist()) for s, t in runs.fresh("b", 1, 3, np.array([9], np.int32), g)] == [(src(0, "b"),
+                                                                                                  [1, 2, 3, 9])]
+    assert runs.held("b", 1) == [(0, 4)]
+    # b's own copy arriving later (it was stored after all, or came by another pull) is held already.
+    assert runs.fresh("b", 1, 0, p, g) == []
+    # A sequence seen before continues as it is: the prompt goes only in front of a first record.
+    assert [t.tolist() for _, t in runs.fresh("a", 1, 5, np.array([7], np.int32), g)] == [[7]]
+    ids = SourceIds()
+    assert ids.whole("a", 1, g, 0, p)[0] == 0
+    offset, tokens = ids.whole("c", 4, g, 3, np.array([8], np.int32))
+    assert (offset, tokens.tolist()) == (0, [1, 2, 3, 8])

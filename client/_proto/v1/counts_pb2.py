@@ -25,33 +25,33 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n(ngramcache/client/_proto/v1/counts.proto\x12\rngramcache.v1\"o\n\rHistoryRecord\x12\x0b\n\x03seq\x18\x01 \x01(\x03\x12\r\n\x05group\x18\x02 \x01(\t\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x0e\n\x06tokens\x18\x04 \x01(\x0c\x12\x11\n\tclient_id\x18\x05 \x01(\t\x12\x0f\n\x07time_ms\x18\x06 \x01(\x04\"\x95\x01\n\x12PushHistoryRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x1d\n\x15tokenizer_fingerprint\x18\x02 \x01(\x0c\x12\x11\n\tclient_id\x18\x03 \x01(\t\x12\x0b\n\x03seq\x18\x04 \x01(\x04\x12-\n\x07records\x18\x05 \x03(\x0b\x32\x1c.ngramcache.v1.HistoryRecord\"@\n\x13PushHistoryResponse\x12\x11\n\tduplicate\x18\x01 \x01(\x08\x12\x16\n\x0erecords_stored\x18\x02 \x01(\r\"\xa6\x01\n\x12PullHistoryRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x1d\n\x15tokenizer_fingerprint\x18\x02 \x01(\x0c\x12\r\n\x05\x61\x66ter\x18\x03 \x01(\t\x12\x13\n\x0bmax_records\x18\x04 \x01(\r\x12\x0f\n\x07wait_ms\x18\x05 \x01(\r\x12\x19\n\x11\x65xclude_client_id\x18\x06 \x01(\t\x12\x0e\n\x06groups\x18\x07 \x03(\t\"a\n\x13PullHistoryResponse\x12-\n\x07records\x18\x01 \x03(\x0b\x32\x1c.ngramcache.v1.HistoryRecord\x12\x0e\n\x06\x63ursor\x18\x02 \x01(\t\x12\x0b\n\x03gap\x18\x03 \x01(\x08\"m\n\x0bPushRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x1d\n\x15tokenizer_fingerprint\x18\x02 \x01(\x0c\x12\x11\n\tclient_id\x18\x03 \x01(\t\x12\x0b\n\x03seq\x18\x04 \x01(\x04\x12\x0c\n\x04rows\x18\x05 \x01(\x0c\"\x82\x01\n\x0cPushResponse\x12\x11\n\tduplicate\x18\x01 \x01(\x08\x12\r\n\x05units\x18\x02 \x01(\r\x12\x15\n\rapplied_units\x18\x03 \x01(\r\x12\x17\n\x0f\x64uplicate_units\x18\x04 \x01(\r\x12\x0f\n\x07\x65ntries\x18\x05 \x01(\r\x12\x0f\n\x07version\x18\x06 \x01(\x04\"\xbd\x01\n\x0bPullRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x1d\n\x15tokenizer_fingerprint\x18\x02 \x01(\x0c\x12\x1a\n\rsince_version\x18\x03 \x01(\x04H\x00\x88\x01\x01\x12\x16\n\x0emax_chunk_rows\x18\x04 \x01(\r\x12%\n\x04view\x18\x05 \x01(\x0e\x32\x17.ngramcache.v1.PullView\x12\x0f\n\x07view_id\x18\x06 \x01(\tB\x10\n\x0e_since_version\"_\n\x0cPullResponse\x12\x0c\n\x04rows\x18\x01 \x01(\x0c\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\x10\n\x08\x63omplete\x18\x03 \x01(\x08\x12\x0f\n\x07view_id\x18\x04 \x01(\t\x12\r\n\x05reset\x18\x05 \x01(\x08*4\n\x08PullView\x12\x13\n\x0fPULL_VIEW_STORE\x10\x00\x12\x13\n\x0fPULL_VIEW_DRAFT\x10\x01\x32\xb8\x02\n\x06\x43ounts\x12?\n\x04Push\x12\x1a.ngramcache.v1.PushRequest\x1a\x1b.ngramcache.v1.PushResponse\x12\x41\n\x04Pull\x12\x1a.ngramcache.v1.PullRequest\x1a\x1b.ngramcache.v1.PullResponse0\x01\x12T\n\x0bPushHistory\x12!.ngramcache.v1.PushHistoryRequest\x1a\".ngramcache.v1.PushHistoryResponse\x12T\n\x0bPullHistory\x12!.ngramcache.v1.PullHistoryRequest\x1a\".ngramcache.v1.PullHistoryResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n(ngramcache/client/_proto/v1/counts.proto\x12\rngramcache.v1\"o\n\rHistoryRecord\x12\x0b\n\x03seq\x18\x01 \x01(\x03\x12\r\n\x05group\x18\x02 \x01(\t\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x0e\n\x06tokens\x18\x04 \x01(\x0c\x12\x11\n\tclient_id\x18\x05 \x01(\t\x12\x0f\n\x07time_ms\x18\x06 \x01(\x04\"\x95\x01\n\x12PushHistoryRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x1d\n\x15tokenizer_fingerprint\x18\x02 \x01(\x0c\x12\x11\n\tclient_id\x18\x03 \x01(\t\x12\x0b\n\x03seq\x18\x04 \x01(\x04\x12-\n\x07records\x18\x05 \x03(\x0b\x32\x1c.ngramcache.v1.HistoryRecord\"\x88\x01\n\x13PushHistoryResponse\x12\x11\n\tduplicate\x18\x01 \x01(\x08\x12\x16\n\x0erecords_stored\x18\x02 \x01(\r\x12\x15\n\rtokens_stored\x18\x03 \x01(\r\x12\x17\n\x0frecords_skipped\x18\x04 \x01(\r\x12\x16\n\x0etokens_skipped\x18\x05 \x01(\r\"\xa6\x01\n\x12PullHistoryRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x1d\n\x15tokenizer_fingerprint\x18\x02 \x01(\x0c\x12\r\n\x05\x61\x66ter\x18\x03 \x01(\t\x12\x13\n\x0bmax_records\x18\x04 \x01(\r\x12\x0f\n\x07wait_ms\x18\x05 \x01(\r\x12\x19\n\x11\x65xclude_client_id\x18\x06 \x01(\t\x12\x0e\n\x06groups\x18\x07 \x03(\t\"a\n\x13PullHistoryResponse\x12-\n\x07records\x18\x01 \x03(\x0b\x32\x1c.ngramcache.v1.HistoryRecord\x12\x0e\n\x06\x63ursor\x18\x02 \x01(\t\x12\x0b\n\x03gap\x18\x03 \x01(\x08\"m\n\x0bPushRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x1d\n\x15tokenizer_fingerprint\x18\x02 \x01(\x0c\x12\x11\n\tclient_id\x18\x03 \x01(\t\x12\x0b\n\x03seq\x18\x04 \x01(\x04\x12\x0c\n\x04rows\x18\x05 \x01(\x0c\"\x82\x01\n\x0cPushResponse\x12\x11\n\tduplicate\x18\x01 \x01(\x08\x12\r\n\x05units\x18\x02 \x01(\r\x12\x15\n\rapplied_units\x18\x03 \x01(\r\x12\x17\n\x0f\x64uplicate_units\x18\x04 \x01(\r\x12\x0f\n\x07\x65ntries\x18\x05 \x01(\r\x12\x0f\n\x07version\x18\x06 \x01(\x04\"\xbd\x01\n\x0bPullRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x1d\n\x15tokenizer_fingerprint\x18\x02 \x01(\x0c\x12\x1a\n\rsince_version\x18\x03 \x01(\x04H\x00\x88\x01\x01\x12\x16\n\x0emax_chunk_rows\x18\x04 \x01(\r\x12%\n\x04view\x18\x05 \x01(\x0e\x32\x17.ngramcache.v1.PullView\x12\x0f\n\x07view_id\x18\x06 \x01(\tB\x10\n\x0e_since_version\"_\n\x0cPullResponse\x12\x0c\n\x04rows\x18\x01 \x01(\x0c\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\x10\n\x08\x63omplete\x18\x03 \x01(\x08\x12\x0f\n\x07view_id\x18\x04 \x01(\t\x12\r\n\x05reset\x18\x05 \x01(\x08*4\n\x08PullView\x12\x13\n\x0fPULL_VIEW_STORE\x10\x00\x12\x13\n\x0fPULL_VIEW_DRAFT\x10\x01\x32\xb8\x02\n\x06\x43ounts\x12?\n\x04Push\x12\x1a.ngramcache.v1.PushRequest\x1a\x1b.ngramcache.v1.PushResponse\x12\x41\n\x04Pull\x12\x1a.ngramcache.v1.PullRequest\x1a\x1b.ngramcache.v1.PullResponse0\x01\x12T\n\x0bPushHistory\x12!.ngramcache.v1.PushHistoryRequest\x1a\".ngramcache.v1.PushHistoryResponse\x12T\n\x0bPullHistory\x12!.ngramcache.v1.PullHistoryRequest\x1a\".ngramcache.v1.PullHistoryResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'ngramcache.client._proto.v1.counts_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_PULLVIEW']._serialized_start=1191
-  _globals['_PULLVIEW']._serialized_end=1243
+  _globals['_PULLVIEW']._serialized_start=1264
+  _globals['_PULLVIEW']._serialized_end=1316
   _globals['_HISTORYRECORD']._serialized_start=59
   _globals['_HISTORYRECORD']._serialized_end=170
   _globals['_PUSHHISTORYREQUEST']._serialized_start=173
   _globals['_PUSHHISTORYREQUEST']._serialized_end=322
-  _globals['_PUSHHISTORYRESPONSE']._serialized_start=324
-  _globals['_PUSHHISTORYRESPONSE']._serialized_end=388
-  _globals['_PULLHISTORYREQUEST']._serialized_start=391
-  _globals['_PULLHISTORYREQUEST']._serialized_end=557
-  _globals['_PULLHISTORYRESPONSE']._serialized_start=559
-  _globals['_PULLHISTORYRESPONSE']._serialized_end=656
-  _globals['_PUSHREQUEST']._serialized_start=658
-  _globals['_PUSHREQUEST']._serialized_end=767
-  _globals['_PUSHRESPONSE']._serialized_start=770
-  _globals['_PUSHRESPONSE']._serialized_end=900
-  _globals['_PULLREQUEST']._serialized_start=903
-  _globals['_PULLREQUEST']._serialized_end=1092
-  _globals['_PULLRESPONSE']._serialized_start=1094
-  _globals['_PULLRESPONSE']._serialized_end=1189
-  _globals['_COUNTS']._serialized_start=1246
-  _globals['_COUNTS']._serialized_end=1558
+  _globals['_PUSHHISTORYRESPONSE']._serialized_start=325
+  _globals['_PUSHHISTORYRESPONSE']._serialized_end=461
+  _globals['_PULLHISTORYREQUEST']._serialized_start=464
+  _globals['_PULLHISTORYREQUEST']._serialized_end=630
+  _globals['_PULLHISTORYRESPONSE']._serialized_start=632
+  _globals['_PULLHISTORYRESPONSE']._serialized_end=729
+  _globals['_PUSHREQUEST']._serialized_start=731
+  _globals['_PUSHREQUEST']._serialized_end=840
+  _globals['_PUSHRESPONSE']._serialized_start=843
+  _globals['_PUSHRESPONSE']._serialized_end=973
+  _globals['_PULLREQUEST']._serialized_start=976
+  _globals['_PULLREQUEST']._serialized_end=1165
+  _globals['_PULLRESPONSE']._serialized_start=1167
+  _globals['_PULLRESPONSE']._serialized_end=1262
+  _globals['_COUNTS']._serialized_start=1319
+  _globals['_COUNTS']._serialized_end=1631
 # @@protoc_insertion_point(module_scope)

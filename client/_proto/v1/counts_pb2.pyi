@@ -46,12 +46,18 @@ class PushHistoryRequest(_message.Message):
     def __init__(self, namespace: _Optional[str] = ..., tokenizer_fingerprint: _Optional[bytes] = ..., client_id: _Optional[str] = ..., seq: _Optional[int] = ..., records: _Optional[_Iterable[_Union[HistoryRecord, _Mapping]]] = ...) -> None: ...
 
 class PushHistoryResponse(_message.Message):
-    __slots__ = ("duplicate", "records_stored")
+    __slots__ = ("duplicate", "records_stored", "tokens_stored", "records_skipped", "tokens_skipped")
     DUPLICATE_FIELD_NUMBER: _ClassVar[int]
     RECORDS_STORED_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_STORED_FIELD_NUMBER: _ClassVar[int]
+    RECORDS_SKIPPED_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_SKIPPED_FIELD_NUMBER: _ClassVar[int]
     duplicate: bool
     records_stored: int
-    def __init__(self, duplicate: _Optional[bool] = ..., records_stored: _Optional[int] = ...) -> None: ...
+    tokens_stored: int
+    records_skipped: int
+    tokens_skipped: int
+    def __init__(self, duplicate: _Optional[bool] = ..., records_stored: _Optional[int] = ..., tokens_stored: _Optional[int] = ..., records_skipped: _Optional[int] = ..., tokens_skipped: _Optional[int] = ...) -> None: ...
 
 class PullHistoryRequest(_message.Message):
     __slots__ = ("namespace", "tokenizer_fingerprint", "after", "max_records", "wait_ms", "exclude_client_id", "groups")
