@@ -21,6 +21,7 @@ from ngramcache.client.errors import InvalidArgumentError
 from .counts import redact_url
 from .draft_view import ViewPolicy
 from .security import load_tokens, read_tls_files
+from .toml_files import tomllib
 
 ENV_PREFIX = "NGC_"
 
@@ -227,10 +228,6 @@ def _from_env(environ: Mapping[str, str]) -> dict[str, Any]:
 
 
 def _read_file(path: str) -> dict[str, Any]:
-    try:
-        import tomllib
-    except ImportError:  # Python 3.10
-        raise InvalidArgumentError("--config needs Python 3.11+ (tomllib) to read TOML") from None
     try:
         with open(path, "rb") as f:
             doc = tomllib.load(f)

@@ -31,6 +31,7 @@ from typing import Any
 from ngramcache.client.errors import InvalidArgumentError
 
 from .counts.namespace import validate_namespace
+from .toml_files import tomllib
 
 ALL_NAMESPACES = "*"
 """In a grant's ``namespaces``: every namespace, present and future."""
@@ -168,10 +169,6 @@ def parse_grant(entry: Mapping[str, Any], where: str) -> TokenGrant:
 def load_tokens(path: str) -> TokenTable:
     """Reads a tokens file (module docstring); InvalidArgumentError names ``tokens_file``, the file and the entry."""
     where = f"tokens_file {path}"
-    try:
-        import tomllib
-    except ImportError:  # Python 3.10
-        raise InvalidArgumentError(f"{where}: reading TOML needs Python 3.11+ (tomllib)") from None
     try:
         with open(path, "rb") as f:
             doc = tomllib.load(f)

@@ -6,6 +6,8 @@ from __future__ import annotations
 import hashlib
 import io
 import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -25,10 +27,9 @@ from ngramcache.cache_service.security import (
     token_toml,
 )
 from ngramcache.cache_service.status import ServiceError
+from ngramcache.cache_service.toml_files import tomllib
 from ngramcache.client._proto.v1 import admin_pb2, counts_pb2, drafting_pb2, static_files_pb2
 from ngramcache.client.errors import InvalidArgumentError
-
-tomllib = pytest.importorskip("tomllib")  # Python 3.11+; the tokens file needs it too
 
 SECRET = "ngc_this-is-a-secret-token-nobody-may-see"
 SHA = token_sha256(SECRET)
@@ -42,6 +43,36 @@ def tokens_file(tmp_path: Path, text: str) -> str:
     path = tmp_path / "tokens.toml"
     path.write_text(text)
     return str(path)
+
+
+# -- TOML on every supported Python ----------------------------------------------------------
+
+
+def test_tokens_and_config_files_read_on_python_3_10_with_tomli(tmp_path: Path) -> None:
+    """Where the standard library has no tomllib (Python 3.10), the tokens file and --config are read with tomli
+    (a dependency there): simulated in a child process with tomllib missing and a tomli that counts its calls."""
+    tokens = tokens_file(tmp_path, token_toml(SHA, namespaces=["code"]))
+    config = tmp_path / "serve.toml"
+    config.write_text(f'tokens_file = "{tokens}"\nport = 7001\n')
+    child = textwrap.dedent(f"""
+        import sys, types
+        import tomllib as real
+        sys.modules["tomllib"] = None  # as on Python 3.10: `import tomllib` raises ModuleNotFoundError
+        calls = []
+        tomli = types.ModuleType("tomli")
+        tomli.TOMLDecodeError = real.TOMLDecodeError
+        tomli.load = lambda f: calls.append("load") or real.load(f)
+        tomli.loads = lambda s: calls.append("loads") or real.loads(s)
+        sys.modules["tomli"] = tomli
+        from ngramcache.cache_service.config import ServiceConfig
+        from ngramcache.cache_service.security import load_tokens
+        grant = load_tokens({tokens!r}).grants()[0]
+        config = ServiceConfig.load(file={str(config)!r}, environ={{}})
+        print(sorted(grant.namespaces), config.port, calls)
+    """)
+    done = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[0] == "['code'] 7001 ['load', 'load', 'load']"
 
 
 # -- hashes and grants ------------------------------------------------------------------
