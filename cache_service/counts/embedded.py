@@ -15,7 +15,8 @@ The fleet history (`embedded_history`) is kept in memory only, not in the snapsh
 restarted embedded store starts with an empty history window.
 
 Snapshot file (little-endian): magic ``NGCSNAP\\x01``, '<Q' header length, a JSON header
-(format, and per namespace its record, current version, entry count and dedup seqs), then
+(format, per namespace its record, current version, entry count and dedup seqs, and the
+committed generation records with their corpus bases, `leases.CommittedGeneration`), then
 per namespace its entries' keys as int32 (k, KEY_WIDTH) and their counts as int64 (k,),
 then a '<I' CRC32 of everything before it.
 """
@@ -115,7 +116,7 @@ class EmbeddedCountsStore(CountsStore):
         self.path = self.config.address.path
         self._lock = threading.RLock()
         self._namespaces: dict[str, _Namespace] = {}
-        self._leases = LeaseTable()  # in this process only: one machine, one service process
+        self._leases = LeaseTable()  # leases in this process only; the committed records are in the snapshot
         self._closed = False
         self._applies = 0
         self._stop = threading.Event()
@@ -162,6 +163,7 @@ class EmbeddedCountsStore(CountsStore):
     def drop_namespace(self, namespace: str) -> bool:
         validate_namespace(namespace)
         with self._lock:
+            self._leases.forget_base(namespace)  # its files go with it
             return self._namespaces.pop(namespace, None) is not None
 
     # ----------------------------------------------------------------- rebuild leases
@@ -175,8 +177,9 @@ class EmbeddedCountsStore(CountsStore):
     def release_lease(self, lease: Lease) -> bool:
         return self._leases.release(lease)
 
-    def commit_generation(self, lease: Lease, generation: int, location: str, kind: str = "rebuild") -> None:
-        self._leases.commit(lease, generation, location, kind)
+    def commit_generation(self, lease: Lease, generation: int, location: str, kind: str = "rebuild", *,
+                          keep_base: bool = True) -> None:
+        self._leases.commit(lease, generation, location, kind, keep_base=keep_base)
 
     def committed_generation(self, namespace: str) -> CommittedGeneration:
         return self._leases.committed(namespace)
@@ -367,7 +370,8 @@ class EmbeddedCountsStore(CountsStore):
         if not self.path:
             return
         with self._lock:
-            header: dict[str, Any] = {"format": _FORMAT, "namespaces": []}
+            # "committed" (optional: older snapshots lack it, older readers ignore it): the generation records.
+            header: dict[str, Any] = {"format": _FORMAT, "namespaces": [], "committed": self._leases.to_json()}
             blobs: list[bytes] = []
             for name, ns in self._namespaces.items():
                 rows = self._rows(ns, list(ns.buckets))
@@ -430,6 +434,7 @@ class EmbeddedCountsStore(CountsStore):
                 self._namespaces[info.name] = ns
             if pos != len(body):
                 raise SnapshotFormatError(f"{path} has {len(body) - pos} unexpected trailing bytes")
+            self._leases.load_json(header.get("committed", {}))
         except SnapshotFormatError:
             raise
         except (ValueError, KeyError, TypeError, InvalidArgumentError) as exc:

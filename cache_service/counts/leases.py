@@ -27,6 +27,7 @@ __all__ = [
     "check_ttl",
     "lease_held",
     "lease_lost",
+    "next_committed",
     "not_newer",
 ]
 
@@ -43,12 +44,32 @@ class Lease:
 @dataclasses.dataclass(frozen=True)
 class CommittedGeneration:
     """The newest generation committed under a lease: its number (0: none), where it was built, the
-    token, and how it was made ("rebuild", or "publish" for a file published as it is)."""
+    token, how it was made ("rebuild", or "publish" for a file published as it is), and the
+    namespace's corpus base.
+
+    The base is the latest generation published as it is (a corpus: it holds no dynamic counts),
+    which every rebuild folds in; 0 when none was published, or the operator dropped it
+    (``keep_base=False``), or the namespace was dropped. A publish sets it to its own generation
+    and location; a rebuild carries it unchanged. (A Redis record stored before bases existed
+    reads a "publish" as its own base, and a rebuild's as none.)
+    """
 
     generation: int
     location: str
     token: int
     kind: str = "rebuild"
+    base: int = 0  # the corpus base's generation (0: none)
+    base_location: str = ""  # the replica that received the base's Publish (it can serve the file)
+
+
+def next_committed(previous: CommittedGeneration | None, lease: Lease, generation: int, location: str, kind: str,
+                   keep_base: bool) -> CommittedGeneration:
+    """The record a commit of ``generation`` writes over ``previous`` (the rules of `CommittedGeneration`)."""
+    if kind == "publish":
+        return CommittedGeneration(generation, location, lease.token, kind, generation, location)
+    if keep_base and previous is not None:
+        return CommittedGeneration(generation, location, lease.token, kind, previous.base, previous.base_location)
+    return CommittedGeneration(generation, location, lease.token, kind)
 
 
 def check_lease_args(namespace: str, holder: str, ttl_ms: int) -> None:
@@ -124,16 +145,37 @@ class LeaseTable:
             del self._leases[lease.namespace]
             return True
 
-    def commit(self, lease: Lease, generation: int, location: str, kind: str = "rebuild") -> None:
+    def commit(self, lease: Lease, generation: int, location: str, kind: str = "rebuild", *,
+               keep_base: bool = True) -> None:
         with self._lock:
             if not self._holds(lease):
                 raise lease_lost(lease)
             committed = self._committed.get(lease.namespace)
             if committed is not None and generation <= committed.generation:
                 raise not_newer(lease.namespace, generation, committed.generation)
-            self._committed[lease.namespace] = CommittedGeneration(generation, location, lease.token, kind)
+            self._committed[lease.namespace] = next_committed(committed, lease, generation, location, kind, keep_base)
 
     def committed(self, namespace: str) -> CommittedGeneration:
         validate_namespace(namespace)
         with self._lock:
             return self._committed.get(namespace, CommittedGeneration(0, "", 0))
+
+    def forget_base(self, namespace: str) -> None:
+        """The namespace was dropped: its base file is gone (its numbers keep growing)."""
+        with self._lock:
+            committed = self._committed.get(namespace)
+            if committed is not None:
+                self._committed[namespace] = dataclasses.replace(committed, base=0, base_location="")
+
+    def to_json(self) -> dict[str, dict[str, object]]:
+        """The committed records, for a snapshot (leases and fences are not kept: a restart ends them)."""
+        with self._lock:
+            return {ns: dataclasses.asdict(c) for ns, c in self._committed.items()}
+
+    def load_json(self, records: dict[str, dict[str, object]]) -> None:
+        """Restore what `to_json` gave (a snapshot's; raises KeyError/TypeError/ValueError on a bad one)."""
+        with self._lock:
+            for ns, r in records.items():
+                self._committed[validate_namespace(ns)] = CommittedGeneration(
+                    int(r["generation"]), str(r["location"]), int(r["token"]), str(r["kind"]),  # type: ignore[call-overload]
+                    int(r["base"]), str(r["base_location"]))  # type: ignore[call-overload]

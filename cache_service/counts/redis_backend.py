@@ -137,6 +137,7 @@ class RedisCountsStore(CountsStore):
                 pipe.execute()
                 client.delete(handle.meta, handle.clock, handle.epochs)
             client.delete(*schema.history_keys(prefix, namespace))  # same slot; after meta, so no append lands
+            self._leases.forget_base(namespace)  # its files go with it
             self._handles.forget(namespace)
             pattern = schema.instance_match(prefix, namespace)
             for node_client in self._conn.node_clients():
@@ -214,8 +215,9 @@ class RedisCountsStore(CountsStore):
     def release_lease(self, lease: Lease) -> bool:
         return self._leases.release(lease)
 
-    def commit_generation(self, lease: Lease, generation: int, location: str, kind: str = "rebuild") -> None:
-        self._leases.commit(lease, generation, location, kind)
+    def commit_generation(self, lease: Lease, generation: int, location: str, kind: str = "rebuild", *,
+                          keep_base: bool = True) -> None:
+        self._leases.commit(lease, generation, location, kind, keep_base=keep_base)
 
     def committed_generation(self, namespace: str) -> CommittedGeneration:
         return self._leases.committed(namespace)

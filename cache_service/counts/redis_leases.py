@@ -6,7 +6,7 @@ from . import schema
 from .leases import CommittedGeneration, Lease, check_lease_args, check_ttl, lease_held, lease_lost, not_newer
 from .namespace import validate_namespace
 from .redis_connection import RedisConnection
-from .redis_scripts import ACQUIRE, COMMIT, RELEASE, RENEW
+from .redis_scripts import ACQUIRE, COMMIT, FORGET_BASE, RELEASE, RENEW
 
 __all__ = ["RedisLeases"]
 
@@ -43,10 +43,11 @@ class RedisLeases:
         key = schema.lease_keys(self._prefix, lease.namespace)[0]
         return bool(self._conn.run_one(RELEASE, [key], [f"{lease.holder}|{lease.token}"]))
 
-    def commit(self, lease: Lease, generation: int, location: str, kind: str = "rebuild") -> None:
+    def commit(self, lease: Lease, generation: int, location: str, kind: str = "rebuild", *,
+               keep_base: bool = True) -> None:
         key, _, gen = schema.lease_keys(self._prefix, lease.namespace)
         ok, why = self._conn.run_one(COMMIT, [key, gen], [f"{lease.holder}|{lease.token}", generation, location,
-                                                          lease.token, kind])
+                                                          lease.token, kind, "1" if keep_base else "0"])
         if int(ok) == 0:
             why = why.decode() if isinstance(why, bytes) else str(why)
             if why == "lease":
@@ -62,5 +63,16 @@ class RedisLeases:
             return CommittedGeneration(0, "", 0)
         d = {(k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v)
              for k, v in raw.items()}
-        return CommittedGeneration(int(d["generation"]), d.get("location", ""), int(d.get("token", 0)),
-                                   d.get("kind", "rebuild"))
+        kind = d.get("kind", "rebuild")
+        if "base" in d:
+            base, base_location = int(d["base"]), d.get("base_location", "")
+        elif kind == "publish":  # stored before bases: a publish is its own
+            base, base_location = int(d["generation"]), d.get("location", "")
+        else:
+            base, base_location = 0, ""
+        return CommittedGeneration(int(d["generation"]), d.get("location", ""), int(d.get("token", 0)), kind, base,
+                                   base_location)
+
+    def forget_base(self, namespace: str) -> None:
+        """The namespace was dropped: its base file is gone (its numbers keep growing)."""
+        self._conn.run_one(FORGET_BASE, [schema.lease_keys(self._prefix, namespace)[2]], [])

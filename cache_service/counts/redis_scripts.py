@@ -19,7 +19,8 @@ Every write of the Redis backend is one of these scripts over keys of one shard 
   batch_seq), skips near-duplicates and trims by the budget; HREAD trims and reads after a
   stream id (the rules of `history`).
 * CREATE makes a namespace visible once its shard state exists; ACQUIRE, RENEW, RELEASE and
-  COMMIT are the rebuild lease's steps (the rules of `leases`).
+  COMMIT are the rebuild lease's steps (the rules of `leases`); FORGET_BASE clears a dropped
+  namespace's corpus base.
 
 Every script is idempotent, or checks the state it changes first, so redis-py's bounded
 reconnect retries and the NOSCRIPT fallback (load, then run again) are safe.
@@ -31,7 +32,7 @@ import hashlib
 from collections.abc import Sequence
 from typing import Any, TypeAlias
 
-__all__ = ["ACQUIRE", "APPLY", "COMMIT", "CREATE", "HAPPEND", "HREAD", "READ", "RELEASE", "RENEW", "ROLL", "SEAL", "TICK", "Call", "Script"]
+__all__ = ["ACQUIRE", "APPLY", "COMMIT", "CREATE", "FORGET_BASE", "HAPPEND", "HREAD", "READ", "RELEASE", "RENEW", "ROLL", "SEAL", "TICK", "Call", "Script"]
 
 
 class Script:
@@ -240,13 +241,30 @@ if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
 redis.call('DEL', KEYS[1])
 return 1
 """)
-# KEYS: lease, gen. ARGV: "<holder>|<token>", generation, location, token, kind.
+# KEYS: lease, gen. ARGV: "<holder>|<token>", generation, location, token, kind, keep_base ('1'/'0').
+# The corpus base (leases.CommittedGeneration): a publish is its own; a rebuild carries the
+# previous one ('1') or drops it ('0'). A record from before bases (no 'base' field) had one only
+# when a publish wrote it: the generation and location it names.
 COMMIT = Script("commit_generation", """
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then return {0, 'lease'} end
-local g = tonumber(redis.call('HGET', KEYS[2], 'generation') or '0')
+local prev = redis.call('HMGET', KEYS[2], 'generation', 'location', 'kind', 'base', 'base_location')
+local g = tonumber(prev[1] or '0')
 if tonumber(ARGV[2]) <= g then return {0, tostring(g)} end
-redis.call('HSET', KEYS[2], 'generation', ARGV[2], 'location', ARGV[3], 'token', ARGV[4], 'kind', ARGV[5])
+local base, base_location = '0', ''
+if ARGV[5] == 'publish' then
+  base, base_location = ARGV[2], ARGV[3]
+elseif ARGV[6] == '1' then
+  if prev[4] then base, base_location = prev[4], prev[5] or ''
+  elseif prev[3] == 'publish' then base, base_location = prev[1], prev[2] or '' end
+end
+redis.call('HSET', KEYS[2], 'generation', ARGV[2], 'location', ARGV[3], 'token', ARGV[4], 'kind', ARGV[5],
+           'base', base, 'base_location', base_location)
 return {1, ''}
+""")
+# A dropped namespace's base is forgotten (its files are gone); its numbers stay. KEYS: gen.
+FORGET_BASE = Script("forget_base", """
+if redis.call('EXISTS', KEYS[1]) == 1 then redis.call('HSET', KEYS[1], 'base', '0', 'base_location', '') end
+return 1
 """)
 
 # The fleet history (keys of `schema.history_keys`, one slot). HTRIM is shared by HAPPEND and

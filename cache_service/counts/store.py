@@ -384,8 +384,13 @@ class CountsStore(abc.ABC):
         """Give ``lease`` up; False when it was already lost."""
 
     @abc.abstractmethod
-    def commit_generation(self, lease: Lease, generation: int, location: str, kind: str = "rebuild") -> None:
+    def commit_generation(self, lease: Lease, generation: int, location: str, kind: str = "rebuild", *,
+                          keep_base: bool = True) -> None:
         """Record ``generation`` (made by ``kind`` at ``location``) as the namespace's newest, under ``lease``.
+
+        The namespace's corpus base (`CommittedGeneration.base`) moves in the same atomic step: a
+        ``kind`` "publish" becomes the base itself; a rebuild carries the previous base, or drops it
+        with ``keep_base=False``.
 
         Raises:
             LeaseLostError: ``lease`` is no longer the namespace's current lease.
@@ -394,7 +399,7 @@ class CountsStore(abc.ABC):
 
     @abc.abstractmethod
     def committed_generation(self, namespace: str) -> CommittedGeneration:
-        """The newest committed generation of ``namespace`` (generation 0: none)."""
+        """The newest committed generation of ``namespace`` (generation 0: none) and its corpus base."""
 
     def close(self) -> None:  # noqa: B027 - a hook with a no-op default, not an abstract method
         """Release connections (and, embedded, write a last snapshot)."""

@@ -16,6 +16,7 @@ from ngramcache.cache_service.counts.store import CountsStore
 from ngramcache.cache_service.counts.values import ApplyResult, GroupItem, ItemOutcome
 from ngramcache.client.errors import (
     BatchTooOldError,
+    GenerationNotNewerError,
     InvalidArgumentError,
     NamespaceNotFoundError,
     ResyncRequiredError,
@@ -482,7 +483,7 @@ def test_one_lease_holder_at_a_time_with_growing_fencing_tokens(store: CountsSto
 
 
 def test_an_expired_lease_cannot_commit_and_generations_only_grow(store: CountsStore, namespace: str) -> None:
-    from ngramcache.client.errors import GenerationNotNewerError, LeaseLostError
+    from ngramcache.client.errors import LeaseLostError
 
     assert store.committed_generation(namespace).generation == 0
     old = store.acquire_lease(namespace, "paused-leader", 150)
@@ -499,6 +500,82 @@ def test_an_expired_lease_cannot_commit_and_generations_only_grow(store: CountsS
     assert (store.committed_generation(namespace).generation, store.committed_generation(namespace).kind) == (9, "publish")
     assert not store.renew_lease(old, 1000)
     store.release_lease(new)
+
+
+def test_the_corpus_base_is_the_latest_published_generation_and_rebuilds_carry_it(
+        store: CountsStore, namespace: str) -> None:
+    def base() -> tuple[int, str, str]:
+        c = store.committed_generation(namespace)
+        return c.base, c.base_location, c.kind
+
+    assert base() == (0, "", "rebuild")  # nothing committed: no base
+    lease = store.acquire_lease(namespace, "replica-a", 10_000)
+    store.commit_generation(lease, 2, "builder:1")  # a rebuild before any publish: still none
+    assert base() == (0, "", "rebuild")
+    store.commit_generation(lease, 3, "publisher:1", "publish")
+    assert base() == (3, "publisher:1", "publish")
+    store.commit_generation(lease, 4, "builder:2")
+    store.commit_generation(lease, 5, "builder:3")  # carried unchanged by every rebuild
+    committed = store.committed_generation(namespace)
+    assert (committed.generation, committed.location, committed.kind) == (5, "builder:3", "rebuild")
+    assert base() == (3, "publisher:1", "rebuild")
+    store.commit_generation(lease, 6, "publisher:2", "publish")  # a newer corpus replaces it
+    assert base() == (6, "publisher:2", "publish")
+    store.commit_generation(lease, 7, "builder:1", keep_base=False)  # the operator drops it (--no-base)
+    assert base() == (0, "", "rebuild")
+    store.commit_generation(lease, 8, "builder:1")
+    assert base() == (0, "", "rebuild")
+    store.commit_generation(lease, 9, "publisher:1", "publish")
+    store.release_lease(lease)
+
+    # A dropped namespace forgets its base (its files are gone) but keeps its numbers growing.
+    store.create_namespace(namespace, FP, VOCAB)
+    assert store.drop_namespace(namespace)
+    committed = store.committed_generation(namespace)
+    assert (committed.generation, committed.base, committed.base_location) == (9, 0, "")
+
+
+def test_a_committed_record_from_before_bases_reads_a_publish_as_its_own_base(
+        store: CountsStore, namespace: str, backend: str) -> None:
+    """Records stored before the base existed (Redis hashes without its fields) still read, and carry."""
+    if backend == "embedded":
+        pytest.skip("the embedded store keeps no records from an older version (its snapshot had none)")
+    from ngramcache.cache_service.counts import schema
+
+    gen_key = schema.lease_keys(store.config.prefix, namespace)[2]
+    client = store._conn.client  # type: ignore[attr-defined]  # the Redis backend's connection
+    client.hset(gen_key, mapping={"generation": 4, "location": "old:1", "token": 1, "kind": "publish"})
+    committed = store.committed_generation(namespace)
+    assert (committed.generation, committed.base, committed.base_location) == (4, 4, "old:1")
+    lease = store.acquire_lease(namespace, "replica-a", 10_000)
+    store.commit_generation(lease, 5, "builder:1")
+    committed = store.committed_generation(namespace)
+    assert (committed.generation, committed.kind, committed.base, committed.base_location) == (5, "rebuild", 4, "old:1")
+    store.release_lease(lease)
+    client.delete(gen_key)
+    client.hset(gen_key, mapping={"generation": 6, "location": "old:2", "token": 1, "kind": "rebuild"})
+    assert store.committed_generation(namespace).base == 0  # a rebuild's record without a base: none known
+
+
+def test_the_embedded_store_keeps_the_committed_generation_and_its_base_in_its_snapshot(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from ngramcache.cache_service.counts.factory import open_counts_store
+
+    url = f"embedded://{tmp_path / 'counts.snapshot'}"
+    with open_counts_store(url, **TEST_OPTIONS_EMBEDDED) as store:
+        store.create_namespace("kept", FP, VOCAB)
+        lease = store.acquire_lease("kept", "replica-a", 10_000)
+        store.commit_generation(lease, 3, "publisher:1", "publish")
+        store.commit_generation(lease, 4, "builder:1")
+    with open_counts_store(url, **TEST_OPTIONS_EMBEDDED) as store:  # a restart
+        committed = store.committed_generation("kept")
+        assert (committed.generation, committed.location, committed.kind) == (4, "builder:1", "rebuild")
+        assert (committed.base, committed.base_location) == (3, "publisher:1")
+        lease = store.acquire_lease("kept", "replica-a", 10_000)
+        with pytest.raises(GenerationNotNewerError):
+            store.commit_generation(lease, 4, "builder:1")
+
+
+TEST_OPTIONS_EMBEDDED = {"epoch_seconds": 0, "default_buckets": 256}
 
 
 def test_lease_arguments_are_checked(store: CountsStore, namespace: str) -> None:
