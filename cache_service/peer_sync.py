@@ -9,7 +9,9 @@ broken transfer starts again from byte 0, up to ``attempts`` times a check), and
 its `StaticStore`, which checks size, SHA-256 and the file itself (`verify()`) before the
 atomic rename: a corrupt transfer is refused and fetched again on the next check. Publishing
 wakes the replica's Watch subscribers, so its sessions and clients swap to the generation.
-With a shared volume the file is already there and nothing is fetched.
+With a shared volume the file is already there and nothing is fetched. Pruning past ``keep``
+spares the namespace's corpus base (`CommittedGeneration.base`), which every rebuild folds in;
+a replica about to rebuild without the base's file fetches it (`fetch_base`).
 """
 
 from __future__ import annotations
@@ -67,7 +69,7 @@ class PeerSync:
             try:
                 await self._fetch(info, committed.generation, committed.location)
                 self.fetched += 1
-                await self._static.retain(info.name, self._keep)
+                await self._static.retain(info.name, self._keep, protect=committed.base)
                 log.info("namespace %s: generation %d fetched from %s", info.name, committed.generation,
                          committed.location)
                 return committed.generation
@@ -77,13 +79,30 @@ class PeerSync:
                             committed.generation, committed.location, attempt, self._attempts, e)
         return have
 
+    async def fetch_base(self, info: NamespaceInfo, generation: int, addresses: list[str]) -> str:
+        """Install ``generation`` (the corpus base, below the latest) from the first of ``addresses`` that has it.
+
+        Returns "" once installed, else why not (one line per address tried).
+        """
+        why: list[str] = []
+        for address in dict.fromkeys(a for a in addresses if a and a != self.location):
+            try:
+                await self._fetch(info, generation, address, restore=True)
+                self.fetched += 1
+                log.info("namespace %s: corpus base generation %d fetched from %s", info.name, generation, address)
+                return ""
+            except NgramCacheError as e:
+                self.refused += 1
+                why.append(f"{address}: {e}")
+        return "; ".join(why) or "no other replica is known to hold it"
+
     def _channel(self, address: str) -> aio.Channel:
         options = [("grpc.max_receive_message_length", 64 << 20)]
         if self._credentials is not None:
             return aio.secure_channel(address, self._credentials, options=options)
         return aio.insecure_channel(address, options=options)
 
-    async def _fetch(self, info: NamespaceInfo, generation: int, address: str) -> None:
+    async def _fetch(self, info: NamespaceInfo, generation: int, address: str, restore: bool = False) -> None:
         async with self._channel(address) as channel:
             stub = static_files_pb2_grpc.StaticFilesStub(channel)  # type: ignore[no-untyped-call]  # generated, untyped
             request = static_files_pb2.FetchRequest(namespace=info.name, generation=generation)
@@ -97,7 +116,7 @@ class PeerSync:
                                                sha256=header.sha256) as upload:
                     while (msg := await call.read()) is not aio.EOF:
                         await upload.write(msg.chunk.offset, msg.chunk.data)
-                    await upload.publish(fingerprint=info.fingerprint, vocab_size=info.vocab_size)
+                    await upload.publish(fingerprint=info.fingerprint, vocab_size=info.vocab_size, restore=restore)
             except grpc.RpcError as e:
                 raise BackendUnavailableError(f"Fetch of generation {generation} from {address}: "
                                               f"{e.code().name}: {e.details()}") from None

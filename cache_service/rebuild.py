@@ -1,4 +1,4 @@
-"""Central rebuilds: fold a namespace's dynamic counts (and a corpus, and the previous generation) into its next static generation.
+"""Central rebuilds: fold a namespace's corpus base, its dynamic counts (and a corpus, and the fleet history) into its next static generation.
 
 One rebuild per namespace at a time across every replica: the rebuilding replica holds the
 namespace's lease in the counts store (renewed while it builds) and commits the new
@@ -7,17 +7,23 @@ generation number under it before it publishes the file; a replica whose lease e
 The build streams through `StaticBuilder` within its memory budget: every dynamic row of
 the static file's n-gram size with a count >= ``min_count`` (the store's export, chunk by
 chunk), the token files of ``corpus``, the sequences the fleet history keeps (into the corpus
-index only: their counts are already in the dynamic counts), and, with ``include_previous``, the namespace's latest
-generation times ``decay`` when it was published from a corpus. The previous generation is
-not folded by default, and never when a rebuild made it: the store's counts are totals since
-the namespace began, so a generation that already holds them would count them twice. The file is written under a temporary name in the namespace's folder, verified
+index only: their counts are already in the dynamic counts), and the namespace's **corpus
+base** times ``decay``: the latest generation published as it is (`CommittedGeneration.base`,
+recorded in the counts store, so every replica agrees), with its corpus index. The base holds
+no dynamic counts (it came from a corpus), so folding it into every rebuild counts nothing
+twice; a generation a rebuild made is never folded (the store's counts are totals since the
+namespace began: it holds them already). The base carries into every rebuilt generation until
+a newer corpus is published, or the operator drops it (``base=False``, `--no-base`: this
+generation folds the counts alone and the record forgets the base). A base recorded but whose
+file is on no replica refuses the rebuild: it would publish less than the namespace drafts
+from. The file is written under a temporary name in the namespace's folder, verified
 and published by the `StaticStore` (atomic rename, directory fsync, Watch subscribers
 woken: every session and client swaps to it), then older generations beyond ``keep`` are
-deleted (a file still mapped stays readable to its process).
+deleted, the base excepted (a file still mapped stays readable to its process).
 
 What the options do to drafts (see docs/operations.md): ``min_count`` drops rare pairs (a
 smaller file; pairs seen once rarely pass the static step's 50% test anyway); ``decay``
-below 1 weighs a folded corpus generation down against what the fleet writes now;
+below 1 weighs the corpus base down against what the fleet writes now;
 ``ngram_size`` picks the static step's key length. The dynamic counts stay in the store
 (the drafter also consults them in their own step). tests/bench/bench_rebuild.py measures
 each option on a replay.
@@ -40,14 +46,21 @@ import numpy as np
 
 from ngramcache.client import StaticBuilder, StaticCache
 from ngramcache.client.corpus import collect_inputs, is_token_file, token_streams
-from ngramcache.client.errors import InvalidArgumentError, LeaseHeldError, LeaseLostError
+from ngramcache.client.errors import (
+    CacheFormatError,
+    GenerationNotFoundError,
+    InvalidArgumentError,
+    LeaseHeldError,
+    LeaseLostError,
+)
 from ngramcache.client.rows import COUNT, N
+from ngramcache.client.sglang_corpus import corpus_documents
 
 from .confinement import check_under_roots, confine_corpus
-from .counts import CountsStore
-from .counts.store import Lease, not_newer
+from .counts import CountsStore, NamespaceInfo
+from .counts.store import CommittedGeneration, Lease
 from .peer_sync import PeerSync
-from .static_store import PublishResult, StaticStore
+from .static_store import PublishResult, StaticStore, publish_refused
 from .store_runner import StoreRunner
 
 log = logging.getLogger("ngramcache.service")
@@ -62,10 +75,10 @@ class RebuildOptions:
     Attributes:
         min_count: dynamic (n-gram, follower) counts below this are left out (>= 1).
         ngram_size: tokens per key of the new file (1..4); 0: the previous generation's, else 2.
-        include_previous: fold the namespace's latest generation in too; refused when a rebuild
-            made it (its dynamic counts would be counted twice: the store's counts are totals).
-        decay: the folded generation's counts are multiplied by this (0 < decay <= 1), rounded
-            down (a count that reaches 0 is dropped).
+        base: fold the namespace's corpus base (the latest generation published as it is, with
+            its corpus index) in; False drops it, from this generation and from the record.
+        decay: the base's counts are multiplied by this (0 < decay <= 1), rounded down (a count
+            that reaches 0 is dropped).
         corpus: token files or folders of them (.bin/.tokens/.npy) on the server to add.
         memory_budget: the builder's budget in bytes (it spills sorted runs beyond).
         keep: published generations kept after this one (older ones are deleted), >= 1.
@@ -75,7 +88,7 @@ class RebuildOptions:
 
     min_count: int = 1
     ngram_size: int = 0
-    include_previous: bool = False
+    base: bool = True
     decay: float = 1.0
     corpus: tuple[str, ...] = ()
     memory_budget: int = 1 << 30
@@ -103,12 +116,13 @@ class RebuildStatus:
 
     namespace: str
     state: str = "idle"  # idle, running, done, failed
-    phase: str = ""  # previous, dynamic, corpus, history, writing, committing, publishing
+    phase: str = ""  # base, dynamic, corpus, history, writing, committing, publishing
     generation: int = 0
     lease_token: int = 0
     started_unix_ms: int = 0
     finished_unix_ms: int = 0
-    previous_rows: int = 0
+    base_generation: int = 0  # the corpus base folded in (0: none)
+    previous_rows: int = 0  # (key, follower) rows of the base folded in
     dynamic_rows: int = 0
     corpus_tokens: int = 0
     history_tokens: int = 0
@@ -153,6 +167,9 @@ class Rebuilder:
                                 publish: Callable[[], Awaitable[PublishResult]]) -> PublishResult:
         """Run ``publish`` (a Publish of ``generation``) under the namespace's lease and commit its number.
 
+        The commit makes ``generation`` the namespace's corpus base (a published file holds no
+        dynamic counts): every later rebuild folds it in.
+
         Raises:
             LeaseHeldError: a rebuild of the namespace is running.
             GenerationNotNewerError: ``generation`` is below the committed one.
@@ -161,7 +178,7 @@ class Rebuilder:
         try:
             committed = await self._runner.call(self._store.committed_generation, namespace)
             if generation < committed.generation:
-                raise not_newer(namespace, generation, committed.generation)
+                raise publish_refused(namespace, generation, committed.generation)
             result = await publish()
             if generation > committed.generation and not result.already_published:
                 await self._runner.call(self._store.commit_generation, lease, generation, self.location, "publish")
@@ -212,21 +229,23 @@ class Rebuilder:
             ns_dir = self._static.namespace_dir(info.name)
             ns_dir.mkdir(parents=True, exist_ok=True)
             tmp = ns_dir / f"rebuild-{status.generation}-{secrets.token_hex(6)}.tmp"
-            previous = None
-            if options.include_previous and latest is not None:
-                if committed.kind == "rebuild" and latest.generation <= committed.generation:
-                    raise InvalidArgumentError(
-                        f"generation {latest.generation} of {info.name!r} was made by a rebuild: folding it would count "
-                        "its dynamic counts twice (the store's counts are totals); give its corpus with --corpus instead")
-                previous = self._static.open(info.name, latest.generation)
+            base = await self._open_base(info, committed) if options.base and committed.base else None
+            status.base_generation = base.generation if base is not None else 0
             ngram_size = options.ngram_size or (latest.ngram_size if latest else 2)
+            if base is not None and base.ngram_size != ngram_size:
+                raise InvalidArgumentError(
+                    f"the corpus base of {info.name!r}, generation {base.generation}, has {base.ngram_size}-gram keys, "
+                    f"not {ngram_size}: pass --ngram-size {base.ngram_size}, or --no-base to rebuild from the counts "
+                    "alone (and drop the base)")
             history = options.history and (await self._runner.call(self._store.history_stats, info.name))["records"] > 0
+            base_index = base is not None and base.index_depth > 0 and base.n_indexed > 0
             builder = StaticBuilder(tmp, info.vocab_size, ngram_size, fingerprint=bytes.fromhex(info.fingerprint),
                                     generation=status.generation, memory_budget=options.memory_budget,
-                                    scratch_dir=ns_dir, corpus_index=history)
-            if previous is not None:
-                status.phase = "previous"
-                await asyncio.to_thread(self._add_previous, builder, previous, options.decay, status)
+                                    scratch_dir=ns_dir, corpus_index=history or base_index,
+                                    index_depth=base.index_depth if base_index and base is not None else 32)
+            if base is not None:
+                status.phase = "base"
+                await asyncio.to_thread(self._add_base, builder, base, options.decay, status)
             status.phase = "dynamic"
             await self._add_dynamic(builder, info.name, ngram_size, options.min_count, status, renewer)
             if options.corpus:
@@ -238,7 +257,7 @@ class Rebuilder:
             if not (status.dynamic_rows or status.previous_rows or status.corpus_tokens):
                 raise InvalidArgumentError(
                     f"nothing to fold into a generation of {info.name!r}: no dynamic counts of {ngram_size}-grams "
-                    f"with a count >= {options.min_count}, no corpus, no previous generation (the latest stays)")
+                    f"with a count >= {options.min_count}, no corpus, no corpus base (the latest stays)")
             status.phase = "writing"
             await asyncio.to_thread(builder.finish)
             cache = StaticCache.open(tmp)
@@ -247,19 +266,20 @@ class Rebuilder:
             if renewer.done():
                 renewer.result()  # raises LeaseLostError
             status.phase = "committing"
-            await self._runner.call(self._store.commit_generation, lease, status.generation, self.location)
+            await self._runner.call(self._store.commit_generation, lease, status.generation, self.location,
+                                    keep_base=options.base)
             status.phase = "publishing"
             await self._static.publish(info.name, tmp, fingerprint=info.fingerprint, vocab_size=info.vocab_size,
                                        generation=status.generation)
             tmp = None  # the store owns it now
-            await self._static.retain(info.name, options.keep)
+            await self._static.retain(info.name, options.keep, protect=committed.base if options.base else 0)
             status.phase = ""
             final_state, final_error = "done", ""
             self.completed += 1
-            log.info("namespace %s: rebuilt generation %d (%d keys, %d followers, %d bytes; %d dynamic rows, "
-                     "%d previous rows, %d corpus tokens, %d history tokens indexed)", info.name, status.generation,
-                     status.n_keys, status.n_followers, status.file_bytes, status.dynamic_rows, status.previous_rows,
-                     status.corpus_tokens, status.history_tokens)
+            log.info("namespace %s: rebuilt generation %d (%d keys, %d followers, %d bytes; base generation %d: %d rows, "
+                     "%d dynamic rows, %d corpus tokens, %d history tokens indexed)", info.name, status.generation,
+                     status.n_keys, status.n_followers, status.file_bytes, status.base_generation,
+                     status.previous_rows, status.dynamic_rows, status.corpus_tokens, status.history_tokens)
         except asyncio.CancelledError:
             final_error = "cancelled (the service is stopping)"
             self.failed += 1
@@ -288,19 +308,55 @@ class Rebuilder:
             if not await self._runner.call(self._store.renew_lease, lease, self._ttl_ms):
                 raise LeaseLostError(f"the rebuild lease of {lease.namespace!r} was lost while building")
 
+    async def _open_base(self, info: NamespaceInfo, committed: CommittedGeneration) -> StaticCache:
+        """The corpus base's file, verified: this replica's, else fetched from a replica that holds it.
+
+        Raises:
+            InvalidArgumentError: the file is on no replica this one can fetch it from, or is
+                unreadable: folding nothing in its place would publish less than the namespace
+                drafts from.
+        """
+        generation = committed.base
+
+        def open_verified() -> StaticCache:
+            cache = self._static.open(info.name, generation)
+            cache.verify()  # the rebuild reads it whole anyway
+            return cache
+
+        why = f"generation {generation} is not on this replica"
+        try:
+            return await asyncio.to_thread(open_verified)
+        except GenerationNotFoundError:
+            if self.peer_sync is not None:
+                failed = await self.peer_sync.fetch_base(info, generation, [committed.base_location,
+                                                                            committed.location])
+                if not failed:
+                    return await asyncio.to_thread(open_verified)
+                why += f" and could not be fetched ({failed})"
+        except CacheFormatError as e:
+            why = f"its file on this replica is unreadable ({e})"
+        raise InvalidArgumentError(
+            f"the corpus base of {info.name!r} (generation {generation}, the latest published one) cannot be folded: "
+            f"{why}; pass --no-base to rebuild from the counts alone (and drop the base), or publish a corpus "
+            "generation again")
+
     @staticmethod
-    def _add_previous(builder: StaticBuilder, previous: StaticCache, decay: float, status: RebuildStatus) -> None:
+    def _add_base(builder: StaticBuilder, base: StaticCache, decay: float, status: RebuildStatus) -> None:
+        """The base's counts (times ``decay``) and its corpus index (the match mode drafts from it)."""
         if decay >= 1.0:
-            builder.add_static(previous)
-            status.previous_rows = previous.n_followers
-            return
-        rows = previous.to_rows()
-        counts = np.floor(rows[:, COUNT].astype(np.float64) * decay).astype(np.int64)
-        keep = counts > 0
-        rows = np.ascontiguousarray(rows[keep])
-        rows[:, COUNT] = counts[keep].astype(np.int32)
-        builder.add_rows(rows)
-        status.previous_rows = len(rows)
+            builder.add_static(base)
+            status.previous_rows = base.n_followers
+        else:
+            rows = base.to_rows()
+            counts = np.floor(rows[:, COUNT].astype(np.float64) * decay).astype(np.int64)
+            keep = counts > 0
+            rows = np.ascontiguousarray(rows[keep])
+            rows[:, COUNT] = counts[keep].astype(np.int32)
+            builder.add_rows(rows)
+            status.previous_rows = len(rows)
+        if base.index_depth > 0 and base.n_indexed > 0:
+            for document in corpus_documents(base):  # verifies the base's checksums first
+                builder.add_index_tokens(np.ascontiguousarray(document, dtype=np.int32))
 
     async def _add_dynamic(self, builder: StaticBuilder, namespace: str, ngram_size: int, min_count: int,
                            status: RebuildStatus, renewer: asyncio.Task[None]) -> None:

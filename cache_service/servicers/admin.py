@@ -158,8 +158,9 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
     async def StartRebuild(self, request: admin_pb2.StartRebuildRequest,
                            context: aio.ServicerContext) -> admin_pb2.RebuildStatus:
         rebuilder = self._need_rebuilder()
+        # include_previous (deprecated) is ignored: the corpus base is folded unless skip_base.
         options = RebuildOptions(min_count=request.min_count or 1, ngram_size=request.ngram_size,
-                                 include_previous=request.include_previous, decay=request.decay or 1.0,
+                                 base=not request.skip_base, decay=request.decay or 1.0,
                                  corpus=tuple(request.corpus), memory_budget=request.memory_budget or (1 << 30),
                                  keep=request.keep or rebuilder.default_keep, history=not request.skip_history)
         task = await rebuilder.start(request.namespace, options)
@@ -184,7 +185,8 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
             namespace=s.namespace, state=s.state, phase=s.phase, generation=s.generation, lease_token=s.lease_token,
             started_unix_ms=s.started_unix_ms, finished_unix_ms=s.finished_unix_ms, previous_rows=s.previous_rows,
             dynamic_rows=s.dynamic_rows, corpus_tokens=s.corpus_tokens, n_keys=s.n_keys, n_followers=s.n_followers,
-            file_bytes=s.file_bytes, error=s.error, holder=holder, history_tokens=s.history_tokens)
+            file_bytes=s.file_bytes, error=s.error, holder=holder, history_tokens=s.history_tokens,
+            base_generation=s.base_generation)
 
     async def _describe(self, info: NamespaceInfo) -> admin_pb2.Namespace:
         version = await self._runner.call(self._store.version, info.name)

@@ -8,11 +8,11 @@ from collections.abc import AsyncIterator, Awaitable
 from grpc import aio
 
 from ngramcache.client._proto.v1 import static_files_pb2, static_files_pb2_grpc
-from ngramcache.client.errors import InvalidArgumentError
+from ngramcache.client.errors import GenerationConflictError, GenerationNotNewerError, InvalidArgumentError
 
 from ..counts.namespace import NamespaceInfo
 from ..rebuild import Rebuilder
-from ..static_store import GenerationInfo, PublishResult, StaticStore
+from ..static_store import GenerationInfo, PublishResult, StaticStore, publish_refused
 from ..status import limit_exceeded
 from ..store_runner import StoreRunner
 
@@ -98,9 +98,15 @@ class StaticFilesServicer(static_files_pb2_grpc.StaticFilesServicer):
         header = first.header
         if header.size > self.max_file_bytes:
             raise limit_exceeded(f"a static file has at most {self.max_file_bytes} bytes, this one {header.size}")
+        if header.generation == 0:  # before any byte is sent: the refusal names the fix
+            namespace = await self._namespace(header.namespace)
+            raise publish_refused(namespace.name, 0, await self._latest(namespace.name))
         upload = self._store.upload(header.namespace, generation=header.generation, size=header.size,
                                     sha256=header.sha256)
         namespace = await self._namespace(header.namespace)
+        latest = await self._latest(namespace.name)
+        if header.generation < latest:
+            raise publish_refused(namespace.name, header.generation, latest)
         async with upload:  # a failed or abandoned upload leaves no file behind
             async for request in requests:
                 if request.WhichOneof("kind") != "chunk":
@@ -109,9 +115,22 @@ class StaticFilesServicer(static_files_pb2_grpc.StaticFilesServicer):
             def publish() -> Awaitable[PublishResult]:
                 return upload.publish(fingerprint=namespace.fingerprint, vocab_size=namespace.vocab_size)
 
-            if self._rebuilder is not None:
-                result = await self._rebuilder.committed_publish(namespace.name, header.generation, publish)
-            else:
-                result = await publish()
+            try:
+                if self._rebuilder is not None:
+                    result = await self._rebuilder.committed_publish(namespace.name, header.generation, publish)
+                else:
+                    result = await publish()
+            except GenerationNotNewerError:  # another publish or rebuild got there first
+                raise publish_refused(namespace.name, header.generation, await self._latest(namespace.name)) from None
+            except GenerationConflictError as e:  # the same number with other content
+                latest = await self._latest(namespace.name)
+                raise GenerationConflictError(
+                    f"{e}: build the file again with `ngramcache build --generation N`, N > {latest}") from None
         return static_files_pb2.PublishResponse(generation=generation_pb(result.generation),
                                                 already_published=result.already_published)
+
+    async def _latest(self, namespace: str) -> int:
+        """The namespace's latest generation: this replica's, or the one committed in the store if above."""
+        local = await asyncio.to_thread(self._store.latest, namespace)
+        committed = await self._runner.call(self._runner.store.committed_generation, namespace)
+        return max(local.generation if local else 0, committed.generation)

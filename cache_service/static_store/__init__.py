@@ -17,7 +17,14 @@ It raises the library's errors (`ngramcache.client.errors`) and imports no grpc:
 service's `status.status_of` maps them to status codes through the wire error table.
 """
 
-from .layout import GENERATION_DIGITS, GenerationInfo, PublishResult, generation_file_name, generation_not_found
+from .layout import (
+    GENERATION_DIGITS,
+    GenerationInfo,
+    PublishResult,
+    generation_file_name,
+    generation_not_found,
+    publish_refused,
+)
 from .store import StaticStore
 from .upload import GenerationReader, Upload
 
@@ -30,4 +37,5 @@ __all__ = [
     "Upload",
     "generation_file_name",
     "generation_not_found",
+    "publish_refused",
 ]

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Final
 
 from ngramcache.client._core import StaticCache
-from ngramcache.client.errors import GenerationNotFoundError, InvalidArgumentError
+from ngramcache.client.errors import GenerationNotFoundError, GenerationNotNewerError, InvalidArgumentError
 from ngramcache.client.files import write_file_atomic
 
 from ..counts.namespace import validate_namespace
@@ -49,6 +49,7 @@ __all__ = [
     "generation_not_found",
     "identity",
     "info_of",
+    "publish_refused",
     "read_sidecar",
     "sidecar_name",
     "write_sidecar",
@@ -146,6 +147,15 @@ def generation_not_found(namespace: str, generation: int) -> GenerationNotFoundE
     """The error for a generation that was never published in ``namespace`` (or was pruned); 0 means any."""
     what = "no generation" if generation == 0 else f"no generation {generation}"
     return GenerationNotFoundError(f"namespace {namespace!r} has {what}")
+
+
+def publish_refused(namespace: str, generation: int, latest: int) -> InvalidArgumentError | GenerationNotNewerError:
+    """The error for a Publish of ``generation`` (0, or not above ``latest``), naming the fix."""
+    fix = f"build the file again with `ngramcache build --generation N`, N > {latest}"
+    if generation == 0:
+        return InvalidArgumentError(f"the file's header says generation 0, which is never published (the latest of "
+                                    f"{namespace!r} is {latest}): {fix}")
+    return GenerationNotNewerError(f"generation {generation} of {namespace!r} is not above its latest, {latest}: {fix}")
 
 
 def check_namespace(namespace: str) -> str:

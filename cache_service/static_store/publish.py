@@ -46,7 +46,7 @@ _NO_LINKS: Final = frozenset({errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errn
 
 def publish_file(index: GenerationIndex, namespace_lock: threading.Lock, namespace: str, src: Path, *,
                  fingerprint: bytes, vocab_size: int, generation: int | None, size: int | None,
-                 sha256: bytes | None, known_sha256: bytes | None) -> PublishResult:
+                 sha256: bytes | None, known_sha256: bytes | None, restore: bool = False) -> PublishResult:
     """Verify ``src`` whole, then publish it as its generation of ``namespace`` (blocking).
 
     Takes ownership of ``src``: it is linked into place, or deleted whatever the outcome.
@@ -61,6 +61,8 @@ def publish_file(index: GenerationIndex, namespace_lock: threading.Lock, namespa
         vocab_size: the namespace's vocabulary size.
         generation, size, sha256: when given, what the file must declare or be.
         known_sha256: the file's SHA-256 when already computed (an upload hashes as it writes).
+        restore: install a generation below the latest too (a rebuild's corpus base fetched from
+            a peer: an older number that was published elsewhere, never a new one).
 
     Raises:
         CacheFormatError: not a valid static cache, or a section checksum is wrong.
@@ -68,7 +70,7 @@ def publish_file(index: GenerationIndex, namespace_lock: threading.Lock, namespa
             or its generation is 0.
         TokenizerMismatchError: its fingerprint or vocab_size is not the namespace's.
         NamespaceNotFoundError: ``src`` vanished (its namespace was dropped meanwhile).
-        GenerationNotNewerError: its generation is not above the latest.
+        GenerationNotNewerError: its generation is not above the latest (without ``restore``).
         GenerationConflictError: that generation exists with another SHA-256.
         LimitExceededError: no disk space left.
     """
@@ -77,7 +79,7 @@ def publish_file(index: GenerationIndex, namespace_lock: threading.Lock, namespa
         cache, digest = _verify(namespace, src, fingerprint=fingerprint, vocab_size=vocab_size,
                                 generation=generation, size=size, sha256=sha256, known_sha256=known_sha256)
         with namespace_lock:
-            result = _commit(index, namespace, src, cache, digest)
+            result = _commit(index, namespace, src, cache, digest, restore)
         published = not result.already_published
         return result
     except OSError as exc:
@@ -120,14 +122,15 @@ def _verify(namespace: str, src: Path, *, fingerprint: bytes, vocab_size: int, g
     return cache, digest
 
 
-def _commit(index: GenerationIndex, namespace: str, src: Path, cache: StaticCache, digest: bytes) -> PublishResult:
+def _commit(index: GenerationIndex, namespace: str, src: Path, cache: StaticCache, digest: bytes,
+            restore: bool = False) -> PublishResult:
     """Publishes a verified file (the namespace's lock held): check numbers, link, fsync, index."""
     generation = cache.generation
     existing = index.scan(namespace)
     for info in existing:
         if info.generation == generation:
             return _same_generation(info, digest)
-    if existing and generation <= existing[-1].generation:
+    if existing and generation <= existing[-1].generation and not restore:
         raise GenerationNotNewerError(
             f"generation {generation} is not above {existing[-1].generation}, the latest of {namespace!r}")
     data_dir = index.data_dir

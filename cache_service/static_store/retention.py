@@ -20,18 +20,19 @@ __all__ = ["prune", "remove_leftovers", "remove_namespace"]
 log = logging.getLogger("ngramcache.service")
 
 
-def prune(index: GenerationIndex, namespace: str, keep: int) -> list[int]:
-    """Delete all but the newest ``keep`` generations (the namespace's lock held); return those deleted.
+def prune(index: GenerationIndex, namespace: str, keep: int, *, protect: int = 0) -> list[int]:
+    """Delete all but the newest ``keep`` generations and ``protect`` (the namespace's lock held); return those deleted.
 
     Args:
         index: the data directory's index (the deleted generations leave it).
         namespace: a checked namespace name.
         keep: generations kept, >= 1.
+        protect: a generation never deleted, whatever its age (the corpus base); 0: none.
 
     Raises:
         OSError: a file or the folder could not be deleted or fsynced.
     """
-    doomed = [info.generation for info in index.scan(namespace)[:-keep]]
+    doomed = [info.generation for info in index.scan(namespace)[:-keep] if info.generation != protect]
     ns_dir = index.data_dir / namespace
     for generation in doomed:
         # The file first: a sidecar without its file is ignored, a file without one rehashed.

@@ -223,7 +223,7 @@ class StaticStore:
 
     async def _publish(self, namespace: str, src: Path, *, fingerprint: bytes | str, vocab_size: int,
                        generation: int | None, size: int | None, sha256: bytes | None,
-                       known_sha256: bytes | None) -> PublishResult:
+                       known_sha256: bytes | None, restore: bool = False) -> PublishResult:
         """`publish`, with the SHA-256 an `Upload` computed while writing."""
         try:
             check_namespace(namespace)
@@ -232,20 +232,23 @@ class StaticStore:
             src.unlink(missing_ok=True)
             raise
         return await self._run(self._publish_sync, namespace, src, want_fp, int(vocab_size), generation, size,
-                               sha256, known_sha256)
+                               sha256, known_sha256, restore)
 
     def _publish_sync(self, namespace: str, src: Path, fingerprint: bytes, vocab_size: int,
                       generation: int | None, size: int | None, sha256: bytes | None,
-                      known_sha256: bytes | None) -> PublishResult:
+                      known_sha256: bytes | None, restore: bool) -> PublishResult:
         result = publish_file(self._index, self._namespace_lock(namespace), namespace, src, fingerprint=fingerprint,
                               vocab_size=vocab_size, generation=generation, size=size, sha256=sha256,
-                              known_sha256=known_sha256)
-        if not result.already_published:
+                              known_sha256=known_sha256, restore=restore)
+        if not result.already_published and not restore:
             self._subscribers.wake(namespace)
         return result
 
-    async def retain(self, namespace: str, keep: int) -> list[int]:
-        """Delete all but the newest ``keep`` generations; returns the generations deleted.
+    async def retain(self, namespace: str, keep: int, *, protect: int = 0) -> list[int]:
+        """Delete all but the newest ``keep`` generations and ``protect``; returns the generations deleted.
+
+        ``protect`` (0: none) is the namespace's corpus base, which every rebuild folds in
+        (`CommittedGeneration.base`): it stays whatever its age.
 
         Processes that mapped a deleted file keep reading it (POSIX unlink semantics);
         downloads already started finish (`open_reader` holds the file open).
@@ -257,11 +260,11 @@ class StaticStore:
         check_namespace(namespace)
         if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
             raise InvalidArgumentError(f"keep must be >= 1, got {keep!r}")
-        return await self._run(self._retain_sync, namespace, keep)
+        return await self._run(self._retain_sync, namespace, keep, protect)
 
-    def _retain_sync(self, namespace: str, keep: int) -> list[int]:
+    def _retain_sync(self, namespace: str, keep: int, protect: int) -> list[int]:
         with self._namespace_lock(namespace):
-            return retention.prune(self._index, namespace, keep)
+            return retention.prune(self._index, namespace, keep, protect=protect)
 
     async def drop(self, namespace: str) -> bool:
         """Delete every generation of ``namespace`` (uploads in progress included); end its watchers.

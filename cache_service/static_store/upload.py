@@ -86,8 +86,11 @@ class Upload:
             raise
         self._hash.update(data)
 
-    async def publish(self, *, fingerprint: bytes | str, vocab_size: int) -> PublishResult:
+    async def publish(self, *, fingerprint: bytes | str, vocab_size: int, restore: bool = False) -> PublishResult:
         """Verify the complete upload and publish it (`StaticStore.publish`, same errors).
+
+        With ``restore``, a generation below the latest may be installed (a rebuild's corpus base
+        fetched from a peer); watchers are not woken (they follow the latest).
 
         Raises:
             InvalidArgumentError: fewer bytes were received than the declared size.
@@ -110,7 +113,7 @@ class Upload:
             raise
         return await self._store._publish(
             self.namespace, self.path, fingerprint=fingerprint, vocab_size=vocab_size, generation=self.generation,
-            size=self.size, sha256=self.sha256, known_sha256=self._hash.digest())
+            size=self.size, sha256=self.sha256, known_sha256=self._hash.digest(), restore=restore)
 
     def discard(self) -> None:
         """Delete the partial file (nothing when it was handed to publish)."""

@@ -18,8 +18,8 @@ Setups, one server process each (started, /health waited for, requests sent one 
   `ngramcache export-llama`;
 - ngram-cache -lcs fleet: the generation a fleet rebuild made: a real `ngramcache serve` (loopback, embedded
   store) holding the static generation as generation 1; a client accepts worker A's requests (prompt and the
-  plain server's answer), as a worker would; once its pushes are acknowledged, `start_rebuild(...,
-  include_previous=True)` folds the counts and generation 1 into generation 2, which `export-llama` writes.
+  plain server's answer), as a worker would; once its pushes are acknowledged, `start_rebuild(...)` folds the
+  counts and generation 1 (the namespace's corpus base) into generation 2, which `export-llama` writes.
 
 Rounds: every setup runs every one of B's requests once per round; the setups' order rotates from round to round
 so a noisy neighbour slows each alike. Reported per setup, from the server's own `timings`: tokens/s (the median
@@ -117,12 +117,12 @@ def fleet_generation(workdir: Path, binary: Path, model: Path, srv_args: list[st
                 drafter.reset(seq)
             pushed = flush(client)
         with AdminClient(service.address, timeout=60) as admin:
-            status = admin.wait_rebuild(admin.start_rebuild(NAMESPACE, include_previous=True))
+            status = admin.wait_rebuild(admin.start_rebuild(NAMESPACE))  # folds generation 1, the corpus base
         if status.state != "done":
             raise SystemExit(f"the rebuild failed: {status.error}")
         ngc = workdir / "service" / "static" / NAMESPACE / f"{status.generation:020d}.ngc"
         note = (f"{len(traffic)} requests' prompts and answers pushed ({pushed['acked_rows']:,} rows, "
-                f"{pushed['acked_count']:,} counts acknowledged), rebuilt with include_previous into generation "
+                f"{pushed['acked_count']:,} counts acknowledged), rebuilt with its corpus base into generation "
                 f"{status.generation} ({status.previous_rows:,} rows of generation 1 and {status.dynamic_rows:,} of the counts folded; "
                 f"{status.n_keys:,} keys)")
     finally:

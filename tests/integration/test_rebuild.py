@@ -17,7 +17,7 @@ import pytest
 from helpers.corpus import FAST, FP, VOCAB, motif_corpus
 from helpers.service import ServiceThread, wait_until
 
-from ngramcache import NgramClient, StaticCache, build_static_from_tokens
+from ngramcache import CountTable, Drafter, NgramClient, StaticCache, build_static_from_tokens
 from ngramcache.client._proto.codec import bytes_to_count_rows
 from ngramcache.client._proto.v1 import (
     admin_pb2,
@@ -98,29 +98,36 @@ def test_rebuild_folds_counts_exactly_publishes_and_clients_swap(tmp_path: Path)
             done = rebuild_cli(address, ns)
             assert done.returncode == 0, done.stderr
             assert "published generation 1" in done.stdout and "dynamic rows" in done.stdout
+            assert "no corpus base (none published)" in done.stdout, done.stdout
             first = tmp_path / "data" / "static" / ns / f"{1:020d}.ngc"
             assert file_pairs(first) == store_pairs(address, ns)  # every 2-gram count, exactly
             wait_until(lambda: client.stats()["generation"] == 1, what="the client to swap to generation 1")
             assert client.drafter().static is not None and client.drafter().static.generation == 1
 
-            # Folding a generation a rebuild made would count the store's counts twice: refused.
+            # A generation a rebuild made is never folded (it holds the store's counts already): the
+            # deprecated --include-previous is ignored with a note, and the counts appear once.
             push_all(client, corpus(2))
             twice = rebuild_cli(address, ns, "--include-previous")
-            assert twice.returncode == 2 and "twice" in twice.stderr and "Traceback" not in twice.stderr
+            assert twice.returncode == 0, twice.stderr
+            assert "--include-previous is ignored: every rebuild folds the corpus base" in twice.stderr
+            assert file_pairs(first.with_name(f"{2:020d}.ngc")) == store_pairs(address, ns)
 
-            # A generation published from a corpus is folded in, halved; the counts (min 2) on top.
+            # A generation published from a corpus is the base: folded in, halved; the counts (min 2) on top.
             published = tmp_path / "corpus.ngc"
             build_static_from_tokens([corpus(7)], str(published), vocab_size=VOCAB, ngram_size=2, fingerprint=FP,
                                      generation=5)
             publish(address, ns, published)
             expected = Counter({k: c // 2 for k, c in file_pairs(published).items() if c // 2 > 0})
             expected.update({k: c for k, c in store_pairs(address, ns).items() if c >= 2})
-            done = rebuild_cli(address, ns, "--include-previous", "--decay", "0.5", "--min-count", "2", "--keep", "1")
+            done = rebuild_cli(address, ns, "--decay", "0.5", "--min-count", "2", "--keep", "1")
             assert done.returncode == 0, done.stderr
+            halved = sum(1 for c in file_pairs(published).values() if c // 2 > 0)
+            assert f"(base generation 5: {halved:,} rows, " in done.stdout, done.stdout
             sixth = tmp_path / "data" / "static" / ns / f"{6:020d}.ngc"
             assert file_pairs(sixth) == expected
             wait_until(lambda: client.stats()["generation"] == 6, what="the client to swap to generation 6")
-            assert not first.exists()  # --keep 1: the older generations are deleted
+            assert not first.exists()  # --keep 1: the older generations are deleted, the base excepted
+            assert sorted(p.name for p in first.parent.glob("*.ngc")) == [f"{5:020d}.ngc", f"{6:020d}.ngc"]
 
 
 def test_rebuild_adds_a_corpus_and_refuses_bad_options(tmp_path: Path) -> None:
@@ -144,6 +151,160 @@ def test_rebuild_adds_a_corpus_and_refuses_bad_options(tmp_path: Path) -> None:
         assert bad.returncode == 2 and "nothing to fold" in bad.stderr and "Traceback" not in bad.stderr
         bad = rebuild_cli(address, "no-such-ns")
         assert bad.returncode == 2 and "no-such-ns" in bad.stderr and "Traceback" not in bad.stderr
+
+
+# --- The corpus base (issue 29): what `ngramcache publish` put in carries into every rebuild ---------------------
+
+
+def publish_cli(address: str, namespace: str, path: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "ngramcache.cache_service.cli", "publish", str(path), "--namespace",
+                           namespace, "--server", address], capture_output=True, text=True, timeout=120)
+
+
+COPY = np.random.default_rng(29).permutation(40).astype(np.int32)  # 40 distinct tokens: one follower per 2-gram
+OTHER = (40 + np.random.default_rng(30).permutation(24)).astype(np.int32)  # what the fleet writes: tokens 40..63
+
+
+def base_file(tmp_path: Path, generation: int = 1, name: str = "code") -> Path:
+    """A corpus generation as `ngramcache build` makes it: COPY four times, with a corpus index."""
+    path = tmp_path / f"{name}-{generation}.ngc"
+    build_static_from_tokens([np.tile(COPY, 4)], str(path), vocab_size=VOCAB, ngram_size=2, fingerprint=FP,
+                             generation=generation, corpus_index=True)
+    return path
+
+
+def gen_path(data: Path, ns: str, generation: int) -> Path:
+    return data / "static" / ns / f"{generation:020d}.ngc"
+
+
+def test_a_rebuild_keeps_the_published_corpus_the_client_drafts_from_and_adds_the_counts(tmp_path: Path) -> None:
+    """The issue's sequence: publish a corpus generation, a client drafts an 8-token copy from it, counts are
+    pushed, a default rebuild: the same client drafts the same copy and what only the counts give; two rebuilds
+    in a row fold the base once each (no double counting) with its corpus index."""
+    with ServiceThread(tmp_path / "data", mirror_interval=0.05) as svc:
+        address = f"127.0.0.1:{svc.port}"
+        ns = create(address)
+        base = base_file(tmp_path)
+        done = publish_cli(address, ns, base)
+        assert done.returncode == 0 and "as generation 1" in done.stdout, done.stderr
+        probe, copy = COPY[5:9], COPY[9:17].tolist()
+        counts_probe, counts_copy = OTHER[2:6], OTHER[6:14].tolist()
+        with NgramClient(address, ns, (FP, VOCAB), cache_dir=tmp_path / "cache", **FAST) as client:
+            wait_until(lambda: client.stats()["generation"] == 1, what="the client to map generation 1")
+            drafter = client.drafter()
+            assert drafter.draft(101, probe, 8).tolist() == copy  # the 8-token copy, from the corpus
+            assert drafter.draft(102, counts_probe, 8).size == 0
+            push_all(client, np.tile(OTHER, 4))
+
+            done = rebuild_cli(address, ns)
+            assert done.returncode == 0, done.stderr
+            wait_until(lambda: client.stats()["generation"] == 2, what="the client to swap to generation 2")
+            assert drafter.draft(103, probe, 8).tolist() == copy  # still drafted after the rebuild
+            assert drafter.draft(104, counts_probe, 8).tolist() == counts_copy
+            base_rows = StaticCache.open(base).n_followers
+            assert f"(base generation 1: {base_rows:,} rows, " in done.stdout, done.stdout
+            second = gen_path(svc.data_dir, ns, 2)
+            assert file_pairs(second) == file_pairs(base) + store_pairs(address, ns)  # each once
+            alone = Drafter(static=StaticCache.open(second), dynamic=CountTable())  # the file alone drafts both
+            assert alone.draft(1, probe, 8).tolist() == copy and alone.draft(2, counts_probe, 8).tolist() == counts_copy
+            rebuilt = StaticCache.open(second)
+            assert rebuilt.n_indexed >= StaticCache.open(base).n_indexed  # the base's corpus index carried
+            assert rebuilt.corpus_match(COPY[:20])[0] == min(20, rebuilt.index_depth)
+
+            push_all(client, np.tile(OTHER, 2))  # more counts: the store's totals grow
+            done = rebuild_cli(address, ns)
+            assert done.returncode == 0 and "(base generation 1: " in done.stdout, done.stderr
+            third = gen_path(svc.data_dir, ns, 3)
+            assert file_pairs(third) == file_pairs(base) + store_pairs(address, ns)  # not gen 2's counts again
+            wait_until(lambda: client.stats()["generation"] == 3, what="the client to swap to generation 3")
+            assert drafter.draft(105, probe, 8).tolist() == copy
+        committed = svc.service.runner.store.committed_generation(ns)
+        assert (committed.generation, committed.kind, committed.base) == (3, "rebuild", 1)
+
+
+def test_no_base_drops_the_corpus_base_for_good_and_retention_keeps_it_until_then(tmp_path: Path) -> None:
+    with ServiceThread(tmp_path / "data") as svc:
+        address = f"127.0.0.1:{svc.port}"
+        ns = create(address)
+        base = base_file(tmp_path, 2)
+        assert publish_cli(address, ns, base).returncode == 0
+        with NgramClient(address, ns, (FP, VOCAB), cache_dir=tmp_path / "cache", **FAST) as client:
+            push_all(client, np.tile(OTHER, 4))
+        for generation in (3, 4, 5):  # --keep 1: every older generation goes, the base stays
+            done = rebuild_cli(address, ns, "--keep", "1")
+            assert done.returncode == 0 and "(base generation 2: " in done.stdout, done.stderr
+            names = sorted(p.name for p in gen_path(svc.data_dir, ns, 1).parent.glob("*.ngc"))
+            assert names == [f"{2:020d}.ngc", f"{generation:020d}.ngc"], names
+        assert file_pairs(gen_path(svc.data_dir, ns, 5)) == file_pairs(base) + store_pairs(address, ns)
+
+        done = rebuild_cli(address, ns, "--no-base", "--keep", "1")
+        assert done.returncode == 0 and "(corpus base dropped (--no-base), " in done.stdout, done.stdout
+        assert file_pairs(gen_path(svc.data_dir, ns, 6)) == store_pairs(address, ns)  # the counts alone
+        assert not gen_path(svc.data_dir, ns, 2).exists()  # no longer the base: pruned
+        done = rebuild_cli(address, ns)  # dropped for good: the next default rebuild folds the counts alone
+        assert done.returncode == 0 and "(no corpus base (none published), " in done.stdout, done.stdout
+        assert file_pairs(gen_path(svc.data_dir, ns, 7)) == store_pairs(address, ns)
+
+
+def test_a_base_whose_file_is_gone_refuses_the_rebuild_in_one_line_naming_the_fix(tmp_path: Path) -> None:
+    with ServiceThread(tmp_path / "data") as svc:
+        address = f"127.0.0.1:{svc.port}"
+        ns = create(address)
+        assert publish_cli(address, ns, base_file(tmp_path)).returncode == 0
+        with NgramClient(address, ns, (FP, VOCAB), cache_dir=tmp_path / "cache", **FAST) as client:
+            push_all(client, np.tile(OTHER, 4))
+        assert rebuild_cli(address, ns).returncode == 0
+        gen_path(svc.data_dir, ns, 1).unlink()  # lost (a disk replaced, a hand-made cleanup)
+        refused = rebuild_cli(address, ns)
+        assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr
+        assert refused.stderr.count("\n") == 1, refused.stderr
+        assert (f"the corpus base of {ns!r} (generation 1, the latest published one) cannot be folded: generation 1 "
+                "is not on this replica and could not be fetched (no other replica is known to hold it); pass "
+                "--no-base to rebuild from the counts alone (and drop the base), or publish a corpus generation "
+                "again") in refused.stderr, refused.stderr
+        assert not gen_path(svc.data_dir, ns, 3).exists()  # nothing published: the latest stays
+        done = rebuild_cli(address, ns, "--no-base")
+        assert done.returncode == 0 and "published generation 3" in done.stdout, done.stderr
+
+
+def test_a_replica_without_the_base_file_fetches_it_before_it_rebuilds(tmp_path: Path, redis_standalone) -> None:  # type: ignore[no-untyped-def]
+    url = redis_standalone.url
+    with ServiceThread(tmp_path / "one", counts=url) as one, \
+            ServiceThread(tmp_path / "two", counts=url, peer_sync_interval=600.0) as two:
+        a1, a2 = f"127.0.0.1:{one.port}", f"127.0.0.1:{two.port}"
+        ns = create(a1)
+        base = base_file(tmp_path)
+        assert publish_cli(a1, ns, base).returncode == 0  # only replica one holds generation 1
+        with NgramClient(a1, ns, (FP, VOCAB), cache_dir=tmp_path / "cache", **FAST) as client:
+            push_all(client, np.tile(OTHER, 4))
+        assert rebuild_cli(a1, ns).returncode == 0  # generation 2, built on one: what two syncs first
+        assert not gen_path(two.data_dir, ns, 1).exists()
+        done = rebuild_cli(a2, ns, "--keep", "1")
+        assert done.returncode == 0 and "(base generation 1: " in done.stdout, done.stderr
+        assert two.service.registry.peer_sync.fetched == 2  # generation 2, then the base
+        assert gen_path(two.data_dir, ns, 1).read_bytes() == base.read_bytes()  # fetched, kept past --keep 1
+        assert not gen_path(two.data_dir, ns, 2).exists()
+        assert file_pairs(gen_path(two.data_dir, ns, 3)) == file_pairs(base) + store_pairs(a2, ns)
+
+
+def test_publish_refusals_name_the_latest_and_the_build_flag(tmp_path: Path) -> None:
+    with ServiceThread(tmp_path / "data") as svc:
+        address = f"127.0.0.1:{svc.port}"
+        ns = create(address)
+        zero = publish_cli(address, ns, base_file(tmp_path, 0))
+        assert zero.returncode == 2 and "Traceback" not in zero.stderr, zero.stderr
+        assert (f"the file's header says generation 0, which is never published (the latest of {ns!r} is 0): build "
+                "the file again with `ngramcache build --generation N`, N > 0") in zero.stderr, zero.stderr
+        assert publish_cli(address, ns, base_file(tmp_path, 3)).returncode == 0
+        for generation in (2, 3):  # below the latest; the latest itself with other content
+            older = base_file(tmp_path, generation, name="other")
+            build_static_from_tokens([np.tile(OTHER, 3)], str(older), vocab_size=VOCAB, ngram_size=2, fingerprint=FP,
+                                     generation=generation)
+            refused = publish_cli(address, ns, older)
+            assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr
+            assert "build the file again with `ngramcache build --generation N`, N > 3" in refused.stderr, refused.stderr
+            assert (f"generation 2 of {ns!r} is not above its latest, 3: " if generation == 2
+                    else f"generation 3 of {ns!r} was published with SHA-256 ") in refused.stderr, refused.stderr
 
 
 def test_a_held_lease_refuses_a_second_rebuild(tmp_path: Path) -> None:

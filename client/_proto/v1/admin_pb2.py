@@ -25,43 +25,45 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\'ngramcache/client/_proto/v1/admin.proto\x12\rngramcache.v1\"\xd1\x01\n\x13StartRebuildRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x11\n\tmin_count\x18\x02 \x01(\r\x12\x12\n\nngram_size\x18\x03 \x01(\r\x12\x18\n\x10include_previous\x18\x04 \x01(\x08\x12\r\n\x05\x64\x65\x63\x61y\x18\x05 \x01(\x01\x12\x0e\n\x06\x63orpus\x18\x06 \x03(\t\x12\x15\n\rmemory_budget\x18\x07 \x01(\x04\x12\x0c\n\x04keep\x18\x08 \x01(\r\x12\x0c\n\x04wait\x18\t \x01(\x08\x12\x14\n\x0cskip_history\x18\n \x01(\x08\",\n\x17GetRebuildStatusRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\"\xd0\x02\n\rRebuildStatus\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\r\n\x05state\x18\x02 \x01(\t\x12\r\n\x05phase\x18\x03 \x01(\t\x12\x12\n\ngeneration\x18\x04 \x01(\x04\x12\x13\n\x0blease_token\x18\x05 \x01(\x04\x12\x17\n\x0fstarted_unix_ms\x18\x06 \x01(\x03\x12\x18\n\x10\x66inished_unix_ms\x18\x07 \x01(\x03\x12\x15\n\rprevious_rows\x18\x08 \x01(\x04\x12\x14\n\x0c\x64ynamic_rows\x18\t \x01(\x04\x12\x15\n\rcorpus_tokens\x18\n \x01(\x04\x12\x0e\n\x06n_keys\x18\x0b \x01(\x04\x12\x13\n\x0bn_followers\x18\x0c \x01(\x04\x12\x12\n\nfile_bytes\x18\r \x01(\x04\x12\r\n\x05\x65rror\x18\x0e \x01(\t\x12\x0e\n\x06holder\x18\x0f \x01(\t\x12\x16\n\x0ehistory_tokens\x18\x10 \x01(\x04\"\xb2\x01\n\tNamespace\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x1d\n\x15tokenizer_fingerprint\x18\x02 \x01(\x0c\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x0f\n\x07\x62uckets\x18\x04 \x01(\r\x12\x0e\n\x06shards\x18\x05 \x01(\r\x12\x10\n\x08instance\x18\x06 \x01(\t\x12\x19\n\x11latest_generation\x18\x07 \x01(\x04\x12\x16\n\x0e\x63ounts_version\x18\x08 \x01(\x04\"z\n\x16\x43reateNamespaceRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x1d\n\x15tokenizer_fingerprint\x18\x02 \x01(\x0c\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x0f\n\x07\x62uckets\x18\x04 \x01(\r\x12\x0e\n\x06shards\x18\x05 \x01(\r\"W\n\x17\x43reateNamespaceResponse\x12+\n\tnamespace\x18\x01 \x01(\x0b\x32\x18.ngramcache.v1.Namespace\x12\x0f\n\x07\x63reated\x18\x02 \x01(\x08\"#\n\x13GetNamespaceRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"C\n\x14GetNamespaceResponse\x12+\n\tnamespace\x18\x01 \x01(\x0b\x32\x18.ngramcache.v1.Namespace\">\n\x15ListNamespacesRequest\x12\x11\n\tpage_size\x18\x01 \x01(\r\x12\x12\n\npage_token\x18\x02 \x01(\t\"_\n\x16ListNamespacesResponse\x12,\n\nnamespaces\x18\x01 \x03(\x0b\x32\x18.ngramcache.v1.Namespace\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"$\n\x14\x44ropNamespaceRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"(\n\x15\x44ropNamespaceResponse\x12\x0f\n\x07\x65xisted\x18\x01 \x01(\x08\"\x16\n\x14GetServerInfoRequest\"\x89\x03\n\x0cServerLimits\x12\x19\n\x11max_message_bytes\x18\x01 \x01(\r\x12\x11\n\tmax_draft\x18\x02 \x01(\r\x12\x11\n\tngram_max\x18\x03 \x01(\r\x12\x11\n\tmax_vocab\x18\x04 \x01(\r\x12\x18\n\x10max_draft_tokens\x18\x05 \x01(\r\x12\x17\n\x0fmax_step_tokens\x18\x06 \x01(\r\x12\x1a\n\x12max_session_tokens\x18\x07 \x01(\x04\x12\x14\n\x0cmax_sessions\x18\x08 \x01(\r\x12\x16\n\x0emax_batch_rows\x18\t \x01(\r\x12\x14\n\x0c\x64\x65\x64up_window\x18\n \x01(\r\x12\x16\n\x0emax_chunk_rows\x18\x0b \x01(\r\x12\x1d\n\x15max_static_file_bytes\x18\x0c \x01(\x04\x12\x1b\n\x13max_history_records\x18\r \x01(\r\x12!\n\x19max_history_record_tokens\x18\x0e \x01(\r\x12\x1b\n\x13max_history_wait_ms\x18\x0f \x01(\r\"\xac\x01\n\x15GetServerInfoResponse\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x10\n\x08protocol\x18\x02 \x01(\t\x12\x14\n\x0c\x63\x61pabilities\x18\x03 \x03(\t\x12\x16\n\x0e\x63ounts_backend\x18\x04 \x01(\t\x12\x15\n\rauth_required\x18\x05 \x01(\x08\x12+\n\x06limits\x18\x06 \x01(\x0b\x32\x1b.ngramcache.v1.ServerLimits2\x85\x05\n\x05\x41\x64min\x12`\n\x0f\x43reateNamespace\x12%.ngramcache.v1.CreateNamespaceRequest\x1a&.ngramcache.v1.CreateNamespaceResponse\x12W\n\x0cGetNamespace\x12\".ngramcache.v1.GetNamespaceRequest\x1a#.ngramcache.v1.GetNamespaceResponse\x12]\n\x0eListNamespaces\x12$.ngramcache.v1.ListNamespacesRequest\x1a%.ngramcache.v1.ListNamespacesResponse\x12Z\n\rDropNamespace\x12#.ngramcache.v1.DropNamespaceRequest\x1a$.ngramcache.v1.DropNamespaceResponse\x12Z\n\rGetServerInfo\x12#.ngramcache.v1.GetServerInfoRequest\x1a$.ngramcache.v1.GetServerInfoResponse\x12P\n\x0cStartRebuild\x12\".ngramcache.v1.StartRebuildRequest\x1a\x1c.ngramcache.v1.RebuildStatus\x12X\n\x10GetRebuildStatus\x12&.ngramcache.v1.GetRebuildStatusRequest\x1a\x1c.ngramcache.v1.RebuildStatusb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\'ngramcache/client/_proto/v1/admin.proto\x12\rngramcache.v1\"\xe8\x01\n\x13StartRebuildRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x11\n\tmin_count\x18\x02 \x01(\r\x12\x12\n\nngram_size\x18\x03 \x01(\r\x12\x1c\n\x10include_previous\x18\x04 \x01(\x08\x42\x02\x18\x01\x12\r\n\x05\x64\x65\x63\x61y\x18\x05 \x01(\x01\x12\x0e\n\x06\x63orpus\x18\x06 \x03(\t\x12\x15\n\rmemory_budget\x18\x07 \x01(\x04\x12\x0c\n\x04keep\x18\x08 \x01(\r\x12\x0c\n\x04wait\x18\t \x01(\x08\x12\x14\n\x0cskip_history\x18\n \x01(\x08\x12\x11\n\tskip_base\x18\x0b \x01(\x08\",\n\x17GetRebuildStatusRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\"\xe9\x02\n\rRebuildStatus\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\r\n\x05state\x18\x02 \x01(\t\x12\r\n\x05phase\x18\x03 \x01(\t\x12\x12\n\ngeneration\x18\x04 \x01(\x04\x12\x13\n\x0blease_token\x18\x05 \x01(\x04\x12\x17\n\x0fstarted_unix_ms\x18\x06 \x01(\x03\x12\x18\n\x10\x66inished_unix_ms\x18\x07 \x01(\x03\x12\x15\n\rprevious_rows\x18\x08 \x01(\x04\x12\x14\n\x0c\x64ynamic_rows\x18\t \x01(\x04\x12\x15\n\rcorpus_tokens\x18\n \x01(\x04\x12\x0e\n\x06n_keys\x18\x0b \x01(\x04\x12\x13\n\x0bn_followers\x18\x0c \x01(\x04\x12\x12\n\nfile_bytes\x18\r \x01(\x04\x12\r\n\x05\x65rror\x18\x0e \x01(\t\x12\x0e\n\x06holder\x18\x0f \x01(\t\x12\x16\n\x0ehistory_tokens\x18\x10 \x01(\x04\x12\x17\n\x0f\x62\x61se_generation\x18\x11 \x01(\x04\"\xb2\x01\n\tNamespace\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x1d\n\x15tokenizer_fingerprint\x18\x02 \x01(\x0c\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x0f\n\x07\x62uckets\x18\x04 \x01(\r\x12\x0e\n\x06shards\x18\x05 \x01(\r\x12\x10\n\x08instance\x18\x06 \x01(\t\x12\x19\n\x11latest_generation\x18\x07 \x01(\x04\x12\x16\n\x0e\x63ounts_version\x18\x08 \x01(\x04\"z\n\x16\x43reateNamespaceRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x1d\n\x15tokenizer_fingerprint\x18\x02 \x01(\x0c\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x0f\n\x07\x62uckets\x18\x04 \x01(\r\x12\x0e\n\x06shards\x18\x05 \x01(\r\"W\n\x17\x43reateNamespaceResponse\x12+\n\tnamespace\x18\x01 \x01(\x0b\x32\x18.ngramcache.v1.Namespace\x12\x0f\n\x07\x63reated\x18\x02 \x01(\x08\"#\n\x13GetNamespaceRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"C\n\x14GetNamespaceResponse\x12+\n\tnamespace\x18\x01 \x01(\x0b\x32\x18.ngramcache.v1.Namespace\">\n\x15ListNamespacesRequest\x12\x11\n\tpage_size\x18\x01 \x01(\r\x12\x12\n\npage_token\x18\x02 \x01(\t\"_\n\x16ListNamespacesResponse\x12,\n\nnamespaces\x18\x01 \x03(\x0b\x32\x18.ngramcache.v1.Namespace\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"$\n\x14\x44ropNamespaceRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"(\n\x15\x44ropNamespaceResponse\x12\x0f\n\x07\x65xisted\x18\x01 \x01(\x08\"\x16\n\x14GetServerInfoRequest\"\x89\x03\n\x0cServerLimits\x12\x19\n\x11max_message_bytes\x18\x01 \x01(\r\x12\x11\n\tmax_draft\x18\x02 \x01(\r\x12\x11\n\tngram_max\x18\x03 \x01(\r\x12\x11\n\tmax_vocab\x18\x04 \x01(\r\x12\x18\n\x10max_draft_tokens\x18\x05 \x01(\r\x12\x17\n\x0fmax_step_tokens\x18\x06 \x01(\r\x12\x1a\n\x12max_session_tokens\x18\x07 \x01(\x04\x12\x14\n\x0cmax_sessions\x18\x08 \x01(\r\x12\x16\n\x0emax_batch_rows\x18\t \x01(\r\x12\x14\n\x0c\x64\x65\x64up_window\x18\n \x01(\r\x12\x16\n\x0emax_chunk_rows\x18\x0b \x01(\r\x12\x1d\n\x15max_static_file_bytes\x18\x0c \x01(\x04\x12\x1b\n\x13max_history_records\x18\r \x01(\r\x12!\n\x19max_history_record_tokens\x18\x0e \x01(\r\x12\x1b\n\x13max_history_wait_ms\x18\x0f \x01(\r\"\xac\x01\n\x15GetServerInfoResponse\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x10\n\x08protocol\x18\x02 \x01(\t\x12\x14\n\x0c\x63\x61pabilities\x18\x03 \x03(\t\x12\x16\n\x0e\x63ounts_backend\x18\x04 \x01(\t\x12\x15\n\rauth_required\x18\x05 \x01(\x08\x12+\n\x06limits\x18\x06 \x01(\x0b\x32\x1b.ngramcache.v1.ServerLimits2\x85\x05\n\x05\x41\x64min\x12`\n\x0f\x43reateNamespace\x12%.ngramcache.v1.CreateNamespaceRequest\x1a&.ngramcache.v1.CreateNamespaceResponse\x12W\n\x0cGetNamespace\x12\".ngramcache.v1.GetNamespaceRequest\x1a#.ngramcache.v1.GetNamespaceResponse\x12]\n\x0eListNamespaces\x12$.ngramcache.v1.ListNamespacesRequest\x1a%.ngramcache.v1.ListNamespacesResponse\x12Z\n\rDropNamespace\x12#.ngramcache.v1.DropNamespaceRequest\x1a$.ngramcache.v1.DropNamespaceResponse\x12Z\n\rGetServerInfo\x12#.ngramcache.v1.GetServerInfoRequest\x1a$.ngramcache.v1.GetServerInfoResponse\x12P\n\x0cStartRebuild\x12\".ngramcache.v1.StartRebuildRequest\x1a\x1c.ngramcache.v1.RebuildStatus\x12X\n\x10GetRebuildStatus\x12&.ngramcache.v1.GetRebuildStatusRequest\x1a\x1c.ngramcache.v1.RebuildStatusb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'ngramcache.client._proto.v1.admin_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_STARTREBUILDREQUEST'].fields_by_name['include_previous']._loaded_options = None
+  _globals['_STARTREBUILDREQUEST'].fields_by_name['include_previous']._serialized_options = b'\030\001'
   _globals['_STARTREBUILDREQUEST']._serialized_start=59
-  _globals['_STARTREBUILDREQUEST']._serialized_end=268
-  _globals['_GETREBUILDSTATUSREQUEST']._serialized_start=270
-  _globals['_GETREBUILDSTATUSREQUEST']._serialized_end=314
-  _globals['_REBUILDSTATUS']._serialized_start=317
-  _globals['_REBUILDSTATUS']._serialized_end=653
-  _globals['_NAMESPACE']._serialized_start=656
-  _globals['_NAMESPACE']._serialized_end=834
-  _globals['_CREATENAMESPACEREQUEST']._serialized_start=836
-  _globals['_CREATENAMESPACEREQUEST']._serialized_end=958
-  _globals['_CREATENAMESPACERESPONSE']._serialized_start=960
-  _globals['_CREATENAMESPACERESPONSE']._serialized_end=1047
-  _globals['_GETNAMESPACEREQUEST']._serialized_start=1049
-  _globals['_GETNAMESPACEREQUEST']._serialized_end=1084
-  _globals['_GETNAMESPACERESPONSE']._serialized_start=1086
-  _globals['_GETNAMESPACERESPONSE']._serialized_end=1153
-  _globals['_LISTNAMESPACESREQUEST']._serialized_start=1155
-  _globals['_LISTNAMESPACESREQUEST']._serialized_end=1217
-  _globals['_LISTNAMESPACESRESPONSE']._serialized_start=1219
-  _globals['_LISTNAMESPACESRESPONSE']._serialized_end=1314
-  _globals['_DROPNAMESPACEREQUEST']._serialized_start=1316
-  _globals['_DROPNAMESPACEREQUEST']._serialized_end=1352
-  _globals['_DROPNAMESPACERESPONSE']._serialized_start=1354
-  _globals['_DROPNAMESPACERESPONSE']._serialized_end=1394
-  _globals['_GETSERVERINFOREQUEST']._serialized_start=1396
-  _globals['_GETSERVERINFOREQUEST']._serialized_end=1418
-  _globals['_SERVERLIMITS']._serialized_start=1421
-  _globals['_SERVERLIMITS']._serialized_end=1814
-  _globals['_GETSERVERINFORESPONSE']._serialized_start=1817
-  _globals['_GETSERVERINFORESPONSE']._serialized_end=1989
-  _globals['_ADMIN']._serialized_start=1992
-  _globals['_ADMIN']._serialized_end=2637
+  _globals['_STARTREBUILDREQUEST']._serialized_end=291
+  _globals['_GETREBUILDSTATUSREQUEST']._serialized_start=293
+  _globals['_GETREBUILDSTATUSREQUEST']._serialized_end=337
+  _globals['_REBUILDSTATUS']._serialized_start=340
+  _globals['_REBUILDSTATUS']._serialized_end=701
+  _globals['_NAMESPACE']._serialized_start=704
+  _globals['_NAMESPACE']._serialized_end=882
+  _globals['_CREATENAMESPACEREQUEST']._serialized_start=884
+  _globals['_CREATENAMESPACEREQUEST']._serialized_end=1006
+  _globals['_CREATENAMESPACERESPONSE']._serialized_start=1008
+  _globals['_CREATENAMESPACERESPONSE']._serialized_end=1095
+  _globals['_GETNAMESPACEREQUEST']._serialized_start=1097
+  _globals['_GETNAMESPACEREQUEST']._serialized_end=1132
+  _globals['_GETNAMESPACERESPONSE']._serialized_start=1134
+  _globals['_GETNAMESPACERESPONSE']._serialized_end=1201
+  _globals['_LISTNAMESPACESREQUEST']._serialized_start=1203
+  _globals['_LISTNAMESPACESREQUEST']._serialized_end=1265
+  _globals['_LISTNAMESPACESRESPONSE']._serialized_start=1267
+  _globals['_LISTNAMESPACESRESPONSE']._serialized_end=1362
+  _globals['_DROPNAMESPACEREQUEST']._serialized_start=1364
+  _globals['_DROPNAMESPACEREQUEST']._serialized_end=1400
+  _globals['_DROPNAMESPACERESPONSE']._serialized_start=1402
+  _globals['_DROPNAMESPACERESPONSE']._serialized_end=1442
+  _globals['_GETSERVERINFOREQUEST']._serialized_start=1444
+  _globals['_GETSERVERINFOREQUEST']._serialized_end=1466
+  _globals['_SERVERLIMITS']._serialized_start=1469
+  _globals['_SERVERLIMITS']._serialized_end=1862
+  _globals['_GETSERVERINFORESPONSE']._serialized_start=1865
+  _globals['_GETSERVERINFORESPONSE']._serialized_end=2037
+  _globals['_ADMIN']._serialized_start=2040
+  _globals['_ADMIN']._serialized_end=2685
 # @@protoc_insertion_point(module_scope)

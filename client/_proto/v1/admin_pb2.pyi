@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class StartRebuildRequest(_message.Message):
-    __slots__ = ("namespace", "min_count", "ngram_size", "include_previous", "decay", "corpus", "memory_budget", "keep", "wait", "skip_history")
+    __slots__ = ("namespace", "min_count", "ngram_size", "include_previous", "decay", "corpus", "memory_budget", "keep", "wait", "skip_history", "skip_base")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     MIN_COUNT_FIELD_NUMBER: _ClassVar[int]
     NGRAM_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -19,6 +19,7 @@ class StartRebuildRequest(_message.Message):
     KEEP_FIELD_NUMBER: _ClassVar[int]
     WAIT_FIELD_NUMBER: _ClassVar[int]
     SKIP_HISTORY_FIELD_NUMBER: _ClassVar[int]
+    SKIP_BASE_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     min_count: int
     ngram_size: int
@@ -29,7 +30,8 @@ class StartRebuildRequest(_message.Message):
     keep: int
     wait: bool
     skip_history: bool
-    def __init__(self, namespace: _Optional[str] = ..., min_count: _Optional[int] = ..., ngram_size: _Optional[int] = ..., include_previous: _Optional[bool] = ..., decay: _Optional[float] = ..., corpus: _Optional[_Iterable[str]] = ..., memory_budget: _Optional[int] = ..., keep: _Optional[int] = ..., wait: _Optional[bool] = ..., skip_history: _Optional[bool] = ...) -> None: ...
+    skip_base: bool
+    def __init__(self, namespace: _Optional[str] = ..., min_count: _Optional[int] = ..., ngram_size: _Optional[int] = ..., include_previous: _Optional[bool] = ..., decay: _Optional[float] = ..., corpus: _Optional[_Iterable[str]] = ..., memory_budget: _Optional[int] = ..., keep: _Optional[int] = ..., wait: _Optional[bool] = ..., skip_history: _Optional[bool] = ..., skip_base: _Optional[bool] = ...) -> None: ...
 
 class GetRebuildStatusRequest(_message.Message):
     __slots__ = ("namespace",)
@@ -38,7 +40,7 @@ class GetRebuildStatusRequest(_message.Message):
     def __init__(self, namespace: _Optional[str] = ...) -> None: ...
 
 class RebuildStatus(_message.Message):
-    __slots__ = ("namespace", "state", "phase", "generation", "lease_token", "started_unix_ms", "finished_unix_ms", "previous_rows", "dynamic_rows", "corpus_tokens", "n_keys", "n_followers", "file_bytes", "error", "holder", "history_tokens")
+    __slots__ = ("namespace", "state", "phase", "generation", "lease_token", "started_unix_ms", "finished_unix_ms", "previous_rows", "dynamic_rows", "corpus_tokens", "n_keys", "n_followers", "file_bytes", "error", "holder", "history_tokens", "base_generation")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     PHASE_FIELD_NUMBER: _ClassVar[int]
@@ -55,6 +57,7 @@ class RebuildStatus(_message.Message):
     ERROR_FIELD_NUMBER: _ClassVar[int]
     HOLDER_FIELD_NUMBER: _ClassVar[int]
     HISTORY_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BASE_GENERATION_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     state: str
     phase: str
@@ -71,7 +74,8 @@ class RebuildStatus(_message.Message):
     error: str
     holder: str
     history_tokens: int
-    def __init__(self, namespace: _Optional[str] = ..., state: _Optional[str] = ..., phase: _Optional[str] = ..., generation: _Optional[int] = ..., lease_token: _Optional[int] = ..., started_unix_ms: _Optional[int] = ..., finished_unix_ms: _Optional[int] = ..., previous_rows: _Optional[int] = ..., dynamic_rows: _Optional[int] = ..., corpus_tokens: _Optional[int] = ..., n_keys: _Optional[int] = ..., n_followers: _Optional[int] = ..., file_bytes: _Optional[int] = ..., error: _Optional[str] = ..., holder: _Optional[str] = ..., history_tokens: _Optional[int] = ...) -> None: ...
+    base_generation: int
+    def __init__(self, namespace: _Optional[str] = ..., state: _Optional[str] = ..., phase: _Optional[str] = ..., generation: _Optional[int] = ..., lease_token: _Optional[int] = ..., started_unix_ms: _Optional[int] = ..., finished_unix_ms: _Optional[int] = ..., previous_rows: _Optional[int] = ..., dynamic_rows: _Optional[int] = ..., corpus_tokens: _Optional[int] = ..., n_keys: _Optional[int] = ..., n_followers: _Optional[int] = ..., file_bytes: _Optional[int] = ..., error: _Optional[str] = ..., holder: _Optional[str] = ..., history_tokens: _Optional[int] = ..., base_generation: _Optional[int] = ...) -> None: ...
 
 class Namespace(_message.Message):
     __slots__ = ("name", "tokenizer_fingerprint", "vocab_size", "buckets", "shards", "instance", "latest_generation", "counts_version")
