@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import time
 
 import grpc
 import pytest
 from helpers.corpus import FP, VOCAB, motif_corpus
-from helpers.service import ServiceThread
+from helpers.service import ServiceThread, wait_until
 
 from ngramcache import CountTable, Drafter, NgramClient, RemoteDrafter, StaticCache, build_static_from_tokens
 from ngramcache.client._proto.codec import bytes_to_tokens, tokens_to_bytes
@@ -39,6 +38,13 @@ def publish(ch: grpc.Channel, path, generation: int) -> None:
         static_files_pb2.PublishRequest(chunk=static_files_pb2.FileChunk(offset=0, data=data))]), timeout=10)
 
 
+def generation_on_replica(svc: ServiceThread, namespace: str) -> int:
+    """The static generation the replica's drafters of ``namespace`` map (0: none, or not live)."""
+    assert svc.service is not None
+    live = svc.service.registry.live().get(namespace)
+    return 0 if live is None else live.generation
+
+
 def test_sessions_and_draft_in_the_match_mode(tmp_path):
     counts_url = f"embedded://{tmp_path / 'counts.snapshot'}?epoch_seconds=0"
     with ServiceThread(tmp_path / "data", counts=counts_url, mirror_interval=0.05) as svc:
@@ -48,12 +54,17 @@ def test_sessions_and_draft_in_the_match_mode(tmp_path):
         info = admin.GetServerInfo(admin_pb2.GetServerInfoRequest())
         assert {"drafting.match_mode", "drafting.tree"} <= set(info.capabilities)
         admin.CreateNamespace(admin_pb2.CreateNamespaceRequest(name="m", tokenizer_fingerprint=FP, vocab_size=VOCAB))
+        # Live on the replica before the publish, as on a replica already serving it: the generation reaches its
+        # drafters through the generation watch, not at once.
+        drafting_pb2_grpc.DraftingStub(ch).Draft(drafting_pb2.DraftRequest(
+            namespace="m", tokenizer_fingerprint=FP, vocab_size=VOCAB, tokens=tokens_to_bytes(corpus(3, 700)[:5]), n_draft=1),
+            timeout=30)
         path = tmp_path / "g.ngc"
         build_static_from_tokens([corpus(2)], path, vocab_size=VOCAB, fingerprint=FP, generation=1, corpus_index=True)
         publish(ch, path, 1)
         local = Drafter(static=StaticCache.open(path), dynamic=CountTable(), mode="match")
         text = corpus(3, 700)
-        time.sleep(0.3)
+        wait_until(lambda: generation_on_replica(svc, "m") == 1, 30.0, "generation 1 mapped by the replica's drafters")
         with RemoteDrafter(address, "m", (FP, VOCAB), mode="match") as remote:
             assert remote.mode == "match"
             drafted = 0

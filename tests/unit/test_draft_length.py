@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import types
+
 import numpy as np
 import pytest
 from helpers.drafters import NoOddsDrafter
 
 from ngramcache import UNTAGGED, Drafter, InvalidArgumentError
+from ngramcache.client.adapters import draft_length
 from ngramcache.client.adapters.draft_length import (
     DraftLengthPolicy,
     VerifyCost,
@@ -36,13 +39,21 @@ def test_verify_cost_refuses_bad_points(points):
         VerifyCost(points, max_k=4)
 
 
-def test_measured_costs_are_a_line_through_the_medians():
-    import time
+def test_measured_costs_are_a_line_through_the_medians(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A forward pass over 1 + k tokens takes 2 + k ms on a clock the test drives (no wall-clock: a loaded machine
+    cannot move it), with one slow outlier per k: the medians ignore them, the line is exact."""
+    now = [0.0]
+    calls: dict[int, int] = {}
 
-    cost = VerifyCost.measure(lambda k: time.sleep(0.002 + 0.001 * k), (0, 2, 4), repeats=3, max_k=8)
-    assert cost(0) == 1.0 and cost(8) > cost(4) > cost(2) > 1.0
-    assert cost(4) == pytest.approx(3.0, rel=0.5)  # (2 + 4) / 2 ms, loosely: sleeps overshoot
-    with pytest.raises(InvalidArgumentError):
+    def forward(k: int) -> None:
+        calls[k] = calls.get(k, 0) + 1
+        now[0] += (0.002 + 0.001 * k) * (25 if calls[k] == 3 else 1)  # its 2nd timed round: a neighbour's burst
+
+    monkeypatch.setattr(draft_length, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
+    cost = VerifyCost.measure(forward, (0, 2, 4), repeats=3, max_k=8)
+    assert calls == {0: 4, 2: 4, 4: 4}  # a warm-up round, then 3 timed rounds
+    assert [cost(k) for k in (0, 2, 4, 8)] == pytest.approx([1.0, 2.0, 3.0, 5.0])  # c(k) = 1 + k / 2
+    with pytest.raises(InvalidArgumentError, match="two k >= 0 or more"):
         VerifyCost.measure(lambda k: None, (0,), repeats=1)
 
 

@@ -287,12 +287,13 @@ def test_an_idle_session_is_evicted_and_frees_its_slot() -> None:
 
 def test_the_timer_restarts_with_every_request() -> None:
     async def main() -> None:
-        table = Sessions(limits(idle_timeout=0.2))
+        table = Sessions(limits(idle_timeout=1.5))
         requests = Requests()
 
         async def feed() -> None:
             for _ in range(4):
-                await asyncio.sleep(0.1)  # each wait is under the timeout, their sum is not
+                # Each wait is 1 s under the timeout (a loaded machine's late wake-ups fit in it), their sum is not.
+                await asyncio.sleep(0.5)
                 requests.queue.put_nowait("step")
             requests.queue.put_nowait(None)
 
