@@ -269,7 +269,7 @@ def test_a_base_whose_file_is_gone_refuses_the_rebuild_in_one_line_naming_the_fi
 
 def test_a_replica_without_the_base_file_fetches_it_before_it_rebuilds(tmp_path: Path, redis_standalone) -> None:  # type: ignore[no-untyped-def]
     url = redis_standalone.url
-    with ServiceThread(tmp_path / "one", counts=url) as one, \
+    with ServiceThread(tmp_path / "one", counts=url, keep_generations=1, peer_sync_interval=0.2) as one, \
             ServiceThread(tmp_path / "two", counts=url, peer_sync_interval=600.0) as two:
         a1, a2 = f"127.0.0.1:{one.port}", f"127.0.0.1:{two.port}"
         ns = create(a1)
@@ -285,6 +285,9 @@ def test_a_replica_without_the_base_file_fetches_it_before_it_rebuilds(tmp_path:
         assert gen_path(two.data_dir, ns, 1).read_bytes() == base.read_bytes()  # fetched, kept past --keep 1
         assert not gen_path(two.data_dir, ns, 2).exists()
         assert file_pairs(gen_path(two.data_dir, ns, 3)) == file_pairs(base) + store_pairs(a2, ns)
+        # Replica one fetches generation 3 and prunes past its --keep-generations 1: the base stays.
+        wait_until(lambda: not gen_path(one.data_dir, ns, 2).exists(), 10.0, "replica one to fetch 3 and prune 2")
+        assert gen_path(one.data_dir, ns, 3).exists() and gen_path(one.data_dir, ns, 1).exists()
 
 
 def test_publish_refusals_name_the_latest_and_the_build_flag(tmp_path: Path) -> None:
