@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import os
 import sys
 
@@ -10,11 +12,14 @@ from ngramcache.client import cli as client_cli
 from ngramcache.client.admin import AdminClient, RebuildStatus
 from ngramcache.client.errors import InvalidArgumentError
 
-__all__ = ["add_namespace", "add_publish", "add_rebuild"]
+__all__ = ["DEFAULT_SERVER", "add_namespace", "add_publish", "add_rebuild"]
+
+DEFAULT_SERVER = "127.0.0.1:50051"  # where `ngramcache serve` listens with no options
 
 
 def _connection_options(p: argparse.ArgumentParser, role: str) -> None:
-    p.add_argument("--server", required=True, metavar="HOST:PORT", help="a replica of the service")
+    p.add_argument("--server", default=os.environ.get("NGC_SERVER") or DEFAULT_SERVER, metavar="HOST:PORT",
+                   help=f"a replica of the service (default: $NGC_SERVER, else {DEFAULT_SERVER})")
     p.add_argument("--tls-ca", metavar="PEM",
                    help="connect with TLS, trusting the CA certificates in this file (default: plaintext)")
     p.add_argument("--tls-cert", metavar="PEM", help="with --tls-ca: a client certificate, for a service that requires mutual TLS")
@@ -54,10 +59,13 @@ def add_namespace(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     create.add_argument("name", metavar="NAME", help="1..64 characters of [A-Za-z0-9_.-]")
     client_cli.tokenizer_options(create)
     _connection_options(create, "admin")
+    client_cli.json_option(create, "the namespace (name, created, vocabulary size, fingerprint)")
     create.set_defaults(func=cmd_namespace_create)
     lst = verbs.add_parser("list", help="list the namespaces", description="Lists every namespace: name, "
                            "vocabulary size, fingerprint (first 16 hex digits), latest generation.")
     _connection_options(lst, "admin")
+    lst.add_argument("--json", action="store_true", help="print a JSON list of the namespaces (name, vocabulary "
+                     "size, fingerprint, latest generation) on stdout instead of the table")
     lst.set_defaults(func=cmd_namespace_list)
     delete = verbs.add_parser("delete", help="delete a namespace with its counts and generation files",
                               description="Deletes NAME: its dynamic counts in the store and its generation files on "
@@ -66,6 +74,7 @@ def add_namespace(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     delete.add_argument("name", metavar="NAME")
     delete.add_argument("--yes", action="store_true", help="really delete it (required)")
     _connection_options(delete, "admin")
+    client_cli.json_option(delete, "the outcome (name, deleted)")
     delete.set_defaults(func=cmd_namespace_delete)
 
 
@@ -73,6 +82,10 @@ def cmd_namespace_create(args: argparse.Namespace) -> int:
     vocab, fingerprint, _ = client_cli.vocab_and_fingerprint(args, client_cli.load_tokenizer_spec(args.tokenizer))
     with _client(args) as admin:
         ns = admin.create_namespace(args.name, (fingerprint, vocab))
+    if args.json:
+        print(json.dumps({"name": ns.name, "created": ns.created, "vocab_size": ns.vocab_size,
+                          "fingerprint": ns.fingerprint.hex(), "latest_generation": ns.latest_generation}))
+        return 0
     verb = "created" if ns.created else "exists already (same tokenizer)"
     print(f"namespace {ns.name} {verb}: vocabulary {ns.vocab_size:,}, fingerprint {ns.fingerprint.hex()[:16]}...")
     return 0
@@ -81,6 +94,10 @@ def cmd_namespace_create(args: argparse.Namespace) -> int:
 def cmd_namespace_list(args: argparse.Namespace) -> int:
     with _client(args) as admin:
         names = admin.list_namespaces()
+    if args.json:
+        print(json.dumps([{"name": ns.name, "vocab_size": ns.vocab_size, "fingerprint": ns.fingerprint.hex(),
+                           "latest_generation": ns.latest_generation} for ns in names]))
+        return 0
     if not names:
         print("no namespaces", file=sys.stderr)
         return 0
@@ -96,6 +113,9 @@ def cmd_namespace_delete(args: argparse.Namespace) -> int:
         raise InvalidArgumentError(f"deleting {args.name} drops its counts and files for good: add --yes")
     with _client(args) as admin:
         existed = admin.drop_namespace(args.name)
+    if args.json:
+        print(json.dumps({"name": args.name, "deleted": existed}))
+        return 0
     print(f"namespace {args.name} {'deleted' if existed else 'did not exist'}")
     return 0
 
@@ -113,6 +133,7 @@ def add_publish(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     p.add_argument("file", metavar="FILE", help="a static cache file (.ngc)")
     p.add_argument("--namespace", required=True, metavar="NS", help="the namespace to publish into")
     _connection_options(p, "admin")
+    client_cli.json_option(p, "the published generation (number, size, sha256, already published)")
     p.set_defaults(func=cmd_publish)
 
 
@@ -120,6 +141,10 @@ def cmd_publish(args: argparse.Namespace) -> int:
     client_cli.check_input_file(args.file, "FILE")
     with _client(args) as admin:
         g = admin.publish(args.namespace, args.file)
+    if args.json:
+        print(json.dumps({"file": args.file, "namespace": g.namespace, "generation": g.generation, "size": g.size,
+                          "sha256": g.sha256.hex(), "already_published": g.already_published}))
+        return 0
     if g.already_published:
         print(f"{args.file} was already published as generation {g.generation} of {g.namespace} (nothing changed)")
         return 0
@@ -157,16 +182,23 @@ def add_rebuild(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     p.add_argument("--keep", type=client_cli.int_in(1, 10**6), default=3,
                    help="published generations kept, this one included (default 3)")
     p.add_argument("--no-wait", action="store_true", help="return once the rebuild started")
+    client_cli.json_option(p, "the rebuild's final status (with --no-wait: its start status); progress goes to "
+                              "stderr")
     p.add_argument("--no-history", action="store_true",
                    help="leave the fleet history out (by default the sequences it keeps join the new file's corpus "
                         "index, so the match mode drafts from what the fleet generated)")
     p.set_defaults(func=cmd_rebuild)
 
 
+def _status_json(status: RebuildStatus) -> str:
+    return json.dumps({**dataclasses.asdict(status), "seconds": round(status.seconds, 3)})
+
+
 def cmd_rebuild(args: argparse.Namespace) -> int:
     if not 0 < args.decay <= 1:
         raise InvalidArgumentError(f"--decay must be in (0, 1], got {args.decay}")
     shown = ""
+    talk = sys.stderr if args.json else sys.stdout  # under --json stdout holds the one JSON object
 
     def progress(status: RebuildStatus) -> None:
         nonlocal shown
@@ -174,15 +206,17 @@ def cmd_rebuild(args: argparse.Namespace) -> int:
                 f"{status.dynamic_rows:,} dynamic rows, {status.corpus_tokens:,} corpus tokens, "
                 f"{status.history_tokens:,} history tokens")
         if line != shown:
-            print(line, flush=True)
+            print(line, file=talk, flush=True)
             shown = line
 
     with _client(args) as admin:
         status = admin.start_rebuild(args.namespace, min_count=args.min_count, ngram_size=args.ngram_size,
                                      include_previous=args.include_previous, decay=args.decay, corpus=args.corpus,
                                      keep=args.keep, history=not args.no_history)
-        print(f"rebuilding {args.namespace} on {status.holder} (lease token {status.lease_token})", flush=True)
+        print(f"rebuilding {args.namespace} on {status.holder} (lease token {status.lease_token})", file=talk, flush=True)
         if args.no_wait:
+            if args.json:
+                print(_status_json(status))
             return 0
         status = admin.wait_rebuild(status, progress=progress)
     took = f"{status.seconds:.3f} s" if status.seconds < 1 else f"{status.seconds:.1f} s"
@@ -190,6 +224,9 @@ def cmd_rebuild(args: argparse.Namespace) -> int:
         print(f"ngramcache rebuild: error: the rebuild of {args.namespace} failed after {took}: {status.error}",
               file=sys.stderr)
         return client_cli.EXIT_ERROR
+    if args.json:
+        print(_status_json(status))
+        return 0
     print(f"published generation {status.generation} of {args.namespace} in {took}: {status.n_keys:,} keys, "
           f"{status.n_followers:,} followers, {status.file_bytes / 1e6:.2f} MB ({status.dynamic_rows:,} dynamic rows, "
           f"{status.previous_rows:,} previous rows, {status.corpus_tokens:,} corpus tokens, "

@@ -278,11 +278,15 @@ def cmd_merge(args: argparse.Namespace) -> int:
             builder.add_static(c)
     stats = builder.finish()
     out = StaticCache.open(args.output)
-    if not args.quiet:
+    unknown = [c.path for c in caches if c.n_tokens == 0 and c.n_keys > 0]
+    if args.json:
+        print(json.dumps({"output": args.output, "inputs": [c.path for c in caches], "n_keys": out.n_keys,
+                          "n_followers": out.n_followers, "n_tokens": None if unknown else out.n_tokens,
+                          "n_pairs": stats["n_pairs"], "generation": generation, "file_bytes": out.file_size}))
+    elif not args.quiet:
         tokens = f"{out.n_tokens:,} tokens" if out.n_tokens or not out.n_keys else "an unknown number of tokens"
         print(f"wrote {args.output}: {out.n_keys:,} keys, {out.n_followers:,} followers from {tokens} "
               f"(merged {len(caches)} files, {stats['n_pairs']:,} counted pairs), generation {generation}")
-        unknown = [c.path for c in caches if c.n_tokens == 0 and c.n_keys > 0]
         if unknown:  # add_static makes the sum unknown (0) then: a partial sum would mislead
             print(f"note: the token count of {', '.join(unknown)} is unknown (imported), so the merged file's is too",
                   file=sys.stderr)
@@ -302,7 +306,10 @@ def cmd_import_llama(args: argparse.Namespace) -> int:
     import_llama(args.input, builder)
     builder.finish()
     out = StaticCache.open(args.output)
-    if not args.quiet:
+    if args.json:
+        print(json.dumps({"input": args.input, "output": args.output, "n_keys": out.n_keys,
+                          "n_followers": out.n_followers, "n_tokens": None, "file_bytes": out.file_size}))
+    elif not args.quiet:
         print(f"imported {args.input} -> {args.output}: {out.n_keys:,} keys, {out.n_followers:,} followers")
     return 0
 
@@ -313,7 +320,10 @@ def cmd_export_llama(args: argparse.Namespace) -> int:
     cache = open_static(args.input, "input")
     with reading_static(args.input):
         export_llama(cache, args.output)
-    if not args.quiet:
+    if args.json:
+        print(json.dumps({"input": args.input, "output": args.output, "format": "llama.cpp", "n_keys": cache.n_keys,
+                          "file_bytes": Path(args.output).stat().st_size}))
+    elif not args.quiet:
         print(f"exported {args.input} -> {args.output} (llama.cpp format, {Path(args.output).stat().st_size:,} bytes)")
     return 0
 
@@ -330,10 +340,13 @@ def cmd_export_sglang(args: argparse.Namespace) -> int:
     assert tokenizer is not None  # --tokenizer is required
     with reading_static(args.input):
         written = export_sglang(cache, tokenizer, args.output)
-    if not args.quiet:
+    if args.json:
+        print(json.dumps({"input": args.input, "output": args.output, "format": "sglang", "documents": written.documents,
+                          "tokens": written.tokens, "file_bytes": Path(args.output).stat().st_size}))
+    elif not args.quiet:
         print(f"exported {args.input} -> {args.output} (SGLang external n-gram corpus: {written.documents:,} documents, "
               f"{written.tokens:,} tokens, {Path(args.output).stat().st_size:,} bytes)")
-        if written.tokens > SGLANG_DEFAULT_MAX_TOKENS:
-            print(f"note: SGLang loads at most {SGLANG_DEFAULT_MAX_TOKENS:,} corpus tokens by default: give it "
-                  f"--speculative-ngram-external-corpus-max-tokens {written.tokens + written.documents}", file=sys.stderr)
+    if not args.quiet and written.tokens > SGLANG_DEFAULT_MAX_TOKENS:
+        print(f"note: SGLang loads at most {SGLANG_DEFAULT_MAX_TOKENS:,} corpus tokens by default: give it "
+              f"--speculative-ngram-external-corpus-max-tokens {written.tokens + written.documents}", file=sys.stderr)
     return 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
@@ -38,6 +39,20 @@ if TYPE_CHECKING:
 CommandHook = Callable[["argparse._SubParsersAction[argparse.ArgumentParser]"], None]
 
 
+def package_version() -> str:
+    """The installed distribution's version (pyproject.toml's), or 0+unknown when run from a tree never installed."""
+    try:
+        return importlib.metadata.version("ngramcache")
+    except importlib.metadata.PackageNotFoundError:
+        return "0+unknown"
+
+
+def json_option(p: argparse.ArgumentParser, what: str) -> None:
+    """--json: the result as one JSON object on stdout (notes and errors stay on stderr)."""
+    p.add_argument("--json", action="store_true",
+                   help=f"print {what} as one JSON object on stdout instead of the text (notes and errors go to stderr)")
+
+
 def build_parser(extra_commands: Iterable[CommandHook] = ()) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ngramcache",
@@ -45,6 +60,8 @@ def build_parser(extra_commands: Iterable[CommandHook] = ()) -> argparse.Argumen
         epilog="Exit status: 0 on success, 2 on a user error, 130 when interrupted (Ctrl-C), 1 on an "
         "unexpected error. Outputs are written atomically and never replace an input.",
     )
+    parser.add_argument("--version", action="version", version=f"ngramcache {package_version()}",
+                        help="print the version (ngramcache X.Y.Z) and exit")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     generation = int_in(0, MAX_GENERATION)
     ngram_size = int_in(1, NGRAM_MAX)
@@ -170,6 +187,7 @@ def build_parser(extra_commands: Iterable[CommandHook] = ()) -> argparse.Argumen
     merge.add_argument("--generation", type=generation, metavar="N",
                        help="generation of the output, a whole number >= 0 (default: the largest input's)")
     budget_option(merge, "merging")
+    json_option(merge, "the output's figures (keys, followers, tokens, bytes, generation)")
     quiet_option(merge)
     merge.set_defaults(func=cmd_merge)
 
@@ -190,6 +208,7 @@ def build_parser(extra_commands: Iterable[CommandHook] = ()) -> argparse.Argumen
     imp.add_argument("--generation", type=generation, default=0, metavar="N",
                      help="generation number recorded, a whole number >= 0 (default 0)")
     budget_option(imp, "sorting")
+    json_option(imp, "the output's figures (keys, followers, bytes)")
     quiet_option(imp)
     imp.set_defaults(func=cmd_import_llama)
 
@@ -201,6 +220,7 @@ def build_parser(extra_commands: Iterable[CommandHook] = ()) -> argparse.Argumen
     exp.add_argument("input", metavar="IN", help="the static cache to export")
     exp.add_argument("-o", "--output", required=True, metavar="OUT",
                      help="the llama.cpp cache file to write (replaced atomically if it exists)")
+    json_option(exp, "the figures (keys written, bytes)")
     quiet_option(exp)
     exp.set_defaults(func=cmd_export_llama)
 
@@ -215,6 +235,7 @@ def build_parser(extra_commands: Iterable[CommandHook] = ()) -> argparse.Argumen
                      help="the JSONL file to write (replaced atomically if it exists)")
     sgl.add_argument("--tokenizer", required=True, metavar="SPEC",
                      help="the generation's tokenizer: a Hugging Face tokenizer.json path, or tiktoken:<encoding>")
+    json_option(sgl, "the figures (documents, tokens, bytes)")
     quiet_option(sgl)
     sgl.set_defaults(func=cmd_export_sglang)
     for add in extra_commands:

@@ -6,6 +6,7 @@ import argparse
 import errno
 import json
 import os
+import re
 import signal
 import struct
 import subprocess
@@ -676,3 +677,53 @@ def test_a_write_that_fails_midway_names_the_file(files, tmp_path):
     assert r.returncode == 2, r.stderr
     one_line_error(r.stderr, str(tmp_path / "out"))
     assert list(out.parent.iterdir()) == []
+
+
+# --- The command line's surface: --version and --json (issue 29) ----------------------------
+
+
+def test_version_prints_the_installed_version_and_exits_0(capsys):
+    import importlib.metadata
+
+    rc, out, err = main(capsys, "--version")
+    assert rc == 0 and err == ""
+    assert out == f"ngramcache {importlib.metadata.version('ngramcache')}\n"
+    assert re.fullmatch(r"ngramcache \d+\.\d+\.\d+\S*\n", out), out
+
+
+def test_merge_import_and_export_print_one_json_object_with_json(capsys, files, tmp_path):
+    a, b = StaticCache.open(str(files / "a.ngc")), StaticCache.open(str(files / "b.ngc"))
+    rc, out, err = main(capsys, "merge", files / "a.ngc", files / "b.ngc", "-o", tmp_path / "m.ngc", "--json")
+    assert rc == 0, err
+    merged = json.loads(out)
+    m = StaticCache.open(str(tmp_path / "m.ngc"))
+    assert merged == {"output": str(tmp_path / "m.ngc"), "inputs": [str(files / "a.ngc"), str(files / "b.ngc")],
+                      "n_keys": m.n_keys, "n_followers": m.n_followers, "n_tokens": a.n_tokens + b.n_tokens,
+                      "n_pairs": merged["n_pairs"], "generation": max(a.generation, b.generation),
+                      "file_bytes": m.file_size}
+    assert merged["n_pairs"] > 0 and m.n_tokens == 5000
+
+    rc, out, err = main(capsys, "export-llama", files / "a.ngc", "-o", tmp_path / "a.lcs", "--json")
+    assert rc == 0, err
+    assert json.loads(out) == {"input": str(files / "a.ngc"), "output": str(tmp_path / "a.lcs"), "format": "llama.cpp",
+                               "n_keys": a.n_keys, "file_bytes": (tmp_path / "a.lcs").stat().st_size}
+
+    rc, out, err = main(capsys, "import-llama", tmp_path / "a.lcs", "-o", tmp_path / "back.ngc", *UNTAGGED_ARGS, "--json")
+    assert rc == 0, err
+    back = StaticCache.open(str(tmp_path / "back.ngc"))
+    assert json.loads(out) == {"input": str(tmp_path / "a.lcs"), "output": str(tmp_path / "back.ngc"),
+                               "n_keys": a.n_keys, "n_followers": a.n_followers, "n_tokens": None,
+                               "file_bytes": back.file_size}
+
+    # An imported input's token count is unknown, so the merge's is too: null, and the note stays on stderr.
+    rc, out, err = main(capsys, "merge", tmp_path / "back.ngc", files / "b.ngc", "-o", tmp_path / "m2.ngc", "--json")
+    assert rc == 0, err
+    assert json.loads(out)["n_tokens"] is None
+
+
+def test_json_goes_to_stdout_even_with_quiet_and_errors_stay_one_line_on_stderr(capsys, files, tmp_path):
+    rc, out, _ = main(capsys, "export-llama", files / "a.ngc", "-o", tmp_path / "q.lcs", "--json", "--quiet")
+    assert rc == 0 and json.loads(out)["output"] == str(tmp_path / "q.lcs")
+    rc, out, err = main(capsys, "merge", files / "a.ngc", files / "missing.ngc", "-o", tmp_path / "x.ngc", "--json")
+    assert rc == 2 and out == ""
+    one_line_error(err, "missing.ngc does not exist")

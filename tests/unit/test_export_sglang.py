@@ -181,3 +181,12 @@ def test_the_library_call_refuses_a_plain_file(tmp_path):
     with pytest.raises(InvalidArgumentError, match="no corpus index"):
         export_sglang(StaticCache.open(str(path)), load_tokenizer(TOKENIZER), tmp_path / "c.jsonl")
     assert not (tmp_path / "c.jsonl").exists()
+
+
+def test_json_prints_the_figures_as_one_object(generation, tmp_path, capsys):
+    gen, texts = generation
+    out = tmp_path / "corpus.jsonl"
+    rc, stdout, err = main(capsys, "export-sglang", gen, "-o", out, "--tokenizer", TOKENIZER, "--json")
+    assert rc == 0, err
+    assert json.loads(stdout) == {"input": str(gen), "output": str(out), "format": "sglang", "documents": len(texts),
+                                  "tokens": StaticCache.open(str(gen)).n_indexed, "file_bytes": out.stat().st_size}
