@@ -9,6 +9,7 @@ serve`` and tests build a `ServiceConfig` directly.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import ipaddress
 import math
 import os
@@ -18,12 +19,29 @@ from typing import Any
 
 from ngramcache.client.errors import InvalidArgumentError
 
-from .counts import redact_url
+from .counts import CountsStoreConfig, redact_url
 from .draft_view import ViewPolicy
 from .security import load_tokens, read_tls_files
 from .toml_files import tomllib
 
 ENV_PREFIX = "NGC_"
+
+# NGC_* variables that are not settings of the service but are read elsewhere, so `serve` must not refuse them
+# (tests/unit/test_config.py fails on a name spelled in the code, tests or deploy files and missing here):
+# the admin commands' defaults, the vLLM adapter's configuration, the counts store library's
+# (CountsStoreConfig.from_env: NGC_COUNTS_URL and NGC_COUNTS_<OPTION>, added below), the build's
+# native-arch switch (pyproject.toml), and the test harness's (NGC_TEST_* as a prefix, plus the names listed).
+OTHER_ENV = frozenset({
+    "NGC_SERVER", "NGC_TOKEN",
+    "NGC_VLLM_STATIC", "NGC_VLLM_SERVICE", "NGC_VLLM_NAMESPACE", "NGC_VLLM_REMOTE", "NGC_VLLM_TOKENIZER",
+    "NGC_VLLM_TOKEN", "NGC_VLLM_CACHE_DIR", "NGC_VLLM_MODE", "NGC_VLLM_N_DRAFT", "NGC_VLLM_MAX_PARKED",
+    "NGC_VLLM_TLS_CA", "NGC_VLLM_TLS_CERT", "NGC_VLLM_TLS_KEY",
+    "NGC_COUNTS_URL",
+    "NGC_NATIVE_ARCH",
+    "NGC_ENGINE_CHILD_REPORTS", "NGC_ENGINE_CHILD_TIMEOUT", "NGC_FLEET_SECONDS", "NGC_FLEET_DEBUG",
+    "NGC_OVERLOAD_SECONDS",
+})
+OTHER_ENV_PREFIXES = ("NGC_TEST_",)
 
 
 # Upper bounds of the numeric settings: what gRPC's int32 channel arguments take, and intervals past
@@ -218,7 +236,35 @@ def _coerce(name: str, raw: Any, source: str) -> Any:
         raise InvalidArgumentError(f"{source}: {raw!r} is not a valid value for {name}") from None
 
 
+def known_env() -> frozenset[str]:
+    """Every NGC_* variable name something in ngramcache reads (the settings' and `OTHER_ENV`)."""
+    counts = {"NGC_COUNTS_" + f.name.upper() for f in dataclasses.fields(CountsStoreConfig) if f.init and f.name != "url"}
+    return frozenset({ENV_PREFIX + name.upper() for name in _FIELDS} | OTHER_ENV | counts)
+
+
+def check_env_names(environ: Mapping[str, str]) -> None:
+    """Refuses NGC_* variables nothing reads: a typo (NGC_PROT=5) would otherwise be ignored silently, as an
+    unknown key of the TOML file is not.
+
+    Raises:
+        InvalidArgumentError: one line naming each unknown variable with the closest known name.
+    """
+    known = known_env()
+    unknown = sorted(k for k in environ
+                     if k.startswith(ENV_PREFIX) and k not in known and not k.startswith(OTHER_ENV_PREFIXES))
+    if not unknown:
+        return
+    named = []
+    for key in unknown:
+        close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.6)
+        named.append(f"{key} (did you mean {close[0]}?)" if close else key)
+    raise InvalidArgumentError(f"unknown environment variable{'s' if len(unknown) > 1 else ''} {', '.join(named)}: "
+                               f"fix the name or unset it ({ENV_PREFIX}<SETTING> variables are listed by "
+                               "ngramcache serve --help)")
+
+
 def _from_env(environ: Mapping[str, str]) -> dict[str, Any]:
+    check_env_names(environ)
     out: dict[str, Any] = {}
     for name in _FIELDS:
         key = ENV_PREFIX + name.upper()
