@@ -7,14 +7,17 @@ import asyncio
 import contextlib
 import dataclasses
 import getpass
+import json
 import logging
 import os
 import signal
 import sys
+import time
+import traceback
 from pathlib import Path
 
 from ngramcache.client import cli as client_cli
-from ngramcache.client.errors import InvalidArgumentError
+from ngramcache.client.errors import InvalidArgumentError, NgramCacheError
 
 from .admin_commands import add_namespace, add_publish, add_rebuild
 from .config import ENV_PREFIX, ServiceConfig
@@ -101,7 +104,8 @@ def add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "reflection). With no options: an embedded counts store snapshotted under ./ngramcache-data, on "
         "127.0.0.1:50051. Every option may also come from a TOML --config file (same names, underscores) or "
         f"an {ENV_PREFIX}<NAME> environment variable ({ENV_PREFIX}PORT=50052); flags win over variables, "
-        "variables over the file. SIGTERM or Ctrl-C stops gracefully: health turns NOT_SERVING, in-flight "
+        f"variables over the file; an {ENV_PREFIX}* variable nothing reads is refused, like an unknown key of the "
+        "file. SIGTERM or Ctrl-C stops gracefully: health turns NOT_SERVING, in-flight "
         "calls get --grace-period seconds, the embedded store writes its snapshot.")
     p.add_argument("--config", metavar="FILE", help="TOML file of settings (default: none)")
     for f in dataclasses.fields(ServiceConfig):
@@ -111,29 +115,87 @@ def add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         else:
             kind = type(f.default) if f.default is not None else str
             p.add_argument(flag, dest=f.name, type=kind, default=None, metavar=f.name.upper(), help=_HELP[f.name])
-    p.add_argument("--log-json", action="store_true", help="log one JSON object per line (default: plain text)")
+    p.add_argument("--log-json", action="store_true",
+                   help="log one JSON object per line, times in ISO 8601 UTC (default: plain text)")
+    p.add_argument("--log-level", choices=LOG_LEVELS, default="info",
+                   help="the least severe messages logged: debug adds every successful call (default info)")
     p.set_defaults(func=cmd_serve)
 
 
-class _JsonFormatter(logging.Formatter):
-    def format(self, record: logging.LogRecord) -> str:
-        import json
+LOG_LEVELS = ("debug", "info", "warning", "error")
 
-        entry = {"time": self.formatTime(record), "level": record.levelname, "logger": record.name,
-                 "message": record.getMessage()}
+
+def iso_utc(seconds: float) -> str:
+    """A Unix time as ISO 8601 in UTC with milliseconds: 2026-12-04T19:00:36.455Z."""
+    whole = int(seconds)
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(whole)) + f".{int((seconds - whole) * 1000):03d}Z"
+
+
+class _JsonFormatter(logging.Formatter):
+    """One JSON object a line: time (ISO 8601 UTC), level, logger, message and the per-call fields."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry: dict[str, object] = {"time": iso_utc(record.created), "level": record.levelname, "logger": record.name,
+                                    "message": record.getMessage()}
         # Only the named per-call fields, never the whole record (no payload, no metadata).
         entry.update({k: v for k in LOG_FIELDS if (v := getattr(record, k, None)) is not None})
+        if record.exc_info:
+            entry["exception"] = self.formatException(record.exc_info)
         return json.dumps(entry)
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
-    overrides = {f.name: getattr(args, f.name) for f in dataclasses.fields(ServiceConfig)}
-    config = ServiceConfig.load(file=args.config, overrides=overrides)
+class _Announcer:
+    """The lines `serve` prints itself (listening, draining, stopped): plain, or under --log-json one JSON object
+    like the log's, so that every line a JSON-logging server writes parses."""
+
+    def __init__(self, log_json: bool) -> None:
+        self.log_json = log_json
+
+    def __call__(self, message: str, *, stdout: bool = False, level: str = "INFO", exception: str | None = None) -> None:
+        if self.log_json:
+            entry = {"time": iso_utc(time.time()), "level": level, "logger": "ngramcache.serve", "message": message}
+            message = json.dumps({**entry, "exception": exception} if exception else entry)
+        print(message, file=sys.stdout if stdout else sys.stderr, flush=True)
+
+
+def _setup_logging(args: argparse.Namespace) -> None:
+    """Every record to stderr (ngramcache's at --log-level, other libraries' from WARNING), Python warnings too."""
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(_JsonFormatter() if args.log_json else logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
-    root = logging.getLogger("ngramcache")
+    level = getattr(logging, args.log_level.upper())
+    root = logging.getLogger()
     root.handlers[:] = [handler]
-    root.setLevel(logging.INFO)
+    root.setLevel(max(level, logging.WARNING))
+    ours = logging.getLogger("ngramcache")
+    ours.handlers.clear()
+    ours.setLevel(level)
+    logging.captureWarnings(True)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    announce = _Announcer(args.log_json)
+    if not args.log_json:
+        return _run_serve(args, announce)
+    # Under --log-json what would end as a plain line (run.py's) is a JSON line too, with the same exit status.
+    try:
+        return _run_serve(args, announce)
+    except KeyboardInterrupt:
+        announce("ngramcache serve: interrupted", level="WARNING")
+        return client_cli.EXIT_INTERRUPTED
+    except (NgramCacheError, OSError) as e:
+        reason = client_cli.describe_os_error(e) if isinstance(e, OSError) else str(e)
+        announce(f"ngramcache serve: error: {reason}", level="ERROR")
+        return client_cli.EXIT_ERROR
+    except Exception as e:
+        announce(f"ngramcache serve: unexpected error: {type(e).__name__}: {e} (please report it)", level="ERROR",
+                 exception=traceback.format_exc())
+        return client_cli.EXIT_UNEXPECTED
+
+
+def _run_serve(args: argparse.Namespace, announce: _Announcer) -> int:
+    overrides = {f.name: getattr(args, f.name) for f in dataclasses.fields(ServiceConfig)}
+    config = ServiceConfig.load(file=args.config, overrides=overrides)
+    _setup_logging(args)
     from .data_lock import HELD_BY_PARENT_ENV, DataDirLock
 
     lock = DataDirLock(config.data_dir)
@@ -141,8 +203,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         lock.acquire()  # a second server on this data directory exits 2 here, in one line
     try:
         if config.workers > 1:
-            return _serve_workers(config, args)
-        return asyncio.run(_serve(config))
+            return _serve_workers(config, args, announce)
+        return asyncio.run(_serve(config, announce))
     finally:
         lock.release()
 
@@ -156,7 +218,7 @@ def _free_port(host: str) -> int:
         return int(s.getsockname()[1])
 
 
-def _serve_workers(config: ServiceConfig, args: argparse.Namespace) -> int:
+def _serve_workers(config: ServiceConfig, args: argparse.Namespace, announce: _Announcer) -> int:
     """Runs `config.workers` worker processes of `serve` on one port and relays signals to them."""
     import os
     import subprocess
@@ -174,7 +236,7 @@ def _serve_workers(config: ServiceConfig, args: argparse.Namespace) -> int:
 
     env[HELD_BY_PARENT_ENV] = str(Path(config.data_dir).resolve())  # this process holds the data directory's lock
     argv = [sys.executable, "-c", "import sys; from ngramcache.cache_service.cli import main; sys.exit(main())",
-            "serve", *(["--log-json"] if args.log_json else [])]
+            "serve", "--log-level", args.log_level, *(["--log-json"] if args.log_json else [])]
     def worker_env(i: int) -> dict[str, str]:
         if config.metrics_port > 0:  # one /metrics per worker: the given port, then the next ones
             return {**env, ENV_PREFIX + "METRICS_PORT": str(config.metrics_port + i)}
@@ -204,15 +266,15 @@ def _serve_workers(config: ServiceConfig, args: argparse.Namespace) -> int:
         if signalled:
             return client_cli.EXIT_INTERRUPTED if signalled[0] == signal.SIGINT else max(codes)
         raise OSError(f"only {started} of {len(children)} workers started on {config.host}:{port}")
-    print(f"ngramcache serve: listening on {config.host}:{port} ({len(children)} workers, pids "
-          f"{', '.join(str(c.pid) for c in children)})", flush=True)
+    announce(f"ngramcache serve: listening on {config.host}:{port} ({len(children)} workers, pids "
+             f"{', '.join(str(c.pid) for c in children)})", stdout=True)
     codes = [c.wait() for c in children]
     if stopping and stopping[0] == signal.SIGINT:
         return client_cli.EXIT_INTERRUPTED
     return max(codes) if any(codes) else 0
 
 
-async def _serve(config: ServiceConfig) -> int:
+async def _serve(config: ServiceConfig, announce: _Announcer) -> int:
     from .server import create_server
 
     stop = asyncio.Event()
@@ -235,15 +297,14 @@ async def _serve(config: ServiceConfig) -> int:
         starting.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await starting
-        print(f"ngramcache serve: {signal.Signals(got[0]).name} before the counts store answered: stopped",
-              file=sys.stderr, flush=True)
+        announce(f"ngramcache serve: {signal.Signals(got[0]).name} before the counts store answered: stopped")
         return client_cli.EXIT_INTERRUPTED if got[0] == signal.SIGINT else 0
     service, port = starting.result()
-    print(f"ngramcache serve: listening on {config.host}:{port}", flush=True)
+    announce(f"ngramcache serve: listening on {config.host}:{port}", stdout=True)
     waiter = asyncio.create_task(service.wait_for_termination())
     await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)
     name = signal.Signals(got[0]).name if got else "server ended"
-    print(f"ngramcache serve: {name}: draining (up to {config.grace_period:g} s)...", file=sys.stderr, flush=True)
+    announce(f"ngramcache serve: {name}: draining (up to {config.grace_period:g} s)...")
     await service.stop()
     waiter.cancel()
     stopper.cancel()
@@ -262,6 +323,7 @@ def add_token_hash(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
                    help="a namespace the token may use; repeat for more (default: *, every namespace)")
     p.add_argument("--role", dest="roles", action="append", choices=[r.value for r in Role],
                    help="a role to grant; repeat for more (default: draft)")
+    client_cli.json_option(p, "the entry (sha256, name, namespaces, roles, and the TOML text as entry)")
     p.set_defaults(func=cmd_token_hash)
 
 
@@ -275,10 +337,14 @@ def cmd_token_hash(args: argparse.Namespace) -> int:
     if len(token) < MIN_TOKEN_CHARS or any(c.isspace() for c in token):
         raise InvalidArgumentError(f"a token is at least {MIN_TOKEN_CHARS} characters without spaces (a short one is "
                                    "guessable from its hash); --new makes a random one")
-    entry = token_toml(token_sha256(token), name=args.name, namespaces=args.namespaces or [ALL_NAMESPACES],
-                       roles=args.roles or [Role.DRAFT.value])
+    namespaces, roles = args.namespaces or [ALL_NAMESPACES], args.roles or [Role.DRAFT.value]
+    entry = token_toml(token_sha256(token), name=args.name, namespaces=namespaces, roles=roles)
     if args.new:
         print(f"new token, shown once (clients send `authorization: Bearer <token>`): {token}", file=sys.stderr)
+    if args.json:  # never the token itself: stdout may go to a file or a log
+        print(json.dumps({"sha256": token_sha256(token), "name": args.name, "namespaces": namespaces, "roles": roles,
+                          "entry": entry}))
+        return 0
     sys.stdout.write(entry)
     return 0
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import datetime
+import json
 import os
 import re
 import signal
@@ -320,3 +322,102 @@ def test_ctrl_c_at_any_moment_of_the_start_is_one_line_and_130(tmp_path, delay):
     assert p.returncode == 130, (p.returncode, err)
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
     assert len([line for line in err.splitlines() if not line[:4].isdigit()]) <= 2, err  # log lines aside
+
+
+# --- --log-level, --log-json and NGC_* typos (issue 29) --------------------------------------
+
+ISO_UTC = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z")
+
+
+def _calls(port: int) -> None:
+    """One call that succeeds (logged at DEBUG) and one that fails (NOT_FOUND, logged at INFO)."""
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+        admin = admin_pb2_grpc.AdminStub(ch)
+        admin.GetServerInfo(admin_pb2.GetServerInfoRequest(), timeout=10)
+        with pytest.raises(grpc.RpcError) as caught:
+            admin.GetNamespace(admin_pb2.GetNamespaceRequest(name="missing"), timeout=10)
+        assert caught.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+@pytest.mark.parametrize("level", ["debug", "info", "warning"])
+def test_log_level_sets_what_is_logged(tmp_path, level):
+    p, port = start(tmp_path / "data", "--log-level", level)
+    try:
+        _calls(port)
+    finally:
+        rc, err = stop(p)
+    assert rc == 0, err
+    ok = "rpc /ngramcache.v1.Admin/GetServerInfo OK" in err
+    failed = "rpc /ngramcache.v1.Admin/GetNamespace NOT_FOUND" in err
+    started = "serving ngramcache.v1 on 127.0.0.1" in err
+    assert (ok, failed, started) == {"debug": (True, True, True), "info": (False, True, True),
+                                     "warning": (False, False, False)}[level], err
+    assert "SIGTERM: draining" in err  # serve's own lines are not log records: every level shows them
+
+
+def _json_lines(text: str) -> list[dict[str, object]]:
+    records = []
+    for line in text.splitlines():
+        record = json.loads(line)  # every line, or this fails naming it
+        assert isinstance(record, dict) and {"time", "level", "logger", "message"} <= set(record), line
+        assert ISO_UTC.fullmatch(str(record["time"])), line
+        when = datetime.datetime.strptime(str(record["time"]), "%Y-%m-%dT%H:%M:%S.%fZ").replace(tzinfo=datetime.timezone.utc)
+        assert abs((datetime.datetime.now(datetime.timezone.utc) - when).total_seconds()) < 300, line  # UTC, not local
+        records.append(record)
+    return records
+
+
+def test_log_json_writes_only_json_lines_with_iso_8601_utc_times(tmp_path):
+    # A zone far from UTC: a local time labelled Z would be hours off.
+    env = dict(os.environ, TZ="Asia/Kolkata")
+    p = subprocess.Popen([*CLI, "serve", "--port", "0", "--data-dir", str(tmp_path / "d"), "--log-json",
+                          "--log-level", "debug"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        assert p.stdout is not None
+        first = p.stdout.readline()
+        port = int(re.search(r"listening on 127\.0\.0\.1:(\d+)", first).group(1))  # type: ignore[union-attr]
+        _calls(port)
+    finally:
+        p.send_signal(signal.SIGTERM)
+        out, err = p.communicate(timeout=30)
+    assert p.returncode == 0, err
+    assert [r["message"] for r in _json_lines(first + out)] == [f"ngramcache serve: listening on 127.0.0.1:{port}"]
+    records = _json_lines(err)
+    messages = [str(r["message"]) for r in records]
+    assert any(m.startswith("serving ngramcache.v1 on 127.0.0.1") for m in messages), messages
+    assert any(m.startswith("ngramcache serve: SIGTERM: draining") for m in messages), messages
+    calls = {r["grpc_method"]: r for r in records if "grpc_method" in r}
+    assert calls["/ngramcache.v1.Admin/GetNamespace"]["grpc_code"] == "NOT_FOUND"
+    assert calls["/ngramcache.v1.Admin/GetServerInfo"]["level"] == "DEBUG"
+
+
+@pytest.mark.parametrize("log_json", [False, True], ids=["text", "json"])
+def test_serve_refuses_an_unknown_ngc_variable_naming_the_closest(tmp_path, log_json):
+    env = dict(os.environ, NGC_PROT="5")
+    r = subprocess.run([*CLI, "serve", "--data-dir", str(tmp_path), *(["--log-json"] if log_json else [])],
+                       capture_output=True, text=True, timeout=60, env=env)
+    assert r.returncode == 2 and r.stdout == ""
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
+    message = _json_lines(lines[0])[0]["message"] if log_json else lines[0]
+    assert message == ("ngramcache serve: error: unknown environment variable NGC_PROT (did you mean NGC_PORT?): "
+                       "fix the name or unset it (NGC_<SETTING> variables are listed by ngramcache serve --help)")
+
+
+def test_workers_log_json_at_the_level_given(tmp_path, redis_standalone):
+    p = subprocess.Popen([*CLI, "serve", "--workers", "2", "--port", "0", "--data-dir", str(tmp_path / "d"),
+                          "--counts", redis_standalone.url + "?prefix=logjson", "--log-json", "--log-level", "warning"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout is not None
+        first = p.stdout.readline()
+        port = int(re.search(r"listening on 127\.0\.0\.1:(\d+) \(2 workers", first).group(1))  # type: ignore[union-attr]
+        _calls(port)
+    finally:
+        p.send_signal(signal.SIGTERM)
+        out, err = p.communicate(timeout=30)
+    assert p.returncode == 0, err
+    _json_lines(first + out)
+    records = _json_lines(err)
+    assert [r["message"] for r in records if r["level"] == "INFO"] == ["ngramcache serve: SIGTERM: draining (up to 10 s)..."] * 2
+    assert not any("grpc_method" in r for r in records)  # the NOT_FOUND call is logged at INFO: below warning

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import json
 import subprocess
 import sys
 import textwrap
@@ -360,6 +361,17 @@ def test_token_hash_of_a_token_on_stdin(monkeypatch: pytest.MonkeyPatch, capsys:
                                              "roles": ["push"]}]}
     (grant,) = load_tokens(tokens_file(tmp_path, out)).grants()
     assert grant.namespaces == {"code", "docs"} and grant.roles == {Role.PUSH}
+
+
+def test_token_hash_json_prints_the_entry_as_one_object(monkeypatch: pytest.MonkeyPatch,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr("sys.stdin", io.StringIO(SECRET + "\n"))
+    assert cli.main(["token-hash", "--namespace", "code", "--role", "push", "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert SECRET not in out + err
+    entry = json.loads(out)
+    assert entry == {"sha256": SHA, "name": None, "namespaces": ["code"], "roles": ["push"], "entry": entry["entry"]}
+    assert tomllib.loads(entry["entry"]) == {"token": [{"sha256": SHA, "namespaces": ["code"], "roles": ["push"]}]}
 
 
 def test_token_hash_new_prints_the_token_once_on_stderr(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
