@@ -144,9 +144,9 @@ def test_store_runner_times_calls_and_counts_failures() -> None:
 
     async def calls() -> None:
         assert await runner.call(store.version, "a") == 7
-        with pytest.raises(NamespaceNotFoundError):
+        with pytest.raises(NamespaceNotFoundError, match="^a$"):
             await runner.call(store.namespace_info, "a")
-        with pytest.raises(BackendUnavailableError):
+        with pytest.raises(BackendUnavailableError, match="^connection refused$"):
             await runner.call(store.apply, "a")
 
     asyncio.run(calls())
@@ -195,7 +195,7 @@ def test_namespaces_are_read_at_scrape_time_and_vanish_when_dropped() -> None:
     s = samples(m)
     assert value(s, "ngramcache_namespaces_live") == 1
     assert value(s, "ngramcache_mirror_rows", namespace="chat") is None
-    with pytest.raises(RuntimeError):
+    with pytest.raises(RuntimeError, match="^watch_namespaces was already called on this Metrics$"):
         m.watch_namespaces(lambda: {})
 
 
@@ -212,7 +212,7 @@ def test_http_server_serves_metrics_on_a_free_loopback_port() -> None:
         assert scraped["ngramcache_drafted_tokens_total"] == 2
     finally:
         server.close()
-    with pytest.raises(urllib.error.URLError):
+    with pytest.raises(urllib.error.URLError, match="Connection refused"):
         urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2)
     server.close()  # twice is fine
 
@@ -220,7 +220,7 @@ def test_http_server_serves_metrics_on_a_free_loopback_port() -> None:
 def test_http_server_port_in_use_raises_oserror() -> None:
     first, port = start_metrics_http_server(Metrics())
     try:
-        with pytest.raises(OSError):
+        with pytest.raises(OSError, match="Address already in use"):
             start_metrics_http_server(Metrics(), "127.0.0.1", port)
     finally:
         first.close()
@@ -281,7 +281,7 @@ def test_rpc_methods_come_from_the_descriptors() -> None:
     methods = rpc_methods("ngramcache.v1.Drafting", "grpc.health.v1.Health")
     assert {m for m in methods if "Drafting" in m} == {"/ngramcache.v1.Drafting/Session", "/ngramcache.v1.Drafting/Draft"}
     assert {"/grpc.health.v1.Health/Check", "/grpc.health.v1.Health/Watch"} <= methods
-    with pytest.raises(KeyError):
+    with pytest.raises(KeyError, match="no.Such"):
         rpc_methods("no.Such")
 
 

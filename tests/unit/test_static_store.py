@@ -484,6 +484,8 @@ def upload(store: StaticStore, data: bytes, *, generation: int, chunks: list[tup
                           sha256=hashlib.sha256(data).digest() if sha256 is None else sha256)
         async with up:
             for offset, chunk in chunks if chunks is not None else [(i, data[i:i + 997]) for i in range(0, len(data), 997)]:
+                if chunk is None:  # the sender gives up midway (a stream that broke)
+                    raise ConnectionAbortedError("the sender went away midway")
                 await up.write(offset, chunk)
             return await up.publish(fingerprint=FP, vocab_size=VOCAB)
 
@@ -512,9 +514,19 @@ def test_bad_uploads_leave_nothing(store: StaticStore, src: Path, case: str) -> 
         "generation": {"generation": 4},
         "abandoned": {"chunks": [(0, data[:half]), (half, None)]},
     }[case]
+    error, words = {
+        "gap": (InvalidArgumentError, f"^a chunk at offset {half + 1}; the next byte expected is {half}$"),
+        "overlap": (InvalidArgumentError, f"^a chunk at offset {half - 1}; the next byte expected is {half}$"),
+        "past size": (InvalidArgumentError, f"^the upload goes past its declared size of {len(data)} bytes$"),
+        "short": (InvalidArgumentError, f"^the upload ended after {half} of its {len(data)} bytes$"),
+        "sha256": (InvalidArgumentError, "^the file's SHA-256 is [0-9a-f]{16}\\.\\.\\., not the 0{16}\\.\\.\\. declared$"),
+        "generation": (InvalidArgumentError, "^the file's header says generation 3, not the 4 declared$"),
+        "abandoned": (ConnectionAbortedError, "^the sender went away midway$"),  # raised inside the upload's block
+    }[case]
     kw.setdefault("generation", 3)
-    with pytest.raises((InvalidArgumentError, TypeError)):  # abandoned: a write of None
+    with pytest.raises(error, match=words) as caught:
         upload(store, data, **kw)  # type: ignore[arg-type]
+    assert type(caught.value) is error  # not a subclass standing in for it
     assert ns_files(store) == [] and gens(store) == []
 
 
