@@ -258,7 +258,8 @@ def test_siblings_prompt_is_stored_once_the_stats_add_up_and_the_sibling_keeps_i
     """Two siblings publish one prompt (their default group: its hash) and different answers. The store keeps the
     prompt once: the second sibling's copy is counted skipped, in its reply, its client's stats and the service's
     metrics, so what was pushed = what is readable + what was skipped. A third client drafts the second sibling's
-    answer from right after the prompt: the prompt is put back in front of its sequence."""
+    answer from right after the prompt, and so does a RemoteDrafter match session: the prompt is put back in front of
+its sequence."""
     rng = np.random.default_rng(41)
     prompt = rng.integers(0, VOCAB, 16, dtype=np.int32)
     answers = [rng.integers(0, VOCAB, 48, dtype=np.int32) for _ in range(2)]
@@ -286,6 +287,11 @@ def test_siblings_prompt_is_stored_once_the_stats_add_up_and_the_sibling_keeps_i
             b_text = np.concatenate([prompt, answers[1]])
             assert drafts_continuation(c, 9, b_text, len(prompt) + 2, timeout=10.0) < 10.0
             assert c.stats()["history_restored_tokens"] == len(prompt)
+            # The service's own match drafter (RemoteDrafter sessions) puts the prompt back the same way.
+            with RemoteDrafter(address, "sib", (FP, VOCAB), mode="match") as remote:
+                cut = len(prompt) + 2
+                wait_until(lambda: remote.draft(5, b_text[:cut], 8).tolist() == b_text[cut:cut + 8].tolist(),
+                           timeout=10, what="a match session drafting B's answer after the prompt")
         stub = counts_pb2_grpc.CountsStub(ch)
         readable = stub.PullHistory(counts_pb2.PullHistoryRequest(namespace="sib", tokenizer_fingerprint=FP),
                                     timeout=10)
