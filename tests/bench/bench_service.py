@@ -13,8 +13,10 @@ logic, inline below) answering each message with one of the same size as a draft
    a sequence, 1..4-grams, in batches of --batch rows) pushed through the service into a
    local redis-server (client id + seq, exactly once), by one client with 8 pushes in
    flight and by --clients clients with 2 each (their batches overlap: the service sums
-   the batches of the pushes it groups), against the same batches applied with
-   `CountsStore.apply` directly from one process (and with `CountsStore.apply_group`).
+   the batches of the pushes it groups). Each against the direct call doing the same work
+   from one process: one client against `CountsStore.apply` (one batch a store unit), the
+   aggregated clients against `CountsStore.apply_group` (the same batches summed, one per
+   client a call).
 3. Memory: the service's RSS before and after opening 1000 idle sessions, and after 1000
    sessions of 1k tokens each; per session.
 4. Workers: session steps (64 sessions over 8 separate connections: SO_REUSEPORT spreads
@@ -30,6 +32,7 @@ logic, inline below) answering each message with one of the same size as a draft
 Figures are medians of --reps runs.
 
     python tests/bench/bench_service.py            # about 3 minutes
+    python tests/bench/bench_service.py --quick    # checks the script (seconds; figures meaningless)
     python tests/bench/bench_service.py --only workers --reps 3
 """
 
@@ -47,6 +50,7 @@ import sys
 import sysconfig
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -174,8 +178,8 @@ async def _queue_iter(queue: asyncio.Queue[object]):
 def bench_sessions(args: argparse.Namespace, service_port: int, echo_port: int, text: np.ndarray) -> None:
     print("\n## Session step: send 1 new token, receive a draft of 8 (echo: the same sizes, no work)")
     print(f"{'sessions':>8} {'server':>10} {'p50 us':>9} {'p99 us':>9} {'steps/s':>10}")
-    for c in (1, 16, 64):
-        steps = max(50, args.steps // c)
+    for c in (1, 4) if args.quick else (1, 16, 64):
+        steps = max(20 if args.quick else 50, args.steps // c)
         res: dict[str, tuple[float, float, float]] = {}
         for name, port, echo in (("echo", echo_port, True), ("ngramcache", service_port, False)):
             p50s, p99s, rates = [], [], []
@@ -264,6 +268,22 @@ def total_count(store: CountsStore, namespace: str) -> int:
     return sum(int(chunk[:, COUNT].sum()) for chunk in store.export(namespace))
 
 
+def push_lines(med: dict[str, float], k: int, runs: Callable[[str], str] = lambda name: "") -> list[str]:
+    """The Push figures, each against the direct call doing the same work: one client's pushes (one batch a
+    store unit) against `CountsStore.apply`, the aggregated pushes of k clients (the service sums the batches
+    it groups) against `CountsStore.apply_group` (the same summing, from one process)."""
+    return [
+        f"direct CountsStore.apply, one process, one batch a call: {med['direct']:,.0f} rows/s (runs: {runs('direct')})",
+        f"direct CountsStore.apply_group, {k} batches a call:        {med['direct_group']:,.0f} rows/s "
+        f"(runs: {runs('direct_group')})   {med['direct_group'] / med['direct']:.2f}x direct apply",
+        f"service, 1 client, 8 pushes in flight:                  {med['one']:,.0f} rows/s (runs: {runs('one')})   "
+        f"{med['one'] / med['direct']:.2f}x direct apply (target >= 0.8x)",
+        f"service, {k} clients, 2 pushes in flight each:            {med['many']:,.0f} rows/s (runs: {runs('many')})   "
+        f"{med['many'] / med['direct_group']:.2f}x direct apply_group (target > 1x: aggregation, against the same "
+        f"summing done directly; {med['many'] / med['direct']:.2f}x direct apply)",
+    ]
+
+
 def bench_push(args: argparse.Namespace, service_port: int, redis_url: str, streams: list[np.ndarray],
                pids: dict[str, int]) -> None:
     """One client with 8 pushes in flight, then `--clients` clients with 2 each (their batches overlap: the
@@ -331,13 +351,8 @@ def bench_push(args: argparse.Namespace, service_port: int, redis_url: str, stre
         us = ", ".join(f"{p} {spent[p]:.2f}" for p in ("redis", "service", "client"))
         return ", ".join(f"{x:,.0f}" for x in figures[name]) + f"; CPU us/row: {us}"
 
-    print(f"direct CountsStore.apply, one process, one batch a call: {med['direct']:,.0f} rows/s (runs: {runs('direct')})")
-    print(f"direct CountsStore.apply_group, {k} batches a call:        {med['direct_group']:,.0f} rows/s "
-          f"(runs: {runs('direct_group')})   {med['direct_group'] / med['direct']:.2f}x direct")
-    print(f"service, 1 client, 8 pushes in flight:                  {med['one']:,.0f} rows/s (runs: {runs('one')})   "
-          f"{med['one'] / med['direct']:.2f}x direct (target >= 0.8x)")
-    print(f"service, {k} clients, 2 pushes in flight each:            {med['many']:,.0f} rows/s (runs: {runs('many')})   "
-          f"{med['many'] / med['direct']:.2f}x direct (target > 1x: aggregation)")
+    for line in push_lines(med, k, runs):
+        print(line)
     print(f"checksum (sum of counts stored, the same for all four): {checksums.pop()}")
 
 
@@ -372,16 +387,16 @@ async def hold_sessions(port: int, n: int, tokens_each: int, text: np.ndarray, p
     return rss
 
 
-def bench_memory(service: subprocess.Popen[str], port: int, text: np.ndarray) -> None:
+def bench_memory(service: subprocess.Popen[str], port: int, text: np.ndarray, n: int = 1000) -> None:
     print("\n## Memory of the service process per session")
     base = rss_kib(service.pid)
-    idle = asyncio.run(hold_sessions(port, 1000, 0, text, service.pid))
+    idle = asyncio.run(hold_sessions(port, n, 0, text, service.pid))
     time.sleep(0.5)
     base2 = rss_kib(service.pid)
-    full = asyncio.run(hold_sessions(port, 1000, 1000, text, service.pid))
-    print(f"RSS before: {base / 1024:.1f} MiB; with 1000 idle sessions: {idle / 1024:.1f} MiB "
-          f"({(idle - base) / 1000:.1f} KiB a session)")
-    print(f"with 1000 sessions of 1k tokens: {full / 1024:.1f} MiB ({(full - base2) / 1000:.1f} KiB a session)")
+    full = asyncio.run(hold_sessions(port, n, 1000, text, service.pid))
+    print(f"RSS before: {base / 1024:.1f} MiB; with {n} idle sessions: {idle / 1024:.1f} MiB "
+          f"({(idle - base) / n:.1f} KiB a session)")
+    print(f"with {n} sessions of 1k tokens: {full / 1024:.1f} MiB ({(full - base2) / n:.1f} KiB a session)")
 
 
 # ----------------------------------------------------------------------------- workers
@@ -431,7 +446,7 @@ def bench_workers(args: argparse.Namespace, serve: list[str], tmp: Path, echo: t
             workers = int(name.split()[1])
             proc, port, pids = start_workers(serve, workers, tmp / f"workers{workers}")
         try:
-            time.sleep(2.5 if proc else 0)  # a mirror refresh in every worker
+            time.sleep(args.settle if proc else 0)  # a mirror refresh in every worker
             asyncio.run(session_steps(port, c, 20, name == "echo", text, channels))  # warm-up
             p50s, p99s, rates, cpus = [], [], [], []
             for _ in range(args.reps):
@@ -593,7 +608,14 @@ def main() -> int:
                     help="more Draft requests after each of which the PSS figure is read again (default 2000,20000)")
     ap.add_argument("--only", choices=("sessions", "push", "memory", "workers", "pss"),
                     help="run one part of the benchmark")
+    ap.add_argument("--quick", action="store_true",
+                    help="checks the script in seconds: 1 run, few steps, files and sessions, a small PSS file "
+                    "(figures meaningless)")
     args = ap.parse_args()
+    args.settle = 2.5  # seconds for a mirror refresh (every 1 s) in every process
+    if args.quick:
+        args.reps, args.steps, args.files, args.pss_tokens, args.pss_drafts = 1, 100, 12, 300_000, [64]
+        args.settle = 0.5
 
     from helpers.redis_servers import RedisServer
 
@@ -617,7 +639,9 @@ def main() -> int:
                 counts_pb2_grpc.CountsStub(ch).Push(counts_pb2.PushRequest(
                     namespace="bench", tokenizer_fingerprint=FP, client_id="seed", seq=i,
                     rows=delta_rows_to_bytes(rows)))
-            time.sleep(2.5)  # a mirror refresh
+            time.sleep(args.settle)  # a mirror refresh
+            if args.quick:
+                print("--quick: figures meaningless (one run of a few steps: checks the script)")
             print(f"service pid {service.pid} on port {sport}, echo pid {echo.pid} on port {eport}; "
                   f"{os.cpu_count()} CPUs shared by clients and servers")
             if args.only in (None, "sessions"):
@@ -626,7 +650,7 @@ def main() -> int:
                 assert redis_server.pid is not None
                 bench_push(args, sport, redis_server.url, streams, {"redis": redis_server.pid, "service": service.pid})
             if args.only in (None, "memory"):
-                bench_memory(service, sport, text)
+                bench_memory(service, sport, text, 50 if args.quick else 1000)
             serve_n = [*serve[:4], "--port", "0", "--counts", redis_server.url,
                        "--max-push-rows", str(max(args.batch, 65536))]
             if args.only in (None, "workers"):
