@@ -3,14 +3,20 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
 import sys
+from collections.abc import Iterator
+
+import grpc
 
 from ngramcache.client import cli as client_cli
+from ngramcache.client.address import check_address
 from ngramcache.client.admin import AdminClient, RebuildStatus
-from ngramcache.client.errors import InvalidArgumentError
+from ngramcache.client.diagnose import CLI_NAMES
+from ngramcache.client.errors import InvalidArgumentError, NgramCacheError, ServiceUnreachableError
 
 __all__ = ["DEFAULT_SERVER", "add_namespace", "add_publish", "add_rebuild"]
 
@@ -30,17 +36,39 @@ def _connection_options(p: argparse.ArgumentParser, role: str) -> None:
                    help="seconds to wait for the server to answer, in (0, 86400] (default 10)")
 
 
-def _client(args: argparse.Namespace) -> AdminClient:
+def _cli_error(e: NgramCacheError, args: argparse.Namespace) -> NgramCacheError:
+    """``e`` worded for the command line: the flags to change, not the library's arguments or gRPC metadata."""
+    if isinstance(e, ServiceUnreachableError):
+        return NgramCacheError(e.diagnosis.message(CLI_NAMES))
+    code = getattr(e, "code", None)
+    if code not in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+        return e
+    detail = str(e).removeprefix(f"{code.name}: ")
+    if code == grpc.StatusCode.UNAUTHENTICATED and not args.token:
+        return NgramCacheError(f"the service at {args.server} requires a bearer token: pass --token TOKEN or set "
+                               "$NGC_TOKEN (a token with the admin role)")
+    if code == grpc.StatusCode.UNAUTHENTICATED:
+        return NgramCacheError(f"the service at {args.server} refused the token: {detail}; pass --token TOKEN or set "
+                               "$NGC_TOKEN to a token in its tokens file, with the admin role")
+    return NgramCacheError(f"the service at {args.server} refused the call: {detail}; pass --token TOKEN or set "
+                           "$NGC_TOKEN to a token with that role")
+
+
+@contextlib.contextmanager
+def _client(args: argparse.Namespace) -> Iterator[AdminClient]:
+    """An AdminClient to --server, once it answers; errors worded for the command line (`_cli_error`)."""
     if (args.tls_cert is None) != (args.tls_key is None) or (args.tls_cert is not None and args.tls_ca is None):
         raise InvalidArgumentError("--tls-cert and --tls-key go together, and with --tls-ca")
+    check_address(args.server, "--server", "--tls-ca")
     client = AdminClient(args.server, token=args.token, tls_ca=args.tls_ca, tls_cert=args.tls_cert,
                          tls_key=args.tls_key, timeout=args.timeout)
     try:
         client.wait_ready()
-    except BaseException:
+        yield client
+    except NgramCacheError as e:
+        raise _cli_error(e, args) from None
+    finally:
         client.close()
-        raise
-    return client
 
 
 # namespace create | list | delete

@@ -2,11 +2,25 @@
 
 from __future__ import annotations
 
+import os
 import sys
+
+
+def quiet_grpc_logging() -> None:
+    """Turns gRPC's C-core log lines off (``E1204 ... add_port.cc:83] ...``, TLS handshake failures): every
+    command says what went wrong in its own one line. A GRPC_VERBOSITY the user set is left alone, so
+    ``GRPC_VERBOSITY=debug ngramcache ...`` (or ``info``, ``error``) turns them back on.
+
+    Must run before grpc is first imported: the C core reads the variables once.
+    """
+    if "GRPC_VERBOSITY" not in os.environ:
+        os.environ["GRPC_VERBOSITY"] = "NONE"
+        os.environ["GRPC_TRACE"] = ""
 
 
 def main() -> int:
     """Runs `ngramcache.cache_service.cli.main`, importing it first (numpy, grpc and the core take a moment)."""
+    quiet_grpc_logging()
     try:
         from ngramcache.cache_service.cli import main as run
     except KeyboardInterrupt:

@@ -192,6 +192,32 @@ class Service:
         await self.server.wait_for_termination()
 
 
+def bind_failure(host: str, port: int, host_flag: str, port_flag: str, error: OSError | None = None) -> str:
+    """One line saying why ``host:port`` cannot be listened on, naming the flags to change.
+
+    gRPC says only "Failed to bind", so the cause is found by binding a plain socket to the same address:
+    taken by another process, or not an address of this machine.
+    """
+    code = error.errno if error is not None else None
+    if code is None:
+        family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
+        try:
+            with socket.socket(family, socket.SOCK_STREAM) as s:
+                s.bind((host.strip("[]"), port))
+        except OSError as e:
+            code = e.errno
+    where = f"{host}:{port}" if ":" not in host.strip("[]") else f"[{host.strip('[]')}]:{port}"
+    if code == errno.EADDRINUSE:
+        return (f"cannot listen on {where}: port {port} is in use by another process; choose another {port_flag} "
+                f"({port_flag} 0 picks a free one)")
+    if code == errno.EADDRNOTAVAIL:
+        return f"cannot listen on {where}: {host} is not an address of this machine; change {host_flag}"
+    if code in (errno.EACCES, errno.EPERM):
+        return f"cannot listen on {where}: permission denied (ports below 1024 need privileges); change {port_flag}"
+    reason = os.strerror(code).lower() if code else "the address is in use or not this machine's"
+    return f"cannot listen on {where}: {reason}; change {host_flag} or {port_flag}"
+
+
 async def create_server(config: ServiceConfig) -> tuple[Service, int]:
     """Builds, binds and starts the service; returns it and the port it listens on.
 
@@ -278,8 +304,7 @@ async def create_server(config: ServiceConfig) -> tuple[Service, int]:
         port = 0
     if port == 0:
         await asyncio.to_thread(runner.close)
-        raise OSError(errno.EADDRINUSE, f"cannot listen on {config.address()}: the address is in use or not this "
-                      "machine's (another server on that port? --port 0 picks a free one)")
+        raise OSError(errno.EADDRINUSE, bind_failure(config.host, config.port, "--host", "--port"))
     # Uploads a crash left behind; an hour old at least, in case replicas share the folder.
     await asyncio.to_thread(static_store.remove_leftovers, 3600.0)
     service = Service(config, server, runner, static_store, registry, health_servicer, drafting)
@@ -295,9 +320,10 @@ async def create_server(config: ServiceConfig) -> tuple[Service, int]:
         try:
             service.metrics_http, service.metrics_port = start_metrics_http_server(
                 metrics, config.metrics_host, config.metrics_port)
-        except OSError:
+        except OSError as e:
             await asyncio.to_thread(runner.close)
-            raise
+            raise OSError(e.errno, bind_failure(config.metrics_host, config.metrics_port, "--metrics-host",
+                                                "--metrics-port", e)) from None
         log.info("metrics on http://%s:%d/metrics", config.metrics_host, service.metrics_port)
     await service.set_serving(False)
     await server.start()

@@ -22,9 +22,16 @@ import grpc
 
 from ngramcache.client._core import StaticCache
 from ngramcache.client._proto.v1 import admin_pb2, admin_pb2_grpc, static_files_pb2, static_files_pb2_grpc
-from ngramcache.client.errors import BackendUnavailableError
+from ngramcache.client.address import check_address
 from ngramcache.client.sync.config import HasTokenizer
-from ngramcache.client.transport import auth_metadata, channel_credentials, error_from_rpc, open_channel
+from ngramcache.client.transport import (
+    auth_metadata,
+    channel_credentials,
+    error_from_rpc,
+    open_channel,
+    read_pem,
+    wait_ready,
+)
 
 __all__ = ["AdminClient", "NamespaceInfo", "PublishedGeneration", "RebuildStatus"]
 
@@ -102,15 +109,19 @@ class AdminClient:
         tls_ca: PEM file (or bytes) of the CA to trust: TLS; None: plaintext.
         tls_cert, tls_key: a client certificate and key, for mutual TLS.
         timeout: seconds each call may take (a publish: per MiB on top).
+
+    Raises:
+        InvalidArgumentError: ``address`` is not ``HOST:PORT`` (a URL such as ``http://...``, no port).
     """
 
     def __init__(self, address: str, *, token: str | None = None, tls_ca: str | bytes | None = None,
                  tls_cert: str | bytes | None = None, tls_key: str | bytes | None = None,
                  timeout: float = 10.0) -> None:
-        self.address = address
+        self.address = check_address(address)
         self._timeout = timeout
         self._metadata = auth_metadata(token)
-        self._channel = open_channel(address, channel_credentials(tls_ca, tls_cert, tls_key),
+        self._tls = (read_pem(tls_ca, "tls_ca"), tls_cert, tls_key)
+        self._channel = open_channel(address, channel_credentials(self._tls[0], tls_cert, tls_key),
                                      options=[("grpc.max_send_message_length", 64 << 20)])
         self._admin = admin_pb2_grpc.AdminStub(self._channel)  # type: ignore[no-untyped-call]  # generated, untyped
         self._files = static_files_pb2_grpc.StaticFilesStub(self._channel)  # type: ignore[no-untyped-call]
@@ -122,11 +133,15 @@ class AdminClient:
             raise error_from_rpc(e) from None
 
     def wait_ready(self) -> None:
-        """Wait up to the timeout for the service to answer; BackendUnavailableError if it does not."""
-        try:
-            grpc.channel_ready_future(self._channel).result(timeout=self._timeout)
-        except grpc.FutureTimeoutError:
-            raise BackendUnavailableError(f"no service answered at {self.address} within {self._timeout:g} s") from None
+        """Wait up to the timeout for the service to answer, failing at once when a connection attempt fails
+        for a cause a probe can name (`ngramcache.client.transport.wait_ready`).
+
+        Raises:
+            ServiceUnreachableError: refused, unknown host, TLS on one side only, an untrusted certificate,
+                not a gRPC server, ... (``diagnosis`` says which, and the setting to change).
+            BackendUnavailableError: nothing answered within the timeout, for no cause found.
+        """
+        wait_ready(self._channel, self.address, self._timeout, *self._tls)
 
     # namespaces
 

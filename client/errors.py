@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class NgramCacheError(Exception):
     """Base class of every ngramcache error.
@@ -31,6 +33,23 @@ class BackendUnavailableError(NgramCacheError, ConnectionError):
     """A store or server could not be reached; the call may be retried."""
 
     retriable = True
+
+
+class ServiceUnreachableError(BackendUnavailableError):
+    """A service address did not answer, with the cause a probe found (`ngramcache.client.diagnose`).
+
+    Retriable unless the cause is one waiting cannot fix (TLS on one side only, a certificate
+    the CA did not sign, a server that is not gRPC).
+
+    Attributes:
+        diagnosis: the `Diagnosis`: address, cause, the setting to change; ``diagnosis.message(names)``
+            words it with other names for the settings (the CLI's flags).
+    """
+
+    def __init__(self, diagnosis: Any) -> None:
+        super().__init__(diagnosis.message())
+        self.diagnosis = diagnosis
+        self.retriable = not diagnosis.permanent
 
 
 class OverloadedError(BackendUnavailableError):

@@ -21,9 +21,17 @@ from numpy.typing import NDArray
 from ngramcache.client._core import MAX_DRAFT
 from ngramcache.client._proto.codec import bytes_to_tokens, tokens_to_bytes
 from ngramcache.client._proto.v1 import drafting_pb2, drafting_pb2_grpc
+from ngramcache.client.address import check_address
 from ngramcache.client.errors import InvalidArgumentError
 from ngramcache.client.sync.config import HasTokenizer
-from ngramcache.client.transport import auth_metadata, channel_credentials, error_from_rpc, open_channel
+from ngramcache.client.transport import (
+    auth_metadata,
+    channel_credentials,
+    error_from_rpc,
+    open_channel,
+    read_pem,
+    unreachable_error,
+)
 
 _CLOSE = object()
 _MODES = {"compatible": drafting_pb2.DRAFT_MODE_COMPATIBLE, "match": drafting_pb2.DRAFT_MODE_MATCH}
@@ -84,6 +92,8 @@ class RemoteDrafter:
     Raises (from the calls):
         TokenizerMismatchError, NamespaceNotFoundError, BackendUnavailableError (retriable),
         InvalidArgumentError: mapped from the service's status in one place (`error_from_rpc`).
+        ServiceUnreachableError: the service could not be reached, with the cause (refused, TLS mismatch, ...).
+    Raises (the constructor): InvalidArgumentError: ``address`` is not ``HOST:PORT`` (a URL, no port).
     """
 
     def __init__(self, address: str, namespace: str, tokenizer: HasTokenizer | tuple[bytes, int], *,
@@ -99,7 +109,10 @@ class RemoteDrafter:
             self._fingerprint, self._vocab_size = bytes(tokenizer.fingerprint), int(tokenizer.vocab_size)
         self._namespace = namespace
         self._own_channel = channel is None
-        self._channel = channel if channel is not None else open_channel(address, channel_credentials(tls_ca, tls_cert, tls_key))
+        self._address = address if channel is not None else check_address(address)
+        self._tls = (read_pem(tls_ca, "tls_ca"), tls_cert, tls_key)
+        self._channel = channel if channel is not None else open_channel(
+            address, channel_credentials(self._tls[0], tls_cert, tls_key))
         self._stub = drafting_pb2_grpc.DraftingStub(self._channel)  # type: ignore[no-untyped-call]
         self._metadata = auth_metadata(token)
         self._timeout = timeout
@@ -123,7 +136,10 @@ class RemoteDrafter:
         try:
             return _Session(self._stub, request, self._metadata, self._timeout)
         except grpc.RpcError as e:
-            raise error_from_rpc(e) from None
+            err = error_from_rpc(e)
+            if e.code() == grpc.StatusCode.UNAVAILABLE and self._own_channel:
+                err = unreachable_error(self._address, *self._tls, fallback=err)  # refused, TLS mismatch, ...: which
+            raise err from None
 
     @property
     def mode(self) -> str:

@@ -12,6 +12,7 @@ import asyncio
 import dataclasses
 import logging
 import random
+import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TypeVar
@@ -20,11 +21,12 @@ import grpc
 from grpc import aio
 
 from ngramcache.client._proto.v1 import admin_pb2_grpc, counts_pb2_grpc, static_files_pb2_grpc
-from ngramcache.client.errors import InvalidArgumentError, NgramCacheError
+from ngramcache.client.diagnose import diagnose
+from ngramcache.client.errors import BackendUnavailableError, InvalidArgumentError, NgramCacheError, ServiceUnreachableError
 from ngramcache.client.wire_errors import REASON_KEY, error_class_for
 
 __all__ = ["REASON_KEY", "Backoff", "Channel", "FailoverChannel", "auth_metadata", "channel_credentials",
-           "error_from_rpc", "open_channel"]
+           "error_from_rpc", "open_channel", "read_pem", "unreachable_error", "wait_ready"]
 
 log = logging.getLogger("ngramcache.client.sync")
 
@@ -81,7 +83,8 @@ class Backoff:
 # credentials and metadata
 
 
-def _pem(value: str | bytes | None, what: str) -> bytes | None:
+def read_pem(value: str | bytes | None, what: str) -> bytes | None:
+    """The PEM bytes of ``value`` (a path, or the bytes themselves); InvalidArgumentError naming ``what`` if unreadable."""
     if value is None or isinstance(value, bytes):
         return value
     try:
@@ -97,8 +100,8 @@ def channel_credentials(ca: str | bytes | None, cert: str | bytes | None = None,
     certificate for mutual TLS; None (plaintext) when ``ca`` is None."""
     if ca is None:
         return None
-    return grpc.ssl_channel_credentials(root_certificates=_pem(ca, "tls_ca"), private_key=_pem(key, "tls_key"),
-                                        certificate_chain=_pem(cert, "tls_cert"))
+    return grpc.ssl_channel_credentials(root_certificates=read_pem(ca, "tls_ca"), private_key=read_pem(key, "tls_key"),
+                                        certificate_chain=read_pem(cert, "tls_cert"))
 
 
 def auth_metadata(token: str | None) -> Metadata:
@@ -112,6 +115,71 @@ def open_channel(address: str, credentials: grpc.ChannelCredentials | None = Non
     if credentials is not None:
         return grpc.secure_channel(address, credentials, options=list(options))
     return grpc.insecure_channel(address, options=list(options))
+
+
+# readiness
+
+
+def unreachable_error(address: str, tls_ca: bytes | None = None, tls_cert: str | bytes | None = None,
+                      tls_key: str | bytes | None = None, *, timeout: float = 2.0,
+                      fallback: NgramCacheError | None = None) -> NgramCacheError:
+    """The error for a service at ``address`` that gRPC could not reach: `ServiceUnreachableError` with the
+    cause a probe finds (`ngramcache.client.diagnose`), else ``fallback`` (or a plain BackendUnavailableError)."""
+    found = diagnose(address, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key, timeout=timeout)
+    if found is not None:
+        return ServiceUnreachableError(found)
+    return fallback or BackendUnavailableError(f"cannot reach the service at {address}")
+
+
+def wait_ready(channel: grpc.Channel, address: str, timeout: float, tls_ca: bytes | None = None,
+               tls_cert: str | bytes | None = None, tls_key: str | bytes | None = None) -> None:
+    """Returns once ``channel`` is connected; raises as soon as a failed connection attempt has a cause.
+
+    Each time gRPC reports TRANSIENT_FAILURE the address is probed (`unreachable_error`): a refused
+    connection, a TLS mismatch, a server that is not gRPC end the wait at once, with that cause. A
+    probe that finds nothing wrong (a service that was just starting) lets the wait go on.
+
+    Raises:
+        ServiceUnreachableError: the cause found, at once or at the timeout.
+        BackendUnavailableError: nothing answered within ``timeout`` seconds and the probe found no cause.
+    """
+    deadline = time.monotonic() + timeout
+    wake = threading.Event()
+    failures = [0]
+
+    def watch(state: grpc.ChannelConnectivity) -> None:
+        if state == grpc.ChannelConnectivity.TRANSIENT_FAILURE:
+            failures[0] += 1
+            wake.set()
+
+    ready = grpc.channel_ready_future(channel)  # asks the channel to connect
+    ready.add_done_callback(lambda _: wake.set())
+    # Not try_to_connect again: that flag keeps gRPC's polling thread going after the last unsubscribe, and a
+    # close() meanwhile makes it raise "Channel closed!" in that thread.
+    channel.subscribe(watch, try_to_connect=False)
+    try:
+        seen = 0
+        while not ready.done():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            wake.wait(left)
+            wake.clear()
+            if ready.done():
+                return
+            if failures[0] != seen:
+                seen = failures[0]
+                found = diagnose(address, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key,
+                                 timeout=max(0.1, min(2.0, deadline - time.monotonic())))
+                if found is not None:
+                    raise ServiceUnreachableError(found)
+        if ready.done():
+            return
+        raise unreachable_error(address, tls_ca, tls_cert, tls_key, timeout=2.0, fallback=BackendUnavailableError(
+            f"no service answered at {address} within {timeout:g} s"))
+    finally:
+        channel.unsubscribe(watch)
+        ready.cancel()
 
 
 # the failover channel of the background loop

@@ -16,12 +16,20 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar
 
 from ngramcache.client._core import CountTable, Drafter
 from ngramcache.client._proto.v1 import admin_pb2
-from ngramcache.client.errors import BackendUnavailableError, InvalidArgumentError, TokenizerMismatchError
+from ngramcache.client.address import check_address
+from ngramcache.client.diagnose import Diagnosis, diagnose
+from ngramcache.client.errors import (
+    BackendUnavailableError,
+    InvalidArgumentError,
+    NgramCacheError,
+    ServiceUnreachableError,
+    TokenizerMismatchError,
+)
 from ngramcache.client.static_files import GenerationFiles
 from ngramcache.client.sync.config import ClientConfig, HasTokenizer
 from ngramcache.client.sync.health import HealthWatch
@@ -31,11 +39,13 @@ from ngramcache.client.sync.mirror import Mirror
 from ngramcache.client.sync.pusher import Pusher
 from ngramcache.client.sync.state import SyncState
 from ngramcache.client.sync.static_sync import StaticSync
-from ngramcache.client.transport import Channel
+from ngramcache.client.transport import Channel, read_pem
 
 __all__ = ["NgramClient"]
 
 log = logging.getLogger("ngramcache.client.sync")
+
+T = TypeVar("T")
 
 
 class SyncLoop:
@@ -65,11 +75,14 @@ class SyncLoop:
             return resp
 
         try:
-            ns = (await state.retrying("GetNamespace", get, until)).namespace
+            ns = (await self._first_answer(state.retrying("GetNamespace", get, until))).namespace
+        except ServiceUnreachableError:
+            raise
         except BackendUnavailableError as e:
+            causes = [d.message() for d in await self._diagnoses() if d is not None]
             raise BackendUnavailableError(
                 f"no ngramcache service answered at {', '.join(config.addresses)} within "
-                f"{config.connect_timeout:g} s (connect_timeout): {e}") from None
+                f"{config.connect_timeout:g} s (connect_timeout): {'; '.join(causes) or e}") from None
         if ns.tokenizer_fingerprint != config.fingerprint or ns.vocab_size != config.vocab_size:
             raise TokenizerMismatchError(
                 f"namespace {config.namespace!r} is bound to fingerprint {ns.tokenizer_fingerprint.hex()[:16]}... "
@@ -88,6 +101,32 @@ class SyncLoop:
             log.warning("ngramcache client: the service at %s does not serve the fleet history (an older version); "
                         "drafting from this client's own history only", state.stats.address or config.addresses[0])
             self.publisher.enabled = self.history_mirror.enabled = False
+
+    async def _diagnoses(self) -> list[Diagnosis | None]:
+        """Why each address does not answer (None: it looks fine), probed in threads."""
+        config = self.state.config
+        ca = read_pem(config.tls_ca, "tls_ca")
+        return list(await asyncio.gather(*(asyncio.to_thread(diagnose, a, tls_ca=ca, tls_cert=config.tls_cert,
+                                                             tls_key=config.tls_key) for a in config.addresses)))
+
+    async def _first_answer(self, call: Awaitable[T]) -> T:
+        """``call`` (the first call to the service), ended early when every address fails for a cause waiting
+        cannot fix (TLS on one side only, an untrusted certificate, not a gRPC server): ServiceUnreachableError.
+
+        Refused connections and silent hosts are retried until connect_timeout: a service may be starting."""
+        task = asyncio.ensure_future(call)
+        delay = 0.2
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=delay)
+            if done:
+                return task.result()
+            found = await self._diagnoses()
+            if found and all(d is not None and d.permanent for d in found):
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, NgramCacheError):
+                    await task
+                raise ServiceUnreachableError(found[0])
+            delay = min(delay * 2, 2.0)
 
     async def run(self, started: Callable[[BaseException | None], None]) -> None:
         state = self.state
@@ -221,7 +260,11 @@ class NgramClient:
     Raises:
         TokenizerMismatchError: the namespace is bound to another tokenizer.
         NamespaceNotFoundError: no such namespace.
-        BackendUnavailableError: no address answered within ``connect_timeout`` (default 10 s), or the first sync took longer than ``ready_timeout``.
+        BackendUnavailableError: no address answered within ``connect_timeout`` (default 10 s), or the first sync took longer than ``ready_timeout``;
+            the message says what a probe of each address found (refused, unknown host, ...).
+        ServiceUnreachableError: at once, when every address fails for a cause waiting cannot fix (TLS on
+            one side only, an untrusted certificate, not a gRPC server).
+        InvalidArgumentError: an address is not ``HOST:PORT`` (a URL such as ``http://...``, no port).
     """
 
     def __init__(self, addresses: str | Sequence[str], namespace: str,
@@ -234,6 +277,8 @@ class NgramClient:
         addrs = (addresses,) if isinstance(addresses, str) else tuple(addresses)
         if not addrs:
             raise InvalidArgumentError("addresses must name at least one service")
+        for a in addrs:
+            check_address(a, "addresses" if len(addrs) > 1 else "address")
         if cache_dir is None:
             cache_dir = os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "ngramcache")
         self.config = ClientConfig(addresses=addrs, namespace=namespace, fingerprint=bytes(fingerprint),
