@@ -5,13 +5,19 @@ Usage::
     from llama_cpp import Llama
     from ngramcache.client.adapters.llama_cpp import NgramDraftModel
 
-    draft_model = NgramDraftModel(drafter, seq_id=1, n_draft=8)
+    draft_model = NgramDraftModel(drafter, seq_id=1)
     llm = Llama(model_path="model.gguf", draft_model=draft_model)
     out = llm.create_completion(prompt, max_tokens=64, temperature=0.0)
-    print(draft_model.stats)
+    print(draft_model.stats, draft_model.verify_cost)
 
-Cost-aware drafting (sends only the drafted prefix worth its verify cost; a batch of 9 tokens
-costs several one-token passes here)::
+How much to draft. By default (``n_draft="auto"``) each call sends up to 64 drafted tokens, as
+many as the ``Llama``'s verify costs make worth it, learned from the passes of its generation
+loop (the time between two calls is one pass that verified the previous draft; no extra pass,
+nothing to measure first): where a batch of drafted tokens is nearly free to verify (a GPU
+offload) drafts grow to 64, where it is not (llama.cpp's CPU kernels: one drafted token can cost
+as much as the pass without it) they are cut, to none when the odds are low. ``verify_cost=``
+gives the costs instead. An integer ``n_draft`` drafts that many tokens every call, as llama.cpp
+does, or with ``cost_aware=True`` cuts them by costs measured up front::
 
     draft_model = NgramDraftModel(drafter, seq_id=1, n_draft=8, cost_aware=True)
     llm = Llama(model_path="model.gguf", draft_model=draft_model)
@@ -26,7 +32,7 @@ llama-cpp-python calls the draft model after every verification with the whole c
 + every accepted token + the token it just sampled) in a buffer it reuses, and evaluates the
 returned tokens in one batch, keeping them up to the first one its sampler disagrees with. One
 `NgramDraftModel` is one drafter sequence (``seq_id``), as one ``Llama`` runs one generation at a
-time: a context that extends the previous one by at most the last draft plus one token is the
+time: a context that extends the previous one by a prefix of the last draft plus one token is the
 same generation (only the new tokens are accepted, and the accepted drafted tokens counted); a
 longer extension is a new prompt that reuses the previous context (counted incrementally); any
 other context (a new prompt, a rewind) resets the drafter's sequence and starts it again.
@@ -56,6 +62,7 @@ except ImportError as e:  # the engine is an optional extra
 
 from ngramcache.client.adapters.draft_length import DraftLengthPolicy, VerifyCost
 from ngramcache.client.adapters.sequence_feed import DrafterLike, DraftStats, SequenceFeed
+from ngramcache.client.adapters.step_costs import UNSCORED_ODDS, StepCosts, draft_length_setting
 from ngramcache.client.errors import InvalidArgumentError
 
 __all__ = ["DraftStats", "NgramDraftModel", "measure_verify_cost"]
@@ -127,39 +134,51 @@ class NgramDraftModel(LlamaDraftModel):
     Args:
         drafter: a drafter with `draft`, `accept` and `reset` (see `DrafterLike`).
         seq_id: the drafter's sequence id to use (each new generation resets it).
-        n_draft: most tokens drafted per call (1..256).
+        n_draft: "auto" (default): up to 64 tokens a call, as many as the verify costs make
+            worth it (learned from the generation loop's passes into `verify_cost`, a
+            `StepCosts`, or given by `verify_cost`). A whole number (1..256): that many tokens
+            at most, every drafted token sent (unless `cost_aware`).
         stats: counters to add to (`self.stats`; a new `DraftStats` when omitted).
-        cost_aware: send each call only the drafted prefix with the most expected new tokens per
-            unit of verify cost (0 tokens included). Needs the costs: `verify_cost`, or a call
-            of `measure(llm)` before the first generation (the draft model never sees the
-            ``Llama``). Off by default: every drafted token is sent, as llama.cpp does.
+        cost_aware: with a whole `n_draft`: send each call only the drafted prefix with the most
+            expected new tokens per unit of verify cost (0 tokens included). Needs the costs:
+            `verify_cost`, or a call of `measure(llm)` before the first generation (the draft
+            model never sees the ``Llama``). Off by default.
         verify_cost: the verify costs c(k) (a `VerifyCost`, a list whose item k is c(k), or a
-            callable); implies `cost_aware`.
+            callable), never learned; implies `cost_aware`.
 
     Raises:
-        InvalidArgumentError: `cost_aware` with a drafter that has no ``draft_scored``.
+        InvalidArgumentError: `n_draft` neither "auto" nor in 1..256; `cost_aware` with a drafter
+            that has no ``draft_scored``.
     """
 
-    def __init__(self, drafter: DrafterLike, seq_id: int = 0, n_draft: int = 8, *, stats: DraftStats | None = None,
-                 cost_aware: bool = False,
+    def __init__(self, drafter: DrafterLike, seq_id: int = 0, n_draft: int | str = "auto", *,
+                 stats: DraftStats | None = None, cost_aware: bool = False,
                  verify_cost: VerifyCost | Sequence[float] | Callable[[int], float] | None = None) -> None:
-        self.cost_aware = cost_aware or verify_cost is not None
-        self.feed = SequenceFeed(drafter, seq_id, n_draft, stats)
-        if self.cost_aware and not hasattr(drafter, "draft_scored"):
+        most, self.auto = draft_length_setting(n_draft)
+        self.cost_aware = self.auto or cost_aware or verify_cost is not None
+        self.feed = SequenceFeed(drafter, seq_id, most, stats)
+        if self.cost_aware and not self.auto and not hasattr(drafter, "draft_scored"):
             raise InvalidArgumentError(
                 f"cost-aware drafting needs a drafter with draft_scored() (ngramcache.Drafter), got {type(drafter).__name__}")
         if verify_cost is not None:
             self.set_verify_cost(verify_cost)
+        elif self.auto:
+            self.set_verify_cost(StepCosts(most))
         self._last_draft: NDArray[np.int32] = np.empty(0, dtype=np.int32)
         self.generations = 0  # generations started (calls that found a new or extended prompt)
 
     def set_verify_cost(self, cost: VerifyCost | Sequence[float] | Callable[[int], float]) -> None:
-        """Drafts cost-aware from now on, with verify costs `cost`."""
+        """Drafts cost-aware from now on, with verify costs `cost` (a `StepCosts` learns from the passes)."""
         if not isinstance(cost, VerifyCost):
             cost = VerifyCost(cost, max(self.feed.n_draft, 8))
         self.cost_aware = True
         self.feed = SequenceFeed(self.feed.drafter, self.feed.seq_id, self.feed.n_draft, self.feed.stats,
-                                 DraftLengthPolicy(cost))
+                                 DraftLengthPolicy(cost), unscored_odds=UNSCORED_ODDS if self.auto else None)
+
+    @property
+    def verify_cost(self) -> VerifyCost | None:
+        """The verify costs drafts are cut by (with "auto", learned so far), or None."""
+        return self.feed.policy.cost if self.feed.policy is not None else None
 
     def measure(self, llm: Any, **kwargs: Any) -> VerifyCost:
         """Measures `llm`'s verify costs (`measure_verify_cost`, a second or two) and drafts
@@ -186,16 +205,17 @@ class NgramDraftModel(LlamaDraftModel):
         tokens = np.asarray(input_ids, dtype=np.int32)
         seen = self.feed.seen
         stats = self.feed.stats
-        if seen is not None and self.feed.extends_seen(tokens) and 1 <= len(tokens) - len(seen) <= len(self._last_draft) + 1:
-            # One verification since the last call: the accepted drafted tokens, then the
-            # token the model sampled itself (which differs from the draft's, if any is left).
-            new = tokens[len(seen):]
-            agree = new[: len(self._last_draft)] == self._last_draft[: len(new)]
-            kept = int(np.argmin(agree)) if not agree.all() else len(agree)
-            stats.accepted += min(kept, len(new) - 1)
-            stats.tokens += len(new)
+        n_new = len(tokens) - len(seen) if seen is not None else 0
+        if seen is not None and 1 <= n_new <= len(self._last_draft) + 1 and self.feed.extends_seen(tokens) and \
+                np.array_equal(tokens[len(seen): len(tokens) - 1], self._last_draft[: n_new - 1]):
+            # One verification since the last call: the accepted drafted tokens (a prefix of the
+            # draft), then the token the model sampled itself. Anything else (a next prompt that
+            # extends the context, however short) is a new generation.
+            stats.accepted += n_new - 1
+            stats.tokens += n_new
         else:
             # A new generation: its prefill was one forward pass, which sampled the last token.
+            self.feed.new_generation()
             self.generations += 1
             stats.steps += 1
             stats.tokens += 1

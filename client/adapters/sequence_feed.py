@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -70,20 +71,30 @@ class SequenceFeed:
         stats: counters to add to (a new `DraftStats` when omitted).
         policy: cost-aware drafting: the drafter's `draft_scored` gives each token's odds and
             the policy sends the prefix with the most expected tokens per unit of verify cost
-            (None: every drafted token is sent, as llama.cpp does).
+            (None: every drafted token is sent, as llama.cpp does). When its costs are a
+            `StepCosts`, each `draft` call times the step since the previous one (the engine's
+            step that verified the previous draft) and records it there.
+        unscored_odds: the odds given to every drafted token of a drafter without `draft_scored`
+            (calibrated by the policy like any odds); None: such a drafter is refused.
 
     Raises:
-        InvalidArgumentError: a policy with a drafter that has no `draft_scored`.
+        InvalidArgumentError: a policy with a drafter that has no `draft_scored` (and no `unscored_odds`).
     """
 
     def __init__(self, drafter: DrafterLike, seq_id: int, n_draft: int = 8, stats: DraftStats | None = None,
-                 policy: DraftLengthPolicy | None = None) -> None:
+                 policy: DraftLengthPolicy | None = None, *, unscored_odds: float | None = None) -> None:
         if n_draft < 1:
             raise ValueError(f"n_draft must be at least 1, got {n_draft}")
-        if policy is not None and not hasattr(drafter, "draft_scored"):
+        self._scored = hasattr(drafter, "draft_scored")
+        if policy is not None and not self._scored and unscored_odds is None:
             raise InvalidArgumentError(
                 f"cost-aware drafting needs a drafter with draft_scored() (ngramcache.Drafter), got {type(drafter).__name__}")
         self.policy = policy
+        self.unscored_odds = unscored_odds
+        # Step timing for learned costs: when the last draft() ran and how many tokens it sent.
+        self._step_costs = policy.cost if policy is not None and hasattr(policy.cost, "record") else None
+        self._last_call: float | None = None
+        self._last_sent = 0
         # The last full draft and its odds, before the policy cut it: what the model's next
         # tokens are compared with to calibrate the policy.
         self._full: NDArray[np.int32] = np.empty(0, dtype=np.int32)
@@ -124,6 +135,7 @@ class SequenceFeed:
             # that does not extend them starts from nothing (which also clears what an earlier
             # user of this seq id left behind).
             self.drafter.reset(self.seq_id)
+            self._last_call = None  # a new prompt: the time since the last call is not one step
             if self.policy is not None:
                 self.policy.reset()
         self.drafter.accept(self.seq_id, tokens)
@@ -140,8 +152,12 @@ class SequenceFeed:
         Returns:
             An int32 array, empty when the drafter has nothing (or `limit` < 1).
         """
+        now = time.perf_counter()
         tokens = np.ascontiguousarray(tokens, dtype=np.int32)
         self.accept(tokens)
+        if self._step_costs is not None and self._last_call is not None:
+            self._step_costs.record(self._last_sent, now - self._last_call)
+        self._last_call, self._last_sent = now, 0
         self.stats.steps += 1
         n = self.n_draft if limit is None else min(self.n_draft, limit)
         if n < 1 or len(tokens) == 0:
@@ -149,12 +165,22 @@ class SequenceFeed:
         if self.policy is None:
             drafted = np.asarray(self.drafter.draft(self.seq_id, tokens, n), dtype=np.int32)[:n]
         else:
-            full, odds = self.drafter.draft_scored(self.seq_id, tokens, n)  # type: ignore[attr-defined]
-            self._full = np.asarray(full, dtype=np.int32)[:n]
-            self._full_odds = np.asarray(odds, dtype=np.float32)[: len(self._full)]
+            if self._scored:
+                full, odds = self.drafter.draft_scored(self.seq_id, tokens, n)  # type: ignore[attr-defined]
+                self._full = np.asarray(full, dtype=np.int32)[:n]
+                self._full_odds = np.asarray(odds, dtype=np.float32)[: len(self._full)]
+            else:
+                self._full = np.asarray(self.drafter.draft(self.seq_id, tokens, n), dtype=np.int32)[:n]
+                self._full_odds = np.full(len(self._full), self.unscored_odds, dtype=np.float32)
             drafted = self._full[: self.policy.choose(self._full_odds)]
+        self._last_sent = len(drafted)
         self.stats.drafted += len(drafted)
         return drafted
+
+    def new_generation(self) -> None:
+        """Says the engine starts a generation (a prefill comes before the next `draft`): the time
+        until then is not a step of the loop, so it is not recorded."""
+        self._last_call = None
 
     def _calibrate(self, new: NDArray[np.int32]) -> None:
         """Tells the policy how far the model's `new` tokens agreed with the last full draft.
@@ -172,6 +198,7 @@ class SequenceFeed:
         """Forgets the sequence (here and in the drafter)."""
         self._seen = None
         self._full = self._full[:0]
+        self._last_call = None
         if self.policy is not None:
             self.policy.reset()
         self.drafter.reset(self.seq_id)

@@ -26,7 +26,19 @@ Usage::
     from ngramcache.client.adapters.transformers import DraftStats, generate
 
     stats = DraftStats()
-    out = generate(model, input_ids, drafter, seq_id=1, n_draft=8, max_new_tokens=64, stats=stats)
+    out = generate(model, input_ids, drafter, seq_id=1, max_new_tokens=64, stats=stats)
+
+How much to draft. By default (``n_draft="auto"``) each step sends up to 64 drafted tokens, as
+many as the engine's verify costs make worth it: the adapter times the steps of the decoding
+loop it runs anyway (no extra forward pass, nothing measured before the first request), learns
+c(k), a step with k drafted tokens over one with none, per model (`step_costs.StepCosts`), and
+sends the drafted prefix with the most expected new tokens per unit of cost. Where verifying
+more is nearly free (a GPU: c(64) ~ 1.1) drafts grow to 64 tokens; where it is not (a few CPU
+cores: c(1) ~ 1.6) they are cut, to none when the odds are low. Until a length has been timed
+it is taken to cost no more than the longest one timed, so the first steps of the first request
+draft long and the costs settle within a few dozen steps. ``verify_cost=`` gives the costs
+instead (never learned); an integer ``n_draft`` drafts that many tokens every step (llama.cpp's
+way), or with ``cost_aware=True`` cuts them by costs measured up front (`measure_verify_cost`).
 
 The drafter (`ngramcache.Drafter`, `NgramClient(...).drafter()` or `RemoteDrafter`) must be bound
 to the model's tokenizer with a vocabulary of at least ``model.config.vocab_size`` ids. Each
@@ -62,9 +74,11 @@ except ImportError as e:  # the engine is an optional extra
 
 from ngramcache.client.adapters.draft_length import DraftLengthPolicy, VerifyCost
 from ngramcache.client.adapters.sequence_feed import DrafterLike, DraftStats, SequenceFeed
+from ngramcache.client.adapters.step_costs import UNSCORED_ODDS, StepCosts, draft_length_setting
 from ngramcache.client.errors import InvalidArgumentError
 
-__all__ = ["DraftStats", "NgramCandidateGenerator", "generate", "measure_verify_cost", "ngram_decoding"]
+__all__ = ["DraftStats", "NgramCandidateGenerator", "generate", "learned_verify_cost", "measure_verify_cost",
+           "ngram_decoding"]
 
 
 class NgramCandidateGenerator(CandidateGenerator):
@@ -78,19 +92,32 @@ class NgramCandidateGenerator(CandidateGenerator):
     Args:
         drafter: a drafter with `draft`, `accept` and `reset` (see `DrafterLike`).
         seq_id: the drafter's sequence id to use.
-        n_draft: most tokens drafted per step (1..256).
+        n_draft: "auto" (default): up to 64 tokens a step, as many as the verify costs make worth
+            it (`verify_cost`, or a `StepCosts` of its own learned from the steps it sees); or
+            the most tokens drafted per step (1..256).
         stats: counters to add to (`self.stats`; a new `DraftStats` when omitted).
         verify_cost: cost-aware drafting with these verify costs (`VerifyCost`, e.g. from
-            `measure_verify_cost`): each step sends the drafted prefix with the most expected
-            tokens per unit of cost, 0 tokens included. None: every drafted token is sent.
+            `measure_verify_cost`, or a `StepCosts` to learn into): each step sends the drafted
+            prefix with the most expected tokens per unit of cost, 0 tokens included. None:
+            every drafted token is sent (with an integer `n_draft`).
+
+    Raises:
+        InvalidArgumentError: `n_draft` neither "auto" nor in 1..256; `verify_cost` with a drafter
+            that has no ``draft_scored``.
     """
 
-    def __init__(self, drafter: DrafterLike, seq_id: int, n_draft: int = 8, *, stats: DraftStats | None = None,
-                 verify_cost: VerifyCost | None = None) -> None:
+    def __init__(self, drafter: DrafterLike, seq_id: int, n_draft: int | str = "auto", *,
+                 stats: DraftStats | None = None, verify_cost: VerifyCost | None = None) -> None:
+        most, auto = draft_length_setting(n_draft)
+        if auto and verify_cost is None:
+            verify_cost = StepCosts(most)
         policy = DraftLengthPolicy(verify_cost) if verify_cost is not None else None
-        self.feed = SequenceFeed(drafter, seq_id, n_draft, stats, policy)
+        self.feed = SequenceFeed(drafter, seq_id, most, stats, policy, unscored_odds=UNSCORED_ODDS if auto else None)
         # The generation's max_length (set by ngram_decoding): no draft reaches past it.
         self.max_length: int | None = None
+        # The tensor update_candidate_strategy accepted last: the loop hands it back to
+        # get_candidates, which then drafts from the host copy instead of copying it again.
+        self._accepted_ids: torch.Tensor | None = None
 
     @property
     def num_drafting_tokens(self) -> int:
@@ -121,10 +148,12 @@ class NgramCandidateGenerator(CandidateGenerator):
         # The model adds one token of its own after the drafted ones: drafting up to
         # max_length - 1 keeps every verified position inside the length limit.
         limit = None if self.max_length is None else self.max_length - length - 1
-        drafted = self.feed.draft(_to_numpy(input_ids), limit)
+        seen = self.feed.seen
+        same = input_ids is self._accepted_ids and seen is not None and len(seen) == length
+        drafted = self.feed.draft(seen if same else _to_numpy(input_ids), limit)  # type: ignore[arg-type]
         if len(drafted) == 0:
             return input_ids, None
-        extra = torch.as_tensor(drafted, device=input_ids.device).to(input_ids.dtype).unsqueeze(0)
+        extra = torch.from_numpy(drafted).to(device=input_ids.device, dtype=input_ids.dtype).unsqueeze(0)
         return torch.cat((input_ids, extra), dim=1), None
 
     def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.Tensor, num_matches: int) -> None:
@@ -133,7 +162,16 @@ class NgramCandidateGenerator(CandidateGenerator):
         matches = int(num_matches)
         self.stats.accepted += matches
         self.stats.tokens += matches + 1
-        self.feed.accept(_to_numpy(input_ids))
+        seen = self.feed.seen
+        length = int(input_ids.shape[1])
+        if seen is not None and len(seen) < length and input_ids is not self._accepted_ids:
+            # The loop appends the kept tokens to the sequence it verified: only they cross from
+            # the device (one small copy a step instead of the whole sequence).
+            tokens = np.concatenate((seen, _to_numpy(input_ids[:, len(seen):])))
+        else:
+            tokens = _to_numpy(input_ids)
+        self.feed.accept(tokens)
+        self._accepted_ids = input_ids
 
 
 def _to_numpy(input_ids: torch.Tensor) -> NDArray[np.int32]:
@@ -143,6 +181,17 @@ def _to_numpy(input_ids: torch.Tensor) -> NDArray[np.int32]:
 
 
 _costs: weakref.WeakKeyDictionary[Any, VerifyCost] = weakref.WeakKeyDictionary()
+_learned: weakref.WeakKeyDictionary[Any, StepCosts] = weakref.WeakKeyDictionary()
+
+
+def learned_verify_cost(model: Any) -> StepCosts:
+    """The verify costs ``n_draft="auto"`` learns on `model` from its generations' steps (kept
+    while the model lives; flat until steps are timed). Print it to see c(k)."""
+    with _model_lock(model):
+        cost = _learned.get(model)
+        if cost is None:
+            cost = _learned[model] = StepCosts()
+        return cost
 
 
 class _ProbeCandidates(NgramCandidateGenerator):
@@ -274,6 +323,9 @@ def ngram_decoding(
         raise TypeError(f"ngram_candidate_generator must be an NgramCandidateGenerator, got {type(ngram_candidate_generator).__name__}")
     _check_supported(model, input_ids, generation_config)
     ngram_candidate_generator.max_length = generation_config.max_length
+    feed: SequenceFeed | None = getattr(ngram_candidate_generator, "feed", None)  # a cost probe has none
+    if feed is not None:
+        feed.new_generation()  # the prefill comes first: not a step to time
 
     def candidate_generator(*args: Any, **kwargs: Any) -> NgramCandidateGenerator:
         return ngram_candidate_generator
@@ -295,7 +347,7 @@ def generate(
     drafter: DrafterLike,
     *,
     seq_id: int,
-    n_draft: int = 8,
+    n_draft: int | str = "auto",
     stats: DraftStats | None = None,
     cost_aware: bool = False,
     verify_cost: VerifyCost | Sequence[float] | Callable[[int], float] | None = None,
@@ -310,15 +362,20 @@ def generate(
         input_ids: shape (1, prompt length).
         drafter: a drafter with `draft`, `accept` and `reset` bound to the model's tokenizer.
         seq_id: the drafter's sequence id for this generation (reset at its start).
-        n_draft: most tokens drafted per step (1..256).
+        n_draft: "auto" (default): up to 64 drafted tokens a step, as many as the model's verify
+            costs make worth it, learned from the steps of its generations (see the module's
+            docstring; `learned_verify_cost(model)` shows them) or given by `verify_cost`. A
+            whole number (1..256): that many tokens at most, every drafted token sent (unless
+            `cost_aware`).
         stats: counters to add this generation's steps, drafted, accepted and new tokens to.
-        cost_aware: send each step only the drafted prefix with the most expected new tokens
-            per unit of verify cost (0 tokens included; the output is unchanged). Needs a
-            drafter with ``draft_scored`` (`ngramcache.Drafter`). Off by default: every drafted
-            token is sent, as llama.cpp does.
-        verify_cost: the verify costs c(k) to use with `cost_aware` (a `VerifyCost`, a list
-            whose item k is c(k), or a callable); by default they are measured on `model`
-            at its first cost-aware call (`measure_verify_cost`, about 10 s on CPU) and kept.
+        cost_aware: with a whole `n_draft`: send each step only the drafted prefix with the
+            most expected new tokens per unit of verify cost (0 tokens included; the output is
+            unchanged). Needs a drafter with ``draft_scored`` (`ngramcache.Drafter`). Off by
+            default. (``n_draft="auto"`` always is, and takes drafters without odds too.)
+        verify_cost: the verify costs c(k) to use with "auto" or `cost_aware` (a `VerifyCost`, a
+            list whose item k is c(k), or a callable), never learned; by default "auto" learns
+            them and `cost_aware` measures them on `model` at its first cost-aware call
+            (`measure_verify_cost`, about 10 s on CPU) and keeps them.
         **generate_kwargs: passed to ``model.generate`` (``max_new_tokens``, ``attention_mask``,
             ``eos_token_id``, ``return_dict_in_generate``...); ``do_sample`` defaults to False.
 
@@ -328,16 +385,24 @@ def generate(
     Raises:
         ValueError: beam search or several return sequences asked, a batch of more than one
             sequence, ``streamer`` or another drafting method given.
+        InvalidArgumentError: `n_draft` neither "auto" nor in 1..256; `cost_aware` with a drafter
+            without ``draft_scored``.
     """
     for name in ("streamer", "custom_generate", "assistant_model", "prompt_lookup_num_tokens"):
         if generate_kwargs.get(name) is not None:
             raise ValueError(f"{name}= is not supported with ngramcache drafting")
     generate_kwargs.setdefault("do_sample", False)
+    most, auto = draft_length_setting(n_draft)
     cost: VerifyCost | None = None
-    if cost_aware:
+    if auto:
+        if verify_cost is None:
+            cost = learned_verify_cost(model)
+        else:
+            cost = verify_cost if isinstance(verify_cost, VerifyCost) else VerifyCost(verify_cost, most)
+    elif cost_aware:
         if verify_cost is None:
             cost = _verify_cost_of(model)
         else:
-            cost = verify_cost if isinstance(verify_cost, VerifyCost) else VerifyCost(verify_cost, max(n_draft, 8))
+            cost = verify_cost if isinstance(verify_cost, VerifyCost) else VerifyCost(verify_cost, max(most, 8))
     generator = NgramCandidateGenerator(drafter, seq_id, n_draft, stats=stats, verify_cost=cost)
     return model.generate(input_ids, custom_generate=ngram_decoding, ngram_candidate_generator=generator, **generate_kwargs)

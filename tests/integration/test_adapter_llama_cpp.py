@@ -18,6 +18,7 @@ from helpers.model import (
 
 from ngramcache import UNTAGGED, CountTable, Drafter, InvalidArgumentError, StaticCache, build_static_from_tokens
 from ngramcache.client.adapters.llama_cpp import DraftStats, NgramDraftModel
+from ngramcache.client.adapters.step_costs import StepCosts
 
 pytestmark = [pytest.mark.integration, pytest.mark.engine]
 
@@ -124,6 +125,33 @@ def test_new_prompt_or_rewind_resets_the_sequence():
     assert ("reset", 1) not in drafter.calls and dm.generations == 4
     assert counted_once(drafter.inner, 1, turn)
     assert dm.stats.steps == 4 + 5  # one prefill per generation, one verification per call
+
+
+def test_a_next_turn_shorter_than_the_draft_is_a_new_generation():
+    """Long drafts (64 with "auto") make short extensions common: only a prefix of the draft plus one token is
+    a verification; 20 other tokens are a chat's next turn, a new generation (its prefill counted as such)."""
+    drafter = RecordingDrafter()
+    dm = NgramDraftModel(drafter, seq_id=1, n_draft=32)
+    ctx = np.array([1, 2, 3, 4] * 10, dtype=np.intc)
+    assert len(dm(ctx)) == 32
+    dm(np.concatenate([ctx, np.arange(10, 30, dtype=np.intc)]))
+    assert dm.generations == 2 and dm.stats.accepted == 0 and dm.stats.steps == 4  # a prefill and a call each
+
+
+def test_auto_default_times_each_pass_but_not_the_prefill():
+    """n_draft="auto" (the default): the first call sends a long copy at once (nothing measured first); the
+    time between two calls of one generation is a pass that verified the earlier draft; a new prompt's
+    first call follows a prefill, not a pass, and is not timed."""
+    drafter = Drafter(dynamic=CountTable(), fingerprint=UNTAGGED, vocab_size=VOCAB, mode="match")
+    dm = NgramDraftModel(drafter, seq_id=1)
+    assert isinstance(dm.verify_cost, StepCosts) and dm.feed.n_draft == 64
+    ctx = np.array(list(range(1, 41)) * 3 + [1, 2], dtype=np.intc)
+    draft = dm(ctx)
+    assert len(draft) > 8 and dm.verify_cost.steps == 0
+    dm(np.concatenate([ctx, draft[:5], [49]]).astype(np.intc))
+    assert dm.verify_cost.steps == 1
+    dm(np.array([5, 6, 5, 6, 5, 6, 5], dtype=np.intc))  # a new prompt
+    assert dm.verify_cost.steps == 1 and dm.generations == 2
 
 
 def test_reset_forgets_the_sequence():
@@ -273,4 +301,4 @@ def test_cost_aware_generation_matches_plain_greedy(llama_cls, plain, static_cac
 
 def test_cost_aware_needs_draft_scored():
     with pytest.raises(InvalidArgumentError, match="draft_scored"):
-        NgramDraftModel(RecordingDrafter(), cost_aware=True)
+        NgramDraftModel(RecordingDrafter(), n_draft=8, cost_aware=True)

@@ -35,6 +35,7 @@ from ngramcache.client.adapters.transformers import (
     DraftStats,
     NgramCandidateGenerator,
     generate,
+    learned_verify_cost,
     measure_verify_cost,
     ngram_decoding,
 )
@@ -288,5 +289,28 @@ def test_cost_aware_needs_draft_scored(smollm2):
     model, tok = smollm2
 
     with pytest.raises(InvalidArgumentError, match="draft_scored"):
-        generate(model, prompt_ids(tok, PROMPT_FUNCTIONS[0]), NoOddsDrafter(), seq_id=1, max_new_tokens=4, cost_aware=True,
-                 verify_cost=[1.0, 1.5])
+        generate(model, prompt_ids(tok, PROMPT_FUNCTIONS[0]), NoOddsDrafter(), seq_id=1, max_new_tokens=4, n_draft=8,
+                 cost_aware=True, verify_cost=[1.0, 1.5])
+
+
+@pytest.mark.slow
+def test_auto_default_learns_costs_from_its_own_steps(smollm2, static_cache, plain_outputs):
+    """The default, n_draft="auto": greedy output unchanged, not one forward pass besides the generation's
+    (nothing measured before the first request), every step but the first timed into the model's costs."""
+    model, tok = smollm2
+    spec = PROMPT_FUNCTIONS[0]
+    ids = prompt_ids(tok, spec)
+    passes = []
+    hook = model.register_forward_pre_hook(lambda module, args: passes.append(1))
+    learned = learned_verify_cost(model)
+    before = learned.steps
+    stats = DraftStats()
+    try:
+        out = generate(model, ids, Drafter(static=static_cache, dynamic=CountTable(), mode="match"), seq_id=8,
+                       max_new_tokens=NEW_TOKENS, stats=stats)
+    finally:
+        hook.remove()
+    assert torch.equal(out, plain_outputs[spec])
+    assert len(passes) == stats.steps and stats.steps + stats.accepted == stats.tokens
+    assert learned.steps - before == stats.steps - 1 and learned is learned_verify_cost(model)
+    assert stats.accepted > 0
