@@ -46,9 +46,11 @@ class BuildResult:
     n_inputs: int = 0  # input files read (build_static only)
     seconds: float = 0.0  # the whole build, reading and writing
     tokenize_seconds: float = 0.0  # of which tokenizing text
+    n_skipped: int = 0  # files found in input folders that were neither UTF-8 text nor token files (build_static only)
+    skipped_example: str | None = None  # the first of them
 
 
-def _result(path: str | os.PathLike[str], stats: dict[str, int], **more: float) -> BuildResult:
+def _result(path: str | os.PathLike[str], stats: dict[str, int], **more: float | int | str | None) -> BuildResult:
     cache = StaticCache.open(os.fspath(path))  # O(1): the header and the section table
     return BuildResult(os.fspath(path), stats["n_tokens"], stats["n_streams"], cache.n_keys, stats["n_indexed"],
                        stats["n_not_indexed"], n_followers=cache.n_followers, file_bytes=cache.file_size,
@@ -126,17 +128,20 @@ def build_static(inputs: Sequence[str | os.PathLike[str] | corpus.InputFile], ou
                  scratch_dir: str | os.PathLike[str] | None = None, threads: int = 0, corpus_index: bool = False,
                  index_depth: int = 32, vocabulary_source: str = "the vocabulary",
                  progress: Callable[[int, int], None] | None = None,
-                 on_writing: Callable[[], None] | None = None) -> BuildResult:
+                 on_writing: Callable[[], None] | None = None, include: Sequence[str] = (),
+                 exclude: Sequence[str] = ()) -> BuildResult:
     """Build a static cache from corpus files, streaming: bounded in memory whatever the corpus's size.
 
     Token files (.bin/.tokens raw int32, .npy with optional offsets) are read in chunks, each
-    stream on its own; text files are tokenized in batches with ``tokenizer``. Sorted runs past
+    stream on its own; text files are tokenized in batches with ``tokenizer``. A file found in an
+    input folder that is neither UTF-8 text nor a token file is skipped (``n_skipped`` says how
+    many); one named directly is refused. Sorted runs past
     ``memory_budget`` spill beside the output (or into ``scratch_dir``). The file is written
     atomically: an error or Ctrl-C leaves any previous ``output`` as it was.
 
     Args:
-        inputs: files and folders (expanded recursively, hidden entries skipped), or
-            `corpus.InputFile` items already collected.
+        inputs: files and folders (expanded recursively by `corpus.collect_inputs`, hidden
+            entries and ``__pycache__`` skipped), or `corpus.InputFile` items already collected.
         output: the static cache to write.
         vocab_size, fingerprint: the tokenizer's (``UNTAGGED`` for raw token ids).
         tokenizer: tokenizes text inputs; required when there are any.
@@ -145,6 +150,7 @@ def build_static(inputs: Sequence[str | os.PathLike[str] | corpus.InputFile], ou
         vocabulary_source: names where the vocabulary comes from, in errors.
         progress: called as reading goes, with (bytes read, tokens read) since the last call.
         on_writing: called once every input is read, before the sort and write (the long, silent part).
+        include, exclude: globs choosing the files of input folders (see `corpus.collect_inputs`).
 
     Returns:
         What was written; with a corpus index that left tokens out (``n_not_indexed``), an
@@ -158,7 +164,7 @@ def build_static(inputs: Sequence[str | os.PathLike[str] | corpus.InputFile], ou
     """
     items = [i if isinstance(i, corpus.InputFile) else None for i in inputs]
     paths = [os.fspath(i) for i in inputs if not isinstance(i, corpus.InputFile)]
-    collected = [i for i in items if i is not None] + (corpus.collect_inputs(paths) if paths else [])
+    collected = [i for i in items if i is not None] + (corpus.collect_inputs(paths, include, exclude) if paths else [])
     if tokenizer is None and any(i.kind == "text" for i in collected):
         raise InvalidArgumentError("text inputs need a tokenizer")
     report = progress or (lambda done, tokens: None)
@@ -179,12 +185,17 @@ def build_static(inputs: Sequence[str | os.PathLike[str] | corpus.InputFile], ou
                 length += len(chunk)
                 report(4 * len(chunk), len(chunk))
             longest = max(longest, length)
-    for batch in corpus.text_batches([i for i in collected if i.kind == "text"]):
+    skipped = corpus.Skipped()
+    for batch in corpus.text_batches([i for i in collected if i.kind == "text"], corpus.text_batch_bytes(memory_budget)):
         assert tokenizer is not None  # checked above
+        n_before = skipped.count
+        kept, texts = corpus.read_texts(batch, skipped)
+        if skipped.count > n_before:
+            report(sum(i.size for i in batch) - sum(i.size for i in kept), 0)
         ts = time.perf_counter()
-        encoded = tokenizer.encode_batch([corpus.read_text(i.path) for i in batch])
+        encoded = tokenizer.encode_batch(texts)
         t_tokenize += time.perf_counter() - ts
-        for item, tokens in zip(batch, encoded):
+        for item, tokens in zip(kept, encoded):
             builder.begin_stream()
             _add_tokens(builder, item.path, tokens, 0, vocab_size, vocabulary_source)
             longest = max(longest, len(tokens))
@@ -196,8 +207,8 @@ def build_static(inputs: Sequence[str | os.PathLike[str] | corpus.InputFile], ou
     if on_writing is not None:
         on_writing()
     stats = builder.finish()
-    result = _result(output, stats, n_inputs=len(collected), seconds=time.perf_counter() - t0,
-                     tokenize_seconds=t_tokenize)
+    result = _result(output, stats, n_inputs=len(collected) - skipped.count, seconds=time.perf_counter() - t0,
+                     tokenize_seconds=t_tokenize, n_skipped=skipped.count, skipped_example=skipped.example)
     if corpus_index:
         _warn_if_not_indexed(result, memory_budget)
     return result

@@ -7,12 +7,13 @@ a corpus larger than memory streams through.
 
 from __future__ import annotations
 
+import fnmatch
 import itertools
 import math
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -29,29 +30,68 @@ CHUNK_TOKENS = 4 << 20                # tokens read per chunk (16 MiB)
 TEXT_BATCH_BYTES = 8 << 20            # text tokenized per batch
 
 
+DEFAULT_EXCLUDES = (".*", "__pycache__")  # hidden entries and Python's bytecode caches, always left out of folders
+
+
 @dataclass(frozen=True)
 class InputFile:
     path: Path
     kind: str  # "text", "raw" or "npy"
     size: int  # bytes on disk
+    found: bool = False  # found in a folder (not named): skipped with a note, not refused, when it is not UTF-8
 
 
 def is_token_file(path: Path) -> bool:
     return path.suffix in TOKEN_SUFFIXES or (path.suffix == NPY_SUFFIX and not path.name.endswith(OFFSETS_SUFFIX))
 
 
-def collect_inputs(paths: list[str]) -> list[InputFile]:
-    """Expands folders (recursively, sorted, hidden entries skipped) into input files."""
+def _glob_matches(glob: str, rel: PurePosixPath) -> bool:
+    """A GLOB with a ``/`` matches the whole path below the input folder; one without, any single name in it."""
+    if "/" in glob:
+        return fnmatch.fnmatchcase(str(rel), glob.strip("/"))
+    return any(fnmatch.fnmatchcase(part, glob) for part in rel.parts)
+
+
+def _folder_files(folder: Path, include: Sequence[str], exclude: Sequence[str]) -> list[Path]:
+    """The files below `folder` that the globs keep (excluded folders are not entered), sorted."""
+    excludes = (*DEFAULT_EXCLUDES, *exclude)
+    out: list[Path] = []
+    for root, dirs, names in os.walk(folder):
+        here = Path(root)
+        rel_root = PurePosixPath(here.relative_to(folder).as_posix())
+        dirs[:] = [d for d in dirs if not any(_glob_matches(g, rel_root / d) for g in excludes)]
+        for name in names:
+            rel = rel_root / name
+            if any(_glob_matches(g, rel) for g in excludes):
+                continue
+            if include and not any(_glob_matches(g, PurePosixPath(name)) if "/" not in g else _glob_matches(g, rel)
+                                   for g in include):
+                continue
+            if (here / name).is_file():
+                out.append(here / name)
+    return sorted(out)
+
+
+def collect_inputs(paths: Sequence[str | os.PathLike[str]], include: Sequence[str] = (),
+                   exclude: Sequence[str] = ()) -> list[InputFile]:
+    """Expands folders (recursively, sorted) into input files.
+
+    In a folder, hidden entries and ``__pycache__`` are always left out, and so is whatever an
+    ``exclude`` glob matches; with ``include`` globs, only files one of them matches are kept.
+    A glob without ``/`` matches a single name (``*.pyc``, ``tests``: a file or a folder at any
+    depth; ``include`` matches file names), one with ``/`` the path below the folder
+    (``docs/*.md``; ``*`` also crosses ``/``). Files named directly are always taken.
+
+    Raises:
+        InvalidArgumentError: an input is missing or not a file or folder, or nothing is left.
+    """
     out: list[InputFile] = []
     for raw in paths:
         p = Path(raw)
         if p.is_dir():
-            files = sorted(
-                f for f in p.rglob("*")
-                if f.is_file() and not any(part.startswith(".") for part in f.relative_to(p).parts)
-            )
+            files, found = _folder_files(p, include, exclude), True
         elif p.is_file():
-            files = [p]
+            files, found = [p], False
         elif p.exists():
             raise InvalidArgumentError(f"input {raw} is not a regular file or a folder")
         else:
@@ -60,9 +100,10 @@ def collect_inputs(paths: list[str]) -> list[InputFile]:
             if f.name.endswith(OFFSETS_SUFFIX):
                 continue  # read together with its .npy
             kind = "raw" if f.suffix in TOKEN_SUFFIXES else "npy" if f.suffix == NPY_SUFFIX else "text"
-            out.append(InputFile(f, kind, f.stat().st_size))
+            out.append(InputFile(f, kind, f.stat().st_size, found))
     if not out:
-        raise InvalidArgumentError("no input files found in " + ", ".join(paths))
+        filters = " (after --include/--exclude)" if include or exclude else ""
+        raise InvalidArgumentError("no input files found in " + ", ".join(os.fspath(p) for p in paths) + filters)
     return out
 
 
@@ -131,14 +172,65 @@ def read_text(path: Path) -> str:
         ) from None
 
 
-def text_batches(items: list[InputFile]) -> Iterator[list[InputFile]]:
-    """Groups text files into batches of about TEXT_BATCH_BYTES for batch tokenization."""
+@dataclass
+class Skipped:
+    """Files found in folders that were neither UTF-8 text nor token files, left out of a build."""
+
+    count: int = 0
+    example: str | None = None  # the first one
+
+    def add(self, path: Path) -> None:
+        self.count += 1
+        if self.example is None:
+            self.example = os.fspath(path)
+
+    def note(self) -> str:
+        """One line for stderr (empty when nothing was skipped)."""
+        if not self.count:
+            return ""
+        files = "file" if self.count == 1 else "files"
+        return (f"note: skipped {self.count} {files} found in input folders that {'is' if self.count == 1 else 'are'} "
+                f"neither UTF-8 text nor a token file (e.g. {self.example}); --exclude GLOB leaves such files out")
+
+
+def read_texts(items: Sequence[InputFile], skipped: Skipped) -> tuple[list[InputFile], list[str]]:
+    """The texts of `items` and the items they come from; a file found in a folder that is not UTF-8 is
+    recorded in `skipped` instead, while one named directly is refused.
+
+    Raises:
+        InvalidArgumentError: a file named directly is not UTF-8.
+    """
+    kept: list[InputFile] = []
+    texts: list[str] = []
+    for item in items:
+        if item.found:
+            try:
+                texts.append(item.path.read_bytes().decode("utf-8"))
+            except UnicodeDecodeError:
+                skipped.add(item.path)
+                continue
+        else:
+            texts.append(read_text(item.path))
+        kept.append(item)
+    return kept, texts
+
+
+def text_batch_bytes(memory_budget: int) -> int:
+    """Text tokenized per batch under a build's memory budget: 1/32 of it, within 1 MiB..TEXT_BATCH_BYTES.
+
+    A batch costs about 12 times its size while it is tokenized (the text, and the tokenizer's
+    ids as Python ints before they become int32), so a small budget gets small batches."""
+    return max(1 << 20, min(TEXT_BATCH_BYTES, memory_budget // 32))
+
+
+def text_batches(items: list[InputFile], batch_bytes: int = TEXT_BATCH_BYTES) -> Iterator[list[InputFile]]:
+    """Groups text files into batches of about `batch_bytes` (a file larger than that is a batch of its own)."""
     batch: list[InputFile] = []
     size = 0
     for item in items:
         batch.append(item)
         size += item.size
-        if size >= TEXT_BATCH_BYTES:
+        if size >= batch_bytes:
             yield batch
             batch, size = [], 0
     if batch:

@@ -39,3 +39,38 @@ def test_budget_below_the_minimum_is_refused(tmp_path):
     with pytest.raises(InvalidArgumentError, match="16 MiB"):
         build_static_from_tokens([np.arange(10, dtype=np.int32)], tmp_path / "d.ngc", 10, fingerprint=UNTAGGED,
                                  memory_budget=1 << 20)
+
+
+def test_text_is_tokenized_in_batches_that_scale_with_the_budget(tmp_path):
+    from pathlib import Path
+
+    from ngramcache.client import corpus
+    from ngramcache.client.build import build_static
+    from ngramcache.client.tokenizer import load_tokenizer
+
+    assert corpus.text_batch_bytes(16 << 20) == 1 << 20
+    assert corpus.text_batch_bytes(64 << 20) == 2 << 20
+    assert corpus.text_batch_bytes(1 << 30) == corpus.TEXT_BATCH_BYTES == 8 << 20
+    tok = load_tokenizer("tiktoken:qwen")
+    batches: list[int] = []
+
+    class Recording:  # the real tokenizer, recording how much text each batch holds
+        vocab_size, fingerprint = tok.vocab_size, tok.fingerprint
+
+        def encode_batch(self, texts):
+            batches.append(sum(len(t.encode()) for t in texts))
+            return tok.encode_batch(texts)
+
+    lib = Path(__file__).resolve().parents[2] / "client"
+    folder = tmp_path / "c"
+    folder.mkdir()
+    for i in range(40):  # 40 files of 100 KB: 4 batches of 1 MiB under a 16 MiB budget
+        (folder / f"{i:02}.py").write_text(((lib / "build.py").read_text() * 20)[:100_000])
+    build_static([folder], tmp_path / "a.ngc", vocab_size=tok.vocab_size, fingerprint=tok.fingerprint,
+                 tokenizer=Recording(), memory_budget=16 << 20)  # type: ignore[arg-type]
+    assert len(batches) == 4 and max(batches) < (1 << 20) + 100_000
+    batches.clear()
+    build_static([folder], tmp_path / "b.ngc", vocab_size=tok.vocab_size, fingerprint=tok.fingerprint,
+                 tokenizer=Recording(), memory_budget=1 << 30)  # type: ignore[arg-type]
+    assert batches == [4_000_000]
+    assert (tmp_path / "a.ngc").read_bytes() == (tmp_path / "b.ngc").read_bytes()
