@@ -21,12 +21,45 @@ import re
 from pathlib import Path
 
 from ngramcache.client._core import StaticCache
-from ngramcache.client.errors import CacheFormatError, TokenizerMismatchError
+from ngramcache.client.errors import CacheFormatError, InvalidArgumentError, TokenizerMismatchError
 from ngramcache.client.files import fsync_dir, sha256_of_file
 
-__all__ = ["GenerationFiles", "sha256_of_file"]  # sha256_of_file: ngramcache.client.files's, kept here for its users
+__all__ = ["GenerationFiles", "default_cache_dir", "prepare_cache_dir", "sha256_of_file"]  # sha256_of_file: ngramcache.client.files's, kept here for its users
 
 log = logging.getLogger(__name__)
+
+def default_cache_dir() -> str:
+    """A node's generation cache when none is given: ``$XDG_CACHE_HOME/ngramcache`` (``~/.cache/ngramcache``)."""
+    return os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "ngramcache")
+
+
+def prepare_cache_dir(cache_dir: str | os.PathLike[str], *, create_parents: bool = False) -> str:
+    """Check ``cache_dir`` and create it (its parent must exist unless ``create_parents``); returns it as a str.
+
+    A given cache_dir is created when its parent folder exists, never a whole chain of folders a
+    typo would make; the default one (`default_cache_dir`) is created with its parents.
+
+    Raises:
+        InvalidArgumentError: naming ``cache_dir`` and the path: its parent does not exist, it or a
+            part of it is not a folder, or it cannot be created or written.
+    """
+    path = os.fspath(cache_dir)
+    if not path:
+        raise InvalidArgumentError("cache_dir is empty: give the folder that keeps the node's generation files")
+    parent = os.path.dirname(os.path.abspath(path))
+    if not create_parents and not os.path.isdir(parent):
+        raise InvalidArgumentError(f"cache_dir {path}: its parent folder {parent} does not exist: create it, or "
+                                   "give another cache_dir")
+    try:
+        os.makedirs(path, exist_ok=True)
+    except FileExistsError:
+        raise InvalidArgumentError(f"cache_dir {path} exists and is not a folder") from None
+    except OSError as e:
+        raise InvalidArgumentError(f"cache_dir {path} cannot be created: {e.strerror or e}") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise InvalidArgumentError(f"cache_dir {path}: permission denied (the client writes generation files in it)")
+    return path
+
 
 _INSTALLED = re.compile(r"^(\d+)\.ngc$")
 

@@ -30,7 +30,7 @@ from ngramcache.client.errors import (
     ServiceUnreachableError,
     TokenizerMismatchError,
 )
-from ngramcache.client.static_files import GenerationFiles
+from ngramcache.client.static_files import GenerationFiles, default_cache_dir, prepare_cache_dir
 from ngramcache.client.sync.config import ClientConfig, HasTokenizer
 from ngramcache.client.sync.health import HealthWatch
 from ngramcache.client.sync.history import HistoryPublisher, HistoryStats
@@ -253,7 +253,8 @@ class NgramClient:
         namespace: the namespace to draft from and push to.
         tokenizer: a `Tokenizer` (anything with ``fingerprint`` and ``vocab_size``) or a
             ``(fingerprint, vocab_size)`` pair.
-        cache_dir: the node's generation cache (default ``$XDG_CACHE_HOME/ngramcache``).
+        cache_dir: the node's generation cache (default ``$XDG_CACHE_HOME/ngramcache``, created with its
+            parents); a given folder is created when its parent exists.
         token: a bearer token, or None.
         **options: more `ClientConfig` fields (``tls_ca`` for TLS, ``mirror``, intervals, ...).
 
@@ -264,7 +265,8 @@ class NgramClient:
             the message says what a probe of each address found (refused, unknown host, ...).
         ServiceUnreachableError: at once, when every address fails for a cause waiting cannot fix (TLS on
             one side only, an untrusted certificate, not a gRPC server).
-        InvalidArgumentError: an address is not ``HOST:PORT`` (a URL such as ``http://...``, no port).
+        InvalidArgumentError: an address is not ``HOST:PORT`` (a URL such as ``http://...``, no port), or
+            ``cache_dir`` cannot be used (its parent folder is missing, it is a file, it is not writable).
     """
 
     def __init__(self, addresses: str | Sequence[str], namespace: str,
@@ -279,8 +281,8 @@ class NgramClient:
             raise InvalidArgumentError("addresses must name at least one service")
         for a in addrs:
             check_address(a, "addresses" if len(addrs) > 1 else "address")
-        if cache_dir is None:
-            cache_dir = os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "ngramcache")
+        cache_dir = prepare_cache_dir(default_cache_dir() if cache_dir is None else cache_dir,
+                                      create_parents=cache_dir is None)
         self.config = ClientConfig(addresses=addrs, namespace=namespace, fingerprint=bytes(fingerprint),
                                    vocab_size=int(vocab_size), cache_dir=os.fspath(cache_dir), token=token, **options)
         table = CountTable()
