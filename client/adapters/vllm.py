@@ -64,6 +64,10 @@ class ProposerConfig:
         tokenizer: ``NGC_VLLM_TOKENIZER``: a tokenizer spec (``tokenizer.json``, a folder holding
             one, or ``tiktoken:<encoding>``) for a service; default: the model's tokenizer folder.
         token: ``NGC_VLLM_TOKEN``: a bearer token for the service, or None.
+        tls_ca: ``NGC_VLLM_TLS_CA``: PEM file of the CA certificates to trust: reach the service
+            over TLS (None: plaintext).
+        tls_cert, tls_key: ``NGC_VLLM_TLS_CERT``, ``NGC_VLLM_TLS_KEY``: PEM files of a client
+            certificate and its key, for a service that requires mutual TLS (with ``tls_ca``).
         cache_dir: ``NGC_VLLM_CACHE_DIR``: the node's generation cache of an `NgramClient`
             (default: its own, ``$XDG_CACHE_HOME/ngramcache``).
         mode: ``NGC_VLLM_MODE``: "compatible" (llama.cpp's drafts; default) or "match".
@@ -82,6 +86,9 @@ class ProposerConfig:
     remote: bool = False
     tokenizer: str | None = None
     token: str | None = None
+    tls_ca: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
     cache_dir: str | None = None
     mode: str = "compatible"
     n_draft: int | None = None
@@ -101,6 +108,16 @@ class ProposerConfig:
             raise InvalidArgumentError("NGC_VLLM_SERVICE needs NGC_VLLM_NAMESPACE (the namespace to draft from)")
         if self.remote and not self.service:
             raise InvalidArgumentError("NGC_VLLM_REMOTE=1 needs NGC_VLLM_SERVICE (the service that drafts)")
+        tls = [name for name, value in (("NGC_VLLM_TLS_CA", self.tls_ca), ("NGC_VLLM_TLS_CERT", self.tls_cert),
+                                        ("NGC_VLLM_TLS_KEY", self.tls_key)) if value]
+        if tls and not self.service:
+            raise InvalidArgumentError(f"{tls[0]} needs NGC_VLLM_SERVICE (TLS is how the service is reached)")
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise InvalidArgumentError("NGC_VLLM_TLS_CERT and NGC_VLLM_TLS_KEY go together (a client certificate and "
+                                       "its key, for mutual TLS)")
+        if self.tls_cert and not self.tls_ca:
+            raise InvalidArgumentError("NGC_VLLM_TLS_CERT and NGC_VLLM_TLS_KEY (mutual TLS) need NGC_VLLM_TLS_CA (the "
+                                       "CA certificates that signed the service's certificate)")
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> ProposerConfig:
@@ -130,6 +147,7 @@ class ProposerConfig:
         service = tuple(a.strip() for a in (text("NGC_VLLM_SERVICE") or "").split(",") if a.strip())
         return cls(static=text("NGC_VLLM_STATIC"), service=service, namespace=text("NGC_VLLM_NAMESPACE"),
                    remote=remote == "1", tokenizer=text("NGC_VLLM_TOKENIZER"), token=text("NGC_VLLM_TOKEN"),
+                   tls_ca=text("NGC_VLLM_TLS_CA"), tls_cert=text("NGC_VLLM_TLS_CERT"), tls_key=text("NGC_VLLM_TLS_KEY"),
                    cache_dir=text("NGC_VLLM_CACHE_DIR"),
                    mode=text("NGC_VLLM_MODE") or "compatible", n_draft=whole("NGC_VLLM_N_DRAFT"),
                    max_parked=whole("NGC_VLLM_MAX_PARKED"))
@@ -201,12 +219,14 @@ class NgramCacheProposer:
             if cfg.remote:
                 from ngramcache.client.remote import RemoteDrafter
 
-                remote = RemoteDrafter(cfg.service[0], str(cfg.namespace), tokenizer, token=cfg.token, mode=cfg.mode)
+                remote = RemoteDrafter(cfg.service[0], str(cfg.namespace), tokenizer, token=cfg.token, mode=cfg.mode,
+                                       tls_ca=cfg.tls_ca, tls_cert=cfg.tls_cert, tls_key=cfg.tls_key)
                 return self.own(remote)
             from ngramcache.client.sync import NgramClient
 
             client = self.own(NgramClient(cfg.service, str(cfg.namespace), tokenizer, cache_dir=cfg.cache_dir,
-                                          token=cfg.token, mode=cfg.mode))
+                                          token=cfg.token, mode=cfg.mode, tls_ca=cfg.tls_ca, tls_cert=cfg.tls_cert,
+                                          tls_key=cfg.tls_key))
             return client.drafter()
         vocab = self._vocab_size(vllm_config)
         return Drafter(fingerprint=UNTAGGED, vocab_size=vocab, mode=cfg.mode)

@@ -260,6 +260,11 @@ def test_n_draft_is_bounded_by_num_speculative_tokens(static_file):
     ({"NGC_VLLM_REMOTE": "1"}, "NGC_VLLM_REMOTE=1 needs NGC_VLLM_SERVICE"),
     ({"NGC_VLLM_REMOTE": "yes"}, "NGC_VLLM_REMOTE must be 0 or 1"),
     ({"NGC_VLLM_STATIC": "/a.ngc", "NGC_VLLM_SERVICE": "h:1", "NGC_VLLM_NAMESPACE": "n"}, "not both"),
+    ({"NGC_VLLM_TLS_CA": "/ca.pem"}, "NGC_VLLM_TLS_CA needs NGC_VLLM_SERVICE"),
+    ({"NGC_VLLM_SERVICE": "h:1", "NGC_VLLM_NAMESPACE": "n", "NGC_VLLM_TLS_CA": "/ca.pem", "NGC_VLLM_TLS_CERT": "/c.pem"},
+     "NGC_VLLM_TLS_CERT and NGC_VLLM_TLS_KEY go together"),
+    ({"NGC_VLLM_SERVICE": "h:1", "NGC_VLLM_NAMESPACE": "n", "NGC_VLLM_TLS_CERT": "/c.pem", "NGC_VLLM_TLS_KEY": "/k.pem"},
+     "NGC_VLLM_TLS_CERT and NGC_VLLM_TLS_KEY .* need NGC_VLLM_TLS_CA"),
 ])
 def test_bad_settings_are_refused_clearly(env, message):
     with pytest.raises(InvalidArgumentError, match=message):
@@ -279,3 +284,10 @@ def test_a_static_file_of_another_tokenizer_is_refused(static_file):
     config = ProposerConfig(static=static_file, tokenizer="tiktoken:qwen")  # the file is untagged (raw ids)
     with pytest.raises(TokenizerMismatchError):
         NgramCacheProposer(vllm_config(), config)
+
+
+def test_tls_settings_are_read_from_the_environment():
+    config = ProposerConfig.from_env({"NGC_VLLM_SERVICE": "h:1", "NGC_VLLM_NAMESPACE": "n", "NGC_VLLM_TLS_CA": "/ca.pem",
+                                      "NGC_VLLM_TLS_CERT": "/c.pem", "NGC_VLLM_TLS_KEY": "/k.pem"})
+    assert (config.tls_ca, config.tls_cert, config.tls_key) == ("/ca.pem", "/c.pem", "/k.pem")
+    assert ProposerConfig.from_env({}).tls_ca is None
