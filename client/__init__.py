@@ -18,6 +18,7 @@ from ngramcache.client._core import (
     ngram_hash,
     replay,
 )
+from ngramcache.client.adapters.draft_length import DraftLengthPolicy, VerifyCost
 from ngramcache.client.admin import AdminClient
 from ngramcache.client.build import BuildResult, IndexBudgetWarning, build_static_from_tokens
 from ngramcache.client.errors import (
@@ -35,7 +36,9 @@ from ngramcache.client.errors import (
     NamespaceNotFoundError,
     NgramCacheError,
     OffsetOutOfRangeError,
+    OverloadedError,
     ResyncRequiredError,
+    ServiceUnreachableError,
     SnapshotFormatError,
     StoreAuthenticationError,
     TokenizerMismatchError,
@@ -62,6 +65,7 @@ __all__ = [
     "ChecksumMismatchError",
     "ClientConfig",
     "CountTable",
+    "DraftLengthPolicy",
     "Drafter",
     "GenerationConflictError",
     "GenerationNotFoundError",
@@ -75,14 +79,17 @@ __all__ = [
     "NgramCacheError",
     "NgramClient",
     "OffsetOutOfRangeError",
+    "OverloadedError",
     "RemoteDrafter",
     "ResyncRequiredError",
+    "ServiceUnreachableError",
     "SnapshotFormatError",
     "StaticBuilder",
     "StaticCache",
     "StoreAuthenticationError",
     "Tokenizer",
     "TokenizerMismatchError",
+    "VerifyCost",
     "build_static_from_tokens",
     "checksum64",
     "export_llama",
