@@ -17,7 +17,6 @@ import socket
 import ssl
 import tempfile
 import threading
-import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -308,7 +307,6 @@ def diagnose(address: str, *, tls_ca: bytes | None = None, tls_cert: str | bytes
     if target is None:
         return None
     host, port = target
-    started = time.monotonic()
     infos = _resolve(host, port, timeout)
     if infos is None:
         return Diagnosis(address, f"the host name {host} did not resolve within {timeout:g} s (DNS does not answer)",
@@ -326,7 +324,7 @@ def diagnose(address: str, *, tls_ca: bytes | None = None, tls_cert: str | bytes
         return Diagnosis(address, "connection refused: nothing listens on that port",
                          "is the service running? check the port in {address}", permanent=False)
     except TimeoutError:
-        return Diagnosis(address, f"no answer within {time.monotonic() - started:.0f} s: the host is down or a "
+        return Diagnosis(address, f"no answer within {timeout:g} s: the host is down or a "
                          "firewall drops the connection", "check the host and port in {address}", permanent=False)
     except OSError as e:
         if e.errno in (errno.EHOSTUNREACH, errno.ENETUNREACH):

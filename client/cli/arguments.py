@@ -130,9 +130,21 @@ def tokenizer_options(p: argparse.ArgumentParser) -> None:
 
 def budget_option(p: argparse.ArgumentParser, what: str) -> None:
     p.add_argument("--memory-budget", type=memory_budget, default=DEFAULT_BUDGET, metavar="SIZE",
-                   help=f"memory for {what}: bytes, or with a unit (KiB, MiB, GiB, TiB; K, M, G, T are powers "
+                   help=f"memory for {what} (the core's buffers; Python, a tokenizer and text being tokenized "
+                        "come on top): bytes, or with a unit (KiB, MiB, GiB, TiB; K, M, G, T are powers "
                         "of 1000), e.g. 256MiB; at least 16MiB and at most this machine's memory; beyond it sorted "
                         "runs spill to disk (default 1GiB)")
+
+
+def file_filter_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--include", action="append", default=[], metavar="GLOB",
+                   help="in input folders, take only files whose name matches GLOB (with a '/', whose path below "
+                        "the folder matches it); repeatable (default: every file); files named as INPUT are always taken")
+    p.add_argument("--exclude", action="append", default=[], metavar="GLOB",
+                   help="in input folders, leave out files and folders whose name matches GLOB (with a '/', whose "
+                        "path below the folder matches it), e.g. '*.min.js' or tests; repeatable (default: none). Hidden "
+                        "entries and __pycache__ are always left out, and a file that is neither UTF-8 text nor a token file "
+                        "is skipped with a note")
 
 
 def quiet_option(p: argparse.ArgumentParser) -> None:

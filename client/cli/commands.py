@@ -55,8 +55,8 @@ def _peak_rss_mb() -> float:
 def cmd_build(args: argparse.Namespace) -> int:
     if args.index_depth is not None and not args.corpus_index:
         raise InvalidArgumentError("--index-depth sets the depth of the corpus index: add --corpus-index")
-    items = corpus.collect_inputs(args.inputs)
-    check_output(args.output, args.inputs)
+    items = corpus.collect_inputs(args.inputs, args.include, args.exclude)
+    check_output(args.output, args.inputs, suffix=".ngc")
     if args.scratch_dir is not None:
         check_folder(args.scratch_dir, "--scratch-dir")
     tokenizer = load_tokenizer_spec(args.tokenizer)
@@ -80,6 +80,7 @@ def cmd_build(args: argparse.Namespace) -> int:
     result = {
         "output": args.output,
         "inputs": built.n_inputs,
+        "skipped": built.n_skipped,
         "n_tokens": built.n_tokens,
         "n_keys": built.n_keys,
         "n_followers": built.n_followers,
@@ -101,6 +102,9 @@ def cmd_build(args: argparse.Namespace) -> int:
         if args.corpus_index:
             print(f"corpus index: {built.n_indexed:,} tokens, matches up to {built.index_depth} tokens (format "
                   f"version 2; drafters use it with mode 'match')")
+    note = corpus.Skipped(built.n_skipped, built.skipped_example).note()
+    if note:
+        print(note, file=sys.stderr)
     if args.corpus_index and built.n_not_indexed and not args.quiet:
         print(f"warning: {built.n_not_indexed:,} tokens past the index's half of --memory-budget were counted but "
               f"not indexed (32 bytes a token while sorting); raise --memory-budget to index them all", file=sys.stderr)

@@ -69,21 +69,47 @@ def check_folder(path: str, flag: str) -> None:
         raise InvalidArgumentError(f"{flag} {path}: permission denied")
 
 
-def check_output(output: str, inputs: Iterable[str], flag: str = "-o") -> None:
+def _inside_input_folder(path: Path, inputs: Iterable[str]) -> bool:
+    """True when `path` (absolute) is or lies inside one of the folders among `inputs`."""
+    chain = _folder_chain(path)
+    return any(Path(raw).is_dir() and _identity(raw) in chain for raw in inputs)
+
+
+def _file_instead_of(folder: str, inputs: Iterable[str], suffix: str) -> str:
+    """A file name to suggest for an output given as the existing `folder`: NAME inside it, or, when it
+    is (or lies in) an input folder, a file beside the outermost such folder (``corpus.ngc`` for ``corpus``)."""
+    inputs = list(inputs)
+    here = Path(os.path.abspath(folder))
+    if not _inside_input_folder(here, inputs):
+        return os.path.join(folder, "NAME")
+    while here != here.parent:
+        candidate = here.parent / (here.name + suffix)
+        if not _inside_input_folder(here.parent, inputs):
+            return os.path.relpath(candidate) if not os.path.isabs(folder) else str(candidate)
+        here = here.parent
+    return "NAME" + suffix
+
+
+def check_output(output: str, inputs: Iterable[str], flag: str = "-o", suffix: str = ".out") -> None:
     """Refuses, before any work, an output that would destroy an input or cannot be written.
 
     Refused: an output that is one of `inputs` (compared by device and inode, so a symlink, a
     hard link or another spelling of an input is caught), lies inside an input folder, is a
     directory or another non-regular file, or whose folder does not exist or is not writable.
 
+    An output given as an existing folder is refused with a file name to use instead (NAME in
+    it, or, when the folder is an input, `suffix` added to its name: a file beside it).
+
     Raises:
         InvalidArgumentError: naming `flag`, the output and the reason.
     """
+    inputs = list(inputs)
     p = Path(output)
     if not output:
         raise InvalidArgumentError(f"{flag} needs a file name")
     if p.is_dir():
-        raise InvalidArgumentError(f"{flag} {output} is a directory: give the file to write, e.g. {os.path.join(output, 'NAME')}")
+        raise InvalidArgumentError(f"{flag} {output} is a directory: give the file to write, e.g. "
+                                   f"{_file_instead_of(output, inputs, suffix)}")
     if p.exists() and not p.is_file():
         raise InvalidArgumentError(f"{flag} {output} exists and is not a regular file")
     parent = p.parent
@@ -143,10 +169,15 @@ def outputs_of(args: argparse.Namespace) -> list[str]:
     outs = [getattr(args, name, None) for name in ("output", "dump_drafts")]
     if args.command == "demo" and args.workdir:
         outs.append(str(Path(args.workdir) / "stdlib.ngc"))
+    if args.command == "tokenize" and args.output.endswith(".npy"):
+        outs.append(args.output[: -len(".npy")] + ".offsets.npy")
     return [o for o in outs if o]
 
 
 _OUTPUT_FLAGS = {"output": "-o", "dump_drafts": "--dump-drafts"}
+# What a command's -o file is usually called, for the name suggested instead of a folder.
+_OUTPUT_SUFFIXES = {"build": ".ngc", "merge": ".ngc", "import-llama": ".ngc", "export-llama": ".lookup",
+                    "export-sglang": ".jsonl", "tokenize": ".npy"}
 
 
 def _inputs_of(args: argparse.Namespace) -> list[str]:
@@ -176,7 +207,8 @@ def check_outputs_against_inputs(args: argparse.Namespace) -> None:
     for name, flag in _OUTPUT_FLAGS.items():
         output = getattr(args, name, None)
         if isinstance(output, str) and output:
-            check_output(output, inputs, flag)
+            check_output(output, inputs, flag, _OUTPUT_SUFFIXES.get(getattr(args, "command", ""), ".out")
+                         if name == "output" else ".txt")
 
 
 @contextmanager

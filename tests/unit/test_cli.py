@@ -7,6 +7,7 @@ import errno
 import json
 import os
 import re
+import shutil
 import signal
 import struct
 import subprocess
@@ -622,7 +623,8 @@ def test_permission_denied_is_checked_first_even_as_root(capsys, files, tmp_path
 def test_every_option_is_explained():
     parser = cli.build_parser()
     commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
-    assert set(commands) == {"demo", "build", "stats", "inspect", "merge", "import-llama", "export-llama", "export-sglang"}
+    assert set(commands) == {"demo", "build", "stats", "inspect", "merge", "import-llama", "export-llama", "export-sglang",
+                             "tokenize", "tokenizer-info"}
     for name, sub in commands.items():
         assert sub.description, name
         for action in sub._actions:
@@ -727,3 +729,126 @@ def test_json_goes_to_stdout_even_with_quiet_and_errors_stay_one_line_on_stderr(
     rc, out, err = main(capsys, "merge", files / "a.ngc", files / "missing.ngc", "-o", tmp_path / "x.ngc", "--json")
     assert rc == 2 and out == ""
     one_line_error(err, "missing.ngc does not exist")
+
+
+def test_tokenizer_info_prints_the_fingerprint_errors_show(capsys):
+    tok = load_tokenizer(TOKENIZER)
+    rc, out, err = main(capsys, "tokenizer-info", TOKENIZER)
+    assert rc == 0, err
+    assert out.splitlines() == [f"       spec: {TOKENIZER}", "       kind: tiktoken", f" vocab_size: {tok.vocab_size}",
+                                f"fingerprint: {tok.fingerprint.hex()}"]
+    rc, out, err = main(capsys, "tokenizer-info", TOKENIZER, "--json")
+    assert rc == 0, err
+    assert json.loads(out) == {"spec": TOKENIZER, "kind": "tiktoken", "vocab_size": tok.vocab_size,
+                               "fingerprint": tok.fingerprint.hex()}
+    rc, out, err = main(capsys, "tokenizer-info", "Qwen/Qwen2.5-0.5B")
+    assert rc == 2 and out == ""
+    one_line_error(err, "ngramcache tokenizer-info: error: tokenizer 'Qwen/Qwen2.5-0.5B' is not a file here and looks "
+                        "like a Hugging Face hub id: hub ids are never fetched")
+
+
+def test_an_input_folder_given_as_output_gets_a_suggestion_that_works(capsys, texts, tmp_path, monkeypatch):
+    corpus_dir = tmp_path / "corpus"
+    shutil.copytree(texts, corpus_dir)
+    for output in ("corpus", "corpus/", "."):
+        workdir = corpus_dir if output == "." else tmp_path
+        monkeypatch.chdir(workdir)
+        source = "." if output == "." else "corpus"
+        rc, _, err = main(capsys, "build", source, "-o", output, "--tokenizer", TOKENIZER)
+        assert rc == 2
+        expected = "../corpus.ngc" if output == "." else "corpus.ngc"
+        one_line_error(err, f"-o {output} is a directory: give the file to write, e.g. {expected}")
+        rc, _, err = main(capsys, "build", source, "-o", expected, "--tokenizer", TOKENIZER, "--quiet")
+        assert rc == 0, err
+        (workdir / expected).unlink()
+    # A folder that is no input still gets NAME inside it.
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "out").mkdir()
+    rc, _, err = main(capsys, "build", "corpus", "-o", "out", "--tokenizer", TOKENIZER)
+    assert rc == 2
+    one_line_error(err, "-o out is a directory: give the file to write, e.g. out/NAME")
+
+
+def test_build_skips_binary_files_in_folders_with_a_note(capsys, texts, tmp_path):
+    corpus_dir = tmp_path / "corpus"
+    shutil.copytree(texts, corpus_dir)
+    (corpus_dir / "__pycache__").mkdir()
+    (corpus_dir / "__pycache__" / "bisect.cpython-311.pyc").write_bytes(b"\xa7\r\r\n\0\0\0\0")  # left out quietly
+    (corpus_dir / "old").mkdir()
+    (corpus_dir / "old" / "heapq.pyc").write_bytes(b"\xa7\r\r\n\0\0\0\0")  # skipped with a note
+    (corpus_dir / "logo.png").write_bytes(b"\x89PNG\r\n\x1a\n\0\0")
+    rc, out, err = main(capsys, "build", corpus_dir, "-o", tmp_path / "all.ngc", "--tokenizer", TOKENIZER, "--json")
+    assert rc == 0, err
+    assert err.splitlines()[-1] == (f"note: skipped 2 files found in input folders that are neither UTF-8 text nor a token "
+                           f"file (e.g. {corpus_dir / 'logo.png'}); --exclude GLOB leaves such files out")
+    assert json.loads(out)["inputs"] == 4 and json.loads(out)["skipped"] == 2
+    rc, _, err = main(capsys, "build", corpus_dir, "-o", tmp_path / "text.ngc", "--tokenizer", TOKENIZER, "--quiet",
+                      "--exclude", "*.pyc", "--exclude", "*.png")
+    assert rc == 0 and err == ""
+    rc, _, err = main(capsys, "build", texts, "-o", tmp_path / "plain.ngc", "--tokenizer", TOKENIZER, "--quiet")
+    assert rc == 0, err
+    assert (tmp_path / "text.ngc").read_bytes() == (tmp_path / "plain.ngc").read_bytes() == \
+        (tmp_path / "all.ngc").read_bytes()
+    # Only the files --include names.
+    rc, out, err = main(capsys, "build", corpus_dir, "-o", tmp_path / "two.ngc", "--tokenizer", TOKENIZER, "--json",
+                        "--include", "b*.py", "--include", "h*.py")
+    assert rc == 0 and "note:" not in err and json.loads(out)["inputs"] == 2
+    # A binary file named directly is refused.
+    rc, _, err = main(capsys, "build", corpus_dir / "logo.png", "-o", tmp_path / "x.ngc", "--tokenizer", TOKENIZER)
+    assert rc == 2
+    one_line_error(err, "logo.png: not UTF-8 text (byte 0)")
+
+
+def test_tokenize_writes_the_streams_build_reads(capsys, texts, tmp_path):
+    tok = load_tokenizer(TOKENIZER)
+    corpus_dir = tmp_path / "corpus"
+    shutil.copytree(texts, corpus_dir)
+    (corpus_dir / "empty.txt").write_text("")
+    (corpus_dir / "blob.dat").write_bytes(b"\xff\0")
+    rc, out, err = main(capsys, "tokenize", corpus_dir, "-o", tmp_path / "c.npy", "--tokenizer", TOKENIZER)
+    assert rc == 0, err
+    files = sorted(p for p in corpus_dir.iterdir() if p.name != "blob.dat")
+    arrays = [tok.encode(f.read_text()) for f in files]
+    n = sum(len(a) for a in arrays)
+    assert out.strip() == (f"wrote {tmp_path / 'c.npy'} ({n:,} tokens of {TOKENIZER}) and "
+                           f"{tmp_path / 'c.offsets.npy'} ({len(files)} streams, one per file)")
+    assert "note: skipped 1 file found in input folders that is neither UTF-8 text nor a token file" in err
+    tokens = np.load(tmp_path / "c.npy")
+    assert tokens.dtype == np.dtype("<i4") and np.array_equal(tokens, np.concatenate(arrays))
+    assert np.load(tmp_path / "c.offsets.npy").tolist() == list(np.cumsum([0] + [len(a) for a in arrays[:-1]]))
+    streams = [np.concatenate(list(s) or [np.zeros(0, np.int32)])
+               for s in corpus.token_streams(corpus.collect_inputs([str(tmp_path / "c.npy")])[0])]
+    assert [s.tolist() for s in streams] == [a.tolist() for a in arrays]
+    # build reads the pair as it reads the text.
+    rc, _, err = main(capsys, "build", corpus_dir, "--exclude", "*.dat", "-o", tmp_path / "text.ngc",
+                      "--tokenizer", TOKENIZER, "--quiet")
+    assert rc == 0, err
+    rc, _, err = main(capsys, "build", tmp_path / "c.npy", "-o", tmp_path / "tokens.ngc", "--tokenizer", TOKENIZER,
+                      "--quiet")
+    assert rc == 0, err
+    assert (tmp_path / "text.ngc").read_bytes() == (tmp_path / "tokens.ngc").read_bytes()
+    # Run again over fewer files: both files replaced, no temporary left behind.
+    rc, _, err = main(capsys, "tokenize", corpus_dir / "heapq.py", "-o", tmp_path / "c.npy", "--tokenizer", TOKENIZER,
+                      "--quiet")
+    assert rc == 0 and err == ""
+    assert np.load(tmp_path / "c.offsets.npy").tolist() == [0]
+    assert np.array_equal(np.load(tmp_path / "c.npy"), tok.encode((corpus_dir / "heapq.py").read_text()))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.npy", "c.offsets.npy", "corpus", "text.ngc", "tokens.ngc"]
+
+
+def test_tokenize_refuses_what_it_cannot_write(capsys, texts, tmp_path):
+    cases = [
+        (["-o", tmp_path / "c.bin"], "the token file must end in .npy (not .offsets.npy)"),
+        (["-o", tmp_path / "c.offsets.npy"], "the token file must end in .npy (not .offsets.npy)"),
+        (["-o", texts / "c.npy"], f"-o {texts / 'c.npy'} lies inside the input folder {texts}"),
+        (["-o", tmp_path], f"-o {tmp_path} is a directory"),
+    ]
+    for extra, needle in cases:
+        rc, _, err = main(capsys, "tokenize", texts, "--tokenizer", TOKENIZER, *extra)
+        assert rc == 2, (extra, err)
+        one_line_error(err, needle)
+    np.save(tmp_path / "t.npy", np.arange(10, dtype=np.int32))
+    rc, _, err = main(capsys, "tokenize", tmp_path / "t.npy", "-o", tmp_path / "u.npy", "--tokenizer", TOKENIZER)
+    assert rc == 2
+    one_line_error(err, "t.npy is a token file already: tokenize takes text files")
+    assert not (tmp_path / "u.npy").exists()

@@ -118,6 +118,33 @@ def test_an_unknown_host() -> None:
                            "(the name does not resolve); check the host in address")
 
 
+def test_a_host_that_drops_the_connection() -> None:
+    """A listener whose accept queue is full: Linux drops the next SYNs, as a firewall that drops packets does."""
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen(0)
+        address = f"127.0.0.1:{server.getsockname()[1]}"
+        queued = []
+        for _ in range(8):  # fill the queue until a connect times out
+            c = socket.socket()
+            c.settimeout(0.3)
+            queued.append(c)
+            try:
+                c.connect(server.getsockname())
+            except TimeoutError:
+                break
+        else:
+            pytest.skip("the accept queue never filled")
+        try:
+            d = diagnose(address, timeout=0.5)
+        finally:
+            for c in queued:
+                c.close()
+    assert d is not None and not d.permanent
+    assert d.message(CLI_NAMES) == (f"cannot reach the service at {address}: no answer within 0.5 s: the host is down or "
+                                    "a firewall drops the connection; check the host and port in --server")
+
+
 @pytest.mark.parametrize("reply, cause", [
     (b"-ERR unknown command 'PRI', with args beginning with: '*'\r\n",
      "a server that is not a gRPC service answered (\"-ERR unknown command 'PRI', with args beginning with: '*'\")"),
