@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pytest
@@ -17,10 +18,22 @@ from helpers.model import (
 )
 
 from ngramcache import UNTAGGED, CountTable, Drafter, InvalidArgumentError, StaticCache, build_static_from_tokens
-from ngramcache.client.adapters.llama_cpp import DraftStats, NgramDraftModel
 from ngramcache.client.adapters.step_costs import StepCosts
 
+if TYPE_CHECKING:
+    from ngramcache.client.adapters.llama_cpp import DraftStats, NgramDraftModel
+
 pytestmark = [pytest.mark.integration, pytest.mark.engine]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _adapter() -> None:
+    """The adapter, and with it llama-cpp-python, imported in the child process that runs these tests
+    (tests/helpers/isolation.py), never in pytest's own: llama-cpp-python opens two /dev/null files at
+    import that it never closes (two ResourceWarnings at the end of the test command)."""
+    from ngramcache.client.adapters import llama_cpp
+
+    globals().update(DraftStats=llama_cpp.DraftStats, NgramDraftModel=llama_cpp.NgramDraftModel)
 
 NEW_TOKENS = 48
 VOCAB = 50

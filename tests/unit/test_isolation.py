@@ -63,3 +63,18 @@ def test_signal_in_an_engine_test_fails_that_test_and_the_run_goes_on(tmp_path):
     assert "FAILED test_engine.py::test_illegal_instruction" in out
     assert "FAILED test_engine.py::test_segfault_then_more[1]" in out
     assert "FAILED test_engine.py::test_plain_failure" in out and "assert (1 + 1) == 3" in out, out
+
+
+def test_collecting_the_engine_tests_imports_no_engine_in_pytest_s_own_process():
+    # llama-cpp-python opens two /dev/null files at import and never closes them: imported in the
+    # parent, they ended the test command with two "ResourceWarning: unclosed file" lines. The
+    # engine tests run in child processes, so only those may import it.
+    code = ("import sys, pytest\n"
+            "rc = pytest.main(['--collect-only', '-q', '-p', 'no:cacheprovider', 'tests/integration/test_adapter_llama_cpp.py'])\n"
+            "assert rc == 0, rc\n"
+            "print('engines imported:', sorted({'llama_cpp'} & set(sys.modules)))\n")
+    r = subprocess.run([sys.executable, "-X", "dev", "-c", code], cwd=TESTS.parent, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "engines imported: []" in r.stdout, r.stdout
+    assert "ResourceWarning" not in r.stderr, r.stderr
