@@ -146,7 +146,10 @@ def build_static(inputs: Sequence[str | os.PathLike[str] | corpus.InputFile], ou
         vocab_size, fingerprint: the tokenizer's (``UNTAGGED`` for raw token ids).
         tokenizer: tokenizes text inputs; required when there are any.
         ngram_size, generation, corpus_index, index_depth: as the file records them.
-        memory_budget, scratch_dir, threads: the builder's resources.
+        memory_budget, scratch_dir, threads: the builder's resources. ``memory_budget`` bounds the core's
+            counting buffers (sorted runs spill to ``scratch_dir`` beyond it) and sizes the text batches
+            (1/32 of it, 1..8 MiB); Python, the tokenizer's tables and a batch being tokenized (about 10
+            times its size) come on top.
         vocabulary_source: names where the vocabulary comes from, in errors.
         progress: called as reading goes, with (bytes read, tokens read) since the last call.
         on_writing: called once every input is read, before the sort and write (the long, silent part).
