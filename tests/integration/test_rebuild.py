@@ -153,6 +153,38 @@ def test_rebuild_adds_a_corpus_and_refuses_bad_options(tmp_path: Path) -> None:
         assert bad.returncode == 2 and "no-such-ns" in bad.stderr and "Traceback" not in bad.stderr
 
 
+def test_rebuild_takes_the_token_files_tokenize_makes_from_text(tmp_path: Path) -> None:
+    """`ngramcache tokenize` turns text into the streams `rebuild --corpus` reads: the same counts as `build` of the text."""
+    import sysconfig
+
+    from ngramcache.client.tokenizer import load_tokenizer
+
+    tok = load_tokenizer("tiktoken:qwen")
+    text = tmp_path / "text"
+    text.mkdir()
+    lib = Path(sysconfig.get_paths()["stdlib"])
+    for name in ("bisect.py", "heapq.py", "textwrap.py"):
+        (text / name).write_bytes((lib / name).read_bytes())
+    cli = [sys.executable, "-m", "ngramcache.cache_service.cli"]
+    made = subprocess.run([*cli, "tokenize", str(text), "-o", str(tmp_path / "corpus.npy"), "--tokenizer",
+                           "tiktoken:qwen"], capture_output=True, text=True, timeout=120)
+    assert made.returncode == 0, made.stderr
+    built = subprocess.run([*cli, "build", str(text), "-o", str(tmp_path / "text.ngc"), "--tokenizer", "tiktoken:qwen",
+                            "--quiet"], capture_output=True, text=True, timeout=120)
+    assert built.returncode == 0, built.stderr
+    with ServiceThread(tmp_path / "data", corpus_root=str(tmp_path)) as svc:
+        address = f"127.0.0.1:{svc.port}"
+        ns = "r-" + uuid.uuid4().hex[:8]
+        with grpc.insecure_channel(address) as ch:
+            admin_pb2_grpc.AdminStub(ch).CreateNamespace(admin_pb2.CreateNamespaceRequest(
+                name=ns, tokenizer_fingerprint=tok.fingerprint, vocab_size=tok.vocab_size), timeout=10)
+        done = rebuild_cli(address, ns, "--corpus", str(tmp_path / "corpus.npy"))
+        assert done.returncode == 0, done.stderr
+        n = sum(len(tok.encode((text / name).read_text())) for name in ("bisect.py", "heapq.py", "textwrap.py"))
+        assert f"{n:,} corpus tokens" in done.stdout
+        assert file_pairs(tmp_path / "data" / "static" / ns / f"{1:020d}.ngc") == file_pairs(tmp_path / "text.ngc")
+
+
 # --- The corpus base (issue 29): what `ngramcache publish` put in carries into every rebuild ---------------------
 
 
