@@ -126,6 +126,14 @@ class StaticCache:
         Keys by follower count: element b counts the keys with 2^b .. 2^(b+1)-1 followers.
         """
 
+    @property
+    def open_mode(self) -> str:
+        """
+        How the file is held: "mmap" (a shared read-only mapping), or "heap" (a private copy of
+        exactly its size: a core built with NGC_HEAP_FILES, as the sanitizer builds are, so
+        AddressSanitizer checks every read of it).
+        """
+
     def memory_bytes(self) -> int:
         """
         Bytes mapped (the file size); shared with every other process mapping the file.

@@ -150,6 +150,11 @@ void bind_static_cache(nb::module_& m) {
           },
           nb::sig("def follower_histogram(self) -> list[int]"),
           "Keys by follower count: element b counts the keys with 2^b .. 2^(b+1)-1 followers.")
+      .def_prop_ro(
+          "open_mode", [](const PyStaticCache& c) { return std::string(c.cache->open_mode()); },
+          "How the file is held: \"mmap\" (a shared read-only mapping), or \"heap\" (a private copy of\n"
+          "exactly its size: a core built with NGC_HEAP_FILES, as the sanitizer builds are, so\n"
+          "AddressSanitizer checks every read of it).")
       .def(
           "memory_bytes", [](const PyStaticCache& c) { return c.cache->mapped_bytes(); },
           "Bytes mapped (the file size); shared with every other process mapping the file.")

@@ -51,6 +51,22 @@ uint64_t expected_length(uint32_t id, const StaticInfo& h) {
   }
 }
 
+#ifdef NGC_HEAP_FILES
+// Reads the `size` bytes of `fd` into a new block of exactly that size.
+Status read_whole(int fd, const std::string& path, size_t size, std::unique_ptr<uint8_t[]>* out) {
+  std::unique_ptr<uint8_t[]> block(new uint8_t[size]);
+  for (size_t done = 0; done < size;) {
+    const ssize_t n = ::pread(fd, block.get() + done, size - done, static_cast<off_t>(done));
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) return Status::IoError("cannot read " + path + ": " + std::strerror(errno));
+    if (n == 0) return Status::IoError("cannot read " + path + ": it shrank while being read");
+    done += static_cast<size_t>(n);
+  }
+  *out = std::move(block);
+  return Status::Ok();
+}
+#endif
+
 }  // namespace
 
 Status StaticCache::open(const std::string& path, std::unique_ptr<StaticCache>* out) {
@@ -72,13 +88,21 @@ Status StaticCache::open(const std::string& path, std::unique_ptr<StaticCache>* 
     return Status::FormatError(path + ": file is " + str(size) + " bytes, smaller than the " +
                                str(format::kHeaderSize) + "-byte header; not a static cache");
   }
+  std::unique_ptr<StaticCache> cache(new StaticCache());
+#ifdef NGC_HEAP_FILES
+  // The sanitizer builds: a heap block of exactly the file's size, so AddressSanitizer
+  // reports any read past the file's last byte (it does not see into a mapping).
+  Status read = read_whole(fd, path, size, &cache->heap_);
+  ::close(fd);
+  if (!read.ok()) return read;
+  cache->base_ = cache->heap_.get();
+#else
   void* map = ::mmap(nullptr, size, PROT_READ, MAP_SHARED, fd, 0);
   const int map_err = errno;
   ::close(fd);  // the mapping keeps the file alive
   if (map == MAP_FAILED) return Status::IoError("cannot map " + path + ": " + std::strerror(map_err));
-
-  std::unique_ptr<StaticCache> cache(new StaticCache());
   cache->base_ = static_cast<const uint8_t*>(map);
+#endif
   cache->size_ = size;
   Status s = cache->validate_header();
   if (!s.ok()) return Status(s.code(), path + ": " + s.message());
@@ -87,7 +111,7 @@ Status StaticCache::open(const std::string& path, std::unique_ptr<StaticCache>* 
 }
 
 StaticCache::~StaticCache() {
-  if (base_ != nullptr) ::munmap(const_cast<uint8_t*>(base_), size_);
+  if (base_ != nullptr && heap_ == nullptr) ::munmap(const_cast<uint8_t*>(base_), size_);
 }
 
 Status StaticCache::validate_header() {

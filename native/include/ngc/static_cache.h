@@ -2,6 +2,9 @@
 //
 // Opening maps the file and validates its header and section table only, so it costs O(1)
 // in the file size; the page cache holds one copy of the file for every process of a node.
+// A core built with NGC_HEAP_FILES (the sanitizer builds, never a release) reads the file
+// into a heap block of exactly its size instead: AddressSanitizer does not see into a
+// mapping, but it reports any read past the end of that block (open_mode() says which).
 // Thread-safety: every method is const and safe to call from any number of threads.
 #pragma once
 
@@ -116,12 +119,17 @@ class StaticCache {
   // Bytes of the mapping (the file size).
   size_t mapped_bytes() const { return size_; }
 
+  // How the file is held: "mmap" (a shared read-only mapping), or "heap" (a private copy of
+  // exactly its size: a core built with NGC_HEAP_FILES).
+  const char* open_mode() const { return heap_ != nullptr ? "heap" : "mmap"; }
+
  private:
   StaticCache() = default;
   Status validate_header();
 
-  const uint8_t* base_ = nullptr;  // the read-only mapping; owned, unmapped by the destructor
-  size_t size_ = 0;                // bytes mapped (== file size)
+  const uint8_t* base_ = nullptr;    // the file's bytes: the mapping (owned, unmapped by the destructor) or heap_
+  size_t size_ = 0;                  // bytes mapped (== file size)
+  std::unique_ptr<uint8_t[]> heap_;  // the copy of the file when built with NGC_HEAP_FILES; else null
   StaticInfo info_;
   uint32_t count_bits_ = 0;    // 32 - token_bits
   uint32_t count_escape_ = 0;  // (1 << count_bits_) - 1: the count lives in OVERFLOW
