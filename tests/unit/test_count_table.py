@@ -238,3 +238,71 @@ def test_assign_rows_matches_a_reference_upsert():
         t.check_integrity()
     got = {(tuple(r[1:1 + r[0]]), r[5]): r[6] for r in t.to_rows().tolist()}
     assert got == ref
+
+
+def test_parallel_writers_and_readers_equal_a_serial_run():
+    """Four threads adding to one table at once (update a stream at a time, add_rows, merge) while
+    two threads read it: the table ends with exactly the counts of the same operations done
+    serially, and no reader sees a count go down. tests/unit/test_sanitizers.py reruns this under
+    ThreadSanitizer."""
+    import threading
+
+    rng = np.random.default_rng(21)
+    streams = [arr(rng.integers(0, 40, 20_000)) for _ in range(2)]
+    rows = np.full((3000, 7), -1, dtype=np.int32)
+    rows[:, 0] = 2
+    rows[:, 1:3] = rng.integers(0, 40, (3000, 2))
+    rows[:, 5] = rng.integers(0, 40, 3000)
+    rows[:, 6] = rng.integers(1, 9, 3000)
+    other = CountTable()
+    other.update(arr(rng.integers(0, 40, 5000)))
+    probes = [streams[0][i:i + 2].tolist() for i in range(0, 1000, 20)]
+
+    def update_in_steps(table: CountTable, tokens: np.ndarray) -> None:
+        for end in range(500, len(tokens) + 1, 500):
+            table.update(tokens[:end], n_new=500)
+
+    def add_rows_in_chunks(table: CountTable) -> None:
+        for i in range(0, len(rows), 100):
+            table.add_rows(rows[i:i + 100])
+
+    serial = CountTable()
+    for s in streams:
+        update_in_steps(serial, s)
+    add_rows_in_chunks(serial)
+    serial.merge(other)
+
+    table = CountTable()
+    errors: list[BaseException] = []
+    went_down: list[tuple[list[int], int, int]] = []
+    writers_done = threading.Event()
+
+    def guarded(fn, *args):
+        try:
+            fn(*args)
+        except BaseException as e:
+            errors.append(e)
+
+    def reader():
+        last = [0] * len(probes)
+        while not writers_done.is_set():
+            for j, key in enumerate(probes):
+                total = int(table.lookup(key)[1].sum())
+                if total < last[j]:
+                    went_down.append((key, last[j], total))
+                last[j] = total
+
+    writers = [threading.Thread(target=guarded, args=(update_in_steps, table, s)) for s in streams]
+    writers += [threading.Thread(target=guarded, args=(add_rows_in_chunks, table)),
+                threading.Thread(target=guarded, args=(table.merge, other))]
+    readers = [threading.Thread(target=guarded, args=(reader,)) for _ in range(2)]
+    for t in writers + readers:
+        t.start()
+    for t in writers:
+        t.join()
+    writers_done.set()
+    for t in readers:
+        t.join()
+    assert not errors and not went_down
+    table.check_integrity()
+    assert sorted(map(tuple, table.to_rows().tolist())) == sorted(map(tuple, serial.to_rows().tolist()))

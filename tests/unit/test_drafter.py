@@ -315,73 +315,110 @@ def test_bad_limits_are_refused():
 # --- Concurrency ---------------------------------------------------------------------------
 
 
+def writer_rows(rng, n: int, vocab: int) -> np.ndarray:
+    """n int32 count rows of bigram keys whose tokens are all in [7, vocab): keys no sequence of
+    tokens 0..6 (or draft of them) ever looks up."""
+    rows = np.full((n, 7), -1, dtype=np.int32)
+    rows[:, 0] = 2
+    rows[:, 1:3] = rng.integers(7, vocab, (n, 2))
+    rows[:, 5] = rng.integers(0, vocab, n)
+    rows[:, 6] = rng.integers(1, 100, n)
+    return rows
+
+
+def sorted_rows(table: CountTable) -> list[tuple[int, ...]]:
+    return sorted(map(tuple, table.to_rows().tolist()))
+
+
 def test_parallel_drafts_equal_serial_drafts_while_the_mirror_and_static_change():
-    """Threads drafting different sequences, a writer applying change sets to the dynamic
-    table and a static swap: no error, and drafts on a quiet table equal the serial ones."""
+    """Two threads accepting and drafting sequences of their own, while two writers add count rows
+    to the dynamic table and the static cache is swapped for a newer generation of the same counts:
+    every draft equals the serial run's, and the dynamic table ends with exactly the counts the
+    rows add serially. The writers' keys hold tokens the sequences never do, so no draft may depend
+    on when a write lands. tests/unit/test_sanitizers.py reruns this under ThreadSanitizer."""
     import threading
 
     rng = np.random.default_rng(5)
     vocab = 50
-    seqs = [arr(rng.integers(0, vocab, 600) % 7) for _ in range(8)]
+    seqs = [arr(rng.integers(0, 7, 600)) for _ in range(8)]
+    older = build_static([s.tolist() for s in seqs[:4]], vocab, generation=1)
+    newer = build_static([s.tolist() for s in seqs[:4]], vocab, generation=2)
+    writes = [[writer_rows(rng, 2000, vocab) for _ in range(20)] for _ in range(2)]
+    points = range(2, 300, 7)
+
+    def accept_and_draft(d: Drafter, i: int) -> list[list[int]]:
+        drafts = []
+        for n in points:
+            d.accept(i, seqs[i][:n])
+            drafts.append(d.draft(i, seqs[i][:n], 8).tolist())
+        return drafts
+
+    # Serial: one thread, sequence after sequence, then the writes.
+    serial_drafter = Drafter(static=older, dynamic=CountTable())
+    serial = {i: accept_and_draft(serial_drafter, i) for i in range(len(seqs))}
+    # ... and the drafts at the same points once every sequence holds its first 296 tokens.
+    serial_after = {i: [serial_drafter.draft(i, seqs[i][:n], 8).tolist() for n in points] for i in range(len(seqs))}
+    assert sum(len(x) for drafts in serial.values() for x in drafts) > 1000  # the drafts are not empty
+    serial_dynamic = CountTable()
+    for rows_list in writes:
+        for rows in rows_list:
+            serial_dynamic.add_rows(rows)
+
+    # Concurrent: the same operations at once; each drafter thread then drafts at the same points
+    # again until the writers are done, so drafts overlap every write.
     dynamic = CountTable()
-    d = Drafter(static=build_static([s.tolist() for s in seqs[:4]], vocab), dynamic=dynamic)
-    for i, s in enumerate(seqs):
-        d.accept(i, s[:300])
-    serial = {(i, n): d.draft(i, s[:n], 8).tolist() for i, s in enumerate(seqs) for n in range(2, 300, 7)}
+    d = Drafter(static=older, dynamic=dynamic)
+    results: dict[int, list[list[int]]] = {}
+    redrafts: list[tuple[int, int, list[int]]] = []  # (sequence, length, draft) that differ from serial
     errors: list[BaseException] = []
-    stop = threading.Event()
+    writers_done = threading.Event()
 
+    def guarded(fn):
+        def run(*args):
+            try:
+                fn(*args)
+            except BaseException as e:
+                errors.append(e)
+        return run
+
+    @guarded
     def drafter_thread(ids):
-        try:
-            while not stop.is_set():
-                for i in ids:
-                    for n in range(2, 300, 7):
-                        d.draft(i, seqs[i][:n], 8)
-        except BaseException as e:
-            errors.append(e)
+        for i in ids:
+            results[i] = accept_and_draft(d, i)
+        while not writers_done.is_set():
+            for i in ids:
+                for k, n in enumerate(points):
+                    got = d.draft(i, seqs[i][:n], 8).tolist()
+                    if got != serial_after[i][k]:
+                        redrafts.append((i, n, got))
 
-    def writer_thread():
-        try:
-            for _ in range(20):
-                rows = np.zeros((2000, 7), dtype=np.int64)
-                rows[:, 0] = 2
-                rows[:, 1:3] = rng.integers(0, vocab, (2000, 2))
-                rows[:, 3:5] = -1
-                rows[:, 5] = rng.integers(0, vocab, 2000)
-                rows[:, 6] = rng.integers(1, 100, 2000)
-                dynamic.assign_rows(rows)
-            d.set_static(build_static([s.tolist() for s in seqs[4:]], vocab))
-        except BaseException as e:
-            errors.append(e)
+    @guarded
+    def writer_thread(rows_list):
+        for rows in rows_list:
+            dynamic.add_rows(rows)
 
-    threads = [threading.Thread(target=drafter_thread, args=(ids,)) for ids in ([0, 1, 2, 3], [4, 5, 6, 7])]
-    w = threading.Thread(target=writer_thread)
-    for t in threads:
+    @guarded
+    def swap_static():
+        while dynamic.n_keys == 0 and not writers_done.is_set():
+            pass
+        d.set_static(newer)
+
+    drafters = [threading.Thread(target=drafter_thread, args=(ids,)) for ids in ([0, 2, 4, 6], [1, 3, 5, 7])]
+    writers = [threading.Thread(target=writer_thread, args=(w,)) for w in writes]
+    swapper = threading.Thread(target=swap_static)
+    for t in [*drafters, *writers, swapper]:
         t.start()
-    w.start()
-    w.join()
-    stop.set()
-    for t in threads:
+    for t in [*writers, swapper]:
+        t.join()
+    writers_done.set()
+    for t in drafters:
         t.join()
     assert not errors
-    dynamic.check_integrity()
-    # Quiet again: the same tables drafted from two threads give the serial answers.
-    d2 = Drafter(static=build_static([s.tolist() for s in seqs[:4]], vocab))
-    for i, s in enumerate(seqs):
-        d2.accept(i, s[:300])
-    results: dict = {}
-
-    def collect(ids):
-        for i in ids:
-            for n in range(2, 300, 7):
-                results[(i, n)] = d2.draft(i, seqs[i][:n], 8).tolist()
-
-    ts = [threading.Thread(target=collect, args=(ids,)) for ids in ([0, 2, 4, 6], [1, 3, 5, 7])]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
     assert results == serial
+    assert redrafts == []
+    assert d.static is newer
+    dynamic.check_integrity()
+    assert sorted_rows(dynamic) == sorted_rows(serial_dynamic)
 
 
 def test_drain_deltas_counts_exactly_past_the_fold_threshold():
