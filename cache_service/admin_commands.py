@@ -187,9 +187,14 @@ def cmd_publish(args: argparse.Namespace) -> int:
 def add_rebuild(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "rebuild", help="ask a service to fold a namespace's counts into its next static generation",
-        description="Asks the service at --server to rebuild NAMESPACE: fold its dynamic counts (and the previous "
-        "generation, and token files under the server's --corpus-root) into the next static generation and publish "
-        "it; every client and session swaps to it. One rebuild per namespace runs at a time across all replicas (a "
+        description="Asks the service at --server to rebuild NAMESPACE: fold its corpus base (the latest generation "
+        "made by `ngramcache publish`, with its corpus index; none until one is published), its dynamic counts (the "
+        "totals the clients pushed), the fleet history (into the corpus index) and token files under the server's "
+        "--corpus-root (--corpus) into the next static generation and publish it; every client and session swaps to "
+        "it. A generation a rebuild made is never folded (it holds the dynamic counts already), so the base carries "
+        "into every rebuild until a newer one is published or --no-base drops it. A base whose file no replica has "
+        "fails the rebuild (pass --no-base, or publish the corpus again). One rebuild per namespace runs at a time "
+        "across all replicas (a "
         "lease in the counts store); if one is running, this says where and exits 2 (as for every error). Shows "
         "progress until it ends (Ctrl-C stops watching, not the rebuild). Needs a token with the admin role when "
         "the service checks tokens.")
@@ -199,11 +204,13 @@ def add_rebuild(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
                    help="leave out dynamic counts below this (default 1)")
     p.add_argument("--ngram-size", type=int, default=0, choices=range(0, 5), metavar="N",
                    help="tokens per key of the new file, 1..4 (default: the previous generation's, else 2)")
+    p.add_argument("--no-base", action="store_true",
+                   help="leave the corpus base out and forget it: this generation and the next rebuilds fold the "
+                        "counts alone, until a generation is published again")
     p.add_argument("--include-previous", action="store_true",
-                   help="fold the latest generation in as well; only for one published from a corpus (folding one "
-                        "a rebuild made would count the dynamic counts twice, and is refused)")
+                   help="deprecated and ignored: every rebuild folds the corpus base now")
     p.add_argument("--decay", type=float, default=1.0,
-                   help="with --include-previous: multiply its counts by this, in (0, 1] (default 1: no decay)")
+                   help="multiply the corpus base's counts by this, in (0, 1] (default 1: no decay)")
     p.add_argument("--corpus", action="append", default=[], metavar="PATH",
                    help="token files or folders (.bin/.tokens/.npy) on the server, under its --corpus-root, to add; "
                         "repeat for more")
@@ -230,16 +237,19 @@ def cmd_rebuild(args: argparse.Namespace) -> int:
 
     def progress(status: RebuildStatus) -> None:
         nonlocal shown
-        line = (f"  {status.phase or 'starting'}: {status.previous_rows:,} previous rows, "
+        line = (f"  {status.phase or 'starting'}: {status.previous_rows:,} base rows, "
                 f"{status.dynamic_rows:,} dynamic rows, {status.corpus_tokens:,} corpus tokens, "
                 f"{status.history_tokens:,} history tokens")
         if line != shown:
             print(line, file=talk, flush=True)
             shown = line
 
+    if args.include_previous:
+        print("ngramcache rebuild: note: --include-previous is ignored: every rebuild folds the corpus base (the "
+              "latest published generation) now; --no-base leaves it out", file=sys.stderr)
     with _client(args) as admin:
         status = admin.start_rebuild(args.namespace, min_count=args.min_count, ngram_size=args.ngram_size,
-                                     include_previous=args.include_previous, decay=args.decay, corpus=args.corpus,
+                                     base=not args.no_base, decay=args.decay, corpus=args.corpus,
                                      keep=args.keep, history=not args.no_history)
         print(f"rebuilding {args.namespace} on {status.holder} (lease token {status.lease_token})", file=talk, flush=True)
         if args.no_wait:
@@ -255,8 +265,11 @@ def cmd_rebuild(args: argparse.Namespace) -> int:
     if args.json:
         print(_status_json(status))
         return 0
+    if status.base_generation:
+        base = f"base generation {status.base_generation}: {status.previous_rows:,} rows"
+    else:
+        base = "corpus base dropped (--no-base)" if args.no_base else "no corpus base (none published)"
     print(f"published generation {status.generation} of {args.namespace} in {took}: {status.n_keys:,} keys, "
-          f"{status.n_followers:,} followers, {status.file_bytes / 1e6:.2f} MB ({status.dynamic_rows:,} dynamic rows, "
-          f"{status.previous_rows:,} previous rows, {status.corpus_tokens:,} corpus tokens, "
-          f"{status.history_tokens:,} history tokens indexed)")
+          f"{status.n_followers:,} followers, {status.file_bytes / 1e6:.2f} MB ({base}, {status.dynamic_rows:,} "
+          f"dynamic rows, {status.corpus_tokens:,} corpus tokens, {status.history_tokens:,} history tokens indexed)")
     return 0

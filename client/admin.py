@@ -15,6 +15,7 @@ import dataclasses
 import hashlib
 import os
 import time
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -61,7 +62,10 @@ class PublishedGeneration:
 
 @dataclasses.dataclass(frozen=True)
 class RebuildStatus:
-    """A rebuild's progress; ``state`` is running, done or failed (idle: none ran on that replica)."""
+    """A rebuild's progress; ``state`` is running, done or failed (idle: none ran on that replica).
+
+    ``base_generation`` is the corpus base it folds (0: none), ``previous_rows`` the base's rows folded.
+    """
 
     namespace: str
     state: str
@@ -79,6 +83,7 @@ class RebuildStatus:
     file_bytes: int
     error: str
     history_tokens: int = 0
+    base_generation: int = 0
 
     @property
     def seconds(self) -> float:
@@ -95,7 +100,7 @@ def _namespace(ns: admin_pb2.Namespace, created: bool = False) -> NamespaceInfo:
 def _rebuild(s: admin_pb2.RebuildStatus) -> RebuildStatus:
     return RebuildStatus(s.namespace, s.state, s.phase, s.generation, s.holder, s.lease_token, s.started_unix_ms,
                          s.finished_unix_ms, s.previous_rows, s.dynamic_rows, s.corpus_tokens, s.n_keys, s.n_followers,
-                         s.file_bytes, s.error, s.history_tokens)
+                         s.file_bytes, s.error, s.history_tokens, s.base_generation)
 
 
 class AdminClient:
@@ -208,13 +213,22 @@ class AdminClient:
 
     # rebuilds
 
-    def start_rebuild(self, namespace: str, *, min_count: int = 1, ngram_size: int = 0, include_previous: bool = False,
+    def start_rebuild(self, namespace: str, *, min_count: int = 1, ngram_size: int = 0, base: bool = True,
                       decay: float = 1.0, corpus: Sequence[str] = (), memory_budget: int = 0,
-                      keep: int = 0, history: bool = True) -> RebuildStatus:
-        """Start a rebuild of ``namespace`` on the replica this client talks to (docs/operations.md);
-        ``history=False`` leaves the fleet history out of the new corpus index."""
+                      keep: int = 0, history: bool = True, include_previous: bool = False) -> RebuildStatus:
+        """Start a rebuild of ``namespace`` on the replica this client talks to (docs/operations.md).
+
+        It folds the namespace's corpus base (the latest published generation, times ``decay``),
+        its dynamic counts, ``corpus`` and the fleet history. ``base=False`` leaves the base out and
+        forgets it (the next rebuilds fold the counts alone until a generation is published);
+        ``history=False`` leaves the fleet history out of the new corpus index.
+        ``include_previous`` is deprecated and ignored: the base is folded by default.
+        """
+        if include_previous:
+            warnings.warn("include_previous is ignored: every rebuild folds the corpus base now (base=False drops it)",
+                          DeprecationWarning, stacklevel=2)
         return _rebuild(self._call(self._admin.StartRebuild, admin_pb2.StartRebuildRequest(
-            namespace=namespace, min_count=min_count, ngram_size=ngram_size, include_previous=include_previous,
+            namespace=namespace, min_count=min_count, ngram_size=ngram_size, skip_base=not base,
             decay=decay, corpus=list(corpus), memory_budget=memory_budget, keep=keep, skip_history=not history)))
 
     def rebuild_status(self, namespace: str) -> RebuildStatus:

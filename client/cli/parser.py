@@ -109,8 +109,10 @@ def build_parser(extra_commands: Iterable[CommandHook] = ()) -> argparse.Argumen
     build.add_argument("--ngram-size", type=ngram_size, default=2, metavar="K",
                        help=f"tokens per key, 1..{NGRAM_MAX} (default 2, as llama.cpp)")
     budget_option(build, "counting")
-    build.add_argument("--generation", type=generation, default=0, metavar="N",
-                       help="generation number recorded in the file, a whole number >= 0 (default 0)")
+    build.add_argument("--generation", type=generation, default=1, metavar="N",
+                       help="generation number recorded in the file, a whole number >= 0 (default 1: a new "
+                            "namespace's first); `ngramcache publish` takes it only above the namespace's latest "
+                            "(`ngramcache namespace list` shows it), and never 0")
     build.add_argument("--scratch-dir", metavar="DIR",
                        help="an existing folder for the sorted runs that spill beyond --memory-budget "
                             "(default: the output's folder)")
@@ -245,8 +247,8 @@ def build_parser(extra_commands: Iterable[CommandHook] = ()) -> argparse.Argumen
     json_option(sgl, "the figures (documents, tokens, bytes)")
     quiet_option(sgl)
     sgl.set_defaults(func=cmd_export_sglang)
+    add_token_commands(sub)
     for add in extra_commands:
         add(sub)
-    add_token_commands(sub)
     return parser
 

@@ -77,6 +77,12 @@ def test_build_from_text_equals_build_from_tokens(tmp_path, texts):
     assert reference.rows_to_table(c.to_rows()) == reference.count_static(arrays)
 
 
+def test_build_writes_generation_1_by_default_so_publish_takes_it_into_a_new_namespace(tmp_path, files):
+    assert StaticCache.open(str(files / "a.ngc")).generation == 1  # a service never publishes generation 0
+    run("build", str(files / "a.bin"), "-o", str(tmp_path / "g7.ngc"), *UNTAGGED_ARGS, "--quiet", "--generation", "7")
+    assert StaticCache.open(str(tmp_path / "g7.ngc")).generation == 7
+
+
 def test_build_with_a_small_budget_gives_the_same_file(tmp_path):
     rng = np.random.default_rng(3)
     np.save(tmp_path / "big.npy", (np.minimum(rng.zipf(1.2, 3_000_000), 20_000) - 1).astype(np.int32))
