@@ -15,6 +15,7 @@ built from CPython's standard library (byte tokens); the held-out files are draf
    p99 over --trials trials, with the client's default pull interval.
 
     python tests/bench/bench_client.py
+    python tests/bench/bench_client.py --quick      # checks the script (seconds; figures meaningless)
 """
 
 from __future__ import annotations
@@ -41,11 +42,11 @@ from ngramcache.client._proto.v1 import admin_pb2, admin_pb2_grpc, static_files_
 VOCAB = 256
 
 
-def stdlib_streams() -> tuple[list[np.ndarray], list[np.ndarray]]:
+def stdlib_streams(max_files: int | None = None) -> tuple[list[np.ndarray], list[np.ndarray]]:
     lib = Path(sysconfig.get_paths()["stdlib"])
     skip = {"site-packages", "test", "tests", "idlelib", "lib2to3"}
     files = sorted(p for p in lib.rglob("*.py") if not skip.intersection(p.relative_to(lib).parts) and p.stat().st_size > 4000)
-    streams = [np.frombuffer(p.read_bytes(), dtype=np.uint8).astype(np.int32) for p in files]
+    streams = [np.frombuffer(p.read_bytes(), dtype=np.uint8).astype(np.int32) for p in files[:max_files]]
     return [s for i, s in enumerate(streams) if i % 20], [s for i, s in enumerate(streams) if i % 20 == 0][:15]
 
 
@@ -95,9 +96,13 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--reps", type=int, default=5, help="runs of the drafting loop; medians reported (default 5)")
     ap.add_argument("--trials", type=int, default=30, help="push-to-visible trials (default 30)")
+    ap.add_argument("--quick", action="store_true",
+                    help="checks the script in seconds: 120 files, 1 run, 3 trials (figures meaningless)")
     args = ap.parse_args()
+    if args.quick:
+        args.reps, args.trials = 1, 3
 
-    corpus, held = stdlib_streams()
+    corpus, held = stdlib_streams(120 if args.quick else None)
     tmp = Path(tempfile.mkdtemp(prefix="ngc-bench-client-"))
     static = tmp / "stdlib.ngc"
     build_static_from_tokens(corpus, static, vocab_size=VOCAB, fingerprint=UNTAGGED, generation=1)

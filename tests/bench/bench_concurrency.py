@@ -24,6 +24,7 @@ drafted the same things.
 
     python tests/bench/bench_concurrency.py                  # byte tokens
     python tests/bench/bench_concurrency.py --tokenizer tiktoken:qwen
+    python tests/bench/bench_concurrency.py --quick          # checks the script (seconds; figures meaningless)
 """
 
 from __future__ import annotations
@@ -119,9 +120,26 @@ def throughput(d: Drafter, held: list[np.ndarray], n_threads: int, positions: in
     return sum(counts) / elapsed, checksum
 
 
-def build_native_bench() -> Path:
-    """Compiles the core (Release, as the wheel) and tests/bench/drafter_threads.cc."""
+def wheel_core() -> Path | None:
+    """The core library the installed extension was linked from (scikit-build's build folder, Release), if there."""
+    found = sorted((ROOT / "build").glob("cp*/libngc.a"), key=lambda p: p.stat().st_mtime)
+    return found[-1] if found else None
+
+
+def build_native_bench(quick: bool = False) -> Path:
+    """Compiles the core (Release, as the wheel) and tests/bench/drafter_threads.cc.
+
+    With `quick`, links the wheel's own build of the core when there is one (compiling the core
+    again takes about a minute on 2 cores)."""
     build = ROOT / "build" / "bench"
+    core = wheel_core() if quick and not (build / "libngc.a").exists() else None
+    if core is not None:
+        print(f"--quick: drafter_threads linked with the wheel's build of the core ({core})", file=sys.stderr)
+        build.mkdir(parents=True, exist_ok=True)
+        exe = build / "drafter_threads.quick"
+        subprocess.run(["g++", "-O2", "-std=c++20", f"-I{ROOT / 'native' / 'include'}",
+                        str(ROOT / "tests/bench/drafter_threads.cc"), str(core), "-lpthread", "-o", str(exe)], check=True)
+        return exe
     bindir = Path(sys.executable).parent
     cmake = shutil.which("cmake", path=str(bindir)) or "cmake"
     ninja = shutil.which("ninja", path=str(bindir))
@@ -208,7 +226,11 @@ def main() -> int:
     ap.add_argument("--positions", type=int, default=400, help="draft calls per sequence in the throughput test")
     ap.add_argument("--batch", type=int, default=64, help="drafts per draft_batch() call (default 64)")
     ap.add_argument("--rows", type=int, default=100_000, help="rows of the change set applied during drafting")
+    ap.add_argument("--quick", action="store_true",
+                    help="checks the script in seconds: 1 run, 50 positions, 20,000 rows (figures meaningless)")
     args = ap.parse_args()
+    if args.quick:
+        args.reps, args.positions, args.rows = 1, 50, 20_000
 
     corpus, held, vocab, fp = stdlib_streams(args.tokenizer)
     n_tok = sum(len(s) for s in corpus)
@@ -219,7 +241,7 @@ def main() -> int:
         print(f"static cache: {n_tok:,} tokens, {static.n_keys:,} keys; {len(held)} held-out sequences "
               f"({sum(len(s) for s in held):,} tokens); vocabulary {vocab:,}; {os.cpu_count()} CPUs")
 
-        exe = build_native_bench()
+        exe = build_native_bench(args.quick)
         native_throughput(exe, path, held, tmp, 1, 50, 1)  # warm-up
         nsums: set[str] = set()
         ratios: dict[bool, float] = {}

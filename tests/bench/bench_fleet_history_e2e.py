@@ -3,6 +3,7 @@ through the transformers adapter, sharing what they generate through a service, 
 workers siloed and against plain sampling.
 
     python tests/bench/bench_fleet_history_e2e.py [--groups 8] [--samples 8] [--max-new-tokens 96]
+    python tests/bench/bench_fleet_history_e2e.py --quick   # checks the script: 1 group of 2 samples of 8 tokens
 
 Per setup, two worker processes (one torch thread each: the machine has two cores) generate the
 same G groups x S samples: the prompts of workload (a) of tests/bench/data/fleet_workloads.npz
@@ -184,7 +185,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--check-greedy", action="store_true",
                     help="also run every setup with top_k=1 and check the drafted outputs equal plain's")
     ap.add_argument("--json", type=Path, help="write the figures to this file")
+    ap.add_argument("--quick", action="store_true",
+                    help="checks the script: 1 group of 2 samples of at most 8 tokens (figures meaningless)")
     args = ap.parse_args(argv)
+    if args.quick:
+        args.groups, args.samples, args.max_new_tokens = 1, 2, 8
     if not (1 <= args.groups <= 1000 and 2 <= args.samples <= 64 and 1 <= args.max_new_tokens <= 2048):
         ap.error("--groups 1..1000, --samples 2..64, --max-new-tokens 1..2048")
     prompts, vocab = load_prompts(args.recording, args.groups)

@@ -22,6 +22,7 @@ the full mirror.
 
     python tests/bench/bench_fleet_mirror.py                 # 10, 100, 1000 clients
     python tests/bench/bench_fleet_mirror.py --clients 10 100 --seconds 6
+    python tests/bench/bench_fleet_mirror.py --quick         # checks the script (seconds; figures meaningless)
 """
 
 from __future__ import annotations
@@ -122,7 +123,11 @@ def main() -> int:
                     help="the view's rate budget, rows a client pulls per second (default 20,000)")
     ap.add_argument("--n-ctx", type=int, default=4096, help="replay context size (default 4096)")
     ap.add_argument("--max-files", type=int, default=100_000, help="standard library files read at most")
+    ap.add_argument("--quick", action="store_true",
+                    help="checks the script in seconds: 10 and 20 clients, 2 s simulated, 80 files (figures meaningless)")
     args = ap.parse_args()
+    if args.quick:
+        args.clients, args.seconds, args.max_files = [10, 20], 2, 80
     if min(args.clients) < 1 or args.seconds < 2 or args.tokens < 1:
         ap.error("--clients >= 1, --seconds >= 2, --tokens >= 1")
 

@@ -15,6 +15,7 @@ pulls), `--trials` times each; prints the medians and the tail records pulled by
 
     python tests/bench/bench_history_groups.py             # 600 records, page 8, 4000 B/s, 3 trials
     python tests/bench/bench_history_groups.py --backlog 20000 --drafters service
+    python tests/bench/bench_history_groups.py --quick     # checks the script (seconds; figures meaningless)
 """
 
 from __future__ import annotations
@@ -109,7 +110,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=120.0, help="give a trial up after this many seconds")
     ap.add_argument("--drafters", default="8,0,service",
                     help="which to time: a client with this history_groups_per_pull, or 'service' (default 8,0,service)")
+    ap.add_argument("--quick", action="store_true", help="checks the script in seconds: a backlog of 40 records, 1 trial")
     args = ap.parse_args(argv)
+    if args.quick:
+        args.backlog, args.trials = 40, 1
     try:
         order = [-1 if d == "service" else int(d) for d in args.drafters.split(",") if d]
     except ValueError:

@@ -13,6 +13,7 @@ a checksum of the drafts.
 
     python tests/bench/bench_history_lag.py                 # 200 trials, embedded store
     python tests/bench/bench_history_lag.py --redis         # the same over a local redis-server
+    python tests/bench/bench_history_lag.py --quick         # checks the script (seconds; figures meaningless)
 """
 
 from __future__ import annotations
@@ -119,7 +120,10 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=5.0, help="seconds a trial waits (default 5)")
     ap.add_argument("--seed", type=int, default=20)
     ap.add_argument("--redis", action="store_true", help="run the service over a local redis-server")
+    ap.add_argument("--quick", action="store_true", help="checks the script in seconds: 5 trials after 1 warm-up")
     args = ap.parse_args()
+    if args.quick:
+        args.trials, args.warmup = 5, 1
     tmp = Path(tempfile.mkdtemp(prefix="ngc-bench-history-"))
     redis_server = RedisServer() if args.redis else None
     try:

@@ -1,6 +1,7 @@
 """Redis memory per stored fleet-history token, and append/read rates (prints figures; not a test).
 
     python tests/bench/bench_history_memory.py [--tokens 100000] [--min 8] [--max 64] [--clients 64]
+    python tests/bench/bench_history_memory.py --quick     # checks the script (10,000 tokens; figures meaningless)
 
 It starts its own redis-server on 127.0.0.1 (no persistence), appends ``--tokens`` tokens
 in records of ``--min``..``--max`` tokens (uniform, seed 0) from ``--clients`` senders, 16
@@ -52,7 +53,10 @@ def main() -> None:
     parser.add_argument("--min", type=int, default=8)
     parser.add_argument("--max", type=int, default=64)
     parser.add_argument("--clients", type=int, default=64)
+    parser.add_argument("--quick", action="store_true", help="checks the script: 10,000 tokens (figures meaningless)")
     args = parser.parse_args()
+    if args.quick:
+        args.tokens = 10_000
     rng = np.random.default_rng(0)
     records: list[HistoryRecord] = []
     total = 0

@@ -7,6 +7,10 @@ that runs on this machine, and only here), unpacks both, and times greedy decodi
 alternating child processes, so both see the same machine load.
 
     python tests/bench/bench_llama_build.py [--rounds 5] [--tokens 128] [--threads 2]
+    python tests/bench/bench_llama_build.py --quick    # checks the script: 1 round of 4 tokens (figures meaningless)
+
+With --quick and no native wheel cached yet (its build takes minutes), the portable wheel
+stands in for both rows, and the report says so.
 
 Prints, per build and round, prompt and decode tokens/s, then the medians and native/portable
 ratios, and a checksum of the generated tokens (the same for both builds is expected but not
@@ -29,7 +33,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
-from build_llama_cpp import DEFAULT_CACHE, PORTABLE_CMAKE_ARGS, build_wheel  # noqa: E402
+from build_llama_cpp import DEFAULT_CACHE, PORTABLE_CMAKE_ARGS, build_wheel, cached_wheel  # noqa: E402
 from helpers.model import smollm2_gguf  # noqa: E402
 
 NATIVE_CMAKE_ARGS = "-DGGML_NATIVE=ON -DLLAVA_BUILD=OFF"
@@ -85,8 +89,16 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=128, help="tokens generated per prompt (default 128)")
     ap.add_argument("--threads", type=int, default=2, help="llama.cpp threads (default 2)")
     ap.add_argument("--cache", type=Path, default=DEFAULT_CACHE, help="wheel cache (build_llama_cpp.py's)")
+    ap.add_argument("--quick", action="store_true",
+                    help="checks the script: 1 round of 4 tokens; the portable wheel stands in for a native one not "
+                    "built yet (figures meaningless)")
     args = ap.parse_args()
     builds = {"portable": PORTABLE_CMAKE_ARGS, "native": NATIVE_CMAKE_ARGS}
+    if args.quick:
+        args.rounds, args.tokens = 1, 4
+        if cached_wheel(args.cache, NATIVE_CMAKE_ARGS) is None:
+            print("--quick: no native wheel cached (building one takes minutes): the portable wheel stands in for it")
+            builds["native"] = PORTABLE_CMAKE_ARGS
     wheels = {name: build_wheel(args.cache, flags) for name, flags in builds.items()}
     model = smollm2_gguf()
     results: dict[str, list[tuple[float, float]]] = {name: [] for name in builds}

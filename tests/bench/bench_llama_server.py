@@ -29,7 +29,7 @@ decode step (what a drafted step costs against a plain one), the ratio to plain 
 ready (with and without the -lcs file: what a restart costs).
 
     python tests/bench/bench_llama_server.py                # 48 requests (24 measured), 128 tokens, 3 rounds
-    python tests/bench/bench_llama_server.py --quick        # 8 requests of 32 tokens, 1 round: checks the script
+    python tests/bench/bench_llama_server.py --quick        # 4 requests of 12 tokens, 1 round: checks the script
 """
 
 from __future__ import annotations
@@ -190,7 +190,7 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=7, help="the workload's seed (default 7, bench_real_model's)")
     ap.add_argument("--setups", default=",".join(SETUPS), help=f"comma list among {','.join(SETUPS)} (plain always)")
     ap.add_argument("--cache", type=Path, default=DEFAULT_CACHE, help="build cache of llama-server")
-    ap.add_argument("--quick", action="store_true", help="8 requests of 32 tokens, 1 round: checks the script")
+    ap.add_argument("--quick", action="store_true", help="4 requests of 12 tokens, 1 round: checks the script")
     ap.add_argument("--json", type=Path, help="write every figure to this file after each round")
     ap.add_argument("--report-from", type=Path, metavar="JSON", help="print the report of a --json file; run nothing")
     args = ap.parse_args()
@@ -203,7 +203,7 @@ def main() -> int:
         ap.error(f"--setups: unknown {sorted(chosen - set(SETUPS))}; choose among {','.join(SETUPS)}")
     setups = tuple(s for s in SETUPS if s in chosen or s == "plain")
     if args.quick:
-        args.requests, args.max_new_tokens, args.rounds = 8, 32, 1
+        args.requests, args.max_new_tokens, args.rounds = 4, 12, 1
     if args.requests < 4 or args.rounds < 1:
         ap.error("--requests must be at least 4 and --rounds at least 1")
 

@@ -25,6 +25,7 @@ runs (a new replica, redis-server and namespace each).
 
     python tests/bench/bench_overload.py               # about 4 minutes
     python tests/bench/bench_overload.py --reps 1 --seconds 8
+    python tests/bench/bench_overload.py --quick       # checks the script (seconds; figures meaningless)
 """
 
 from __future__ import annotations
@@ -222,7 +223,13 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=12.0, help="how long the client is fed at 2x and 5x")
     parser.add_argument("--rpc-timeout", type=float, default=1.0, help="deadline of the load generator's pushes")
     parser.add_argument("--fsync", choices=("always", "everysec", "no"), default="always")
+    parser.add_argument("--quick", action="store_true",
+                        help="checks the script in seconds: 1 run, steps of 0.3 s from 100,000 rows/s, the client fed 0.3 s "
+                        "past 20,000 rows/s at most "
+                        "(figures meaningless)")
     args = parser.parse_args()
+    if args.quick:
+        args.reps, args.start, args.step_seconds, args.seconds = 1, 100_000, 0.3, 0.3
     cores = os.cpu_count() or 1
     points, cpus_used, runs = [], [], {2: [], 5: []}
     with tempfile.TemporaryDirectory(prefix="ngc-bench-overload-") as tmp:
@@ -238,8 +245,9 @@ def main() -> int:
                 fleet.close()
             for factor in (2, 5):
                 fleet = Fleet(Path(tmp) / f"run-{rep}-{factor}x", args.fsync)
-                try:
-                    r = past_it(fleet, factor * point, args, Path(tmp), 100 * rep + factor)
+                try:  # a replica that shed at the first rate tried: fed past half of it; --quick: a small flush
+                    fed_at = min(point, 20_000) if args.quick else point
+                    r = past_it(fleet, factor * (fed_at or args.start / 2), args, Path(tmp), 100 * rep + factor)
                 finally:
                     fleet.close()
                 runs[factor].append(r)
@@ -250,7 +258,7 @@ def main() -> int:
     point, cpus = statistics.median(points), statistics.median(cpus_used)
     print(f"\nmedians of {args.reps} runs (fsync {args.fsync}, generator batches of {args.batch} rows, deadline "
           f"{args.rpc_timeout:g} s, {cores} CPUs):")
-    print(f"  shedding point: {point:,.0f} rows/s; {point / cpus:,.0f} rows/s per busy CPU (replica + redis used "
+    print(f"  shedding point: {point:,.0f} rows/s; {point / max(cpus, 0.01):,.0f} rows/s per busy CPU (replica + redis used "
           f"{cpus:.2f}); {point / cores:,.0f} rows/s per core of the machine")
     for factor, rs in runs.items():
         med = {k: statistics.median(r[k] for r in rs) for k in rs[0]}

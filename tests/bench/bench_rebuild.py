@@ -9,6 +9,7 @@ llama-lookup-stats does (n_ctx 4096, n_draft 8) with that generation as the stat
 empty context/dynamic tables to start (the replay fills them as it goes).
 
     python tests/bench/bench_rebuild.py [--fleet-tokens N] [--corpus-tokens N]
+    python tests/bench/bench_rebuild.py --quick        # checks the script (seconds; figures meaningless)
 """
 
 from __future__ import annotations
@@ -34,10 +35,10 @@ from ngramcache.client.tokenizer import load_tokenizer
 NS = "bench"
 
 
-def stdlib_tokens() -> tuple[list[np.ndarray], np.ndarray]:
+def stdlib_tokens(max_files: int | None = None) -> tuple[list[np.ndarray], np.ndarray]:
     lib = Path(sysconfig.get_paths()["stdlib"])
     skip = {"site-packages", "test", "tests", "idlelib", "lib2to3"}
-    files = sorted(p for p in lib.rglob("*.py") if not skip.intersection(p.relative_to(lib).parts))
+    files = sorted(p for p in lib.rglob("*.py") if not skip.intersection(p.relative_to(lib).parts))[:max_files]
     tok = load_tokenizer("tiktoken:cl100k_base")
     ids = tok.encode_batch([p.read_text(encoding="utf-8", errors="replace") for p in files])
     train = [t.astype(np.int32) for i, t in enumerate(ids) if i % 20]
@@ -74,9 +75,13 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--fleet-tokens", type=int, default=1_000_000, help="tokens the fleet pushes (default 1,000,000)")
     ap.add_argument("--corpus-tokens", type=int, default=1_000_000, help="tokens of the published corpus (default 1M)")
+    ap.add_argument("--quick", action="store_true",
+                    help="checks the script in seconds: 200 files, 20,000 fleet and 20,000 corpus tokens (figures meaningless)")
     args = ap.parse_args()
+    if args.quick:
+        args.fleet_tokens, args.corpus_tokens = 20_000, 20_000
 
-    train, held = stdlib_tokens()
+    train, held = stdlib_tokens(200 if args.quick else None)
     fleet, corpus, n = [], [], 0
     for t in train:
         (fleet if n < args.fleet_tokens else corpus).append(t)

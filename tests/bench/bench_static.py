@@ -6,12 +6,15 @@ and caches them). For "no static cache" and each corpus, every figure is the med
 --reps runs: build seconds and peak RSS (default budget and 256 MiB), file size against the
 same counts in llama.cpp's format, open time, and llama-lookup-stats' replay of the test
 set (us per drafted token, accept %, peak RSS). Baselines measured in the same run: the
-llama.cpp format's size, and loading that file into a heap table as llama.cpp does with
--lcs (seconds and RSS per process). Sharing: 4 processes replay against the largest file at
-once; the sum of their proportional set sizes (PSS) of the mapping is set against the file
-size.
+llama.cpp format's size, and loading that file into a heap table, the kind of table llama.cpp
+builds from -lcs (seconds and RSS per process). That load is ngramcache's own loader
+(`load_llama_counts` into a `CountTable`), not llama.cpp's: llama.cpp's loader is not timed
+here (llama-server's time to ready with a -lcs file: tests/bench/bench_llama_server.py).
+Sharing: 4 processes replay against the largest file at once; the sum of their proportional
+set sizes (PSS) of the mapping is set against the file size.
 
     python tests/bench/bench_static.py            # prints one table (markdown) and writes JSON
+    python tests/bench/bench_static.py --quick    # checks the script on prepare_corpus.py --quick's data (seconds)
 """
 
 from __future__ import annotations
@@ -53,7 +56,8 @@ def open_ms(path: Path, n: int = 200) -> float:
 
 
 def heap_load(path: Path, vocab: int) -> dict:
-    """llama.cpp-style baseline: parse a llama.cpp cache file into a heap table, in a fresh process."""
+    """The heap-table baseline: ngramcache's loader parses a llama.cpp cache file into a CountTable (a heap table
+    like the one llama.cpp builds from -lcs, but not llama.cpp's code), in a fresh process."""
     code = (
         "import json,resource,sys,time\n"
         "from ngramcache.client import CountTable\nfrom ngramcache import load_llama_counts\n"
@@ -120,17 +124,26 @@ def sharing(path: Path, test: Path, n: int = 4) -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--data-dir", default=str(ROOT / ".bench-data"), help="prepared corpora (default .bench-data)")
+    parser.add_argument("--data-dir", default=None, help="prepared corpora (default .bench-data; .bench-data/quick with --quick)")
     parser.add_argument("--work-dir", default=None, help="where built files go (default DATA/bench)")
     parser.add_argument("--reps", type=int, default=3, help="runs per figure; medians are reported (default 3)")
     parser.add_argument("--sizes", default=",".join(SIZES), help="corpora to run (default 25mb,100mb,300mb)")
     parser.add_argument("--json", default=None, help="also write the figures to this file")
+    parser.add_argument("--quick", action="store_true",
+                        help="checks the script in seconds: prepare_corpus.py --quick's data, 1 run, the 25mb set only "
+                        "(figures meaningless)")
     args = parser.parse_args()
+    if args.quick:
+        args.reps, args.sizes = 1, "25mb"
 
-    data = Path(args.data_dir)
+    data = Path(args.data_dir or ROOT / ".bench-data" / ("quick" if args.quick else ""))
     if not (data / "manifest.json").exists():
-        subprocess.run([sys.executable, str(ROOT / "tests/bench/prepare_corpus.py"), "--data-dir", str(data)], check=True)
+        subprocess.run([sys.executable, str(ROOT / "tests/bench/prepare_corpus.py"), "--data-dir", str(data),
+                        *(["--quick"] if args.quick else [])], check=True)
     manifest = json.loads((data / "manifest.json").read_text())
+    if manifest.get("quick"):
+        print(f"{data} holds prepare_corpus.py --quick's data (Python's C headers, KBs): figures meaningless",
+              file=sys.stderr)
     vocab = manifest["tokenizer"]["vocab_size"]
     fp = manifest["tokenizer"]["fingerprint"]
     work = Path(args.work_dir or data / "bench")
@@ -195,7 +208,7 @@ def main() -> int:
         return "-" if v is None else format(v, spec)
 
     print("\n| corpus | tokens | build s (per 100M) | build RSS MB | build s / RSS MB @256MiB | file MB | llama.cpp MB | ratio "
-          "| open ms | heap load s / RSS MB (llama.cpp-style) | us/drafted | draft-only | accept % | stats RSS MB |")
+          "| open ms | heap load s / RSS MB (ngramcache's loader of the llama.cpp file) | us/drafted | draft-only | accept % | stats RSS MB |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         if r["corpus"] == "none":

@@ -1,6 +1,7 @@
 """Benchmark of the two wire forms of token arrays and count rows in protobuf (prints figures; not a test).
 
     python tests/bench/bench_token_encoding.py [--reps 7] [--target-ms 20] [--verbose]
+    python tests/bench/bench_token_encoding.py --quick     # checks the script (a second; figures meaningless)
 
 For each payload it builds a message from a numpy int32 array, serializes it, parses it
 and converts the field back to numpy, both ways, with the installed protobuf runtime (the
@@ -157,7 +158,10 @@ def main() -> int:
     parser.add_argument("--reps", type=int, default=7, help="runs per figure (the median is printed)")
     parser.add_argument("--target-ms", type=float, default=20.0, help="duration of one run")
     parser.add_argument("--verbose", action="store_true", help="also print every encoder and decoder tried")
+    parser.add_argument("--quick", action="store_true", help="checks the script: 1 run of 2 ms per figure (figures meaningless)")
     args = parser.parse_args()
+    if args.quick:
+        args.reps, args.target_ms = 1, 2.0
 
     import google.protobuf
     print(f"protobuf {google.protobuf.__version__} ({api_implementation.Type()} backend), numpy {np.__version__}, "

@@ -20,6 +20,11 @@ llama.cpp breaks ties between equally good followers in its hash map's order, ng
 by the lowest token id, so drafted counts may differ by the few steps where a tie decides.
 
     python tests/bench/compare_llama.py [--corpus-bytes 8000000] [--reps 3]
+    python tests/bench/compare_llama.py --quick     # checks the script (seconds) once the tools are built
+
+--quick runs on prepare_corpus.py --quick's data (.bench-data/quick, made if missing) with
+200 KB of corpus and 1 run, and never builds: without the tools of an earlier full run in
+.bench-data/llama it stops, saying so (exit 3).
 """
 
 from __future__ import annotations
@@ -118,13 +123,27 @@ def main() -> int:
     parser.add_argument("--n-ctx", type=int, default=4096)
     parser.add_argument("--n-draft", type=int, default=8)
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--quick", action="store_true",
+                        help="checks the script in seconds on prepare_corpus.py --quick's data, with the tools an earlier "
+                        "full run built (never builds them; figures meaningless)")
     args = parser.parse_args()
+    cache = Path(args.data_dir) / "llama"
+    if args.quick:
+        args.reps, args.corpus_bytes = 1, 200_000
+        if args.data_dir == str(ROOT / ".bench-data"):
+            args.data_dir = str(ROOT / ".bench-data" / "quick")
+        missing = [t for t in TOOLS if not (cache / "build" / "bin" / t).exists()] or (
+            [] if list(cache.glob("**/*.gguf")) else ["the SmolLM2 GGUF"])
+        if missing:
+            print(f"--quick: {', '.join(missing)} not in {cache} (built by a full run, about 10 minutes): "
+                  "run compare_llama.py without --quick first", file=sys.stderr)
+            return 3
 
     data = Path(args.data_dir)
     if not (data / "manifest.json").exists():
-        sh([sys.executable, str(ROOT / "tests/bench/prepare_corpus.py"), "--data-dir", str(data)])
+        sh([sys.executable, str(ROOT / "tests/bench/prepare_corpus.py"), "--data-dir", str(data),
+            *(["--quick"] if args.quick else [])])
     manifest = json.loads((data / "manifest.json").read_text())
-    cache = data / "llama"
     bin_dir = ensure_llama(cache)
     model = ensure_model(cache)
     work = cache / "work"

