@@ -254,13 +254,16 @@ class Drafter:
         sequence `seq`. Returns an int32 array, empty when nothing passes the thresholds.
         """
 
-    def draft_scored(self, seq: int, tokens: NDArray[numpy.int32], n_draft: int = 8) -> tuple[NDArray[numpy.int32], NDArray[numpy.float32]]:
+    def draft_scored(self, seq: int, tokens: NDArray[numpy.int32], n_draft: int = 8, uncapped: bool = False) -> tuple[NDArray[numpy.int32], NDArray[numpy.float32]]:
         """
         draft() with each drafted token's odds: (tokens, odds), odds[i] (float32, 0..1) the
         estimated chance that tokens[i] is accepted given tokens[:i] were. Compatible mode: the
         chosen follower's count / (total + 1) at the n-gram that decided (the tokens are
         draft()'s, token for token). Match mode: its share of the agreeing occurrences, shrunk
-        by the match length (or of the counts). Deterministic.
+        by the match length (or of the counts). Deterministic. uncapped (match mode): the draft
+        is cut neither by the match length (length_factor) nor by its probability (min_prob), so
+        it runs to n_draft where the match goes on: for a caller that cuts it by the odds and its
+        verify costs (the adapters' n_draft="auto").
         """
 
     def draft_tree(self, seq: int, tokens: NDArray[numpy.int32], budget: int = 16) -> tuple[NDArray[numpy.int32], NDArray[numpy.int32]]:

@@ -17,10 +17,12 @@ All take any drafter with ``draft``/``accept``/``reset`` (`ngramcache.Drafter`,
 ``NgramClient(..., mode="match")`` or ``RemoteDrafter(..., mode="match")`` makes them draft
 longest matches (both engines verify a line, so they use `draft`, not `draft_tree`).
 
-Cost-aware drafting (``cost_aware=True`` on either engine; off by default, so the drafts stay
-llama.cpp's): `draft_length.DraftLengthPolicy` sends each step only the drafted prefix worth its
-verify cost, from the engine's measured costs (`draft_length.VerifyCost`) and the drafter's
-per-token odds (``Drafter.draft_scored``).
+How much to draft: by default (``n_draft="auto"``, transformers and llama-cpp-python) up to 64
+tokens a step, cut by `draft_length.DraftLengthPolicy` to the drafted prefix worth its verify cost,
+from the drafter's per-token odds (``Drafter.draft_scored``) and the engine's costs, learned from
+its own steps (`step_costs.StepCosts`: long drafts on a GPU, short ones on a CPU). An integer
+``n_draft`` drafts that many tokens every step, as llama.cpp does; with ``cost_aware=True`` they are
+cut by costs measured up front (`draft_length.VerifyCost`).
 """
 
 from ngramcache.client.adapters.sequence_feed import DrafterLike, DraftStats, SequenceFeed

@@ -11,8 +11,8 @@ Usage::
     print(draft_model.stats, draft_model.verify_cost)
 
 How much to draft. By default (``n_draft="auto"``) each call sends up to 64 drafted tokens, as
-many as the ``Llama``'s verify costs make worth it, learned from the passes of its generation
-loop (the time between two calls is one pass that verified the previous draft; no extra pass,
+many as the ``Llama``'s verify costs make worth it (a match-mode ``Drafter`` drafting uncapped),
+learned from the passes of its generation loop (the time between two calls is one pass that verified the previous draft; no extra pass,
 nothing to measure first): where a batch of drafted tokens is nearly free to verify (a GPU
 offload) drafts grow to 64, where it is not (llama.cpp's CPU kernels: one drafted token can cost
 as much as the pass without it) they are cut, to none when the odds are low. ``verify_cost=``
@@ -173,7 +173,8 @@ class NgramDraftModel(LlamaDraftModel):
             cost = VerifyCost(cost, max(self.feed.n_draft, 8))
         self.cost_aware = True
         self.feed = SequenceFeed(self.feed.drafter, self.feed.seq_id, self.feed.n_draft, self.feed.stats,
-                                 DraftLengthPolicy(cost), unscored_odds=UNSCORED_ODDS if self.auto else None)
+                                 DraftLengthPolicy(cost), unscored_odds=UNSCORED_ODDS if self.auto else None,
+                                 uncapped=self.auto)
 
     @property
     def verify_cost(self) -> VerifyCost | None:

@@ -9,6 +9,7 @@ from typing import Protocol
 import numpy as np
 from numpy.typing import NDArray
 
+from ngramcache.client._core import Drafter
 from ngramcache.client.adapters.draft_length import DraftLengthPolicy
 from ngramcache.client.errors import InvalidArgumentError
 
@@ -76,13 +77,18 @@ class SequenceFeed:
             step that verified the previous draft) and records it there.
         unscored_odds: the odds given to every drafted token of a drafter without `draft_scored`
             (calibrated by the policy like any odds); None: such a drafter is refused.
+        uncapped: with a policy and an `ngramcache.Drafter` in the match mode, draft with
+            ``draft_scored(..., uncapped=True)``: a match's draft is not cut by its length or its
+            probability, the policy cuts it by its odds and the verify costs (long copies where
+            verifying is cheap). Other drafters draft as they do.
 
     Raises:
         InvalidArgumentError: a policy with a drafter that has no `draft_scored` (and no `unscored_odds`).
     """
 
     def __init__(self, drafter: DrafterLike, seq_id: int, n_draft: int = 8, stats: DraftStats | None = None,
-                 policy: DraftLengthPolicy | None = None, *, unscored_odds: float | None = None) -> None:
+                 policy: DraftLengthPolicy | None = None, *, unscored_odds: float | None = None,
+                 uncapped: bool = False) -> None:
         if n_draft < 1:
             raise ValueError(f"n_draft must be at least 1, got {n_draft}")
         self._scored = hasattr(drafter, "draft_scored")
@@ -91,6 +97,7 @@ class SequenceFeed:
                 f"cost-aware drafting needs a drafter with draft_scored() (ngramcache.Drafter), got {type(drafter).__name__}")
         self.policy = policy
         self.unscored_odds = unscored_odds
+        self._uncapped = uncapped and policy is not None and isinstance(drafter, Drafter)
         # Step timing for learned costs: when the last draft() ran and how many tokens it sent.
         self._step_costs = policy.cost if policy is not None and hasattr(policy.cost, "record") else None
         self._last_call: float | None = None
@@ -166,7 +173,10 @@ class SequenceFeed:
             drafted = np.asarray(self.drafter.draft(self.seq_id, tokens, n), dtype=np.int32)[:n]
         else:
             if self._scored:
-                full, odds = self.drafter.draft_scored(self.seq_id, tokens, n)  # type: ignore[attr-defined]
+                if self._uncapped:
+                    full, odds = self.drafter.draft_scored(self.seq_id, tokens, n, uncapped=True)  # type: ignore[attr-defined]
+                else:
+                    full, odds = self.drafter.draft_scored(self.seq_id, tokens, n)  # type: ignore[attr-defined]
                 self._full = np.asarray(full, dtype=np.int32)[:n]
                 self._full_odds = np.asarray(odds, dtype=np.float32)[: len(self._full)]
             else:

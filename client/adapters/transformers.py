@@ -32,7 +32,9 @@ How much to draft. By default (``n_draft="auto"``) each step sends up to 64 draf
 many as the engine's verify costs make worth it: the adapter times the steps of the decoding
 loop it runs anyway (no extra forward pass, nothing measured before the first request), learns
 c(k), a step with k drafted tokens over one with none, per model (`step_costs.StepCosts`), and
-sends the drafted prefix with the most expected new tokens per unit of cost. Where verifying
+sends the drafted prefix with the most expected new tokens per unit of cost. A match-mode
+`ngramcache.Drafter` then drafts uncapped (``draft_scored(..., uncapped=True)``: a copy runs on
+past its match length), so the policy, not the drafter's thresholds, decides. Where verifying
 more is nearly free (a GPU: c(64) ~ 1.1) drafts grow to 64 tokens; where it is not (a few CPU
 cores: c(1) ~ 1.6) they are cut, to none when the odds are low. Until a length has been timed
 it is taken to cost no more than the longest one timed, so the first steps of the first request
@@ -112,7 +114,8 @@ class NgramCandidateGenerator(CandidateGenerator):
         if auto and verify_cost is None:
             verify_cost = StepCosts(most)
         policy = DraftLengthPolicy(verify_cost) if verify_cost is not None else None
-        self.feed = SequenceFeed(drafter, seq_id, most, stats, policy, unscored_odds=UNSCORED_ODDS if auto else None)
+        self.feed = SequenceFeed(drafter, seq_id, most, stats, policy, unscored_odds=UNSCORED_ODDS if auto else None,
+                                 uncapped=auto)
         # The generation's max_length (set by ngram_decoding): no draft reaches past it.
         self.max_length: int | None = None
         # The tensor update_candidate_strategy accepted last: the loop hands it back to

@@ -136,7 +136,7 @@ void bind_drafter(nb::module_& m) {
           "sequence `seq`. Returns an int32 array, empty when nothing passes the thresholds.")
       .def(
           "draft_scored",
-          [](PyDrafter& d, int64_t seq, nb::handle tokens, int n_draft) {
+          [](PyDrafter& d, int64_t seq, nb::handle tokens, int n_draft, bool uncapped) {
             check(check_n_draft(n_draft));  // before sizing the outputs by it
             TokenView v = as_tokens(tokens, "tokens");
             std::vector<int32_t> out(static_cast<size_t>(n_draft));
@@ -145,7 +145,7 @@ void bind_drafter(nb::module_& m) {
             Status s;
             {
               nb::gil_scoped_release release;
-              s = d.drafter->draft(seq, v.data, v.size, n_draft, out.data(), &n, odds.data());
+              s = d.drafter->draft(seq, v.data, v.size, n_draft, out.data(), &n, odds.data(), uncapped);
             }
             check(s);
             out.resize(static_cast<size_t>(n));
@@ -153,14 +153,18 @@ void bind_drafter(nb::module_& m) {
             const size_t m = static_cast<size_t>(n);
             return nb::make_tuple(to_numpy(std::move(out), {m}), to_numpy(std::move(odds), {m}));
           },
-          nb::sig("def draft_scored(self, seq: int, tokens: NDArray[numpy.int32], n_draft: int = 8) -> "
-                  "tuple[NDArray[numpy.int32], NDArray[numpy.float32]]"),
-          "seq"_a, "tokens"_a, "n_draft"_a = 8,
+          nb::sig(
+              "def draft_scored(self, seq: int, tokens: NDArray[numpy.int32], n_draft: int = 8, uncapped: bool = False) -> "
+              "tuple[NDArray[numpy.int32], NDArray[numpy.float32]]"),
+          "seq"_a, "tokens"_a, "n_draft"_a = 8, "uncapped"_a = false,
           "draft() with each drafted token's odds: (tokens, odds), odds[i] (float32, 0..1) the\n"
           "estimated chance that tokens[i] is accepted given tokens[:i] were. Compatible mode: the\n"
           "chosen follower's count / (total + 1) at the n-gram that decided (the tokens are\n"
           "draft()'s, token for token). Match mode: its share of the agreeing occurrences, shrunk\n"
-          "by the match length (or of the counts). Deterministic.")
+          "by the match length (or of the counts). Deterministic. uncapped (match mode): the draft\n"
+          "is cut neither by the match length (length_factor) nor by its probability (min_prob), so\n"
+          "it runs to n_draft where the match goes on: for a caller that cuts it by the odds and its\n"
+          "verify costs (the adapters' n_draft=\"auto\").")
       .def(
           "draft_tree",
           [](PyDrafter& d, int64_t seq, nb::handle tokens, int budget) {

@@ -411,8 +411,8 @@ std::shared_ptr<SharedCountTable> Drafter::dynamic_table() const {
   return dynamic_;
 }
 
-Status Drafter::draft(int64_t seq, const Token* tokens, size_t n, int n_draft, Token* out, int* n_out,
-                      float* odds) const {
+Status Drafter::draft(int64_t seq, const Token* tokens, size_t n, int n_draft, Token* out, int* n_out, float* odds,
+                      bool uncapped) const {
   *n_out = 0;
   NGC_RETURN_IF_ERROR(check_n_draft(n_draft));
   NGC_RETURN_IF_ERROR(check_tail(tokens, n));
@@ -427,6 +427,10 @@ Status Drafter::draft(int64_t seq, const Token* tokens, size_t n, int n_draft, T
   if (options_.mode == DraftMode::kMatch) {
     MatchParams mp = options_.match;
     mp.n_draft = n_draft;
+    if (uncapped) {
+      mp.min_prob = 0.0;
+      mp.length_factor = kMaxDraft;  // any match of >= 1 token may draft n_draft tokens
+    }
     *n_out = seqs_.with_tables(seq, [&](const CountTable* context, const SeqIndex* index) {
       std::shared_lock history(history_mu_);
       const MatchTables t{index, &history_, context, dyn, static_.get()};

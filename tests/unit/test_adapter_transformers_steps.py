@@ -36,6 +36,7 @@ def test_each_step_copies_only_the_kept_tokens(monkeypatch: pytest.MonkeyPatch) 
     assert gen.feed.seen is not None and gen.feed.seen.tolist() == ids[0].tolist()
     assert sum(copied) == ids.shape[1]  # every token crossed once
     assert isinstance(gen.feed.policy.cost, StepCosts) and gen.feed.n_draft == 64  # the default: "auto"
+    assert gen.feed._uncapped  # a match-mode Drafter drafts uncapped: the policy cuts
 
 
 def test_a_tensor_not_handed_back_is_read_whole() -> None:

@@ -67,3 +67,18 @@ def test_match_odds_grow_with_the_match_length():
     shorter.accept(1, text)
     few, odds_short = shorter.draft_scored(1, text, 1)
     assert list(few) == [1] and odds_short[0] < odds[0]
+
+
+def test_uncapped_match_drafts_run_to_n_draft_with_their_odds():
+    """uncapped (the adapters' n_draft="auto"): a 2-token match is not cut at 2 tokens (length_factor) nor where
+    its probability falls under min_prob; the capped draft is its prefix. Compatible mode: the same drafts."""
+    seq = arr([5, 6, 7, 8, 9, 5, 6])
+    match = Drafter(vocab_size=16, fingerprint=UNTAGGED, mode="match")
+    match.accept(1, seq)
+    capped, _ = match.draft_scored(1, seq, 32)
+    full, odds = match.draft_scored(1, seq, 32, uncapped=True)
+    assert 0 < len(capped) < 32 and len(full) == 32 and list(full[: len(capped)]) == list(capped)
+    assert len(odds) == 32 and float(np.prod(odds.astype(np.float64))) < 0.25  # what min_prob would have cut
+    compatible = Drafter(vocab_size=16, fingerprint=UNTAGGED)
+    compatible.accept(1, seq)
+    assert list(compatible.draft_scored(1, seq, 32, uncapped=True)[0]) == list(compatible.draft(1, seq, 32))

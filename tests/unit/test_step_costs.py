@@ -155,3 +155,16 @@ def test_n_draft_is_auto_or_a_whole_number(value):
 def test_step_costs_refuse_bad_tuning():
     with pytest.raises(InvalidArgumentError, match="min_samples"):
         StepCosts(min_samples=0)
+
+
+def test_auto_feeds_draft_uncapped_and_the_policy_cuts():
+    """With "auto" a match-mode Drafter's draft is not cut at the match length: where verifying is nearly free
+    the policy sends the long copy; where it is dear, the policy (not the drafter) cuts it."""
+    tokens = np.asarray([5, 6, 7, 8, 9, 5, 6], dtype=np.int32)
+    drafter = Drafter(vocab_size=64, fingerprint=UNTAGGED, mode="match")
+    flat = SequenceFeed(drafter, 1, MAX_AUTO_DRAFT, policy=DraftLengthPolicy(StepCosts()), uncapped=True)
+    capped = SequenceFeed(drafter, 2, MAX_AUTO_DRAFT, policy=DraftLengthPolicy(StepCosts()))
+    steep = SequenceFeed(drafter, 3, MAX_AUTO_DRAFT, policy=DraftLengthPolicy(learned({0: 10.0, 1: 16.0, 64: 80.0})),
+                         uncapped=True)
+    assert len(flat.draft(tokens)) == 64 and len(capped.draft(tokens)) < 8
+    assert len(steep.draft(tokens)) < 8

@@ -105,8 +105,11 @@ class Drafter {
   // Drafts up to n_draft (1..kMaxDraft) tokens after tokens[0..n) of sequence `seq` into
   // `out` (room for n_draft); `*n_out` is how many. Checks the tail tokens it reads. With
   // `odds` (room for n_draft), each drafted token's conditional odds (ngc::draft, draft_match).
-  Status draft(int64_t seq, const Token* tokens, size_t n, int n_draft, Token* out, int* n_out,
-               float* odds = nullptr) const;
+  // With `uncapped` (match mode only), a match's draft is cut neither by its length
+  // (length_factor) nor by its probability (min_prob): the longest draft up to n_draft, for a
+  // caller that weighs the odds against verify costs and cuts it itself.
+  Status draft(int64_t seq, const Token* tokens, size_t n, int n_draft, Token* out, int* n_out, float* odds = nullptr,
+               bool uncapped = false) const;
   // draft() for m sequences: seqs[i] after tokens[i][0..sizes[i]) into out + i x n_draft
   // (room for m x n_draft), lengths[i] how many. The first failure stops the batch and
   // names its index.
