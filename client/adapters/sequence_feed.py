@@ -13,7 +13,11 @@ from ngramcache.client._core import Drafter
 from ngramcache.client.adapters.draft_length import DraftLengthPolicy
 from ngramcache.client.errors import InvalidArgumentError
 
-__all__ = ["DraftStats", "DrafterLike", "SequenceFeed"]
+__all__ = ["UNCAPPED_MAX_COST", "DraftStats", "DrafterLike", "SequenceFeed"]
+
+# The most c(n_draft) at which an "auto" feed drafts uncapped: on an H200 c(64) = 1.10-1.15; on
+# 2 CPU cores c(8) is already ~2, and uncapped drafts made the default 14% slower there.
+UNCAPPED_MAX_COST = 1.5
 
 
 class DrafterLike(Protocol):
@@ -78,9 +82,11 @@ class SequenceFeed:
         unscored_odds: the odds given to every drafted token of a drafter without `draft_scored`
             (calibrated by the policy like any odds); None: such a drafter is refused.
         uncapped: with a policy and an `ngramcache.Drafter` in the match mode, draft with
-            ``draft_scored(..., uncapped=True)``: a match's draft is not cut by its length or its
-            probability, the policy cuts it by its odds and the verify costs (long copies where
-            verifying is cheap). Other drafters draft as they do.
+            ``draft_scored(..., uncapped=True)`` while the policy's costs say a full-length draft
+            costs at most `UNCAPPED_MAX_COST` steps (a GPU's): a match's draft is then not cut
+            by its length or its probability, the policy cuts it by its odds and the costs. Where
+            long drafts are dear (a CPU) the drafter's own thresholds stay, since odds far past
+            a match are the least reliable. Other drafters draft as they do.
 
     Raises:
         InvalidArgumentError: a policy with a drafter that has no `draft_scored` (and no `unscored_odds`).
@@ -173,7 +179,7 @@ class SequenceFeed:
             drafted = np.asarray(self.drafter.draft(self.seq_id, tokens, n), dtype=np.int32)[:n]
         else:
             if self._scored:
-                if self._uncapped:
+                if self._uncapped and self.policy.cost(n) <= UNCAPPED_MAX_COST:
                     full, odds = self.drafter.draft_scored(self.seq_id, tokens, n, uncapped=True)  # type: ignore[attr-defined]
                 else:
                     full, odds = self.drafter.draft_scored(self.seq_id, tokens, n)  # type: ignore[attr-defined]

@@ -32,9 +32,10 @@ How much to draft. By default (``n_draft="auto"``) each step sends up to 64 draf
 many as the engine's verify costs make worth it: the adapter times the steps of the decoding
 loop it runs anyway (no extra forward pass, nothing measured before the first request), learns
 c(k), a step with k drafted tokens over one with none, per model (`step_costs.StepCosts`), and
-sends the drafted prefix with the most expected new tokens per unit of cost. A match-mode
-`ngramcache.Drafter` then drafts uncapped (``draft_scored(..., uncapped=True)``: a copy runs on
-past its match length), so the policy, not the drafter's thresholds, decides. Where verifying
+sends the drafted prefix with the most expected new tokens per unit of cost. Where a 64-token
+draft costs at most 1.5 steps, a match-mode `ngramcache.Drafter` drafts uncapped
+(``draft_scored(..., uncapped=True)``: a copy runs on past its match length), so the policy, not
+the drafter's thresholds, decides. Where verifying
 more is nearly free (a GPU: c(64) ~ 1.1) drafts grow to 64 tokens; where it is not (a few CPU
 cores: c(1) ~ 1.6) they are cut, to none when the odds are low. Until a length has been timed
 it is taken to cost no more than the longest one timed, so the first steps of the first request

@@ -168,3 +168,18 @@ def test_auto_feeds_draft_uncapped_and_the_policy_cuts():
                          uncapped=True)
     assert len(flat.draft(tokens)) == 64 and len(capped.draft(tokens)) < 8
     assert len(steep.draft(tokens)) < 8
+
+
+def test_uncapped_only_where_a_full_draft_is_cheap():
+    """A full-length draft costing at most UNCAPPED_MAX_COST steps (a GPU) is asked uncapped; dearer (a CPU's
+    c(64) ~ 6), the drafter's own thresholds stay: odds far past a match are the least reliable, and trusting
+    them made the default 14% slower than match n_draft 16 on 2 CPU cores."""
+    tokens = np.asarray([5, 6, 7, 8, 9, 5, 6], dtype=np.int32)
+    drafter = Drafter(vocab_size=64, fingerprint=UNTAGGED, mode="match")
+
+    def sent(c: float, seq: int) -> int:
+        cost = VerifyCost([1.0] + [c] * MAX_AUTO_DRAFT, MAX_AUTO_DRAFT)
+        return len(SequenceFeed(drafter, seq, MAX_AUTO_DRAFT, policy=DraftLengthPolicy(cost), uncapped=True).draft(tokens))
+
+    assert sent(1.2, 1) == 64
+    assert sent(1.6, 2) < 8
