@@ -13,11 +13,15 @@ from ngramcache.client._core import Drafter
 from ngramcache.client.adapters.draft_length import DraftLengthPolicy
 from ngramcache.client.errors import InvalidArgumentError
 
-__all__ = ["UNCAPPED_MAX_COST", "DraftStats", "DrafterLike", "SequenceFeed"]
+__all__ = ["DEAR_MAX_DRAFT", "UNCAPPED_MAX_COST", "DraftStats", "DrafterLike", "SequenceFeed"]
 
 # The most c(n_draft) at which an "auto" feed drafts uncapped: on an H200 c(64) = 1.10-1.15; on
 # 2 CPU cores c(8) is already ~2, and uncapped drafts made the default 14% slower there.
 UNCAPPED_MAX_COST = 1.5
+# Where a full-length draft costs more than that, an "auto" feed drafts at most this many tokens
+# a step (the best fixed length on 2 CPU cores): the odds of a long copy's far tokens are the
+# least reliable, and a wrong 64-token draft there costs 4-6 steps.
+DEAR_MAX_DRAFT = 16
 
 
 class DrafterLike(Protocol):
@@ -85,8 +89,9 @@ class SequenceFeed:
             ``draft_scored(..., uncapped=True)`` while the policy's costs say a full-length draft
             costs at most `UNCAPPED_MAX_COST` steps (a GPU's): a match's draft is then not cut
             by its length or its probability, the policy cuts it by its odds and the costs. Where
-            long drafts are dear (a CPU) the drafter's own thresholds stay, since odds far past
-            a match are the least reliable. Other drafters draft as they do.
+            long drafts are dear (a CPU) the drafter's own thresholds stay and drafts are at most
+            `DEAR_MAX_DRAFT` tokens, since odds far past a match are the least reliable. Other
+            drafters draft as they do.
 
     Raises:
         InvalidArgumentError: a policy with a drafter that has no `draft_scored` (and no `unscored_odds`).
@@ -182,6 +187,8 @@ class SequenceFeed:
                 if self._uncapped and self.policy.cost(n) <= UNCAPPED_MAX_COST:
                     full, odds = self.drafter.draft_scored(self.seq_id, tokens, n, uncapped=True)  # type: ignore[attr-defined]
                 else:
+                    if self._uncapped:  # an "auto" feed where long drafts are dear
+                        n = min(n, DEAR_MAX_DRAFT)
                     full, odds = self.drafter.draft_scored(self.seq_id, tokens, n)  # type: ignore[attr-defined]
                 self._full = np.asarray(full, dtype=np.int32)[:n]
                 self._full_odds = np.asarray(odds, dtype=np.float32)[: len(self._full)]

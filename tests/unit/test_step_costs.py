@@ -10,7 +10,7 @@ import pytest
 from ngramcache import UNTAGGED, Drafter, InvalidArgumentError
 from ngramcache.client.adapters import sequence_feed
 from ngramcache.client.adapters.draft_length import DraftLengthPolicy, VerifyCost
-from ngramcache.client.adapters.sequence_feed import SequenceFeed
+from ngramcache.client.adapters.sequence_feed import DEAR_MAX_DRAFT, SequenceFeed
 from ngramcache.client.adapters.step_costs import MAX_AUTO_DRAFT, StepCosts, draft_length_setting
 
 ODDS = np.full(64, 0.99, dtype=np.float32)  # a long, likely copy (the match mode gives 0.99)
@@ -183,3 +183,10 @@ def test_uncapped_only_where_a_full_draft_is_cheap():
 
     assert sent(1.2, 1) == 64
     assert sent(1.6, 2) < 8
+    # Dear long drafts: at most DEAR_MAX_DRAFT tokens a step, even of a long, likely copy.
+    dear = VerifyCost([1.0] + [1.6] * MAX_AUTO_DRAFT, MAX_AUTO_DRAFT)
+    wide = Drafter(vocab_size=500, fingerprint=UNTAGGED, mode="match")
+    long_copy = SequenceFeed(wide, 3, MAX_AUTO_DRAFT, policy=DraftLengthPolicy(dear), uncapped=True)
+    assert len(long_copy.draft(repetitive())) == DEAR_MAX_DRAFT
+    cheap = SequenceFeed(wide, 4, MAX_AUTO_DRAFT, policy=DraftLengthPolicy(dear))  # not "auto": no bound
+    assert len(cheap.draft(repetitive())) == 64
