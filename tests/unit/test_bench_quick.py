@@ -1,0 +1,197 @@
+"""Every benchmark the docs quote runs end to end in its --quick mode, so none rots unnoticed.
+
+README.md and docs/*.md quote figures of the scripts in tests/bench/; each such script is
+either a benchmark with a --quick mode, run here in a child process (its figures are not
+checked, only that it ran to the end and printed its table), or listed in NOT_BENCHMARKS
+with the reason (build tools the test command runs itself, modules other tests cover).
+The runs go four at a time in a pool started by the first test, the longest first (much of
+their time is waiting on servers, sleeps and child processes); a benchmark whose heavy prerequisite is
+missing (a llama-server or llama.cpp tools build of minutes, not part of the test command)
+is skipped, saying what to build.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+BENCH = ROOT / "tests" / "bench"
+TIMEOUT_S = 400  # one quick run, waiting in the pool included: a hung benchmark fails, it does not stall the run
+POOL = 4
+
+pytestmark = pytest.mark.slow
+
+
+def _have(*modules: str) -> str | None:
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    return f"{', '.join(missing)} not installed (the test command installs it)" if missing else None
+
+
+def _llama_tools() -> str | None:
+    tools = ROOT / ".bench-data" / "llama" / "build" / "bin"
+    if not (tools / "llama-lookup-stats").exists() or not list((ROOT / ".bench-data" / "llama").glob("**/*.gguf")):
+        return f"llama.cpp's lookup tools are not built in {tools.parent.parent} (tests/bench/compare_llama.py, about 10 minutes)"
+    return None
+
+
+def _llama_server() -> str | None:
+    sys.path.insert(0, str(BENCH))
+    from build_llama_server import DEFAULT_CACHE, SERVER_CMAKE_ARGS, TARGET, server_dir
+
+    binary = server_dir(DEFAULT_CACHE, SERVER_CMAKE_ARGS) / TARGET
+    return None if binary.exists() else f"{binary} is not built (tests/bench/build_llama_server.py, minutes)"
+
+
+def _portable_wheel() -> str | None:
+    sys.path.insert(0, str(BENCH))
+    from build_llama_cpp import DEFAULT_CACHE, PORTABLE_CMAKE_ARGS, cached_wheel
+
+    if cached_wheel(DEFAULT_CACHE, PORTABLE_CMAKE_ARGS) is None:
+        return "the portable llama-cpp-python wheel is not cached (the test command builds it: build_llama_cpp.py --install)"
+    return _have("llama_cpp")
+
+
+@dataclass(frozen=True)
+class Quick:
+    """How one benchmark's quick run is started and what its output must hold."""
+
+    args: tuple[str, ...]  # after the script's path; "{data}" is the quick corpus folder
+    expect: tuple[str, ...]  # regexes its output (stdout and stderr) must match: its table, its last line
+    missing: Callable[[], str | None] = lambda: None  # a heavy prerequisite missing: why the run is skipped
+    after: str | None = None  # runs once this one has (its data)
+    extra: tuple[str, ...] = field(default=())  # more regexes, for what a fix made the report say
+    seconds: int = 5  # about how long it runs on an idle 2-core machine: the longest start first
+
+
+QUICK: dict[str, Quick] = {
+    "bench_client": Quick(("--quick",), (r"## Drafting cost per call", r"## Push to visible.*\n.*p50 \d+ ms"), seconds=10),
+    "bench_concurrency": Quick(("--quick",), (r"ratio 2/1", r"p99 during the apply: [\d.]+ us"), seconds=8),
+    "bench_counts_store": Quick(("--quick",), (r"changes_since with 1000 changed buckets", r"checksum \(sum of counts"),
+                                extra=(r"every row rated in raw delta rows/s",
+                                       r"baseline: plain HINCRBY pipelined.*apply_many [\d.]+x",
+                                       r"context only: one HINCRBY round trip per entry")),
+    "bench_drafting_modes": Quick(("--quick", "--data-dir", "{data}"), (r"\| compatible +\| static 2-gram", r"Wall time"),
+                                  after="prepare_corpus"),
+    "bench_fleet_history": Quick(("--quick",), (r"\| repeated, K=\d", r"total \d+ s"), seconds=10),
+    "bench_fleet_history_e2e": Quick(("--quick",), (r"sampled fleet +\d+", r"fleet/siloed tokens per pass"),
+                                     missing=lambda: _have("torch", "transformers"), seconds=30),
+    "bench_fleet_history_service": Quick(("--quick", "--ks", "2", "--workloads", "rollout"), (r"\| rollout, K=2", r"total \d+ s"),
+                                         seconds=12),
+    "bench_fleet_mirror": Quick(("--quick",), (r"replay of the held-out files", r"from 10 to 20 clients")),
+    "bench_history_groups": Quick(("--quick",), (r"\| the service's own \(RemoteDrafter",)),
+    "bench_history_lag": Quick(("--quick",), (r"accept on A -> draftable on B: p50", r"checksum [0-9a-f]+")),
+    "bench_history_memory": Quick(("--quick",), (r"MEMORY USAGE stream", r"read: [\d,]+ records/s; checksum")),
+    "bench_llama_build": Quick(("--quick",), (r"\| portable \|", r"portable / native: prompt"), missing=_portable_wheel,
+                               seconds=20),
+    "bench_llama_server": Quick(("--quick",), (r"setup +tok/s", r"best built-in type"), missing=_llama_server),
+    "bench_overload": Quick(("--quick",), (r"shedding point: [\d,]+ rows/s", r"checksum: store == acked in 2/2"), seconds=12),
+    # llama.cpp, plain and the local drafters: transformers and the service (d, f) and cost-aware (g, h) setups
+    # add minutes (the transformers adapter runs in bench_fleet_history_e2e and the integration tests).
+    "bench_real_model": Quick(("--quick", "--engine", "llama-cpp", "--setups", "a,c,e"), (r"same as \(a\)", r"s in all"),
+                              missing=lambda: _have("transformers", "llama_cpp"), seconds=90),
+    "bench_rebuild": Quick(("--quick",), (r"replay of the held-out files", r"counts \+ corpus generation, decay 0.25")),
+    "bench_service": Quick(("--quick",), (r"## Session step", r"Pss sum / file"),
+                           extra=(r"service, 8 clients, 2 pushes in flight each: .* [\d.]+x direct apply_group "
+                                  r"\(target > 1x",), seconds=20),
+    "bench_static": Quick(("--quick", "--data-dir", "{data}"), (r"\| 25mb \|", r"result checksum"), after="prepare_corpus",
+                          extra=(r"heap load s / RSS MB \(ngramcache's loader of the llama.cpp file\)",)),
+    "bench_token_encoding": Quick(("--quick",), (r"packed / bytes time", r"result checksum \d+")),
+    "compare_llama": Quick(("--quick", "--data-dir", "{data}"), (r"3\. drafting:", r"\| static \| ngramcache stats"),
+                           missing=_llama_tools, after="prepare_corpus"),
+    "prepare_corpus": Quick(("--quick", "--data-dir", "{data}"), (r"300mb +\d+", r"tokens/s on \d+ threads")),
+}
+
+# Scripts the docs name that are not benchmarks of their own, and what keeps them from rotting.
+NOT_BENCHMARKS = {
+    "build_llama_cpp": "the test command runs it (its llama-cpp-python build); tests/unit/test_portability.py checks the result",
+    "build_suffix_decoding": "the test command runs it; tests/unit/test_portability.py checks the result",
+    "build_llama_server": "a build of minutes (bench_llama_server's prerequisite); tests/unit/test_llama_server.py",
+    "peer_drafters": "a module of bench_drafting_modes; tests/unit/test_peer_drafters.py",
+    "fleet_counts": "a module of bench_fleet_history; tests/unit/test_fleet_sim.py",
+    "fleet_sim": "a module of bench_fleet_history; tests/unit/test_fleet_sim.py",
+    "record_workloads": "records (once, with the model) the workloads the fleet benchmarks replay; its output is committed",
+}
+
+
+def quoted_scripts() -> set[str]:
+    """The tests/bench scripts README.md and docs/*.md name."""
+    names: set[str] = set()
+    for doc in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        names |= set(re.findall(r"tests/bench/(\w+)\.py", doc.read_text(encoding="utf-8")))
+    return names
+
+
+def test_every_benchmark_the_docs_quote_has_a_quick_run() -> None:
+    quoted = quoted_scripts()
+    assert quoted, "no tests/bench/ script quoted in README.md or docs/*.md: the scan is broken"
+    unknown = sorted(quoted - set(QUICK) - set(NOT_BENCHMARKS))
+    assert not unknown, (f"quoted in the docs but never run by the test command: {unknown}; give each a --quick mode "
+                         "and an entry in QUICK (or, if it is no benchmark, in NOT_BENCHMARKS with the reason)")
+    for name in [*QUICK, *NOT_BENCHMARKS]:
+        assert (BENCH / f"{name}.py").is_file(), f"tests/bench/{name}.py is listed here but does not exist"
+
+
+class QuickRuns:
+    """Starts every quick run at once in a pool (a run with an `after` waits for that one); results by name."""
+
+    def __init__(self, data: Path, names: set[str]) -> None:
+        self.data = data
+        self.pool = ThreadPoolExecutor(POOL, thread_name_prefix="bench-quick")
+        self.futures: dict[str, Future[subprocess.CompletedProcess[str]]] = {}
+        names |= {QUICK[n].after for n in names if QUICK[n].after is not None}  # type: ignore[misc]
+        # Producers of data first, then the longest: four runs end about together.
+        ordered = sorted(names, key=lambda n: (QUICK[n].after is not None, -QUICK[n].seconds))
+        for name in ordered:
+            if QUICK[name].missing() is None:
+                self.futures[name] = self.pool.submit(self._run, name)
+
+    def _run(self, name: str) -> subprocess.CompletedProcess[str]:
+        quick = QUICK[name]
+        if quick.after is not None and quick.after in self.futures:
+            self.futures[quick.after].result()
+        args = [a.replace("{data}", str(self.data)) for a in quick.args]
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        return subprocess.run([sys.executable, str(BENCH / f"{name}.py"), *args], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=TIMEOUT_S)
+
+    def result(self, name: str) -> subprocess.CompletedProcess[str]:
+        return self.futures[name].result(timeout=3 * TIMEOUT_S)
+
+
+@pytest.fixture(scope="module")
+def quick_runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[QuickRuns]:
+    data = tmp_path_factory.mktemp("bench-quick-data")
+    # Built once by the test command (SuffixDecoding) or a full compare_llama run (llama.cpp's tools): the quick
+    # corpus folder gets them where the scripts look, beside their data.
+    for sub in ("peers", "llama"):
+        if (ROOT / ".bench-data" / sub).is_dir():
+            (data / sub).symlink_to(ROOT / ".bench-data" / sub)
+    selected = {item.callspec.params["name"] for item in request.session.items
+                if getattr(item, "originalname", None) == "test_quick_run" and hasattr(item, "callspec")}
+    runs = QuickRuns(data, selected)
+    yield runs
+    runs.pool.shutdown(wait=True, cancel_futures=True)
+
+
+@pytest.mark.parametrize("name", sorted(QUICK))
+def test_quick_run(name: str, quick_runs: QuickRuns) -> None:
+    quick = QUICK[name]
+    why = quick.missing()
+    if why is not None:
+        pytest.skip(f"{name} --quick not run: {why}")
+    r = quick_runs.result(name)
+    out = r.stdout + r.stderr
+    tail = "\n".join(out.splitlines()[-25:])
+    assert r.returncode == 0, f"tests/bench/{name}.py {' '.join(map(str, r.args[2:]))} exited {r.returncode}:\n{tail}"
+    for pattern in (*quick.expect, *quick.extra):
+        assert re.search(pattern, out), f"tests/bench/{name}.py --quick printed no {pattern!r}:\n{tail}"
