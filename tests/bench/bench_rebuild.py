@@ -127,15 +127,18 @@ def main() -> int:
             publish(address, path)
             next_gen[0] += 1
 
-        def rebuild(label: str, **fields: object) -> tuple[str, Path | None]:
-            if fields.get("include_previous"):
+        def rebuild(label: str, *, with_corpus: bool = False, **fields: object) -> tuple[str, Path | None]:
+            # The corpus is the namespace's base once published: "counts" rows drop it (skip_base), "counts +
+            # corpus" rows publish it again first (a rebuild folds the base by default).
+            if with_corpus:
                 corpus_generation()
             if label == "corpus only (published)":
                 corpus_generation()
                 return label, tmp / "data" / "static" / NS / f"{next_gen[0] - 1:020d}.ngc"
             with grpc.insecure_channel(address) as ch:
                 status = admin_pb2_grpc.AdminStub(ch).StartRebuild(
-                    admin_pb2.StartRebuildRequest(namespace=NS, wait=True, keep=100, **fields), timeout=600)
+                    admin_pb2.StartRebuildRequest(namespace=NS, wait=True, keep=100, skip_base=not with_corpus,
+                                                  **fields), timeout=600)
             if status.state != "done":
                 raise SystemExit(f"rebuild {label} failed: {status.error}")
             next_gen[0] = status.generation + 1
@@ -144,12 +147,12 @@ def main() -> int:
         variants = [
             ("no static cache", None),
             rebuild("corpus only (published)"),
-            rebuild("counts, min count 1 (default)"),
+            rebuild("counts alone (--no-base), min count 1"),
             rebuild("counts, min count 2", min_count=2),
             rebuild("counts, min count 4", min_count=4),
             rebuild("counts, 3-gram keys", ngram_size=3),
-            rebuild("counts + corpus generation", include_previous=True),
-            rebuild("counts + corpus generation, decay 0.25", include_previous=True, decay=0.25),
+            rebuild("counts + corpus base (the default)", with_corpus=True),
+            rebuild("counts + corpus base, decay 0.25", with_corpus=True, decay=0.25),
         ]
         print("\nreplay of the held-out files (llama-lookup-stats protocol, n_ctx 4096, n_draft 8):")
         print(f"{'static cache':<40}{'file MB':>9}{'keys':>11}{'drafted':>10}{'accepted':>10}{'accept %':>10}"
