@@ -99,7 +99,7 @@ QUICK: dict[str, Quick] = {
     # add minutes (the transformers adapter runs in bench_fleet_history_e2e and the integration tests).
     "bench_real_model": Quick(("--quick", "--engine", "llama-cpp", "--setups", "a,c,e"), (r"same as \(a\)", r"s in all"),
                               missing=lambda: _have("transformers", "llama_cpp"), seconds=90),
-    "bench_rebuild": Quick(("--quick",), (r"replay of the held-out files", r"counts \+ corpus generation, decay 0.25")),
+    "bench_rebuild": Quick(("--quick",), (r"replay of the held-out files", r"counts \+ corpus base, decay 0.25")),
     "bench_service": Quick(("--quick",), (r"## Session step", r"Pss sum / file"),
                            extra=(r"service, 8 clients, 2 pushes in flight each: .* [\d.]+x direct apply_group "
                                   r"\(target > 1x",), seconds=20),
