@@ -70,7 +70,8 @@ def test_every_error_says_whether_a_retry_can_help() -> None:
     assert {c.__name__ for c in classes} >= {"NamespaceNotFoundError", "BatchTooOldError",
                                              "StoreAuthenticationError", "SnapshotFormatError"}
     retriable = {c.__name__ for c in classes if c.retriable}
-    assert retriable == {"BackendUnavailableError", "OverloadedError", "LeaseHeldError", "LeaseLostError"}  # later: a rebuild, a shed push
+    assert retriable == {"BackendUnavailableError", "OverloadedError", "LeaseHeldError", "LeaseLostError",
+                         "ServiceUnreachableError"}  # later: a rebuild, a shed push
 
 
 @pytest.mark.parametrize("module", [store, values, dedup, versions, leases, export], ids=lambda m: m.__name__)
