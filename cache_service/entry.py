@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import sys
 
 
@@ -26,7 +28,12 @@ def main() -> int:
     except KeyboardInterrupt:
         print("\r\033[Kngramcache: interrupted" if sys.stderr.isatty() else "ngramcache: interrupted", file=sys.stderr)
         return 130
-    return run()
+    status = run()
+    # The command is done: a Ctrl-C from here on has nothing left to stop, and one that lands while the interpreter
+    # shuts down (joining threads, flushing) would print Python's "Exception ignored in threading._shutdown" traceback.
+    with contextlib.suppress(ValueError):  # not the main thread: leave the handlers alone
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    return status
 
 
 if __name__ == "__main__":

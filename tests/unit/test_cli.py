@@ -858,3 +858,15 @@ def test_tokenize_refuses_what_it_cannot_write(capsys, texts, tmp_path):
     assert rc == 2
     one_line_error(err, "t.npy is a token file already: tokenize takes text files")
     assert not (tmp_path / "u.npy").exists()
+
+
+def test_ctrl_c_after_the_command_finished_prints_no_traceback():
+    """A Ctrl-C that lands once the command is done (during the interpreter's shutdown) has nothing to stop: the
+    console script ignores it, so Python prints no "Exception ignored in threading._shutdown" traceback."""
+    code = ("import os, signal, sys, time; from ngramcache.cache_service.entry import main; "
+            "sys.argv = ['ngramcache', 'tokenizer-info', 'tiktoken:cl100k_base']; "
+            "signal.signal(signal.SIGINT, signal.default_int_handler); status = main(); "
+            "os.kill(os.getpid(), signal.SIGINT); time.sleep(0.2); print('exit', status); sys.exit(status)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines()[-1] == "exit 0" and "Traceback" not in r.stderr and "KeyboardInterrupt" not in r.stderr
