@@ -135,9 +135,10 @@ class Service:
             self.metrics.store_available.set(1.0 if ok else 0.0)
         return ok
 
-    async def stop(self, grace: float | None = None) -> None:
+    async def stop(self, grace: float | None = None, *, quiet: bool = False) -> None:
         """Graceful stop: NOT_SERVING, refuse new calls, let in-flight ones finish within `grace`
-        seconds, then close the namespaces and the store (the embedded one writes its snapshot)."""
+        seconds, then close the namespaces and the store (the embedded one writes its snapshot).
+        ``quiet``: no "stopped" line (a start that failed says why itself)."""
         if self._stopped:
             return
         self._stopped = True
@@ -160,7 +161,8 @@ class Service:
         await self.registry.close()
         self._probe_pool.shutdown(wait=False)
         await asyncio.to_thread(self.runner.close)
-        log.info("stopped")
+        if not quiet:
+            log.info("stopped")
 
     def start_schedule(self) -> None:
         """Rebuild every namespace every ``rebuild_every`` seconds (replicas race for each lease; one wins)."""
@@ -296,6 +298,25 @@ async def create_server(config: ServiceConfig) -> tuple[Service, int]:
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    service = Service(config, server, runner, static_store, registry, health_servicer, drafting)
+    service.counts = counts
+    service.replica_history = replica_history
+    service.rebuilder = rebuilder
+    service.metrics = metrics
+    try:
+        await _start(service, metrics, peer_sync)
+    except BaseException:  # a bind failure, or Ctrl-C (cancellation) mid-start: nothing left running
+        await service.stop(0, quiet=True)
+        raise
+    log.info("serving ngramcache.v1 on %s:%d (pid %d), counts store %s, data dir %s", config.host, service.port,
+             os.getpid(), redact_url(config.counts_url), data_dir.resolve())
+    return service, service.port
+
+
+async def _start(service: Service, metrics: Metrics, peer_sync: PeerSync) -> None:
+    """Binds, starts the grpc server and the metrics endpoint, and begins following the store."""
+    config, server, rebuilder = service.config, service.server, service.rebuilder
+    assert rebuilder is not None
     try:
         credentials = server_credentials(config)  # None: plaintext (loopback, or allow_insecure_remote)
         port = (server.add_secure_port(config.address(), credentials) if credentials is not None
@@ -303,25 +324,18 @@ async def create_server(config: ServiceConfig) -> tuple[Service, int]:
     except RuntimeError:  # grpc says only "Failed to bind"; the usual cause is another listener
         port = 0
     if port == 0:
-        await asyncio.to_thread(runner.close)
         raise OSError(errno.EADDRINUSE, bind_failure(config.host, config.port, "--host", "--port"))
     # Uploads a crash left behind; an hour old at least, in case replicas share the folder.
-    await asyncio.to_thread(static_store.remove_leftovers, 3600.0)
-    service = Service(config, server, runner, static_store, registry, health_servicer, drafting)
-    service.counts = counts
-    service.replica_history = replica_history
-    service.rebuilder = rebuilder
+    await asyncio.to_thread(service.static_store.remove_leftovers, 3600.0)
     metrics.watch_rebuilds(rebuilder, peer_sync)
     if not config.advertise_address:
         rebuilder.location = peer_sync.location = f"{config.host}:{port}"
     service.port = port
-    service.metrics = metrics
     if config.metrics_port >= 0:
         try:
             service.metrics_http, service.metrics_port = start_metrics_http_server(
                 metrics, config.metrics_host, config.metrics_port)
         except OSError as e:
-            await asyncio.to_thread(runner.close)
             raise OSError(e.errno, bind_failure(config.metrics_host, config.metrics_port, "--metrics-host",
                                                 "--metrics-port", e)) from None
         log.info("metrics on http://%s:%d/metrics", config.metrics_host, service.metrics_port)
@@ -332,9 +346,6 @@ async def create_server(config: ServiceConfig) -> tuple[Service, int]:
         await service.set_serving(True)
     service._store_watch = asyncio.get_running_loop().create_task(_follow_store(service), name="store-probe")
     service.start_schedule()
-    log.info("serving ngramcache.v1 on %s:%d (pid %d), counts store %s, data dir %s", config.host, port, os.getpid(),
-             redact_url(config.counts_url), data_dir.resolve())
-    return service, port
 
 
 def server_credentials(config: ServiceConfig) -> grpc.ServerCredentials | None:

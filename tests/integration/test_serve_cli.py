@@ -324,6 +324,48 @@ def test_ctrl_c_at_any_moment_of_the_start_is_one_line_and_130(tmp_path, delay):
     assert len([line for line in err.splitlines() if not line[:4].isdigit()]) <= 2, err  # log lines aside
 
 
+def test_a_start_cancelled_after_the_bind_stops_the_grpc_server(tmp_path, monkeypatch):
+    """Ctrl-C is a cancellation of create_server; one that lands after the grpc server exists (here: while the
+    published generations are mapped) stops that server, so nothing is left for its __del__ to schedule on the
+    closed loop ("Event loop is closed" traceback, "AioServer.shutdown was never awaited")."""
+    import asyncio
+    import gc
+    import socket
+    import threading
+    import warnings
+
+    from ngramcache.cache_service import server as server_module
+    from ngramcache.cache_service.config import ServiceConfig
+
+    mapping = asyncio.Event()
+    ports: list[int] = []
+
+    async def never_done(service):  # stands in for the mapping of generations: the start hangs here
+        ports.append(service.port)
+        mapping.set()
+        await asyncio.Event().wait()
+
+    monkeypatch.setattr(server_module, "_map_generations", never_done)
+
+    async def main() -> None:
+        task = asyncio.create_task(server_module.create_server(ServiceConfig(port=0, data_dir=str(tmp_path / "d"))))
+        await mapping.wait()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        runs = threading.Thread(target=asyncio.run, args=(main(),), daemon=True)
+        runs.start()
+        runs.join(60)  # a server left running keeps asyncio.run from returning (the old code hung here)
+        assert not runs.is_alive(), "the cancelled start left something running"
+        gc.collect()
+    assert not [w for w in caught if "never awaited" in str(w.message)], [str(w.message) for w in caught]
+    with socket.socket() as s:  # the port was bound while mapping; it is closed now
+        assert s.connect_ex(("127.0.0.1", ports[0])) != 0
+
+
 # --- --log-level, --log-json and NGC_* typos (issue 29) --------------------------------------
 
 ISO_UTC = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z")
