@@ -39,7 +39,9 @@ Registration = tuple[Callable[[Any, aio.Server], None], object]
 """(generated ``add_<Service>Servicer_to_server`` function, servicer instance)."""
 
 
-SERVE_CLI = [sys.executable, "-c", "import sys; from ngramcache.cache_service.cli import main; sys.exit(main())"]
+# `ngramcache serve` as the console script runs it (entry.main: gRPC's C-core log lines off, so a --log-json
+# server's stderr holds only JSON lines), with this interpreter.
+SERVE_CLI = [sys.executable, "-c", "import sys; from ngramcache.cache_service.entry import main; sys.exit(main())"]
 
 
 def start_serve(data_dir: Path, *extra: str) -> tuple[subprocess.Popen[str], int]:
