@@ -48,7 +48,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from types import TracebackType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -61,10 +61,6 @@ from .counts.history import BYTES_PER_TOKEN, HistoryAppend
 if TYPE_CHECKING:
     from wsgiref.simple_server import WSGIServer
 
-    from .namespaces import LiveNamespace
-    from .peer_sync import PeerSync
-    from .rebuild import Rebuilder
-
 RPC_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
                1.0, 2.5, 5.0, 10.0)
 """Latency buckets in seconds, 50 us to 10 s (a draft takes tens of microseconds, a Pull seconds)."""
@@ -73,6 +69,74 @@ STORE_BUCKETS = RPC_BUCKETS
 
 # Store calls given by the function object rather than a store method: named for what they do.
 _STORE_OPS = {"next": "export_next", "_close": "export_close"}
+
+
+class MirrorReading(Protocol):
+    """What the metrics read of a namespace's mirror state (`namespaces.MirrorState`)."""
+
+    @property
+    def last_refresh(self) -> float: ...  # time.monotonic() of the last successful refresh
+
+    @property
+    def errors(self) -> int: ...
+
+
+class TableReading(Protocol):
+    """What the metrics read of a count table (`CountTable`)."""
+
+    @property
+    def n_entries(self) -> int: ...
+
+
+class NamespaceReading(Protocol):
+    """What the metrics read of a live namespace (`namespaces.LiveNamespace`), at scrape time."""
+
+    @property
+    def mirror(self) -> MirrorReading: ...
+
+    @property
+    def dynamic(self) -> TableReading: ...
+
+    @property
+    def generation(self) -> int: ...
+
+
+class RebuildStatusReading(Protocol):
+    """What the metrics read of one namespace's rebuild status (`rebuild.RebuildStatus`)."""
+
+    @property
+    def namespace(self) -> str: ...
+
+    @property
+    def state(self) -> str: ...
+
+    @property
+    def started_unix_ms(self) -> int: ...
+
+    @property
+    def finished_unix_ms(self) -> int: ...
+
+
+class RebuildReading(Protocol):
+    """What the metrics read of the rebuilder (`rebuild.Rebuilder`), at scrape time."""
+
+    @property
+    def completed(self) -> int: ...
+
+    @property
+    def failed(self) -> int: ...
+
+    def statuses(self) -> Iterable[RebuildStatusReading]: ...
+
+
+class PeerFetchReading(Protocol):
+    """What the metrics read of the peer sync (`peer_sync.PeerSync`), at scrape time."""
+
+    @property
+    def fetched(self) -> int: ...
+
+    @property
+    def refused(self) -> int: ...
 
 
 def store_op(fn: Callable[..., object]) -> str:
@@ -220,7 +284,7 @@ class Metrics:
         """Report ``active()`` as ngramcache_sessions_active at every scrape."""
         self.sessions_active.set_function(lambda: float(active()))
 
-    def watch_namespaces(self, live: Callable[[], Mapping[str, LiveNamespace]]) -> None:
+    def watch_namespaces(self, live: Callable[[], Mapping[str, NamespaceReading]]) -> None:
         """Report the mirror lag, rows, errors and generation of the namespaces ``live()`` returns
         (`NamespaceRegistry.live`) at every scrape. Call once."""
         if self._watching_namespaces:
@@ -229,7 +293,7 @@ class Metrics:
         self.registry.register(_NamespaceCollector(live))
 
 
-    def watch_rebuilds(self, rebuilder: Rebuilder, peers: PeerSync | None = None) -> None:
+    def watch_rebuilds(self, rebuilder: RebuildReading, peers: PeerFetchReading | None = None) -> None:
         """Report rebuilds (completed, failed, running, last duration) and peer fetches at every scrape. Call once."""
         self.registry.register(_RebuildCollector(rebuilder, peers))
 
@@ -257,7 +321,7 @@ class StoreTimer:
 class _NamespaceCollector(Collector):
     """Reads the live namespaces at scrape time (from the HTTP server's thread: reads only)."""
 
-    def __init__(self, live: Callable[[], Mapping[str, LiveNamespace]]) -> None:
+    def __init__(self, live: Callable[[], Mapping[str, NamespaceReading]]) -> None:
         self._live = live
 
     def describe(self) -> Iterable[Metric]:
@@ -295,7 +359,7 @@ class _NamespaceCollector(Collector):
 class _RebuildCollector(Collector):
     """Reads the rebuilder's counters at scrape time."""
 
-    def __init__(self, rebuilder: Rebuilder, peers: PeerSync | None) -> None:
+    def __init__(self, rebuilder: RebuildReading, peers: PeerFetchReading | None) -> None:
         self._rebuilder = rebuilder
         self._peers = peers
 
@@ -371,5 +435,6 @@ def start_metrics_http_server(metrics: Metrics, host: str = "127.0.0.1", port: i
     return http, http.port
 
 
-__all__ = ["RPC_BUCKETS", "Metrics", "MetricsHttpServer", "StoreTimer", "is_store_failure", "start_metrics_http_server",
-           "store_op"]
+__all__ = ["RPC_BUCKETS", "Metrics", "MetricsHttpServer", "MirrorReading", "NamespaceReading", "PeerFetchReading",
+           "RebuildReading", "RebuildStatusReading", "StoreTimer", "TableReading", "is_store_failure",
+           "start_metrics_http_server", "store_op"]

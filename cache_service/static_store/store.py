@@ -170,7 +170,7 @@ class StaticStore:
             f.seek(offset)
             return f
 
-        return GenerationReader(self, info, await self._run(open_at), offset)
+        return GenerationReader(info, await self._run(open_at), offset)
 
     # Writing.
 
@@ -188,7 +188,8 @@ class StaticStore:
         check_namespace(namespace)
         check_generation(generation)
         check_size(size)
-        return Upload(self, namespace, generation=generation, size=size, sha256=check_sha256(sha256))
+        return Upload(self.namespace_dir(namespace), self._publish, namespace, generation=generation, size=size,
+                      sha256=check_sha256(sha256))
 
     async def publish(self, namespace: str, src_path: str | os.PathLike[str], *, fingerprint: bytes | str,
                       vocab_size: int, generation: int | None = None, size: int | None = None,

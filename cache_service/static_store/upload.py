@@ -2,22 +2,31 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hashlib
 import secrets
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING, BinaryIO
+from typing import BinaryIO, Protocol
 
 from ngramcache.client.errors import InvalidArgumentError, LimitExceededError
 from ngramcache.client.files import is_disk_full
 
 from .layout import GenerationInfo, PublishResult
 
-if TYPE_CHECKING:
-    from .store import StaticStore
+__all__ = ["GenerationReader", "PublishUpload", "Upload"]
 
-__all__ = ["GenerationReader", "Upload"]
+
+class PublishUpload(Protocol):
+    """What publishes a complete upload (`StaticStore._publish`): verifies ``src`` and links it into place.
+
+    It takes ownership of ``src`` (renamed into place, or deleted whatever the outcome).
+    """
+
+    async def __call__(self, namespace: str, src: Path, *, fingerprint: bytes | str, vocab_size: int,
+                       generation: int | None, size: int | None, sha256: bytes | None,
+                       known_sha256: bytes | None, restore: bool = False) -> PublishResult: ...
 
 
 class Upload:
@@ -27,22 +36,29 @@ class Upload:
     order, then ``await up.publish(...)``; leaving the block any other way (an error, a
     cancelled call, a client gone) deletes the partial file. The SHA-256 is computed as
     the bytes are written. Not thread-safe: one task drives an upload.
+
+    Args:
+        namespace_dir: the namespace's folder (created on entry if missing); the partial file is written there,
+            on the data directory's filesystem, so publishing renames it.
+        publish: publishes the complete file (`StaticStore._publish`).
     """
 
-    def __init__(self, store: StaticStore, namespace: str, *, generation: int, size: int, sha256: bytes) -> None:
+    def __init__(self, namespace_dir: Path, publish: PublishUpload, namespace: str, *, generation: int, size: int,
+                 sha256: bytes) -> None:
         self.namespace = namespace
         self.generation = generation
         self.size = size
         self.sha256 = sha256
         self.received = 0
         self.path: Path | None = None
-        self._store = store
+        self._namespace_dir = namespace_dir
+        self._publish = publish
         self._file: BinaryIO | None = None
         self._hash = hashlib.sha256()
         self._done = False
 
     async def __aenter__(self) -> Upload:
-        self._file = await self._store._run(self._create)
+        self._file = await asyncio.to_thread(self._create)
         return self
 
     async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
@@ -50,7 +66,7 @@ class Upload:
         self.discard()
 
     def _create(self) -> BinaryIO:
-        ns_dir = self._store.namespace_dir(self.namespace)
+        ns_dir = self._namespace_dir
         try:
             ns_dir.mkdir(parents=True, exist_ok=True)
             self.path = ns_dir / f"upload-{secrets.token_hex(8)}.tmp"
@@ -74,7 +90,7 @@ class Upload:
             raise InvalidArgumentError(f"a chunk at offset {offset}; the next byte expected is {self.received}")
         if len(data) > self.size - self.received:
             raise InvalidArgumentError(f"the upload goes past its declared size of {self.size} bytes")
-        await self._store._run(self._write, self._file, data)
+        await asyncio.to_thread(self._write, self._file, data)
         self.received += len(data)
 
     def _write(self, f: BinaryIO, data: bytes) -> None:
@@ -102,7 +118,7 @@ class Upload:
         f, self._file = self._file, None
         self._done = True
         try:
-            await self._store._run(f.close)
+            await asyncio.to_thread(f.close)
         except OSError as exc:
             self.path.unlink(missing_ok=True)
             if is_disk_full(exc):
@@ -111,7 +127,7 @@ class Upload:
         except BaseException:
             self.path.unlink(missing_ok=True)
             raise
-        return await self._store._publish(
+        return await self._publish(
             self.namespace, self.path, fingerprint=fingerprint, vocab_size=vocab_size, generation=self.generation,
             size=self.size, sha256=self.sha256, known_sha256=self._hash.digest(), restore=restore)
 
@@ -136,15 +152,14 @@ class GenerationReader:
         offset: the byte offset of the next read.
     """
 
-    def __init__(self, store: StaticStore, info: GenerationInfo, f: BinaryIO, offset: int) -> None:
+    def __init__(self, info: GenerationInfo, f: BinaryIO, offset: int) -> None:
         self.info = info
         self.offset = offset
-        self._store = store
         self._file = f
 
     async def read(self, max_bytes: int) -> bytes:
         """The next bytes, at most ``max_bytes``; empty at the end of the file."""
-        data = await self._store._run(self._file.read, min(max_bytes, self.info.size - self.offset))
+        data = await asyncio.to_thread(self._file.read, min(max_bytes, self.info.size - self.offset))
         self.offset += len(data)
         return data
 
