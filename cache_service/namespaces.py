@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -123,6 +124,7 @@ class NamespaceRegistry:
         self._opening: dict[str, asyncio.Future[LiveNamespace]] = {}
         self._closed = False
         self._scan: asyncio.Task[None] | None = None
+        self._scanning: dict[str, asyncio.Task[None]] = {}  # the fleet scan's checks in progress, by namespace
 
     def live(self) -> dict[str, LiveNamespace]:
         return dict(self._live)
@@ -248,12 +250,18 @@ class NamespaceRegistry:
     def start_fleet_scan(self) -> None:
         """Installs, every `SCAN_FACTOR` x peer_interval, the generations other replicas committed for
         namespaces nobody has used on this replica yet, so a generation is listed on every replica
-        without waiting for a client (live namespaces are checked by their own loop)."""
+        without waiting for a client (live namespaces are checked by their own loop).
+
+        Each namespace is checked in a task of its own, at most one at a time per namespace: a
+        builder that hangs (a Fetch from it waits for its deadline) holds up only its own namespaces."""
         if self.peer_sync is not None and self._scan is None:
             self._scan = asyncio.create_task(self._scan_loop(), name="peers:scan")
 
+    def scanning(self) -> set[str]:
+        """The namespaces the fleet scan is checking now (a fetch from their builder in progress, say)."""
+        return set(self._scanning)
+
     async def _scan_loop(self) -> None:
-        assert self.peer_sync is not None
         while not self._closed:
             await asyncio.sleep(SCAN_FACTOR * self._peer_interval)
             try:
@@ -262,11 +270,23 @@ class NamespaceRegistry:
                 log.warning("listing the namespaces to check their committed generations failed: %s", e)
                 continue
             for info in infos:
-                if info.name not in self._live and not self._closed:
-                    try:
-                        await self.peer_sync.sync(info)
-                    except NgramCacheError as e:
-                        log.warning("namespace %s: checking the committed generation failed: %s", info.name, e)
+                if info.name not in self._live and info.name not in self._scanning and not self._closed:
+                    task = asyncio.create_task(self._scan_one(info), name=f"peers:scan:{info.name}")
+                    self._scanning[info.name] = task
+                    task.add_done_callback(functools.partial(self._scan_done, info.name))
+
+    async def _scan_one(self, info: NamespaceInfo) -> None:
+        assert self.peer_sync is not None
+        try:
+            await self.peer_sync.sync(info)
+        except NgramCacheError as e:
+            log.warning("namespace %s: checking the committed generation failed: %s", info.name, e)
+
+    def _scan_done(self, name: str, task: asyncio.Task[None]) -> None:
+        if self._scanning.get(name) is task:
+            del self._scanning[name]
+        if not task.cancelled() and task.exception() is not None:
+            log.error("namespace %s: checking the committed generation failed", name, exc_info=task.exception())
 
     async def _watch_loop(self, ns: LiveNamespace) -> None:
         try:
@@ -299,9 +319,10 @@ class NamespaceRegistry:
 
     async def close(self) -> None:
         self._closed = True
-        if self._scan is not None:
-            self._scan.cancel()
-            await asyncio.gather(self._scan, return_exceptions=True)
+        scans = [t for t in (self._scan, *self._scanning.values()) if t is not None]
+        for t in scans:
+            t.cancel()
+        await asyncio.gather(*scans, return_exceptions=True)
         tasks = [t for ns in self._live.values() for t in ns._tasks]
         for ns in list(self._live.values()):
             self._forget(ns)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -15,7 +16,7 @@ import grpc
 import numpy as np
 import pytest
 from helpers.corpus import FAST, FP, VOCAB, motif_corpus
-from helpers.service import ServiceThread, wait_until
+from helpers.service import ServiceThread, start_serve, stop_serve, wait_until
 
 from ngramcache import CountTable, Drafter, NgramClient, StaticCache, build_static_from_tokens
 from ngramcache.client._proto.codec import bytes_to_count_rows
@@ -35,8 +36,8 @@ pytestmark = pytest.mark.integration
 def corpus(seed: int, n: int = 3000) -> np.ndarray:
     return motif_corpus(seed, n, motifs=10)
 
-def create(address: str) -> str:
-    name = "r-" + uuid.uuid4().hex[:8]
+def create(address: str, prefix: str = "r-") -> str:
+    name = prefix + uuid.uuid4().hex[:8]
     with grpc.insecure_channel(address) as ch:
         admin_pb2_grpc.AdminStub(ch).CreateNamespace(
             admin_pb2.CreateNamespaceRequest(name=name, tokenizer_fingerprint=FP, vocab_size=VOCAB), timeout=10)
@@ -613,3 +614,37 @@ def test_corpus_paths_are_confined_to_the_corpus_roots_and_tell_nothing(tmp_path
             assert done.state == "done" and done.corpus_tokens > 0, done
     finally:
         stop_serve(p)
+
+
+
+def test_a_new_namespaces_generation_is_listed_while_another_namespaces_builder_hangs(
+        tmp_path: Path, redis_standalone) -> None:  # type: ignore[no-untyped-def]
+    """Issue 32: a namespace created and published on replica one, never used on replica two, is listed there
+    within the scan's period even while the replica that built another namespace hangs (SIGSTOP: a Fetch from it
+    waits for its 600 s deadline). The scan checked the namespaces one after another, so a hung builder held
+    up every namespace after it in name order until a client used it on replica two."""
+    url = redis_standalone.url
+    hung, hung_port = start_serve(tmp_path / "hung", "--counts", url)
+    try:
+        stuck = create(f"127.0.0.1:{hung_port}", prefix="a-")  # before the new one in name order
+        assert publish_cli(f"127.0.0.1:{hung_port}", stuck, base_file(tmp_path, name="stuck")).returncode == 0
+        os.kill(hung.pid, signal.SIGSTOP)
+        with ServiceThread(tmp_path / "one", counts=url) as one, \
+                ServiceThread(tmp_path / "two", counts=url, peer_sync_interval=0.2) as two:
+            a1, a2 = f"127.0.0.1:{one.port}", f"127.0.0.1:{two.port}"
+            wait_until(lambda: stuck in two.service.registry.scanning(), 10.0, "replica two to try the hung builder")
+            ns = create(a1, prefix="b-")
+            assert publish_cli(a1, ns, base_file(tmp_path)).returncode == 0
+
+            def listed() -> list[int]:
+                with grpc.insecure_channel(a2) as ch:
+                    resp = static_files_pb2_grpc.StaticFilesStub(ch).List(
+                        static_files_pb2.ListGenerationsRequest(namespace=ns), timeout=10)
+                return [g.generation for g in resp.generations]
+
+            wait_until(lambda: listed() == [1], 10.0, "replica two to list generation 1 of the new namespace")
+            assert ns not in two.service.registry.live()  # installed by the scan, not by a client
+            assert stuck in two.service.registry.scanning()  # the hung fetch is still waiting, apart
+    finally:
+        os.kill(hung.pid, signal.SIGCONT)
+        stop_serve(hung)
