@@ -29,6 +29,7 @@ from ngramcache.client.cli.commands import (
     cmd_stats,
 )
 from ngramcache.client.cli.demo import cmd_demo
+from ngramcache.client.cli.llama_follow import add_llama_follow
 from ngramcache.client.cli.tokens import add_token_commands
 
 if TYPE_CHECKING:
@@ -248,6 +249,7 @@ def build_parser(extra_commands: Iterable[CommandHook] = ()) -> argparse.Argumen
     quiet_option(sgl)
     sgl.set_defaults(func=cmd_export_sglang)
     add_token_commands(sub)
+    add_llama_follow(sub)
     for add in extra_commands:
         add(sub)
     return parser
