@@ -30,6 +30,7 @@ from ngramcache.client.cli.commands import (
 )
 from ngramcache.client.cli.demo import cmd_demo
 from ngramcache.client.cli.llama_follow import add_llama_follow
+from ngramcache.client.cli.sglang import add_sglang_commands
 from ngramcache.client.cli.tokens import add_token_commands
 
 if TYPE_CHECKING:
@@ -248,6 +249,7 @@ def build_parser(extra_commands: Iterable[CommandHook] = ()) -> argparse.Argumen
     json_option(sgl, "the figures (documents, tokens, bytes)")
     quiet_option(sgl)
     sgl.set_defaults(func=cmd_export_sglang)
+    add_sglang_commands(sub)
     add_token_commands(sub)
     add_llama_follow(sub)
     for add in extra_commands:

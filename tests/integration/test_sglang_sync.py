@@ -1,0 +1,283 @@
+"""SglangSync and `ngramcache sglang-sync` against a real service and servers answering as SGLang 0.5.23's source does (tests/helpers/sglang_fake.py).
+
+SGLang itself is not run: the contract is its routes, bodies, statuses and token budget, read from its wheel.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from helpers.service import ServiceThread, wait_until
+from helpers.sglang_fake import FakeSglang
+from helpers.tls import Pki
+
+from ngramcache import build_static_from_tokens
+from ngramcache.client.admin import AdminClient
+from ngramcache.client.sglang_http import SglangTarget
+from ngramcache.client.sglang_sync import SglangSync, corpus_id
+from ngramcache.client.tokenizer import Tokenizer, load_tokenizer
+
+pytestmark = pytest.mark.integration
+
+TOKENIZER = "tiktoken:qwen"
+MODULES = ("bisect.py", "heapq.py", "textwrap.py", "shlex.py", "fnmatch.py", "glob.py")
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Tokenizer:
+    return load_tokenizer(TOKENIZER)
+
+
+@pytest.fixture(scope="module")
+def texts() -> list[str]:
+    lib = Path(sysconfig.get_paths()["stdlib"])
+    return [(lib / name).read_text(encoding="utf-8") for name in MODULES]
+
+
+class Service:
+    """A service on loopback with one namespace bound to the tokenizer; publishes generations of real text."""
+
+    def __init__(self, tmp: Path, svc: ServiceThread, tokenizer: Tokenizer, texts: list[str]) -> None:
+        self.tmp, self.svc, self.tokenizer, self.texts = tmp, svc, tokenizer, texts
+        self.address = f"127.0.0.1:{svc.port}"
+        self.namespace = "sgl-" + uuid.uuid4().hex[:8]
+        self.admin = AdminClient(self.address, timeout=10)
+        self.admin.create_namespace(self.namespace, tokenizer)
+
+    def publish(self, generation: int, documents: int = 3) -> float:
+        """Publish a generation whose corpus is ``documents`` of the texts (rotated by generation); returns
+        time.time() when the service answered."""
+        docs = [self.texts[(generation + i) % len(self.texts)] for i in range(documents)]
+        path = self.tmp / f"g{generation}.ngc"
+        build_static_from_tokens([self.tokenizer.encode(d) for d in docs], str(path),
+                                 vocab_size=self.tokenizer.vocab_size, fingerprint=self.tokenizer.fingerprint,
+                                 generation=generation, corpus_index=True)
+        self.admin.publish(self.namespace, path)
+        return time.time()
+
+
+@pytest.fixture
+def service(tmp_path: Path, tokenizer: Tokenizer, texts: list[str]) -> Iterator[Service]:
+    with ServiceThread(tmp_path / "data") as svc:
+        s = Service(tmp_path, svc, tokenizer, texts)
+        try:
+            yield s
+        finally:
+            s.admin.close()
+
+
+class Events:
+    """The feeder's events, collected (on_event)."""
+
+    def __init__(self) -> None:
+        self.items: list[tuple[str, dict[str, Any]]] = []
+        self.lock = threading.Lock()
+
+    def __call__(self, kind: str, fields: dict[str, Any]) -> None:
+        with self.lock:
+            self.items.append((kind, dict(fields)))
+
+    def of(self, kind: str) -> list[dict[str, Any]]:
+        with self.lock:
+            return [f for k, f in self.items if k == kind]
+
+
+def feeder(service: Service, targets: list[SglangTarget], events: Events, **options: Any) -> SglangSync:
+    options.setdefault("interval", 0.5)
+    return SglangSync(service.address, service.namespace, service.tokenizer, targets,
+                      cache_dir=service.tmp / "cache", on_event=events, **options).start()
+
+
+def black_hole() -> socket.socket:
+    """A port that accepts connections (the kernel's backlog) and never answers: a hung server."""
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen(16)
+    return s
+
+
+def test_generations_follow_the_namespace(service: Service, tokenizer: Tokenizer) -> None:
+    ns = service.namespace
+    hung = black_hole()
+    with FakeSglang(tokenizer) as a, FakeSglang(tokenizer, api_key="k-123") as b:
+        landed = service.publish(1)
+        events = Events()
+        hung_url = f"http://127.0.0.1:{hung.getsockname()[1]}"
+        targets = [SglangTarget(a.url), SglangTarget(b.url, api_key="k-123"), SglangTarget(hung_url)]
+        with feeder(service, targets, events, timeout=30.0) as sync:
+            # every reachable server lists generation 1 within 5 s of landing, though one server never answers
+            wait_until(lambda: corpus_id(ns, 1) in a.corpora and corpus_id(ns, 1) in b.corpora, 5.0, "g1 listed")
+            assert time.time() - landed < 5.0
+            assert a.corpora[corpus_id(ns, 1)] == sum(len(tokenizer.encode(d)) for d in
+                                                      [service.texts[(1 + i) % len(service.texts)]
+                                                       for i in range(3)]) + 2  # two separators
+            # a new generation: listed, then the old one removed, on both
+            landed = service.publish(2)
+            wait_until(lambda: set(a.corpora) == set(b.corpora) == {corpus_id(ns, 2)}, 5.0, "g2 replaces g1")
+            assert time.time() - landed < 5.0
+            adds = [r for r in a.requests if r[1] == "/add_external_corpus"]
+            removes = [r for r in a.requests if r[1] == "/remove_external_corpus"]
+            assert len(adds) == 2 and len(removes) == 1
+            first_remove = next(i for i, r in enumerate(a.requests) if r[1] == "/remove_external_corpus")
+            assert a.requests[first_remove - 1][1] == "/list_external_corpora"  # removed after the new one was listed
+            # a restarted server (its corpora lost) gets ours again within one interval
+            a.restart()
+            t0 = time.monotonic()
+            wait_until(lambda: corpus_id(ns, 2) in a.corpora, 3.0, "g2 re-added after the restart")
+            assert time.monotonic() - t0 < 0.5 + 0.5  # one interval, and the add
+            # a server down while a generation lands catches up within one interval after it returns
+            b.stop()
+            time.sleep(1.5)
+            service.publish(3)
+            wait_until(lambda: set(a.corpora) == {corpus_id(ns, 3)}, 5.0, "g3 on the server that is up")
+            time.sleep(1.5)  # down for a while: its retries are backed off to the interval
+            with b.lock:
+                b.corpora = {corpus_id(ns, 2): 10}  # it comes back with what it had
+            b.start()
+            t0 = time.monotonic()
+            wait_until(lambda: set(b.corpora) == {corpus_id(ns, 3)}, 3.0, "g3 on the server back")
+            assert time.monotonic() - t0 < 0.5 + 0.5
+            status = {s["url"]: s for s in sync.status()}
+            assert status[a.url]["generation"] == 3 and status[a.url]["re_adds"] == 1
+            assert status[b.url]["generation"] == 3 and status[b.url]["error"] == ""
+            assert status[hung_url]["generation"] == 0 and status[hung_url]["adds"] == 0
+    hung.close()
+    errors = [e["message"] for e in events.of("error")]
+    assert any(e.startswith("unreachable") for e in errors), errors
+    assert [e["server"] for e in events.of("recovered")] == [b.url]
+    assert [e["generation"] for e in events.of("generation")] == [1, 2, 3]
+    assert all(e["cut_documents"] == 0 for e in events.of("generation"))
+
+
+def test_budget_cuts_the_corpus_and_says_what(service: Service, tokenizer: Tokenizer) -> None:
+    ns = service.namespace
+    service.publish(1, documents=6)
+    events = Events()
+    with FakeSglang(tokenizer, max_tokens=6000) as a, feeder(service, [SglangTarget(a.url)], events,
+                                                             max_tokens=6000):
+        wait_until(lambda: corpus_id(ns, 1) in a.corpora, 5.0, "g1 listed")
+        ready = events.of("generation")[0]
+        assert ready["budget_tokens"] == 3000 and ready["cut_documents"] > 0 and ready["cut_tokens"] > 0
+        assert ready["tokens"] <= 3000 and a.corpora[corpus_id(ns, 1)] == ready["tokens"]
+        service.publish(2, documents=6)  # room for both during the switch: no removal first
+        wait_until(lambda: set(a.corpora) == {corpus_id(ns, 2)}, 5.0, "g2 replaces g1")
+        assert not events.of("note")
+
+
+def test_no_room_beside_other_corpora(service: Service, tokenizer: Tokenizer) -> None:
+    """A server whose other corpora leave no room for old and new together: the old one goes first, said; with no
+    room at all, an error names the flags."""
+    ns = service.namespace
+    service.publish(1, documents=2)
+    events = Events()
+    with FakeSglang(tokenizer) as a:
+        with feeder(service, [SglangTarget(a.url)], events):
+            wait_until(lambda: corpus_id(ns, 1) in a.corpora, 5.0, "g1 listed")
+            with a.lock:
+                a.corpora["someone-else"] = a.max_tokens - a.corpora[corpus_id(ns, 1)] - 10
+            service.publish(2, documents=2)
+            wait_until(lambda: set(a.corpora) == {"someone-else", corpus_id(ns, 2)}, 5.0, "g2 after removing g1")
+            notes = [e["message"] for e in events.of("note")]
+            assert notes == [f"no room for generation 2's corpus beside {corpus_id(ns, 1)}: removing it first (the "
+                             "server drafts from its other corpora meanwhile)"]
+            with a.lock:
+                a.corpora = {"someone-else": a.max_tokens - 10}
+            wait_until(lambda: events.of("error"), 5.0, "the refusal")
+    message = events.of("error")[0]["message"]
+    assert "exceeds the remaining token budget (10) after loading 0 tokens." in message
+    assert message.endswith("does not fit beside the server's other corpora (9,999,990 tokens): raise its "
+                            "--speculative-ngram-external-corpus-max-tokens, or give a smaller --max-tokens")
+
+
+def test_refusals_are_named(service: Service, tokenizer: Tokenizer) -> None:
+    service.publish(1)
+    events = Events()
+    with FakeSglang(tokenizer, api_key="right") as keyed, FakeSglang(tokenizer, ngram=False) as plain:
+        targets = [SglangTarget(keyed.url, api_key="wrong"), SglangTarget(plain.url)]
+        with feeder(service, targets, events):
+            wait_until(lambda: len(events.of("error")) >= 2, 5.0, "two refusals")
+    errors = {e["server"]: e for e in events.of("error")}
+    assert errors[keyed.url]["status"] == 401
+    assert errors[keyed.url]["message"] == ("/list_external_corpora answered 401 Unauthorized: the key was refused; "
+                                            "give --sglang-api-key (the server's --admin-api-key, else its --api-key)")
+    assert errors[plain.url]["message"] == ("Ngram speculative decoding is not enabled. Run SGLang with "
+                                            "--speculative-algorithm NGRAM")
+    assert errors[plain.url]["retry_seconds"] == 0.5  # not retried faster than the interval
+
+
+def test_https_with_a_ca(service: Service, tokenizer: Tokenizer, tmp_path: Path) -> None:
+    pki = Pki(tmp_path / "pki")
+    cert = pki.issue("server")
+    service.publish(1)
+    events = Events()
+    with FakeSglang(tokenizer, tls=(cert.cert, cert.key)) as a:
+        assert a.url.startswith("https://")
+        with feeder(service, [SglangTarget(a.url, ca_file=str(pki.ca.cert))], events):
+            wait_until(lambda: corpus_id(service.namespace, 1) in a.corpora, 5.0, "g1 listed over https")
+        untrusted = Events()
+        with feeder(service, [SglangTarget(a.url)], untrusted):
+            wait_until(lambda: untrusted.of("error"), 5.0, "the refusal")
+    assert "its TLS certificate is not trusted" in untrusted.of("error")[0]["message"]
+    assert untrusted.of("error")[0]["message"].endswith("give --sglang-ca with the CA that signed it")
+
+
+# the command
+
+
+def run_cli(*args: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "ngramcache.client.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, check=False)
+
+
+def test_command_feeds_and_stops_cleanly_on_ctrl_c(service: Service, tokenizer: Tokenizer) -> None:
+    ns = service.namespace
+    service.publish(1)
+    with FakeSglang(tokenizer, api_key="k") as a:
+        env = {**os.environ, "SGLANG_API_KEY": "k"}
+        p = subprocess.Popen([sys.executable, "-m", "ngramcache.client.cli", "sglang-sync", "--server",
+                              service.address, "--namespace", ns, "--tokenizer", TOKENIZER, "--sglang", a.url,
+                              "--interval", "0.5", "--cache-dir", str(service.tmp / "cli-cache"), "--json"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        try:
+            wait_until(lambda: corpus_id(ns, 1) in a.corpora, 10.0, "g1 added by the command")
+            added = next(i for i, r in enumerate(a.requests) if r[1] == "/add_external_corpus")
+            wait_until(lambda: len(a.requests) > added + 1, 5.0, "the list after the add")
+            time.sleep(0.3)  # the event is printed once that list is answered
+        finally:
+            p.send_signal(signal.SIGINT)
+            out, err = p.communicate(timeout=10)
+    assert p.returncode == 130, err
+    assert err.strip().splitlines()[-1] == "ngramcache sglang-sync: interrupted"
+    assert "Traceback" not in err
+    kinds = [json.loads(line)["event"] for line in out.splitlines()]
+    assert kinds[:3] == ["connected", "generation", "listed"], out
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--sglang", "127.0.0.1:30000"], "--sglang 127.0.0.1:30000: not an http:// or https:// URL with a host "
+     "(e.g. http://127.0.0.1:30000)"),
+    (["--sglang", "http://127.0.0.1:1", "--namespace", "nope"], "namespace 'nope'"),
+])
+def test_command_errors_are_one_line(service: Service, args: list[str], message: str) -> None:
+    base = {"--server": service.address, "--namespace": service.namespace, "--tokenizer": TOKENIZER,
+            "--cache-dir": str(service.tmp / "cli-cache")}
+    for i in range(0, len(args), 2):
+        base[args[i]] = args[i + 1]
+    result = run_cli("sglang-sync", *[x for kv in base.items() for x in kv])
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("ngramcache sglang-sync: error: "), result.stderr
+    assert message in lines[0]
