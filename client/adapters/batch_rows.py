@@ -56,6 +56,16 @@ class RowSequence:
         self._buf[self._len:n] = tokens[self._len:]
         self._len = n
 
+    def append(self, new: NDArray[np.int32]) -> None:
+        """Records `new` after the tokens so far (an engine that hands over only what is new)."""
+        n = self._len + len(new)
+        if n > len(self._buf):
+            grown = np.empty(max(n, 2 * len(self._buf)), dtype=np.int32)
+            grown[: self._len] = self._buf[: self._len]
+            self._buf = grown
+        self._buf[self._len:n] = new
+        self._len = n
+
 
 @dataclass
 class _Parked:

@@ -1,7 +1,11 @@
-"""vLLM adapter: an ngramcache drafter as the proposer of vLLM's ``custom_class`` speculative method.
+"""vLLM adapter: an ngramcache drafter as the proposer of vLLM's ``custom_class`` speculative method (0.22 to 0.33).
 
-Usage (vLLM 0.22 to 0.33, whose V1 model runner has the ``custom_class`` method; 0.34 removed it;
-the interface is pinned to 0.33.0 by ``tests/unit/test_adapter_vllm_contract.py``)::
+vLLM 0.34 removed ``custom_class``: there the drafter is the ``ngramcache`` speculative method,
+registered by `register` (this package's ``vllm.general_plugins`` entry point) and run by
+`ngramcache.client.adapters.vllm_speculator.NgramCacheSpeculator`; both read `ProposerConfig`.
+
+Usage (vLLM 0.22 to 0.33, whose V1 model runner has the ``custom_class`` method; the interface is
+pinned to 0.33.0 by ``tests/unit/test_adapter_vllm_contract.py``)::
 
     NGC_VLLM_STATIC=/data/gen-7.ngc vllm serve MODEL --speculative-config \\
         '{"method": "custom_class", "model": "ngramcache.client.adapters.vllm.NgramCacheProposer",
@@ -27,23 +31,30 @@ import atexit
 import dataclasses
 import logging
 import os
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import numpy as np
 from numpy.typing import NDArray
 
 from ngramcache.client.adapters.batch_rows import BatchRows
-from ngramcache.client.adapters.sequence_feed import DrafterLike, DraftStats
+from ngramcache.client.adapters.draft_length import best_length
+from ngramcache.client.adapters.sequence_feed import DEAR_MAX_DRAFT, UNCAPPED_MAX_COST, DrafterLike, DraftStats
+from ngramcache.client.adapters.step_costs import AUTO, UNSCORED_ODDS, StepCosts
 from ngramcache.client.errors import InvalidArgumentError
 
-__all__ = ["NgramCacheProposer", "ProposerConfig"]
+__all__ = ["METHOD", "NgramCacheProposer", "ProposerConfig", "open_drafter", "register"]
 
 log = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
 _MODES = ("compatible", "match")
 _MAX_DRAFT = 256  # the core's kMaxDraft
+# speculator_options keys (vLLM 0.34+): the fields of ProposerConfig but the token, which vLLM would log with its config.
+_OPTIONS = ("static", "service", "namespace", "remote", "tokenizer", "tls_ca", "tls_cert", "tls_key", "cache_dir", "mode",
+            "n_draft", "max_parked")
+METHOD = "ngramcache"  # the speculative method `register` adds to vLLM 0.34+
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,7 +83,11 @@ class ProposerConfig:
             (default: its own, ``$XDG_CACHE_HOME/ngramcache``).
         mode: ``NGC_VLLM_MODE``: "compatible" (llama.cpp's drafts; default) or "match".
         n_draft: ``NGC_VLLM_N_DRAFT``: most tokens drafted per row and step (default and upper
-            bound: vLLM's ``num_speculative_tokens``).
+            bound: vLLM's ``num_speculative_tokens``), or "auto": `NgramCacheProposer` (vLLM
+            0.22-0.33, where a shorter draft is a cheaper step) cuts each row's draft to the
+            length worth its verify cost, learned from the time between its calls (one engine step
+            each); vLLM 0.34 verifies ``num_speculative_tokens`` slots a row whatever is drafted, so
+            there "auto" fills them all.
         max_parked: ``NGC_VLLM_MAX_PARKED``: sequences kept while their request is out of the
             batch (default: vLLM's ``max_num_seqs``).
 
@@ -91,13 +106,15 @@ class ProposerConfig:
     tls_key: str | None = None
     cache_dir: str | None = None
     mode: str = "compatible"
-    n_draft: int | None = None
+    n_draft: int | str | None = None
     max_parked: int | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in _MODES:
             raise InvalidArgumentError(f"NGC_VLLM_MODE must be 'compatible' or 'match', got {self.mode!r}")
-        if self.n_draft is not None and not 1 <= self.n_draft <= _MAX_DRAFT:
+        if isinstance(self.n_draft, str) and self.n_draft != AUTO:
+            raise InvalidArgumentError(f"NGC_VLLM_N_DRAFT must be 'auto' or a whole number, got {self.n_draft!r}")
+        if isinstance(self.n_draft, int) and not 1 <= self.n_draft <= _MAX_DRAFT:
             raise InvalidArgumentError(f"NGC_VLLM_N_DRAFT must be in 1..{_MAX_DRAFT}, got {self.n_draft}")
         if self.max_parked is not None and self.max_parked < 0:
             raise InvalidArgumentError(f"NGC_VLLM_MAX_PARKED must be >= 0, got {self.max_parked}")
@@ -145,12 +162,73 @@ class ProposerConfig:
         if remote not in (None, "0", "1"):
             raise InvalidArgumentError(f"NGC_VLLM_REMOTE must be 0 or 1, got {remote!r}")
         service = tuple(a.strip() for a in (text("NGC_VLLM_SERVICE") or "").split(",") if a.strip())
+        n_draft: int | str | None = AUTO if text("NGC_VLLM_N_DRAFT") == AUTO else whole("NGC_VLLM_N_DRAFT")
         return cls(static=text("NGC_VLLM_STATIC"), service=service, namespace=text("NGC_VLLM_NAMESPACE"),
                    remote=remote == "1", tokenizer=text("NGC_VLLM_TOKENIZER"), token=text("NGC_VLLM_TOKEN"),
                    tls_ca=text("NGC_VLLM_TLS_CA"), tls_cert=text("NGC_VLLM_TLS_CERT"), tls_key=text("NGC_VLLM_TLS_KEY"),
                    cache_dir=text("NGC_VLLM_CACHE_DIR"),
-                   mode=text("NGC_VLLM_MODE") or "compatible", n_draft=whole("NGC_VLLM_N_DRAFT"),
+                   mode=text("NGC_VLLM_MODE") or "compatible", n_draft=n_draft,
                    max_parked=whole("NGC_VLLM_MAX_PARKED"))
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, Any] | None, env: Mapping[str, str] | None = None) -> ProposerConfig:
+        """The ``NGC_VLLM_*`` variables of `env` (`from_env`) overridden by vLLM 0.34's
+        ``speculator_options`` (keys: the attribute names, e.g. ``{"static": "/data/gen-7.ngc"}``).
+
+        Raises:
+            InvalidArgumentError: an unknown option or one of the wrong type, the token given as an
+                option (vLLM logs its config: use ``NGC_VLLM_TOKEN``), or settings that contradict.
+        """
+        base = cls.from_env(env)
+        if not options:
+            return base
+        if not isinstance(options, Mapping):
+            raise InvalidArgumentError(f"speculator_options must be a JSON object, got {options!r}")
+        if "token" in options:
+            raise InvalidArgumentError("speculator_options: give the bearer token in NGC_VLLM_TOKEN, not as an option "
+                                       "(vLLM logs its config)")
+        values: dict[str, Any] = {}
+        for key, value in options.items():
+            if key not in _OPTIONS:
+                raise InvalidArgumentError(f"speculator_options: unknown option {key!r} (known: {', '.join(_OPTIONS)})")
+            if key == "service":
+                items = value.split(",") if isinstance(value, str) else value
+                if not isinstance(items, (list, tuple)) or not all(isinstance(a, str) for a in items):
+                    raise InvalidArgumentError(f"speculator_options: service must be 'host:port' (or a list of them), "
+                                               f"got {value!r}")
+                values[key] = tuple(a.strip() for a in items if a.strip())
+            elif key == "remote":
+                if not isinstance(value, bool):
+                    raise InvalidArgumentError(f"speculator_options: remote must be true or false, got {value!r}")
+                values[key] = value
+            elif key in ("n_draft", "max_parked"):
+                if not (isinstance(value, int) and not isinstance(value, bool)) and not (key == "n_draft" and value == AUTO):
+                    hint = "'auto' or a whole number" if key == "n_draft" else "a whole number"
+                    raise InvalidArgumentError(f"speculator_options: {key} must be {hint}, got {value!r}")
+                values[key] = value
+            else:
+                if not isinstance(value, str):
+                    raise InvalidArgumentError(f"speculator_options: {key} must be a string, got {value!r}")
+                values[key] = value.strip() or None
+        try:
+            return dataclasses.replace(base, **values)
+        except InvalidArgumentError as e:
+            raise InvalidArgumentError(f"speculator_options (over NGC_VLLM_*): {e}") from None
+
+
+def register() -> None:
+    """Adds the ``ngramcache`` speculative method to vLLM 0.34+ (``speculative_config={"method":
+    "ngramcache", ...}``); does nothing on a vLLM without custom speculative methods (0.22-0.33 use
+    ``custom_class``). vLLM calls it in each of its processes, as this package's
+    ``vllm.general_plugins`` entry point; calling it again does nothing more."""
+    try:
+        from vllm.v1.worker.gpu.spec_decode.speculator_config import register_speculative_method
+    except ImportError:
+        return
+    try:
+        register_speculative_method(METHOD, "ngramcache.client.adapters.vllm_method.NgramCacheSpeculatorConfig")
+    except ValueError as e:  # another plugin took the name: vLLM must still start
+        log.warning("ngramcache: vLLM speculative method %r not registered: %s", METHOD, e)
 
 
 def _spec_tokens(vllm_config: Any) -> int:
@@ -162,6 +240,67 @@ def _spec_tokens(vllm_config: Any) -> int:
     if not isinstance(n, int) or n < 1:
         raise InvalidArgumentError(f"num_speculative_tokens must be a whole number >= 1, got {n!r}")
     return n
+
+
+def open_drafter(cfg: ProposerConfig, vllm_config: Any, own: Callable[[Any], Any]) -> DrafterLike:
+    """The drafter `cfg` names: a `Drafter` over ``cfg.static``, a drafter kept in sync with
+    ``cfg.service`` (or a `RemoteDrafter` with ``cfg.remote``), else a context-only `Drafter` of the
+    model's vocabulary. Clients it opens are handed to `own` (whose caller closes them).
+
+    Raises:
+        InvalidArgumentError: a missing file, an unknown tokenizer or vocabulary size.
+        TokenizerMismatchError: a static file of another tokenizer than ``cfg.tokenizer``.
+    """
+    from ngramcache.client import UNTAGGED, Drafter, StaticCache
+
+    if cfg.static:
+        if not os.path.isfile(cfg.static):
+            raise InvalidArgumentError(f"NGC_VLLM_STATIC {cfg.static} is not a file")
+        static = StaticCache.open(cfg.static)
+        if cfg.tokenizer:  # then the file must be that tokenizer's (Drafter checks the fingerprint)
+            return Drafter(static, fingerprint=bytes(_tokenizer(cfg, vllm_config).fingerprint), mode=cfg.mode)
+        return Drafter(static, mode=cfg.mode)
+    if cfg.service:
+        tokenizer = _tokenizer(cfg, vllm_config)
+        if cfg.remote:
+            from ngramcache.client.remote import RemoteDrafter
+
+            remote = RemoteDrafter(cfg.service[0], str(cfg.namespace), tokenizer, token=cfg.token, mode=cfg.mode,
+                                   tls_ca=cfg.tls_ca, tls_cert=cfg.tls_cert, tls_key=cfg.tls_key)
+            own(remote)
+            return remote
+        from ngramcache.client.sync import NgramClient
+
+        client = NgramClient(cfg.service, str(cfg.namespace), tokenizer, cache_dir=cfg.cache_dir, token=cfg.token,
+                             mode=cfg.mode, tls_ca=cfg.tls_ca, tls_cert=cfg.tls_cert, tls_key=cfg.tls_key)
+        own(client)
+        return client.drafter()
+    return Drafter(fingerprint=UNTAGGED, vocab_size=_vocab_size(vllm_config), mode=cfg.mode)
+
+
+def _tokenizer(cfg: ProposerConfig, vllm_config: Any) -> Any:
+    from ngramcache.client.tokenizer import load_tokenizer
+
+    if cfg.tokenizer:
+        return load_tokenizer(cfg.tokenizer)
+    spec = getattr(getattr(vllm_config, "model_config", None), "tokenizer", None)
+    hint = "set NGC_VLLM_TOKENIZER (a tokenizer.json, or the folder holding it)"
+    if not spec:
+        raise InvalidArgumentError(f"NGC_VLLM_SERVICE needs the model's tokenizer: {hint}")
+    try:
+        return load_tokenizer(str(spec))
+    except InvalidArgumentError as e:  # a hub name rather than a folder, say
+        raise InvalidArgumentError(f"the model's tokenizer {spec!r} is not a local tokenizer.json ({e}): {hint}") from None
+
+
+def _vocab_size(vllm_config: Any) -> int:
+    model_config = getattr(vllm_config, "model_config", None)
+    getter = getattr(model_config, "get_vocab_size", None)
+    vocab = getter() if callable(getter) else None
+    if not isinstance(vocab, int) or vocab < 1:
+        raise InvalidArgumentError("the model's vocabulary size is unknown (vllm_config.model_config."
+                                   "get_vocab_size()): set NGC_VLLM_STATIC or NGC_VLLM_SERVICE")
+    return vocab
 
 
 class NgramCacheProposer:
@@ -185,8 +324,15 @@ class NgramCacheProposer:
         self.config = ProposerConfig.from_env() if config is None else config
         self.vllm_config = vllm_config
         spec_tokens = _spec_tokens(vllm_config)
+        fixed = self.config.n_draft if isinstance(self.config.n_draft, int) else None
         # A longer draft than num_speculative_tokens would not fit vLLM's verification buffers.
-        self.n_draft = min(spec_tokens, self.config.n_draft or spec_tokens, _MAX_DRAFT)
+        self.n_draft = min(spec_tokens, fixed or spec_tokens, _MAX_DRAFT)
+        # n_draft "auto": each step's drafts cut by verify costs learned from the time between two
+        # calls (one engine step, which verified the drafts of the first).
+        self.step_costs: StepCosts | None = StepCosts(self.n_draft) if self.config.n_draft == AUTO else None
+        self.clock: Callable[[], float] = time.perf_counter
+        self._last_call: float | None = None
+        self._last_sent = 0  # tokens drafted per decoding row at the last call (rounded mean)
         model_config = getattr(vllm_config, "model_config", None)
         max_len = getattr(model_config, "max_model_len", None)
         self.max_model_len: int | None = int(max_len) if max_len is not None else None
@@ -199,37 +345,12 @@ class NgramCacheProposer:
         self.stats = DraftStats()
 
     def make_drafter(self, vllm_config: Any) -> DrafterLike:
-        """The drafter to draft with, from `self.config`; override it in a subclass to bring your own.
+        """The drafter to draft with, from `self.config` (`open_drafter`); override it in a subclass to bring your own.
 
         A subclass names itself in ``speculative_config.model`` (``"mypkg.MyProposer"``) and hands
         what it opens to `own` to have `close` close it.
         """
-        from ngramcache.client import UNTAGGED, Drafter, StaticCache
-
-        cfg = self.config
-        if cfg.static:
-            if not os.path.isfile(cfg.static):
-                raise InvalidArgumentError(f"NGC_VLLM_STATIC {cfg.static} is not a file")
-            static = StaticCache.open(cfg.static)
-            if cfg.tokenizer:  # then the file must be that tokenizer's (Drafter checks the fingerprint)
-                return Drafter(static, fingerprint=bytes(self._tokenizer(vllm_config).fingerprint), mode=cfg.mode)
-            return Drafter(static, mode=cfg.mode)
-        if cfg.service:
-            tokenizer = self._tokenizer(vllm_config)
-            if cfg.remote:
-                from ngramcache.client.remote import RemoteDrafter
-
-                remote = RemoteDrafter(cfg.service[0], str(cfg.namespace), tokenizer, token=cfg.token, mode=cfg.mode,
-                                       tls_ca=cfg.tls_ca, tls_cert=cfg.tls_cert, tls_key=cfg.tls_key)
-                return self.own(remote)
-            from ngramcache.client.sync import NgramClient
-
-            client = self.own(NgramClient(cfg.service, str(cfg.namespace), tokenizer, cache_dir=cfg.cache_dir,
-                                          token=cfg.token, mode=cfg.mode, tls_ca=cfg.tls_ca, tls_cert=cfg.tls_cert,
-                                          tls_key=cfg.tls_key))
-            return client.drafter()
-        vocab = self._vocab_size(vllm_config)
-        return Drafter(fingerprint=UNTAGGED, vocab_size=vocab, mode=cfg.mode)
+        return open_drafter(self.config, vllm_config, self.own)
 
     def own(self, obj: _T) -> _T:
         """Makes `close` (and interpreter exit) close `obj` (a client `make_drafter` opened); returns it."""
@@ -237,30 +358,6 @@ class NgramCacheProposer:
             atexit.register(self.close)
         self._owned.append(obj)
         return obj
-
-    def _tokenizer(self, vllm_config: Any) -> Any:
-        from ngramcache.client.tokenizer import load_tokenizer
-
-        if self.config.tokenizer:
-            return load_tokenizer(self.config.tokenizer)
-        spec = getattr(getattr(vllm_config, "model_config", None), "tokenizer", None)
-        hint = "set NGC_VLLM_TOKENIZER (a tokenizer.json, or the folder holding it)"
-        if not spec:
-            raise InvalidArgumentError(f"NGC_VLLM_SERVICE needs the model's tokenizer: {hint}")
-        try:
-            return load_tokenizer(str(spec))
-        except InvalidArgumentError as e:  # a hub name rather than a folder, say
-            raise InvalidArgumentError(f"the model's tokenizer {spec!r} is not a local tokenizer.json ({e}): {hint}") from None
-
-    @staticmethod
-    def _vocab_size(vllm_config: Any) -> int:
-        model_config = getattr(vllm_config, "model_config", None)
-        getter = getattr(model_config, "get_vocab_size", None)
-        vocab = getter() if callable(getter) else None
-        if not isinstance(vocab, int) or vocab < 1:
-            raise InvalidArgumentError("the model's vocabulary size is unknown (vllm_config.model_config."
-                                       "get_vocab_size()): set NGC_VLLM_STATIC or NGC_VLLM_SERVICE")
-        return vocab
 
     def propose(self, sampled_token_ids: Sequence[Sequence[int]], num_tokens_no_spec: NDArray[np.integer[Any]],
                 token_ids_cpu: NDArray[np.integer[Any]], slot_mappings: Any = None) -> list[list[int]]:
@@ -270,6 +367,7 @@ class NgramCacheProposer:
             One list of draft token ids per row of `sampled_token_ids` (empty: no draft).
         """
         del slot_mappings  # KV cache slots say nothing about which request a row holds
+        now = self.clock()
         n_rows = len(sampled_token_ids)
         out: list[list[int]] = [[] for _ in range(n_rows)]
         rows: list[int] = []
@@ -293,6 +391,8 @@ class NgramCacheProposer:
             self.stats.accepted += len(sampled) - 1  # vLLM samples the accepted drafted tokens and one more
         seqs = self.rows.assign(rows, tokens, held)
         wanted = [k for k, limit in enumerate(limits) if limit > 0]
+        if self.step_costs is not None:
+            return self._propose_auto(out, rows, seqs, tokens, limits, wanted, now)
         if not wanted:
             return out
         drafts = self._draft([seqs[k].seq_id for k in wanted], [tokens[k] for k in wanted])
@@ -300,6 +400,40 @@ class NgramCacheProposer:
             chosen = draft[: limits[k]].tolist()
             self.stats.drafted += len(chosen)
             out[rows[k]] = chosen
+        return out
+
+    def _propose_auto(self, out: list[list[int]], rows: list[int], seqs: Sequence[Any], tokens: list[NDArray[np.int32]],
+                      limits: list[int], wanted: list[int], now: float) -> list[list[int]]:
+        """n_draft "auto": records the step since the last call, then sends each row the prefix of
+        its draft with the most expected tokens per unit of verify cost (`best_length`)."""
+        costs = self.step_costs
+        assert costs is not None
+        if self._last_call is not None:
+            costs.record(self._last_sent, now - self._last_call)
+        # A call with no row sampling (all prefilling) is not a decoding step: the next interval is not timed.
+        self._last_call = now if rows else None
+        sent = 0
+        if wanted and not costs.needs_baseline():  # else: a step with no drafts, to time one
+            scored = getattr(self.drafter, "draft_scored", None)
+            from ngramcache.client import Drafter
+
+            uncapped = self.config.mode == "match" and isinstance(self.drafter, Drafter)
+            for k in wanted:
+                n = limits[k]
+                if callable(scored):
+                    long_ok = uncapped and costs(n) <= UNCAPPED_MAX_COST
+                    if uncapped and not long_ok:
+                        n = min(n, DEAR_MAX_DRAFT)  # where long drafts are dear, far tokens of a match are not worth it
+                    full, odds = scored(seqs[k].seq_id, tokens[k], n, uncapped=long_ok) if long_ok else \
+                        scored(seqs[k].seq_id, tokens[k], n)
+                else:
+                    full = np.asarray(self.drafter.draft(seqs[k].seq_id, tokens[k], n), dtype=np.int32)
+                    odds = np.full(len(full), UNSCORED_ODDS, dtype=np.float32)
+                chosen = np.asarray(full[: min(n, len(full))])[: best_length(odds[:n], costs)].tolist()
+                sent += len(chosen)
+                self.stats.drafted += len(chosen)
+                out[rows[k]] = chosen
+        self._last_sent = round(sent / len(rows)) if rows else 0
         return out
 
     def _draft(self, seq_ids: list[int], tokens: list[NDArray[np.int32]]) -> list[NDArray[np.int32]]:

@@ -291,3 +291,46 @@ def test_tls_settings_are_read_from_the_environment():
                                       "NGC_VLLM_TLS_CERT": "/c.pem", "NGC_VLLM_TLS_KEY": "/k.pem"})
     assert (config.tls_ca, config.tls_cert, config.tls_key) == ("/ca.pem", "/c.pem", "/k.pem")
     assert ProposerConfig.from_env({}).tls_ca is None
+
+
+@pytest.mark.parametrize(("per_token", "full"), [(0.002, True), (1.0, False)])
+def test_auto_draft_length_follows_the_step_costs_it_measures(static_file, per_token, full):
+    """NGC_VLLM_N_DRAFT=auto: the time between two calls is one engine step that verified the
+    drafts of the first; where a drafted token is nearly free (a GPU) drafts stay full length,
+    where each costs half a step (a few CPU cores) they are cut."""
+    spec, max_len = 8, 4096
+    config = ProposerConfig.from_env({"NGC_VLLM_STATIC": static_file, "NGC_VLLM_N_DRAFT": "auto"})
+    proposer = NgramCacheProposer(vllm_config(num_speculative_tokens=spec, max_model_len=max_len), config)
+    assert proposer.step_costs is not None and proposer.n_draft == spec
+    clock = [0.0]
+    proposer.clock = lambda: clock[0]
+    token_ids = np.zeros((1, max_len), dtype=np.int32)
+    n = 3
+    token_ids[0, :n] = PATTERN[:n]
+    drafts: list[int] = []
+    lengths = []
+    for _ in range(300):
+        # The model agrees with every drafted token (they follow the pattern) and samples one more.
+        sampled = [PATTERN[(n + i) % len(PATTERN)] for i in range(len(drafts) + 1)]
+        token_ids[0, n: n + len(sampled)] = sampled
+        n += len(sampled)
+        if n + spec + 1 >= max_len:
+            break
+        clock[0] += 0.025 * (1.0 + per_token * len(drafts))  # the step that verified `drafts`
+        drafts = proposer.propose([sampled], np.array([n], dtype=np.int32), token_ids)[0]
+        assert drafts == [PATTERN[(n + i) % len(PATTERN)] for i in range(len(drafts))]
+        lengths.append(len(drafts))
+    assert proposer.step_costs.measured
+    assert 0 in lengths  # steps without a draft timed the baseline
+    recent = lengths[-20:]
+    if full:
+        assert max(recent) == spec and proposer.step_costs(spec) < 1.1
+    else:
+        assert max(recent) < spec and proposer.step_costs(spec) > 8.0
+    proposer.close()
+
+
+def test_auto_is_read_from_the_environment_and_bad_values_are_refused():
+    assert ProposerConfig.from_env({"NGC_VLLM_N_DRAFT": "auto"}).n_draft == "auto"
+    with pytest.raises(InvalidArgumentError, match="NGC_VLLM_N_DRAFT must be 'auto' or a whole number"):
+        ProposerConfig(n_draft="fast")
