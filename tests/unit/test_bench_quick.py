@@ -109,6 +109,8 @@ QUICK: dict[str, Quick] = {
     "bench_service": Quick(("--quick",), (r"## Session step", r"Pss sum / file"),
                            extra=(r"service, 8 clients, 2 pushes in flight each: .* [\d.]+x direct apply_group "
                                   r"\(target > 1x",), seconds=20),
+    "bench_sglang_sync": Quick(("--quick",), (r"\| gen \| documents \| tokens", r"push-to-listed on every server: "
+                                              r"median [\d.]+ s", r"checksum [0-9a-f]+; total")),
     "bench_static": Quick(("--quick", "--data-dir", "{data}"), (r"\| 25mb \|", r"result checksum"), after="prepare_corpus",
                           extra=(r"heap load s / RSS MB \(ngramcache's loader of the llama.cpp file\)",)),
     "bench_token_encoding": Quick(("--quick",), (r"packed / bytes time", r"result checksum \d+")),
