@@ -4,8 +4,8 @@
 upstream; `switch` sends the next ones to another (those in flight finish where they
 started, and `Upstream.in_flight` says when the old one is idle); with no upstream (a
 server starting) requests wait up to ``hold_timeout`` for one instead of failing. A request
-whose upstream refuses the connection before a byte was sent is sent again to the current
-upstream. Bodies are relayed as they come (streamed completions included), framed by
+whose upstream fails before the first byte of its answer (refused, reset, closed: a server
+stopping or dying) goes to the upstream that replaces it; a second such failure is a 502. Bodies are relayed as they come (streamed completions included), framed by
 Content-Length, chunked encoding, or the end of the upstream's answer.
 
 One HTTP/1.1 upstream connection per request (loopback: a connection costs tens of
@@ -32,11 +32,16 @@ log = logging.getLogger(__name__)
 
 MAX_HEAD_BYTES = 64 * 1024  # a request or response head longer than this is refused (431 / 502)
 RELAY_BYTES = 64 * 1024
+REPLACE_SECONDS = 2.0  # how long a request its server failed waits for the server's replacement (a restart, a switch)
 HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-connection", "te", "trailer", "upgrade"})
 
 
 class _BadMessage(Exception):
     """A malformed request or response head (the message says what)."""
+
+
+class _NoAnswer(Exception):
+    """The upstream failed before the first byte of its answer (the message says how)."""
 
 
 @dataclass
@@ -45,13 +50,13 @@ class Upstream:
 
     Attributes:
         host, port: where it listens (loopback).
-        label: how progress lines name it (e.g. ``generation 3``).
+        headers: added to each of its answers (llama-follow's ``X-Ngramcache-Generation``).
         in_flight: requests sent to it and not yet answered whole.
     """
 
     host: str
     port: int
-    label: str = ""
+    headers: tuple[tuple[str, str], ...] = ()
     in_flight: int = 0
     idle: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -255,6 +260,8 @@ class HttpProxy:
         request = _encode_head(head.first, [*((k, v) for k, v in _forwarded(head)
                                               if k.lower() not in ("content-length", "transfer-encoding")),
                                             *length, ("Connection", "close")]) + body
+        deadline = time.monotonic() + self.hold_timeout
+        resent = False
         while True:
             up = await self._acquire()
             if up is None:
@@ -266,18 +273,38 @@ class HttpProxy:
             try:
                 try:
                     up_reader, up_writer = await asyncio.open_connection(up.host, up.port, limit=MAX_HEAD_BYTES)
-                except OSError:
+                except OSError as e:
                     # Refused before a byte went out: the server is stopping or died; the supervisor
                     # switches or restarts, and the request goes to whichever upstream is current then.
-                    if self.upstream is up:
-                        await asyncio.sleep(0.05)
-                    continue
-                return await self._exchange(up_reader, up_writer, request, method, writer, keep)
+                    failure = str(e)
+                else:
+                    try:
+                        return await self._exchange(up_reader, up_writer, request, method, writer, keep, up.headers)
+                    except _NoAnswer as e:
+                        failure = str(e)
+                        if resent:
+                            deadline = 0.0  # sent twice, unanswered twice: not sent a third time
+                        resent = True
             finally:
                 up.end()
+            # Not a byte of an answer reached the client: the request can go to the server that replaces this one
+            # (a request that died with its server is sent once more, to the next one).
+            if time.monotonic() < deadline and await self._replaced(up, deadline):
+                continue
+            self.failed += 1
+            await self._error(writer, 502, f"the llama-server behind ngramcache llama-follow failed: {failure}")
+            return False
+
+    async def _replaced(self, up: Upstream, deadline: float) -> bool:
+        """Waits (at most REPLACE_SECONDS, and not past ``deadline``) for the current upstream to be another than ``up``."""
+        until = min(deadline, time.monotonic() + REPLACE_SECONDS)
+        while self.upstream is up and time.monotonic() < until:
+            await asyncio.sleep(0.02)
+        return self.upstream is not up
 
     async def _exchange(self, up_reader: asyncio.StreamReader, up_writer: asyncio.StreamWriter, request: bytes,
-                        method: str, writer: asyncio.StreamWriter, keep: bool) -> bool:
+                        method: str, writer: asyncio.StreamWriter, keep: bool,
+                        extra: tuple[tuple[str, str], ...]) -> bool:
         sent_head = False
         try:
             up_writer.write(request)
@@ -294,7 +321,8 @@ class HttpProxy:
             no_body = method == "HEAD" or code in (204, 304)
             framed = no_body or "chunked" in resp.tokens("transfer-encoding") or resp.get("content-length") is not None
             keep = keep and framed
-            writer.write(_encode_head(resp.first, [*_forwarded(resp), ("Connection", "keep-alive" if keep else "close")]))
+            writer.write(_encode_head(resp.first, [*_forwarded(resp), *extra,
+                                                   ("Connection", "keep-alive" if keep else "close")]))
             sent_head = True
             if not no_body:
                 await _relay_body(resp, up_reader, writer, to_eof=not framed)
@@ -302,9 +330,9 @@ class HttpProxy:
             self.requests += 1
             return keep
         except (_BadMessage, ConnectionError, asyncio.IncompleteReadError) as e:
-            self.failed += 1
             if not sent_head:
-                await self._error(writer, 502, f"the llama-server behind ngramcache llama-follow failed: {e}")
+                raise _NoAnswer(str(e) or type(e).__name__) from None
+            self.failed += 1
             return False  # a body cut in the middle: closing is the only way to say so
         finally:
             up_writer.close()

@@ -41,13 +41,14 @@ from ngramcache.client._core import StaticCache, export_llama
 from ngramcache.client.errors import InvalidArgumentError, NgramCacheError
 from ngramcache.client.http_proxy import HttpProxy, Upstream
 
-__all__ = ["SWITCH_MODES", "FollowConfig", "GenerationSource", "LlamaFollower", "check_server_command"]
+__all__ = ["GENERATION_HEADER", "SWITCH_MODES", "FollowConfig", "GenerationSource", "LlamaFollower", "check_server_command"]
 
 log = logging.getLogger(__name__)
 
 SWITCH_MODES = ("overlap", "restart")
 # Arguments llama-follow gives llama-server itself: where it listens and which -lcs file it reads.
 RESERVED = ("--host", "--port", "-lcs", "--lookup-cache-static", "--reuse-port")
+GENERATION_HEADER = "X-Ngramcache-Generation"  # on every answer: the generation of the server that gave it
 STOP_SECONDS = 20.0  # SIGTERM, then SIGKILL after this long
 RESTART_BACKOFF = (1.0, 2.0, 5.0, 10.0, 30.0)  # seconds before restarting a server that keeps exiting
 
@@ -157,7 +158,7 @@ class ServerProcess:
         self.proc = proc
         self.port = port
         self.generation = generation
-        self.upstream = Upstream("127.0.0.1", port, f"generation {generation}")
+        self.upstream = Upstream("127.0.0.1", port, ((GENERATION_HEADER, str(generation)),))
         self.started = time.monotonic()
         self.ready_seconds = 0.0
 

@@ -7,7 +7,8 @@ It reads the -lcs file once at start, as llama-server does, and every answer say
 read (its SHA-256) and its pid, so a test sees which generation served each request. Routes:
 GET /health (503 "Loading model" for --load-seconds, then 200), POST /completion (JSON body:
 ``delay`` seconds to take, ``stream`` for a chunked answer of three server-sent events), POST
-/crash (exits at once with status 3, answering nothing). --fail exits with status 1 before
+/crash (body ``{"pid": N}``: the process of that pid exits at once with status 3, answering
+nothing; another answers 200). --fail exits with status 1 before
 listening, as a llama-server with a bad argument does. Other flags (-m, -c, ...) are ignored.
 """
 
@@ -63,7 +64,10 @@ def main() -> int:
         def do_POST(self) -> None:
             body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"{}")
             if self.path == "/crash":
-                os._exit(3)
+                if body.get("pid") == os.getpid():
+                    os._exit(3)
+                self.reply(200, {"crashed": False, "pid": os.getpid()})
+                return
             if self.path != "/completion":
                 self.reply(404, {"error": {"code": 404, "message": "File Not Found"}})
                 return

@@ -46,13 +46,18 @@ def free_port() -> int:
 
 
 def http(url: str, body: dict[str, Any] | None = None, timeout: float = 30) -> tuple[int, bytes]:
+    code, raw, _ = http_headers(url, body, timeout)
+    return code, raw
+
+
+def http_headers(url: str, body: dict[str, Any] | None = None, timeout: float = 30) -> tuple[int, bytes, Any]:
     data = json.dumps(body).encode() if body is not None else None
     req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"} if data else {})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
-            return r.status, r.read()
+            return r.status, r.read(), r.headers
     except urllib.error.HTTPError as e:
-        return e.code, e.read()
+        return e.code, e.read(), e.headers
 
 
 @dataclass
@@ -156,7 +161,7 @@ class Traffic:
 
     def __init__(self, url: str) -> None:
         self.url = url
-        self.answers: list[tuple[float, str | None, int]] = []  # (time, lcs sha, pid)
+        self.answers: list[tuple[float, str | None, int, str]] = []  # (time, lcs sha, pid, X-Ngramcache-Generation)
         self.failures: list[str] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -168,7 +173,7 @@ class Traffic:
             body = {"delay": 0.3 if i % 5 == 0 else 0.01, "stream": i % 3 == 0}
             i += 1
             try:
-                code, raw = http(f"{self.url}/completion", body)
+                code, raw, headers = http_headers(f"{self.url}/completion", body)
             except OSError as e:
                 self.failures.append(f"request {i}: {e}")
                 continue
@@ -183,7 +188,8 @@ class Traffic:
                 answer = events[0]
             else:
                 answer = json.loads(raw)
-            self.answers.append((time.monotonic(), answer["lcs_sha256"], answer["pid"]))
+            self.answers.append((time.monotonic(), answer["lcs_sha256"], answer["pid"],
+                                 headers.get("X-Ngramcache-Generation")))
 
     def stop(self) -> None:
         self._stop.set()
@@ -218,6 +224,7 @@ def test_a_new_generation_is_served_with_no_failed_request(fleet, switch):
         shas = [a[1] for a in traffic.answers]
         assert set(shas) == {sha1, sha2}
         assert shas.index(sha2) > 0 and set(shas[shas.index(sha2):]) == {sha2}  # never back to generation 1
+        assert {(a[1], a[3]) for a in traffic.answers} == {(sha1, "1"), (sha2, "2")}  # the header names the file read
         status = f.status()
         assert status["generation"] == 2 and status["switches"] == 1 and status["failed_requests"] == 0, status
         assert served_after < 10, served_after
@@ -250,14 +257,13 @@ def test_health_follows_the_server_and_a_crashed_server_is_started_again(fleet):
             time.sleep(0.05)
         assert codes == {503, 200}, codes  # not ready while the server loads, ready once it is
         pid = json.loads(http(f"{f.url}/completion", {})[1])["pid"]
-        with pytest.raises(OSError):  # the stand-in dies without answering: the proxy says 502
-            code, body = http(f"{f.url}/crash", {})
-            if code == 502:
-                raise OSError(body)
-        # Requests sent meanwhile wait for the server started again, and succeed.
-        code, body = http(f"{f.url}/completion", {}, timeout=60)
+        # The server dies with the request, answering nothing: the proxy waits for the server started again and
+        # sends the request to it, which answers.
+        code, body = http(f"{f.url}/crash", {"pid": pid}, timeout=60)
         assert code == 200, body
-        assert json.loads(body)["pid"] != pid
+        assert json.loads(body) == {"crashed": False, "pid": json.loads(body)["pid"]} and json.loads(body)["pid"] != pid
+        code, body = http(f"{f.url}/completion", {})
+        assert code == 200, body
         assert f.status()["restarts"] == 1
         code, err = stop(f)
         assert code == 0 and "exited with status 3: starting it again" in err, err
