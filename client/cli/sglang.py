@@ -45,7 +45,7 @@ def add_sglang_commands(sub: SubParsers) -> None:
                    help="sent as 'Authorization: Bearer KEY': the servers' --admin-api-key, else their --api-key "
                         "(default: $SGLANG_API_KEY; none when unset)")
     p.add_argument("--sglang-header", action="append", default=[], metavar="'NAME: VALUE'",
-                   help="one more header on every request to the servers (a gateway's); repeatable")
+                   help="one more header on every request to the servers (a gateway's); repeatable (default: none)")
     p.add_argument("--sglang-ca", metavar="PEM",
                    help="for https URLs: trust the CA certificates in this file (default: the system's)")
     p.add_argument("--max-tokens", type=int_in(2), default=SGLANG_DEFAULT_MAX_TOKENS, metavar="N",

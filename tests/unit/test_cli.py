@@ -630,7 +630,7 @@ def test_every_option_is_explained():
     parser = cli.build_parser()
     commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
     assert set(commands) == {"demo", "build", "stats", "inspect", "merge", "import-llama", "export-llama", "export-sglang",
-                             "tokenize", "tokenizer-info"}
+                             "sglang-sync", "llama-follow", "tokenize", "tokenizer-info"}
     for name, sub in commands.items():
         assert sub.description, name
         for action in sub._actions:
