@@ -7,7 +7,9 @@ ring bounded in bytes; a push through this replica wakes it at once. Readers who
 inside the ring are answered from memory, and a reader with nothing new waits on an event
 the poller sets: a thousand waiting clients cost one store read per interval, not a thousand.
 A cursor outside the ring (older than it, or from before this replica knew the namespace) is
-answered by the store directly. An idle namespace costs no store call (its ring stays, bounded).
+answered by the store directly: a group-first read then reads only its groups' partitions of a
+partitioned history. The poller reads every partition (the store merges them oldest first, an
+equal share of the page each), so the ring and every cursor in it span all partitions. An idle namespace costs no store call (its ring stays, bounded).
 
 Store calls run on the service's `StoreRunner`, never on the event loop.
 """
@@ -207,7 +209,7 @@ class HistoryTail:
                         listener(page.records)
                     except Exception:  # a listener's bug must not stop the tail every reader depends on
                         log.exception("fleet history of %s: a tail listener failed", self.namespace)
-            if len(page.records) >= _POLL_RECORDS:
+            if len(page.records) >= _POLL_RECORDS or page.more:
                 continue  # catching up: read on at once
             try:
                 await asyncio.wait_for(self._wake.wait(), self.options.poll_interval)
@@ -258,8 +260,10 @@ class HistoryTail:
             news = self._news
             page = self.from_ring(after, want)
             if page is None:
+                # A group-first read asks the store for the groups' partitions alone (a partitioned history).
+                hint = {"groups": tuple(want.groups)} if want.groups else {}
                 stored = await self.runner.call(self.runner.store.read_history, self.namespace, after=after,
-                                                limit=min(max(max_records, 1), 65536))
+                                                limit=min(max(max_records, 1), 65536), **hint)
                 page = want.page(stored.records, after, stored.gap)
             gap = gap or page.gap
             if page.records:

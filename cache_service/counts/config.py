@@ -23,7 +23,7 @@ from typing import Any, Literal
 
 from ngramcache.client.errors import InvalidArgumentError
 
-from .history import HistoryBudget
+from .history import HistoryBudget, validate_partitions
 
 __all__ = ["CountsStoreConfig", "StoreAddress", "parse_url", "redact_url"]
 
@@ -157,6 +157,9 @@ class CountsStoreConfig:
         history_max_bytes: the fleet history's byte budget per namespace (4 bytes a stored
             token); the oldest records are dropped beyond it.
         history_max_age: seconds a fleet history record is kept at most.
+        history_partitions: partitions of a new namespace's fleet history (1..64), fixed at its
+            creation; None = 1 on standalone Redis, 12 on a Cluster (even over 1, 2, 3, 4, 6
+            or 12 masters). The embedded store keeps one.
         address: ``url`` parsed (derived; not an argument).
     """
 
@@ -175,6 +178,7 @@ class CountsStoreConfig:
     snapshot_seconds: float = 30.0
     history_max_bytes: int = 64 << 20
     history_max_age: float = 3600.0
+    history_partitions: int | None = None
     address: StoreAddress = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -192,6 +196,8 @@ class CountsStoreConfig:
         if self.retries < 0:
             raise InvalidArgumentError("retries must be >= 0")
         self.history_budget  # noqa: B018 - checks history_max_bytes and history_max_age
+        if self.history_partitions is not None:
+            validate_partitions(self.history_partitions)
         object.__setattr__(self, "address", parse_url(self.url))
 
     def __repr__(self) -> str:
@@ -274,6 +280,7 @@ _CONFIG_FIELDS: dict[str, Callable[[str], Any]] = {
     "history_epochs": _parse_int,
     "default_buckets": _parse_int,
     "default_shards": _parse_optional_int,
+    "history_partitions": _parse_optional_int,
     "socket_timeout": _parse_float,
     "connect_timeout": _parse_float,
     "retries": _parse_int,

@@ -287,8 +287,8 @@ class EmbeddedCountsStore(CountsStore):
                 raise namespace_changed(namespace, "append_history")
             return ns.history.append(client_id, batch_seq, checked, self.config.history_budget, now_ms())
 
-    def _read_history(self, namespace: str, after: str, limit: int) -> HistoryPage:
-        with self._lock:
+    def _read_history(self, namespace: str, after: str, limit: int, groups: tuple[str, ...] = ()) -> HistoryPage:
+        with self._lock:  # one history per namespace: groups is only a hint
             return self._ns(namespace).history.read(after, limit, self.config.history_budget, now_ms())
 
     def _history_stats(self, namespace: str) -> dict[str, int]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import re
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Final
 
 import numpy as np
@@ -16,8 +16,10 @@ from .values import validate_client_id, validate_seq
 
 __all__ = [
     "BYTES_PER_TOKEN",
+    "CLUSTER_HISTORY_PARTITIONS",
     "DUPLICATE_WINDOW_MS",
     "MAX_BATCH_RECORDS",
+    "MAX_HISTORY_PARTITIONS",
     "MAX_OFFSET",
     "MAX_READ_LIMIT",
     "MAX_RECORD_TOKENS",
@@ -27,12 +29,16 @@ __all__ = [
     "HistoryPage",
     "HistoryRecord",
     "duplicate_key",
+    "format_composite_cursor",
     "format_cursor",
     "is_prompt",
     "parse_cursor",
+    "partition_of",
+    "partitions_of_groups",
     "validate_batch_seq",
     "validate_group",
     "validate_limit",
+    "validate_partitions",
     "validate_records",
 ]
 
@@ -54,10 +60,19 @@ BYTES_PER_TOKEN: Final = 4
 DUPLICATE_WINDOW_MS: Final = 10_000
 """A prompt record (`is_prompt`) equal to one stored this recently (same group, same tokens) is not stored again."""
 
+MAX_HISTORY_PARTITIONS: Final = 64
+"""Most partitions of one namespace's history (a composite cursor holds a position for each)."""
+
+CLUSTER_HISTORY_PARTITIONS: Final = 12
+"""Partitions of a new namespace's history on a Redis Cluster: 12 spread evenly over 1, 2, 3, 4, 6 or 12
+masters (each partition is one slot in the p-th twelfth of the slots), and keep a cursor near 200 bytes."""
+
 _INT64_MIN: Final = -(2**63)
 _INT64_MAX: Final = 2**63 - 1
 _GROUP_RE = re.compile(r"^[A-Za-z0-9_.:-]{0,64}$")
 _CURSOR_RE = re.compile(r"^([A-Za-z0-9]{1,64})\.([0-9]{1,20}(?:-[0-9]{1,20})?)$")
+_POSITION = r"(?:[0-9]{1,20}-[0-9]{1,20})?"
+_COMPOSITE_RE = re.compile(rf"^([A-Za-z0-9]{{1,64}})\.({_POSITION}(?:_{_POSITION}){{1,{MAX_HISTORY_PARTITIONS - 1}}})$")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)  # eq=False: no elementwise comparison of the arrays
@@ -137,19 +152,28 @@ class HistoryPage:
         cursor: resume after this (== the ``after`` given when nothing was new).
         gap: ``after`` was older than the oldest kept record (or from another incarnation):
             some records were trimmed unseen.
+        more: a partitioned history cut the page short of ``limit`` (a partition answered its whole
+            share): more records may follow at once, read again without waiting.
     """
 
     records: list[HistoryRecord]
     cursor: str
     gap: bool
+    more: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
 class Cursor:
-    """A parsed cursor: the incarnation that issued it and a position the backend reads (see `parse_cursor`)."""
+    """A parsed cursor: the incarnation that issued it and a position the backend reads (see `parse_cursor`).
+
+    ``positions`` is set for a composite cursor (a partitioned history, `partition_of`): one
+    position per partition, "" where the cursor reads that partition from its oldest kept record;
+    ``position`` is then "".
+    """
 
     incarnation: str
     position: str
+    positions: tuple[str, ...] = ()
 
 
 def format_cursor(incarnation: str, position: str) -> str:
@@ -157,12 +181,21 @@ def format_cursor(incarnation: str, position: str) -> str:
     return f"{incarnation}.{position}"
 
 
+def format_composite_cursor(incarnation: str, positions: Sequence[str]) -> str:
+    """The cursor of a partitioned history: a position per partition, "" for one read from its oldest kept record."""
+    return f"{incarnation}.{'_'.join(positions)}"
+
+
 def parse_cursor(after: str) -> Cursor | None:
     """Parse a cursor: None for "" (from the oldest kept record).
 
     A cursor is ``<incarnation>.<position>``: the incarnation names the history that issued
     it (a namespace instance on Redis, a store process on the embedded backend); the
-    position is a stream id ``<ms>-<n>`` (Redis) or a counter (embedded). A cursor of
+    position is a stream id ``<ms>-<n>`` (Redis) or a counter (embedded). A partitioned
+    history (`partition_of`, Redis Cluster) gives composite cursors
+    ``<incarnation>.<p0>_<p1>_..`` with a stream id (or "": from the oldest kept) per
+    partition; a single-position cursor given to it names partition 0, the others read from
+    their oldest kept record (so an older client's cursor keeps working). A cursor of
     another incarnation is answered from the oldest kept record with ``gap=True`` by both
     backends; only a malformed one is an error.
 
@@ -174,9 +207,45 @@ def parse_cursor(after: str) -> Cursor | None:
     if after == "":
         return None
     match = _CURSOR_RE.fullmatch(after)
+    if match is not None:
+        return Cursor(match.group(1), match.group(2))
+    match = _COMPOSITE_RE.fullmatch(after)
     if match is None:
         raise InvalidArgumentError(f"malformed history cursor {after[:100]!r}")
-    return Cursor(match.group(1), match.group(2))
+    return Cursor(match.group(1), "", tuple(match.group(2).split("_")))
+
+
+def validate_partitions(partitions: int) -> int:
+    """A history partition count: an integer in [1, MAX_HISTORY_PARTITIONS], else InvalidArgumentError."""
+    if isinstance(partitions, bool) or not isinstance(partitions, (int, np.integer)) \
+            or not 1 <= int(partitions) <= MAX_HISTORY_PARTITIONS:
+        raise InvalidArgumentError(f"history partitions must be an integer in [1, {MAX_HISTORY_PARTITIONS}], "
+                                   f"got {partitions!r}")
+    return int(partitions)
+
+
+def _hash64(text: str) -> int:
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8, person=b"ngc-hpart").digest(), "little")
+
+
+def partition_of(record: HistoryRecord, partitions: int) -> int:
+    """The partition of a partitioned history that holds ``record``: by its group, so a group's records stay together
+    (its siblings, its prompt's near-duplicates, and a group-first read touches one partition); a record without a
+    group by its (client id, seq), so a sequence stays in order in one partition and sequences spread evenly.
+
+    Stable across processes and versions (every replica must agree): BLAKE2b, not Python's hash.
+    """
+    if partitions == 1:
+        return 0
+    key = f"g\0{record.group}" if record.group else f"s\0{record.client_id}\0{record.seq}"
+    return _hash64(key) % partitions
+
+
+def partitions_of_groups(groups: Collection[str], partitions: int) -> list[int]:
+    """The partitions (sorted) that hold the records of ``groups`` ("" among them, or none given: every partition)."""
+    if not groups or "" in groups or partitions == 1:
+        return list(range(partitions))
+    return sorted({_hash64(f"g\0{group}") % partitions for group in groups})
 
 
 def validate_group(group: str) -> str:

@@ -53,6 +53,8 @@ class NamespaceInfo:
         buckets: number of buckets, a power of two.
         shards: number of shards (units of atomicity); divides ``buckets``.
         instance: random id of this incarnation; a dropped and recreated namespace gets a new one.
+        history_partitions: partitions of its fleet history (`history.partition_of`), 1..64;
+            1 on standalone Redis and embedded, and for a namespace created before partitions.
     """
 
     name: str
@@ -61,6 +63,7 @@ class NamespaceInfo:
     buckets: int
     shards: int
     instance: str
+    history_partitions: int = 1
 
     @property
     def token_width(self) -> int:

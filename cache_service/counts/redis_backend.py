@@ -24,7 +24,7 @@ from ngramcache.client.errors import NamespaceNotFoundError
 
 from . import schema
 from .config import CountsStoreConfig
-from .history import HistoryAppend, HistoryPage, HistoryRecord
+from .history import CLUSTER_HISTORY_PARTITIONS, HistoryAppend, HistoryPage, HistoryRecord
 from .leases import CommittedGeneration, Lease
 from .namespace import NamespaceInfo, validate_namespace
 from .redis_connection import RedisConnection
@@ -77,6 +77,11 @@ class RedisCountsStore(CountsStore):
     def _default_shards(self) -> int:
         return _CLUSTER_DEFAULT_SHARDS if self._conn.cluster else 1
 
+    def _default_history_partitions(self) -> int:
+        if self.config.history_partitions is not None:
+            return self.config.history_partitions
+        return CLUSTER_HISTORY_PARTITIONS if self._conn.cluster else 1
+
     def _find_namespace(self, namespace: str) -> NamespaceInfo | None:
         try:
             return self._handles.get(namespace, refresh=True).info
@@ -102,19 +107,24 @@ class RedisCountsStore(CountsStore):
             pipe = client.pipeline(transaction=False)
             for sk in handle.shards:
                 pipe.hset(sk.state, mapping={"instance": info.instance, "e": 0, "f": 0})
+            for hk in handle.history[1:]:  # partition 0's guard is meta itself
+                pipe.hset(hk.stat, mapping={"instance": info.instance, "tokens": 0})
             pipe.execute()
         existing = self._conn.run_one(CREATE, [handle.meta, handle.clock, handle.epochs],
                                       [info.instance, info.fingerprint, info.vocab_size, info.buckets, info.shards,
-                                       schema.SCHEMA_VERSION])
+                                       schema.SCHEMA_VERSION, info.history_partitions])
         if existing:  # lost a creation race: forget our shard state, bind to the winner
             with self._conn.errors():
                 pipe = client.pipeline(transaction=False)
                 for sk in handle.shards:
                     pipe.delete(sk.state)
+                for hk in handle.history[1:]:
+                    pipe.delete(hk.stat)
                 pipe.execute()
             return self._handles.get(info.name, refresh=True).info
         self._handles.remember(handle)
-        log.debug("created counts namespace %s (%d buckets, %d shards)", info.name, info.buckets, info.shards)
+        log.debug("created counts namespace %s (%d buckets, %d shards, %d history partitions)", info.name,
+                  info.buckets, info.shards, info.history_partitions)
         return None
 
     def namespace_info(self, namespace: str) -> NamespaceInfo:
@@ -134,9 +144,12 @@ class RedisCountsStore(CountsStore):
                 pipe = client.pipeline(transaction=False)
                 for sk in handle.shards:
                     pipe.delete(sk.state)
+                for hk in handle.history[1:]:  # their guards: no append lands there any more
+                    pipe.delete(hk.stat)
                 pipe.execute()
                 client.delete(handle.meta, handle.clock, handle.epochs)
             client.delete(*schema.history_keys(prefix, namespace))  # same slot; after meta, so no append lands
+            # Partitions 1.. carry the instance in their tag: the scan below unlinks them.
             self._leases.forget_base(namespace)  # its files go with it
             self._handles.forget(namespace)
             pattern = schema.instance_match(prefix, namespace)
@@ -182,8 +195,8 @@ class RedisCountsStore(CountsStore):
 
         return self._handles.run(namespace, run)
 
-    def _read_history(self, namespace: str, after: str, limit: int) -> HistoryPage:
-        return self._handles.run(namespace, lambda handle: self._history.read(handle, after, limit))
+    def _read_history(self, namespace: str, after: str, limit: int, groups: tuple[str, ...] = ()) -> HistoryPage:
+        return self._handles.run(namespace, lambda handle: self._history.read(handle, after, limit, groups))
 
     def _history_stats(self, namespace: str) -> dict[str, int]:
         return self._history.stats(self._handles.get(namespace, refresh=True))

@@ -23,11 +23,12 @@ _T = TypeVar("_T")
 class Handle:
     """A namespace's immutable record and its key names (cached; dropped on a stale instance)."""
 
-    __slots__ = ("clock", "epochs", "info", "meta", "shards")
+    __slots__ = ("clock", "epochs", "history", "info", "meta", "shards")
 
     def __init__(self, prefix: str, info: NamespaceInfo) -> None:
         self.info = info
         self.shards = schema.shard_keys(prefix, info.name, info.instance, info.shards)
+        self.history = schema.history_partition_keys(prefix, info.name, info.instance, info.history_partitions)
         self.meta = schema.meta_key(prefix, info.name)
         self.clock = schema.clock_key(prefix, info.name)
         self.epochs = schema.epochs_key(prefix, info.name)
@@ -101,5 +102,6 @@ def info_from_meta(namespace: str, raw: dict[Any, Any]) -> NamespaceInfo:
     if int(meta.get("schema", 0)) != schema.SCHEMA_VERSION:
         raise NgramCacheError(f"namespace {namespace!r} uses key schema {meta.get('schema')}, "
                               f"this code reads schema {schema.SCHEMA_VERSION}")
+    # history_partitions is absent from a namespace created before partitions: its history is one stream.
     return NamespaceInfo(namespace, meta["fingerprint"], int(meta["vocab_size"]), int(meta["buckets"]),
-                         int(meta["shards"]), meta["instance"])
+                         int(meta["shards"]), meta["instance"], int(meta.get("history_partitions", 1)))

@@ -1,15 +1,27 @@
-"""The Redis backend's fleet history: one stream per namespace, appended and trimmed by one Lua script per call (`redis_scripts` HAPPEND, HREAD).
+"""The Redis backend's fleet history: a namespace's records in H partitions (streams), appended and trimmed by one Lua script per partition and call (`redis_scripts` HAPPEND, HREAD).
 
-A namespace's history keys (`schema.history_keys`) share its record's hash tag, so every
-call is one EVALSHA on one node, atomic even on a Cluster, and a Cluster spreads the
-namespaces' streams over its masters. A record is a stream entry of five short fields
-(client id, seq, group, offset, tokens as raw little-endian int32), its cursor
-``<namespace instance>.<stream id>`` and its time the stream id's milliseconds (the Redis
-server's clock).
+Each partition's keys (`schema.HistoryKeys`) share one hash tag, so every script is one
+EVALSHA on one node, atomic even on a Cluster. Partition 0 is the namespace's coordinator
+slot (where a namespace with one partition, or created before partitions, keeps its whole
+history); partitions 1.. take the other slices of the slots, so one namespace's appends
+spread over a Cluster's masters. A record goes to the partition of its group
+(`history.partition_of`). A record is a stream entry of five short fields (client id, seq,
+group, offset, tokens as raw little-endian int32), its time the stream id's milliseconds
+(the Redis server's clock).
+
+With one partition a cursor is ``<namespace instance>.<stream id>``. With H > 1 it is
+composite, ``<instance>.<id or "">_<id or "">..`` (a position per partition); an older
+single-position cursor names partition 0. Per partition the rules of `history` hold as with
+one stream: a batch's part in a partition is stored exactly once per (client id, batch_seq)
+(a retried batch stores the parts a failed try left out, and only those), near-duplicate
+prompts are compared within the partition (a group's prompts are all there), each partition
+keeps 1/H of the byte budget and the whole age budget, and a gap is reported when a cursor's
+position in some partition was trimmed.
 """
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Sequence
 from typing import Any
 
@@ -17,7 +29,6 @@ import numpy as np
 
 from ngramcache.client.errors import InvalidArgumentError
 
-from . import schema
 from .config import CountsStoreConfig
 from .history import (
     BYTES_PER_TOKEN,
@@ -26,25 +37,45 @@ from .history import (
     HistoryPage,
     HistoryRecord,
     duplicate_key,
+    format_composite_cursor,
     format_cursor,
     parse_cursor,
+    partition_of,
+    partitions_of_groups,
 )
 from .redis_connection import RedisConnection
 from .redis_handles import Handle, StaleHandle
-from .redis_scripts import HAPPEND, HREAD
+from .redis_scripts import HAPPEND, HREAD, Call
 
 __all__ = ["RedisHistory"]
 
+_StreamId = tuple[int, int]
 
-def _stream_id(text: str, after: str) -> tuple[int, int]:
+
+def _stream_id(text: str, after: str) -> _StreamId:
     ms, sep, n = text.partition("-")
     if not sep:
         raise InvalidArgumentError(f"history cursor {after[:100]!r} is not a Redis store's cursor")
     return int(ms), int(n)
 
 
+def _before(sid: _StreamId) -> _StreamId:
+    """The stream id just before ``sid`` (a cursor there reads ``sid`` next)."""
+    return (sid[0], sid[1] - 1) if sid[1] else (sid[0] - 1, 2**64 - 1)
+
+
 def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _fields(entry: Any) -> tuple[str, dict[str, Any]]:
+    raw = entry[1]
+    return _text(entry[0]), {_text(raw[i]): raw[i + 1] for i in range(0, len(raw), 2)}
+
+
+def _record(entry_id: str, fields: dict[str, Any], cursor: str) -> HistoryRecord:
+    return HistoryRecord(_text(fields["c"]), int(fields["s"]), _text(fields["g"]), int(fields["o"]),
+                         np.frombuffer(fields["t"], dtype="<i4").copy(), cursor, int(entry_id.partition("-")[0]))
 
 
 class RedisHistory:
@@ -54,41 +85,70 @@ class RedisHistory:
         self._conn = conn
         self._config = config
 
-    def _keys(self, handle: Handle) -> tuple[str, str, str, str, str]:
-        return schema.history_keys(self._config.prefix, handle.info.name)
+    def _max_tokens(self, handle: Handle) -> int:
+        """Tokens one partition keeps: the namespace's byte budget split evenly."""
+        return max(1, self._config.history_budget.max_bytes // BYTES_PER_TOKEN // handle.info.history_partitions)
 
     def append(self, handle: Handle, client_id: str, batch_seq: int, records: Sequence[HistoryRecord]) -> HistoryAppend:
-        """Run HAPPEND for checked records; raises StaleHandle when the namespace changed instance."""
-        budget = self._config.history_budget
-        args: list[Any] = [handle.info.instance, client_id, batch_seq, budget.max_bytes // BYTES_PER_TOKEN,
-                           budget.max_age_ms, DUPLICATE_WINDOW_MS, self._config.dedup_ttl_ms]
-        for record in records:
-            args += [record.seq, record.group, record.offset, record.tokens.tobytes(), duplicate_key(record) or b""]
-        stream, stat, seq, seen, dup = self._keys(handle)
-        reply = [int(x) for x in self._conn.run_one(HAPPEND, [handle.meta, stream, stat, seq, seen, dup], args)]
-        if reply[0] < 0:
-            raise StaleHandle
-        if reply[0] == 0:
-            return HistoryAppend(False)
-        return HistoryAppend(True, *reply[1:5])
+        """Run HAPPEND for checked records, one call per partition they go to (pipelined); raises StaleHandle when the
+        namespace changed instance.
 
-    def read(self, handle: Handle, after: str, limit: int) -> HistoryPage:
+        An empty batch takes its batch_seq in partition 0. ``stored`` is False only when every part was stored
+        before (a retry); otherwise the counts are those of the parts stored now.
+        """
+        partitions = handle.info.history_partitions
+        parts: dict[int, list[HistoryRecord]] = {}
+        for record in records:
+            parts.setdefault(partition_of(record, partitions), []).append(record)
+        if not parts:
+            parts[0] = []
+        budget = self._config.history_budget
+        head: list[Any] = [handle.info.instance, client_id, batch_seq, self._max_tokens(handle), budget.max_age_ms,
+                           DUPLICATE_WINDOW_MS, self._config.dedup_ttl_ms]
+        calls: list[Call] = []
+        for p in sorted(parts):
+            keys = handle.history[p]
+            args = list(head)
+            for record in parts[p]:
+                args += [record.seq, record.group, record.offset, record.tokens.tobytes(),
+                         duplicate_key(record) or b""]
+            calls.append((HAPPEND, [keys.guard, keys.stream, keys.stat, keys.seq, keys.seen, keys.dup], args))
+        replies = [[int(x) for x in reply] for reply in self._conn.run(calls)]
+        if any(reply[0] < 0 for reply in replies):
+            raise StaleHandle
+        done = [reply for reply in replies if reply[0] == 1]
+        if not done:
+            return HistoryAppend(False)
+        return HistoryAppend(True, *(sum(reply[i] for reply in done) for i in range(1, 5)))
+
+    def read(self, handle: Handle, after: str, limit: int, groups: Sequence[str] = ()) -> HistoryPage:
         """Run HREAD after cursor ``after`` (see `CountsStore.read_history`)."""
+        if handle.info.history_partitions == 1:
+            return self._read_one(handle, after, limit)
+        return self._read_partitions(handle, after, limit, groups)
+
+    def _read_one(self, handle: Handle, after: str, limit: int) -> HistoryPage:
         cursor = parse_cursor(after)
         incarnation = handle.info.instance
-        since: tuple[int, int] | None = None
+        since: _StreamId | None = None
         if cursor is not None and cursor.incarnation == incarnation:
+            if cursor.positions:
+                raise InvalidArgumentError(f"history cursor {after[:100]!r} is a partitioned history's; this "
+                                           f"namespace's history has one partition")
             since = _stream_id(cursor.position, after)
         budget = self._config.history_budget
-        stream, stat, *_ = self._keys(handle)
-        reply = self._conn.run_one(HREAD, [handle.meta, stream, stat],
+        keys = handle.history[0]
+        reply = self._conn.run_one(HREAD, [keys.guard, keys.stream, keys.stat],
                                    [incarnation, "" if since is None else f"{since[0]}-{since[1]}", limit,
-                                    budget.max_bytes // BYTES_PER_TOKEN, budget.max_age_ms])
+                                    self._max_tokens(handle), budget.max_age_ms])
         if int(reply[0]) < 0:
             raise StaleHandle
         trimmed_text = _text(reply[1])
         trimmed = _stream_id(trimmed_text, trimmed_text) if trimmed_text else (0, 0)
-        records = [self._record(incarnation, entry) for entry in reply[2]]
+        records = []
+        for entry in reply[2]:
+            entry_id, fields = _fields(entry)
+            records.append(_record(entry_id, fields, format_cursor(incarnation, entry_id)))
         if cursor is None:
             gap = False
         elif since is None:  # another incarnation's cursor: answered from the oldest kept
@@ -103,21 +163,93 @@ class RedisHistory:
             next_cursor = after
         return HistoryPage(records, next_cursor, gap)
 
-    @staticmethod
-    def _record(incarnation: str, entry: Any) -> HistoryRecord:
-        entry_id = _text(entry[0])
-        raw = entry[1]
-        fields = {_text(raw[i]): raw[i + 1] for i in range(0, len(raw), 2)}
-        return HistoryRecord(_text(fields["c"]), int(fields["s"]), _text(fields["g"]), int(fields["o"]),
-                             np.frombuffer(fields["t"], dtype="<i4").copy(),
-                             format_cursor(incarnation, entry_id), int(entry_id.partition("-")[0]))
+    def _read_partitions(self, handle: Handle, after: str, limit: int, groups: Sequence[str]) -> HistoryPage:
+        """Read the partitions (those of ``groups``, or all) at once and merge them by stream id, oldest first.
+
+        Each partition is asked for an equal share of ``limit``; the merge stops where a partition that answered its
+        whole share runs out (its next records, unread, may be older than the others' rest), so every partition's
+        records in the page are a prefix of what it holds after the cursor, and ``more`` says a page was cut so.
+        """
+        partitions = handle.info.history_partitions
+        cursor = parse_cursor(after)
+        incarnation = handle.info.instance
+        since: list[_StreamId | None] = [None] * partitions
+        foreign = cursor is not None and cursor.incarnation != incarnation
+        if cursor is not None and not foreign:
+            if cursor.positions:
+                if len(cursor.positions) != partitions:
+                    raise InvalidArgumentError(
+                        f"history cursor {after[:100]!r} holds {len(cursor.positions)} positions; this namespace's "
+                        f"history has {partitions} partitions")
+                since = [_stream_id(text, after) if text else None for text in cursor.positions]
+            else:  # an older single-position cursor (one partition, or a replica from before partitions): partition 0
+                since[0] = _stream_id(cursor.position, after)
+        read = partitions_of_groups(groups, partitions)
+        share = -(-limit // len(read))
+        budget = self._config.history_budget
+        max_tokens = self._max_tokens(handle)
+        calls: list[Call] = []
+        for p in read:
+            keys = handle.history[p]
+            start = since[p]
+            calls.append((HREAD, [keys.guard, keys.stream, keys.stat],
+                          [incarnation, "" if start is None else f"{start[0]}-{start[1]}", share, max_tokens,
+                           budget.max_age_ms]))
+        replies = self._conn.run(calls)
+        if any(int(reply[0]) < 0 for reply in replies):
+            raise StaleHandle
+        given = ["" if s is None else f"{s[0]}-{s[1]}" for s in since]
+        positions = list(given)
+        gap = foreign
+        streams: list[list[tuple[_StreamId, int, str, dict[str, Any]]]] = []
+        full: dict[int, int] = {}
+        for p, reply in zip(read, replies):
+            entries = []
+            for entry in reply[2]:
+                entry_id, fields = _fields(entry)
+                entries.append((_stream_id(entry_id, entry_id), p, entry_id, fields))
+            if len(entries) >= share:
+                full[p] = len(entries)
+            streams.append(entries)
+            trimmed_text = _text(reply[1])
+            trimmed = _stream_id(trimmed_text, trimmed_text) if trimmed_text else None
+            start = since[p]
+            if start is not None and trimmed is not None and start < trimmed:
+                gap = True  # resume at what was trimmed, so the gap is reported once
+                start = trimmed
+            if start is None:
+                # From the oldest kept: the cursor now says where that was, so a record trimmed before the
+                # next read is reported as a gap (and what was trimmed before this read is not).
+                start = _before(entries[0][0]) if entries else trimmed or (0, 0)
+            positions[p] = f"{start[0]}-{start[1]}"
+        records: list[HistoryRecord] = []
+        taken: dict[int, int] = {}
+        more = False
+        for _sid, p, entry_id, fields in heapq.merge(*streams, key=lambda e: (e[0], e[1])):
+            if len(records) >= limit:
+                more = True
+                break
+            positions[p] = entry_id
+            records.append(_record(entry_id, fields, format_composite_cursor(incarnation, positions)))
+            taken[p] = taken.get(p, 0) + 1
+            if full.get(p) == taken[p]:
+                more = True
+                break
+        if records:
+            next_cursor = records[-1].cursor
+        elif not foreign and positions == given:
+            next_cursor = after  # nothing new, nothing trimmed: the cursor given (even an older one) stands
+        else:
+            next_cursor = format_composite_cursor(incarnation, positions)
+        return HistoryPage(records, next_cursor, gap, more)
 
     def stats(self, handle: Handle) -> dict[str, int]:
-        stream, stat, *_ = self._keys(handle)
         with self._conn.errors():
             pipe = self._conn.client.pipeline(transaction=False)
-            pipe.xlen(stream)
-            pipe.hget(stat, "tokens")
-            records, tokens = pipe.execute()
-        tokens = int(tokens or 0)
-        return {"records": int(records), "tokens": tokens, "bytes": tokens * BYTES_PER_TOKEN}
+            for keys in handle.history:
+                pipe.xlen(keys.stream)
+                pipe.hget(keys.stat, "tokens")
+            replies = pipe.execute()
+        records = sum(int(x) for x in replies[0::2])
+        tokens = sum(int(x or 0) for x in replies[1::2])
+        return {"records": records, "tokens": tokens, "bytes": tokens * BYTES_PER_TOKEN}

@@ -205,14 +205,14 @@ end
 return {1, table.concat(fields), table.concat(counts, ',')}
 """)
 
-# KEYS: meta, clock, epochs. ARGV: instance, fingerprint, vocab_size, buckets, shards, schema.
-# Returns {} when created, else the existing meta as a flat field/value list.
+# KEYS: meta, clock, epochs. ARGV: instance, fingerprint, vocab_size, buckets, shards, schema,
+# history_partitions. Returns {} when created, else the existing meta as a flat field/value list.
 CREATE = Script("create", """
 if redis.call('EXISTS', KEYS[1]) == 1 then return redis.call('HGETALL', KEYS[1]) end
 local t = redis.call('TIME')
 local now = string.format('%d', tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000))
 redis.call('HSET', KEYS[1], 'instance', ARGV[1], 'fingerprint', ARGV[2], 'vocab_size', ARGV[3],
-           'buckets', ARGV[4], 'shards', ARGV[5], 'schema', ARGV[6])
+           'buckets', ARGV[4], 'shards', ARGV[5], 'schema', ARGV[6], 'history_partitions', ARGV[7])
 redis.call('DEL', KEYS[3])
 redis.call('RPUSH', KEYS[3], now)
 redis.call('HSET', KEYS[2], 'instance', ARGV[1], 'cur', now, 't', now, 'floor', now)
@@ -267,7 +267,9 @@ if redis.call('EXISTS', KEYS[1]) == 1 then redis.call('HSET', KEYS[1], 'base', '
 return 1
 """)
 
-# The fleet history (keys of `schema.history_keys`, one slot). HTRIM is shared by HAPPEND and
+# The fleet history: one partition's keys (`schema.HistoryKeys`, one slot); KEYS[1] is the partition's
+# guard, the hash whose 'instance' field it checks (meta for partition 0, its hstat for the others,
+# which may be KEYS[3] too). HTRIM is shared by HAPPEND and
 # HREAD: drop the oldest entries while the history holds more than max_tokens tokens or its
 # oldest entry is older than oldest_ms. The fast path reads only the stat hash; otherwise it
 # reads entries oldest first in growing pages (1, 2, 4, .. 64) to sum what it drops, then
@@ -306,7 +308,7 @@ end
 """
 
 # One batch of history records, exactly once per (client id, batch_seq).
-# KEYS: meta, stream, stat, seq, seen, dup. ARGV: instance, client id, batch_seq, max_tokens,
+# KEYS: guard, stream, stat, seq, seen, dup. ARGV: instance, client id, batch_seq, max_tokens,
 # max_age_ms, dup_window_ms, dedup_ttl_ms, then per record: seq, group, offset, tokens
 # (raw '<i4'), near-duplicate digest ('' for none: not a prompt).
 # Returns {-1} (another instance), {0} (duplicate: nothing stored) or {1, records stored, tokens
@@ -350,7 +352,7 @@ htrim(KEYS[2], KEYS[3], tonumber(ARGV[4]), now - tonumber(ARGV[5]))
 return {1, records, added, skipped, skipped_tokens}
 """)
 
-# KEYS: meta, stream, stat. ARGV: instance, after ('' = from the oldest; else a stream id,
+# KEYS: guard, stream, stat. ARGV: instance, after ('' = from the oldest; else a stream id,
 # exclusive), limit, max_tokens, max_age_ms. Trims by the budget first (so no expired record
 # is answered), then returns {1, trimmed id or '', entries} or {-1} (another instance).
 HREAD = Script("history_read", _HTRIM + """

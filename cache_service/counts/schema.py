@@ -5,7 +5,8 @@
 
 Coordinator keys, hash tag ``{NS}`` (one slot per namespace)::
 
-    P:{NS}:meta     HASH    fingerprint, vocab_size, buckets, shards, instance, schema
+    P:{NS}:meta     HASH    fingerprint, vocab_size, buckets, shards, instance, schema,
+                            history_partitions (absent: 1)
     P:{NS}:clock    HASH    instance, cur (newest version), t (ms the current epoch opened), floor
     P:{NS}:lease    STRING  "<holder>|<token>" with the lease's expiry (PX): who may rebuild
     P:{NS}:fence    STRING  the last fencing token handed out (INCR)
@@ -13,16 +14,27 @@ Coordinator keys, hash tag ``{NS}`` (one slot per namespace)::
     P:{NS}:epochs   LIST    epoch numbers, newest first, trimmed to history_epochs + 1;
                             the last one is the floor: the oldest version changes_since serves
 
-The fleet history (`redis_history`), in the same slot: one stream per namespace, so a
-Cluster spreads namespaces, not one namespace's records::
+The fleet history (`redis_history`) in H partitions (``history_partitions`` in meta: 1 on
+standalone Redis, `history.CLUSTER_HISTORY_PARTITIONS` on a Cluster, 1 for a namespace created
+before partitions). Partition 0 is in the coordinator slot, under the names the unpartitioned
+history always had (so a replica from before partitions reads and writes partition 0);
+partition p >= 1 under hash tag ``{NS/I/h.p.k}``, k the smallest integer that puts the tag in
+one of the H equal slices of slots ([round(i*16384/H), round((i+1)*16384/H))) that no lower
+partition holds: the H partitions take the H slices once, so they spread over the masters of a
+Cluster (which owns slots in contiguous, equal ranges, as ``redis-cli --cluster create`` makes). Each partition
+holds the records `history.partition_of` gives it::
 
-    P:{NS}:hist     STREAM  one entry per record: c (client id), s (seq, decimal int64),
+    P:{T}:hist      STREAM  one entry per record: c (client id), s (seq, decimal int64),
                             g (group), o (offset, decimal), t (tokens, raw '<i4' bytes)
-    P:{NS}:hstat    HASH    tokens (kept), first (id of the oldest kept entry, '' if none),
-                            trimmed (id of the newest entry trimmed, absent if none)
-    P:{NS}:hseq     HASH    client id -> highest batch_seq stored (the exactly-once rule)
-    P:{NS}:hseen    ZSET    client id, score ms of its last append (silent senders expire)
-    P:{NS}:hdup     ZSET    near-duplicate digests (16 bytes), score ms stored
+    P:{T}:hstat     HASH    tokens (kept), first (id of the oldest kept entry, '' if none),
+                            trimmed (id of the newest entry trimmed, absent if none);
+                            partition p >= 1: instance (its scripts' instance check, as
+                            meta's is partition 0's)
+    P:{T}:hseq      HASH    client id -> highest batch_seq stored here (the exactly-once rule)
+    P:{T}:hseen     ZSET    client id, score ms of its last append here (silent senders expire)
+    P:{T}:hdup      ZSET    near-duplicate digests (16 bytes), score ms stored
+
+where T is ``NS`` for partition 0 and ``NS/I/h.p.k`` for partition p.
 
 Shard keys, hash tag ``{NS/I/s.k}`` for shard s (k is the smallest integer that puts the tag
 in slot range [s*16384/S, (s+1)*16384/S), so shards spread evenly over the masters of a
@@ -95,13 +107,57 @@ def namespace_of_meta_key(prefix: str, key: bytes | str) -> str | None:
 
 
 def history_keys(prefix: str, namespace: str) -> tuple[str, str, str, str, str]:
-    """(stream, stat, seq, seen, dup) keys of a namespace's fleet history, in its coordinator slot.
+    """(stream, stat, seq, seen, dup) keys of a namespace's fleet history partition 0, in its coordinator slot.
 
     Not per incarnation: `drop_namespace` deletes them with the record, and every script checks
     the record's instance, so a recreated namespace starts with an empty history.
     """
     base = f"{prefix}:{{{namespace}}}:"
     return (base + "hist", base + "hstat", base + "hseq", base + "hseen", base + "hdup")
+
+
+def _slice_of(slot: int, parts: int) -> int:
+    """The i with slot in [round(i*16384/parts), round((i+1)*16384/parts)) (redis-cli --cluster create rounds so)."""
+    return -(-(2 * slot + 1) * parts // (2 * REDIS_CLUSTER_HASH_SLOTS)) - 1
+
+
+@functools.lru_cache(maxsize=256)
+def history_partition_tags(namespace: str, instance: str, partitions: int) -> tuple[str, ...]:
+    """The hash tag of each history partition: ``NS`` for partition 0 (the coordinator slot, where the history of a
+    namespace with one partition always was); partitions 1.. each take one of the other equal slices of slots, so the
+    P partitions cover the P slices once and spread over a Cluster's masters as evenly as its slots are."""
+    taken = _slice_of(key_slot(namespace.encode()), partitions)
+    tags = [namespace]
+    free = [s for s in range(partitions) if s != taken]
+    for p, piece in enumerate(free, start=1):
+        k = 0
+        while True:
+            tag = f"{namespace}/{instance}/h.{p}.{k}"
+            if _slice_of(key_slot(tag.encode()), partitions) == piece:
+                break
+            k += 1
+        tags.append(tag)
+    return tuple(tags)
+
+
+class HistoryKeys:
+    """Key names of one partition of a namespace's fleet history; ``guard`` holds the instance its scripts check."""
+
+    __slots__ = ("dup", "guard", "seen", "seq", "stat", "stream")
+
+    def __init__(self, prefix: str, tag: str, partition: int) -> None:
+        base = f"{prefix}:{{{tag}}}:"
+        self.stream, self.stat, self.seq, self.seen, self.dup = (
+            base + "hist", base + "hstat", base + "hseq", base + "hseen", base + "hdup")
+        self.guard = base + "meta" if partition == 0 else self.stat
+
+    def all(self) -> tuple[str, str, str, str, str]:
+        return (self.stream, self.stat, self.seq, self.seen, self.dup)
+
+
+def history_partition_keys(prefix: str, namespace: str, instance: str, partitions: int) -> list[HistoryKeys]:
+    """The key names of every partition of a namespace's fleet history, by partition."""
+    return [HistoryKeys(prefix, tag, p) for p, tag in enumerate(history_partition_tags(namespace, instance, partitions))]
 
 
 def clock_key(prefix: str, namespace: str) -> str:

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -132,7 +132,8 @@ class CountsStore(abc.ABC):
         if existing is None:
             nbuckets, nshards = validate_layout(buckets or self.config.default_buckets,
                                                 shards or self.config.default_shards or self._default_shards())
-            info = NamespaceInfo(namespace, fp, vocab, nbuckets, nshards, new_instance_id())
+            info = NamespaceInfo(namespace, fp, vocab, nbuckets, nshards, new_instance_id(),
+                                 self._default_history_partitions())
             existing = self._insert_namespace(info)
             if existing is None:
                 return info, True
@@ -337,8 +338,14 @@ class CountsStore(abc.ABC):
         validate_client_id(client_id)
         return self._append_history(namespace, client_id, validate_batch_seq(batch_seq), records, fingerprint)
 
-    def read_history(self, namespace: str, after: str = "", limit: int = 1024) -> HistoryPage:
+    def read_history(self, namespace: str, after: str = "", limit: int = 1024, *,
+                     groups: Collection[str] = ()) -> HistoryPage:
         """Records stored after cursor ``after``, oldest first, at most ``limit`` of them.
+
+        A partitioned history (`NamespaceInfo.history_partitions` > 1, a Cluster) is read in
+        every partition at once and merged by store time (fair: the oldest first, whichever
+        partition holds them), so a page is oldest first per partition and nearly so across
+        them; its cursors are composite (`history.parse_cursor`).
 
         Args:
             namespace: an existing namespace.
@@ -347,6 +354,9 @@ class CountsStore(abc.ABC):
                 restarted embedded store, another namespace) is answered from the oldest kept
                 record with ``gap=True``.
             limit: 1..65536.
+            groups: a hint for a group-first read: only the partitions holding these groups
+                are read (the page may still hold other groups' records of those partitions:
+                the caller filters; the cursor moves in those partitions alone). Empty: all.
 
         Raises:
             InvalidArgumentError: a malformed cursor or limit.
@@ -355,7 +365,9 @@ class CountsStore(abc.ABC):
         """
         if not isinstance(after, str):
             raise InvalidArgumentError(f"cursor must be a string, got {type(after).__name__}")
-        return self._read_history(namespace, after, validate_limit(limit))
+        if isinstance(groups, str):
+            raise InvalidArgumentError("groups must be a collection of group names, not a string")
+        return self._read_history(namespace, after, validate_limit(limit), tuple(groups))
 
     def history_stats(self, namespace: str) -> dict[str, int]:
         """What the namespace's history keeps now: {"records": .., "tokens": .., "bytes": ..} (for metrics).
@@ -416,6 +428,10 @@ class CountsStore(abc.ABC):
         """Shards of a new namespace when neither the call nor the config says."""
         return 1
 
+    def _default_history_partitions(self) -> int:
+        """History partitions of a new namespace (a backend that keeps one history per namespace: 1)."""
+        return 1
+
     @abc.abstractmethod
     def _find_namespace(self, namespace: str) -> NamespaceInfo | None:
         """The stored record of a (validated) namespace name, or None."""
@@ -446,7 +462,7 @@ class CountsStore(abc.ABC):
         """`append_history` with a valid client_id and batch_seq; check with `_check_history` first."""
         raise NgramCacheError(f"{type(self).__name__} keeps no fleet history")
 
-    def _read_history(self, namespace: str, after: str, limit: int) -> HistoryPage:
+    def _read_history(self, namespace: str, after: str, limit: int, groups: tuple[str, ...] = ()) -> HistoryPage:
         """`read_history` with a valid limit (``after`` parsed by `history.parse_cursor`)."""
         raise NgramCacheError(f"{type(self).__name__} keeps no fleet history")
 

@@ -12,11 +12,15 @@ from ngramcache.cache_service.counts.history import (
     HistoryBudget,
     HistoryRecord,
     duplicate_key,
+    format_composite_cursor,
     is_prompt,
     parse_cursor,
+    partition_of,
+    partitions_of_groups,
     validate_batch_seq,
     validate_group,
     validate_limit,
+    validate_partitions,
     validate_records,
 )
 from ngramcache.client.errors import InvalidArgumentError
@@ -96,6 +100,40 @@ def test_cursors() -> None:
             parse_cursor(bad)
     with pytest.raises(InvalidArgumentError, match="cursor"):
         parse_cursor(5)  # type: ignore[arg-type]
+
+
+def test_composite_cursors_hold_a_position_per_partition() -> None:
+    cursor = parse_cursor("abc.1700000000000-5__1700000000001-0")
+    assert cursor is not None and cursor.position == "" and cursor.positions == ("1700000000000-5", "", "1700000000001-0")
+    assert format_composite_cursor("abc", cursor.positions) == "abc.1700000000000-5__1700000000001-0"
+    empty = parse_cursor("abc._")  # two partitions, both from their oldest
+    assert empty is not None and empty.positions == ("", "")
+    assert parse_cursor("abc.1-2").positions == ()  # type: ignore[union-attr]  # single position: as before
+    assert parse_cursor("a." + "_" * 63).positions == ("",) * 64  # type: ignore[union-attr]
+    for bad in ("a." + "_" * 64, "a.1_2", "a.1-2_x", "a.1-2__-3", "a.1-2 _"):
+        with pytest.raises(InvalidArgumentError, match="cursor"):
+            parse_cursor(bad)
+
+
+def test_records_go_to_the_partition_of_their_group_or_sequence() -> None:
+    def where(client_id: str, seq: int, group: str, partitions: int = 12) -> int:
+        return partition_of(HistoryRecord(client_id, seq, group, 0, np.zeros(1, dtype=np.int32)), partitions)
+
+    # Pinned: every replica and version must agree (a stable hash, never Python's).
+    assert [where("", 0, "grp1"), where("client-a", 7, ""), where("client-a", 8, "")] == [9, 0, 9]
+    assert where("a", 1, "g") == where("b", 2, "g") and where("a", 1, "g", 1) == 0
+    counts = np.bincount([where(f"c{i % 50}", i, "") for i in range(12_000)], minlength=12)
+    assert counts.min() > 0.9 * 1000 and counts.max() < 1.1 * 1000  # sequences spread evenly
+    assert partitions_of_groups(["grp1"], 12) == [9]
+    assert partitions_of_groups([], 3) == [0, 1, 2] and partitions_of_groups(["", "g"], 3) == [0, 1, 2]
+    assert validate_partitions(64) == 64
+    for bad in (0, 65, 1.5, True):
+        with pytest.raises(InvalidArgumentError, match="partitions"):
+            validate_partitions(bad)  # type: ignore[arg-type]
+    assert CountsStoreConfig.from_env({"NGC_COUNTS_HISTORY_PARTITIONS": "3"}).history_partitions == 3
+    assert CountsStoreConfig().history_partitions is None
+    with pytest.raises(InvalidArgumentError, match="history partitions"):
+        CountsStoreConfig(history_partitions=0)
 
 
 def test_budget_and_config() -> None:

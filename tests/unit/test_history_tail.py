@@ -28,6 +28,8 @@ class FakeStore:
         self.reads = 0
         self.exists = True
         self.skip: set[str] = set()  # groups whose records append_history skips
+        self.read_groups: list[tuple[str, ...]] = []  # the groups hint of each read
+        self.page_size: int | None = None  # answer at most this many and say `more` (a partitioned history's cut)
 
     def namespace_info(self, namespace: str) -> NamespaceInfo:
         if not self.exists:
@@ -50,15 +52,20 @@ class FakeStore:
         self.records = self.records[n:]
         self.first += n
 
-    def read_history(self, namespace: str, after: str = "", limit: int = 1024) -> HistoryPage:
+    def read_history(self, namespace: str, after: str = "", limit: int = 1024, *,
+                     groups: tuple[str, ...] = ()) -> HistoryPage:
         self.reads += 1
+        self.read_groups.append(tuple(groups))
         if not self.exists:
             raise NamespaceNotFoundError(namespace)
         start = 0 if not after else int(after.split(".")[1]) + 1
         gap = start < self.first
         start = max(start, self.first)
-        page = self.records[start - self.first:start - self.first + limit]
-        return HistoryPage(page, page[-1].cursor if page else (after if not gap else f"inc.{self.first - 1}"), gap)
+        take = min(limit, self.page_size or limit)
+        page = self.records[start - self.first:start - self.first + take]
+        more = self.page_size is not None and start - self.first + take < len(self.records)
+        return HistoryPage(page, page[-1].cursor if page else (after if not gap else f"inc.{self.first - 1}"), gap,
+                           more)
 
     def close(self) -> None:
         pass
@@ -216,3 +223,42 @@ def test_push_metrics_count_what_the_store_stored_and_skipped_apart() -> None:
     assert value("ngramcache_history_skipped_records_total") == 1
     assert value("ngramcache_history_skipped_bytes_total") == 8
     assert value("ngramcache_history_duplicate_pushes_total") == 0
+
+
+def test_a_group_pull_outside_the_ring_asks_the_store_for_its_groups_only() -> None:
+    """A partitioned store then reads only the groups' partitions; the poller (the ring) always reads them all."""
+    store = FakeStore()
+    store.append_history("ns", "a", 0, [rec(i, i, group=f"g{i % 3}") for i in range(6)])
+
+    async def body() -> None:
+        h = tails(store)
+        await h.pull("ns", FP, "", max_records=100, wait=0)
+        page = await h.pull("ns", FP, "inc.-1", max_records=100, wait=0, groups=["g1"])  # no record has that cursor
+        assert [r.seq for r in page.records] == [1, 4]
+        await h.close()
+
+    run(body())
+    assert ("g1",) in store.read_groups
+    assert all(groups in ((), ("g1",)) for groups in store.read_groups)
+    assert store.read_groups.count(("g1",)) == 1
+
+
+def test_the_poller_reads_on_at_once_while_the_store_says_more() -> None:
+    """A partitioned store may answer a page short of the limit (each partition's share) with more=True: the poller
+    reads on without waiting its interval, so the ring catches up in one go."""
+    store = FakeStore()
+    store.page_size = 2
+    store.append_history("ns", "a", 0, [rec(i, i) for i in range(10)])
+
+    async def body() -> None:
+        h = tails(store, poll_interval=60.0)
+        await h.pull("ns", FP, "", max_records=100, wait=0)
+        tail = h.tails["ns"]
+        for _ in range(200):
+            if len(tail.ring) == 10:
+                break
+            await asyncio.sleep(0.01)
+        assert [r.seq for r in tail.ring] == list(range(10))  # five pages, no 60 s wait between them
+        await h.close()
+
+    run(body())
