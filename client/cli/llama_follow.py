@@ -17,6 +17,7 @@ from ngramcache.client.cli.arguments import _fingerprint_from_hex, int_in, load_
 from ngramcache.client.errors import (
     BackendUnavailableError,
     InvalidArgumentError,
+    NamespaceNotFoundError,
     NgramCacheError,
     ServiceUnreachableError,
     TokenizerMismatchError,
@@ -163,10 +164,27 @@ def _connect(args: argparse.Namespace, addresses: list[str], identity: tuple[byt
                        connect_timeout=args.connect_timeout, pull_interval=1.0)
 
 
-def _cli_error(e: ServiceUnreachableError) -> NgramCacheError:
+def _cli_error(e: NgramCacheError, args: argparse.Namespace, addresses: list[str]) -> NgramCacheError:
+    """``e`` worded for the command line: the flag to change, not the library's arguments or gRPC metadata."""
+    import grpc
+
     from ngramcache.client.diagnose import CLI_NAMES
 
-    return NgramCacheError(e.diagnosis.message(CLI_NAMES))
+    if isinstance(e, ServiceUnreachableError):
+        return NgramCacheError(e.diagnosis.message(CLI_NAMES))
+    code = getattr(e, "code", None)
+    where = f"the service at {', '.join(addresses)}"
+    detail = str(e).removeprefix(f"{code.name}: ") if code is not None else str(e)
+    if code == grpc.StatusCode.UNAUTHENTICATED and not args.token:
+        return NgramCacheError(f"{where} requires a bearer token: pass --token TOKEN or set $NGC_TOKEN (a token with "
+                               "the draft role on the namespace)")
+    if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+        return NgramCacheError(f"{where} refused the token: {detail}; pass --token TOKEN or set $NGC_TOKEN to a token "
+                               "with the draft role on the namespace")
+    if isinstance(e, NamespaceNotFoundError) or code == grpc.StatusCode.NOT_FOUND:
+        return NgramCacheError(f"namespace {args.namespace!r} does not exist on {where}: create it (ngramcache "
+                               "namespace create) or give another --namespace")
+    return e
 
 
 async def _follow(args: argparse.Namespace, config: Any, addresses: list[str], identity: tuple[bytes, int]) -> int:
@@ -192,10 +210,12 @@ async def _follow(args: argparse.Namespace, config: Any, addresses: list[str], i
             client = await asyncio.to_thread(_connect, args, addresses, identity)
         except ServiceUnreachableError as e:
             if first and not e.retriable:
-                raise _cli_error(e) from None
+                raise _cli_error(e, args, addresses) from None
             reason: NgramCacheError = e
         except BackendUnavailableError as e:
             reason = e
+        except NgramCacheError as e:
+            raise _cli_error(e, args, addresses) from None
         else:
             clients.append(client)
             follower.attach(ClientGenerations(client))
@@ -211,8 +231,13 @@ async def _follow(args: argparse.Namespace, config: Any, addresses: list[str], i
         while not stop.is_set():
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(stop.wait(), RETRY_SECONDS)
-            if not stop.is_set() and await connect(False):
+            if stop.is_set():
                 return
+            try:
+                if await connect(False):
+                    return
+            except NgramCacheError as e:  # llama-server keeps serving: say why, and try again
+                _say(f"{e}; trying again in {RETRY_SECONDS:g} s")
 
     retrying: asyncio.Task[None] | None = None
     try:

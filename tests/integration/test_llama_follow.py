@@ -118,7 +118,7 @@ def start_follower(fleet: Fleet, *extra: str, server: list[str] | None = None, a
                              str(fleet.tmp / "static.lcs"), "--cache-dir", str(fleet.tmp / "cache"), "--listen",
                              f"127.0.0.1:{port}", *extra, "--", *command],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, **(env or {})})
+                            env={**{k: v for k, v in os.environ.items() if k != "NGC_TOKEN"}, **(env or {})})
     return Follower(proc, f"http://127.0.0.1:{port}")
 
 
@@ -311,3 +311,29 @@ def test_a_server_that_cannot_start_is_one_line_and_exit_2(fleet):
     assert err.splitlines()[-1] == ("ngramcache llama-follow: error: llama-server exited with status 1 before /health "
                                     "answered 200 (its output is above) (the command after '--')"), err
     assert "Traceback" not in err
+
+
+def test_what_the_service_refuses_is_one_line_naming_the_flag(tmp_path):
+    """No token, a wrong token, a namespace that does not exist: exit 2 before llama-server starts, saying what to pass."""
+    from helpers.auth import token, write_tokens_file
+
+    with ServiceThread(tmp_path / "service", tokens_file=str(write_tokens_file(tmp_path / "tokens.toml"))) as svc:
+        with AdminClient(f"127.0.0.1:{svc.port}", token=token("admin_all"), timeout=30) as admin:
+            admin.create_namespace("llama", (FP, VOCAB))
+        fleet = Fleet(tmp_path, svc, admin)
+        address = fleet.address
+        cases = [
+            ({}, (), f"the service at {address} requires a bearer token: pass --token TOKEN or set $NGC_TOKEN (a "
+                     "token with the draft role on the namespace)"),
+            ({"NGC_TOKEN": "wrong-token-" + "x" * 20}, (), f"the service at {address} refused the token: unknown "
+             "bearer token (sha256:"),
+            ({"NGC_TOKEN": token("draft_all")}, ("--namespace", "nope"),
+             f"namespace 'nope' does not exist on the service at {address}: create it (ngramcache namespace create) or "
+             "give another --namespace"),
+        ]
+        for extra_env, extra, expected in cases:
+            f = start_follower(fleet, *extra, env=extra_env)
+            code = f.proc.wait(60)
+            err = f.read_stderr()
+            assert code == 2, err
+            assert len(err.strip().splitlines()) == 1 and err.startswith(f"ngramcache llama-follow: error: {expected}"), err
