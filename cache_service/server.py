@@ -98,6 +98,7 @@ class Service:
         self._probe: asyncio.Future[object] | None = None
         self._probe_pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="ngc-store-probe")
         self._store_watch: asyncio.Task[None] | None = None
+        self._mapping: asyncio.Task[None] | None = None  # `_map_generations`, in the background after SERVING
 
     async def set_serving(self, serving: bool) -> None:
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
@@ -144,6 +145,8 @@ class Service:
         self._stopped = True
         if self._store_watch is not None:
             self._store_watch.cancel()
+        if self._mapping is not None:
+            self._mapping.cancel()
         await self.set_serving(False)
         await self.server.stop(self.config.grace_period if grace is None else grace)
         if self.metrics_http is not None:
@@ -158,11 +161,18 @@ class Service:
                 await self.replica_history.close()
             if self.counts.history is not None:
                 await self.counts.history.close()
+        if self._mapping is not None:
+            await asyncio.gather(self._mapping, return_exceptions=True)
         await self.registry.close()
         self._probe_pool.shutdown(wait=False)
         await asyncio.to_thread(self.runner.close)
         if not quiet:
             log.info("stopped")
+
+    def start_mapping(self) -> None:
+        """Opens the namespaces that have a published generation in the background (`_map_generations`), once."""
+        if self._mapping is None and not self._stopped:
+            self._mapping = asyncio.get_running_loop().create_task(_map_generations(self), name="map-generations")
 
     def start_schedule(self) -> None:
         """Rebuild every namespace every ``rebuild_every`` seconds (replicas race for each lease; one wins)."""
@@ -224,7 +234,8 @@ async def create_server(config: ServiceConfig) -> tuple[Service, int]:
     """Builds, binds and starts the service; returns it and the port it listens on.
 
     Port 0 binds a free port (tests). Health is NOT_SERVING until the counts store answers, and
-    again whenever a periodic probe finds it unreachable (``store_probe_interval``).
+    again whenever a periodic probe finds it unreachable (``store_probe_interval``). The namespaces
+    that have a published generation are opened after that, in the background (`_map_generations`).
     """
     data_dir = Path(config.data_dir)
     data_dir.mkdir(parents=True, exist_ok=True)
@@ -342,8 +353,8 @@ async def _start(service: Service, metrics: Metrics, peer_sync: PeerSync) -> Non
     await service.set_serving(False)
     await server.start()
     if await service.check_store():
-        await _map_generations(service)
         await service.set_serving(True)
+        service.start_mapping()
     service._store_watch = asyncio.get_running_loop().create_task(_follow_store(service), name="store-probe")
     service.start_schedule()
 
@@ -369,34 +380,41 @@ def _read_optional(path: str | None) -> bytes | None:
 
 async def _follow_store(service: Service) -> None:
     """Health follows the store: NOT_SERVING from the first probe that fails until one succeeds again
-    (every ``store_probe_interval`` seconds); the first success also maps the published generations."""
+    (every ``store_probe_interval`` seconds); the first success also starts mapping the published generations."""
     interval = service.config.store_probe_interval
-    mapped = serving = bool(service.store_ok)
+    serving = bool(service.store_ok)
     while not service._stopped:
         await asyncio.sleep(interval)
         ok = await service.check_store(timeout=max(2.0, 2 * interval))
         if service._stopped:
             return
         if ok and not serving:
-            if not mapped:
-                await _map_generations(service)
-                mapped = True
-                if service._stopped:
-                    return
             await service.set_serving(True)
+            service.start_mapping()
         elif not ok and serving:
             await service.set_serving(False)
         serving = ok
 
 
 async def _map_generations(service: Service) -> None:
-    """Opens every namespace that has a published generation, so its file is mapped (and its
-    mirror filled) before health says SERVING; a failure is logged, the namespace opens on use."""
+    """Opens every namespace that has a published generation, one after another, so its file is mapped
+    and its mirror filled before a client asks; a failure is logged, the namespace opens on use.
+
+    It runs in the background once health says SERVING: opening every namespace (a full export of
+    its counts each) takes long on a large store or a CPU-starved node, or waits on a builder that
+    hangs, and a request for a namespace not open yet opens that one itself meanwhile."""
+    started = time.monotonic()
+    opened = 0
     for name in await asyncio.to_thread(service.static_store.namespaces):
         try:
             await service.registry.get(name)
+            opened += 1
         except NgramCacheError as e:
             log.warning("namespace %s not opened at startup: %s", name, e)
+        except Exception:  # a bug: logged, the namespace opens on use (nobody awaits this task)
+            log.exception("namespace %s not opened at startup", name)
+    if opened:
+        log.info("%d namespace(s) with published generations opened in %.1f s", opened, time.monotonic() - started)
 
 
 async def _open_store(config: ServiceConfig) -> tuple[CountsStore, ServiceConfig]:

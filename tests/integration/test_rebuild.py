@@ -15,6 +15,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from helpers.corpus import FAST, FP, VOCAB, motif_corpus
 from helpers.service import ServiceThread, start_serve, stop_serve, wait_until
 
@@ -25,6 +26,8 @@ from ngramcache.client._proto.v1 import (
     admin_pb2_grpc,
     counts_pb2,
     counts_pb2_grpc,
+    drafting_pb2,
+    drafting_pb2_grpc,
     static_files_pb2,
     static_files_pb2_grpc,
 )
@@ -621,8 +624,9 @@ def test_a_new_namespaces_generation_is_listed_while_another_namespaces_builder_
         tmp_path: Path, redis_standalone) -> None:  # type: ignore[no-untyped-def]
     """Issue 32: a namespace created and published on replica one, never used on replica two, is listed there
     within the scan's period even while the replica that built another namespace hangs (SIGSTOP: a Fetch from it
-    waits for its 600 s deadline). The scan checked the namespaces one after another, so a hung builder held
-    up every namespace after it in name order until a client used it on replica two."""
+    waits about 20 s for gRPC to give up connecting, three attempts a check). The scan checked the namespaces one
+    after another, so a hung builder held up every namespace after it in name order until a client used it on
+    replica two."""
     url = redis_standalone.url
     hung, hung_port = start_serve(tmp_path / "hung", "--counts", url)
     try:
@@ -645,6 +649,39 @@ def test_a_new_namespaces_generation_is_listed_while_another_namespaces_builder_
             wait_until(lambda: listed() == [1], 10.0, "replica two to list generation 1 of the new namespace")
             assert ns not in two.service.registry.live()  # installed by the scan, not by a client
             assert stuck in two.service.registry.scanning()  # the hung fetch is still waiting, apart
+    finally:
+        os.kill(hung.pid, signal.SIGCONT)
+        stop_serve(hung)
+
+
+def test_a_restarted_replica_says_serving_while_a_namespace_waits_on_a_hung_builder(
+        tmp_path: Path, redis_standalone) -> None:  # type: ignore[no-untyped-def]
+    """Issue 32: a restarted replica says SERVING once the store answers, and opens the namespaces it holds
+    generations of in the background. Here opening one waits on the replica that built its newer generation,
+    which hangs (SIGSTOP: each of three Fetch attempts waits about 20 s for gRPC to give up connecting); before,
+    the start waited for every namespace to open, so the replica stayed NOT_SERVING (and create_server did not
+    return) all that time."""
+    url = redis_standalone.url
+    hung, hung_port = start_serve(tmp_path / "hung", "--counts", url)
+    try:
+        with ServiceThread(tmp_path / "two", counts=url) as two:
+            address = f"127.0.0.1:{two.port}"
+            stuck, other = create(address, prefix="a-"), create(address, prefix="a-")
+            for ns in (stuck, other):
+                assert publish_cli(address, ns, base_file(tmp_path, name=ns)).returncode == 0
+        # While replica two is down, the builder publishes generation 2 of `stuck`, then hangs.
+        done = publish_cli(f"127.0.0.1:{hung_port}", stuck, base_file(tmp_path, 2, name="stuck"))
+        assert done.returncode == 0, done.stderr
+        os.kill(hung.pid, signal.SIGSTOP)
+        with ServiceThread(tmp_path / "two", counts=url) as two, \
+                grpc.insecure_channel(f"127.0.0.1:{two.port}") as ch:  # the restart: create_server returned
+            status = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=10)
+            assert status.status == health_pb2.HealthCheckResponse.SERVING
+            reply = drafting_pb2_grpc.DraftingStub(ch).Draft(drafting_pb2.DraftRequest(
+                namespace=other, tokenizer_fingerprint=FP, vocab_size=VOCAB, tokens=COPY[:4].tobytes(), n_draft=4),
+                timeout=10)  # a namespace not held up drafts from its generation
+            assert reply.generation == 1 and np.frombuffer(reply.tokens, dtype=np.int32).tolist() == COPY[4:8].tolist()
+            assert stuck not in two.service.registry.live()  # still opening: its peer check waits on the builder
     finally:
         os.kill(hung.pid, signal.SIGCONT)
         stop_serve(hung)

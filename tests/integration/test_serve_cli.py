@@ -232,10 +232,10 @@ def _listening_ports(pid: int) -> list[int]:
     return ports
 
 
-def test_published_generations_are_mapped_before_serving(tmp_path):
+def test_published_generations_are_mapped_after_a_restart_without_a_client(tmp_path):
     import hashlib
 
-    from helpers.service import ServiceThread
+    from helpers.service import ServiceThread, wait_until
 
     from ngramcache import build_static_from_tokens
     from ngramcache.client._proto.v1 import static_files_pb2, static_files_pb2_grpc
@@ -254,9 +254,14 @@ def test_published_generations_are_mapped_before_serving(tmp_path):
             static_files_pb2.PublishRequest(chunk=static_files_pb2.FileChunk(data=data))]), timeout=10)
         ch.close()
     with ServiceThread(tmp_path / "data", counts=counts) as svc:  # a restart
-        assert svc.service is not None
-        live = svc.service.registry.live()
-        assert "g" in live and live["g"].generation == 3  # mapped before create_server returned (SERVING)
+        service = svc.service
+        assert service is not None
+
+        def mapped() -> bool:  # in the background, once health says SERVING (issue 32)
+            live = service.registry.live()
+            return "g" in live and live["g"].generation == 3
+
+        wait_until(mapped, 15, "generation 3 of g to be mapped")
         ch = grpc.insecure_channel(f"127.0.0.1:{svc.port}")
         ns = admin_pb2_grpc.AdminStub(ch).GetNamespace(admin_pb2.GetNamespaceRequest(name="g"), timeout=10).namespace
         assert ns.latest_generation == 3
@@ -326,7 +331,7 @@ def test_ctrl_c_at_any_moment_of_the_start_is_one_line_and_130(tmp_path, delay):
 
 def test_a_start_cancelled_after_the_bind_stops_the_grpc_server(tmp_path, monkeypatch):
     """Ctrl-C is a cancellation of create_server; one that lands after the grpc server exists (here: while the
-    published generations are mapped) stops that server, so nothing is left for its __del__ to schedule on the
+    first store check waits) stops that server, so nothing is left for its __del__ to schedule on the
     closed loop ("Event loop is closed" traceback, "AioServer.shutdown was never awaited")."""
     import asyncio
     import gc
@@ -337,19 +342,19 @@ def test_a_start_cancelled_after_the_bind_stops_the_grpc_server(tmp_path, monkey
     from ngramcache.cache_service import server as server_module
     from ngramcache.cache_service.config import ServiceConfig
 
-    mapping = asyncio.Event()
+    checking = asyncio.Event()
     ports: list[int] = []
 
-    async def never_done(service):  # stands in for the mapping of generations: the start hangs here
+    async def never_done(service, timeout=5.0):  # stands in for a store check that hangs: the start waits here
         ports.append(service.port)
-        mapping.set()
+        checking.set()
         await asyncio.Event().wait()
 
-    monkeypatch.setattr(server_module, "_map_generations", never_done)
+    monkeypatch.setattr(server_module.Service, "check_store", never_done)
 
     async def main() -> None:
         task = asyncio.create_task(server_module.create_server(ServiceConfig(port=0, data_dir=str(tmp_path / "d"))))
-        await mapping.wait()
+        await checking.wait()
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
@@ -362,7 +367,7 @@ def test_a_start_cancelled_after_the_bind_stops_the_grpc_server(tmp_path, monkey
         assert not runs.is_alive(), "the cancelled start left something running"
         gc.collect()
     assert not [w for w in caught if "never awaited" in str(w.message)], [str(w.message) for w in caught]
-    with socket.socket() as s:  # the port was bound while mapping; it is closed now
+    with socket.socket() as s:  # the port was bound while the store check waited; it is closed now
         assert s.connect_ex(("127.0.0.1", ports[0])) != 0
 
 
