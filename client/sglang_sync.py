@@ -48,8 +48,8 @@ from ngramcache.client.sync.state import SyncState
 from ngramcache.client.sync.static_sync import StaticSync
 
 if TYPE_CHECKING:
+    from ngramcache.client._proto.v1 import static_files_pb2
     from ngramcache.client.static_files import GenerationFiles
-    from ngramcache.client.sync.static_sync import static_files_pb2
     from ngramcache.client.tokenizer import Tokenizer
 
 __all__ = ["SglangCorpus", "SglangSync", "corpus_id", "prepare_corpus"]
@@ -343,7 +343,7 @@ class SglangSync:
                                       "tokens": listed[cid], "re_added": False, "bytes": 0,
                                       "message": "listed already", "seconds_since_landed": None})
         for old in self._older(listed, cid):
-            await in_daemon_thread(lambda old=old: http.remove(old))
+            await in_daemon_thread(functools.partial(http.remove, old))
             with self._lock:
                 server.removes += 1
             self._on_event("removed", {"server": url, "corpus_id": old})
@@ -371,7 +371,7 @@ class SglangSync:
                                     f"beside {', '.join(older)}: removing {'it' if len(older) == 1 else 'them'} first "
                                     "(the server drafts from its other corpora meanwhile)"})
             for old in older:
-                await in_daemon_thread(lambda old=old: http.remove(old))
+                await in_daemon_thread(functools.partial(http.remove, old))
                 with self._lock:
                     server.removes += 1
             answer = await in_daemon_thread(lambda: http.add(corpus.body))

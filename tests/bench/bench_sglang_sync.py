@@ -7,10 +7,12 @@ in it) and `ngramcache sglang-sync --json` as a child process. The generations a
 CPython's standard library (the demo's corpus), --mb megabytes of it per generation, a different
 slice each time, tokenized with tiktoken:qwen and built with --corpus-index. For each generation:
 publish, then time until every server lists it (the feeder's ``listed`` events, stamped when read)
-and its predecessor is gone. The baseline, measured in the same run: one add of the same request
+and its predecessor is gone. Then one server is stopped, a generation lands, and the server comes
+back --down seconds later with no corpora (a restarted pod): the time until it lists the newest,
+against --interval. The baseline, measured in the same run: one add of the same request
 body straight to a stand-in (what any feeder pays at least).
 
-    python tests/bench/bench_sglang_sync.py                 # 3 servers, 5 generations of 4 MB
+    python tests/bench/bench_sglang_sync.py                 # 3 servers, 5 generations of 4 MB, one down 60 s
     python tests/bench/bench_sglang_sync.py --quick         # checks the script (seconds; figures meaningless)
 """
 
@@ -119,17 +121,19 @@ def main() -> int:
     ap.add_argument("--generations", type=int, default=5, help="generations published, one at a time (default 5)")
     ap.add_argument("--mb", type=float, default=4.0, help="megabytes of text per generation (default 4)")
     ap.add_argument("--interval", type=float, default=10.0, help="the feeder's --interval (default 10)")
+    ap.add_argument("--down", type=float, default=60.0,
+                    help="seconds one server is down while a generation lands, then back with no corpora (default 60)")
     ap.add_argument("--quick", action="store_true", help="2 servers, 2 generations of 0.2 MB: checks the script")
     args = ap.parse_args()
     if args.quick:
-        args.servers, args.generations, args.mb = 2, 2, 0.2
+        args.servers, args.generations, args.mb, args.interval, args.down = 2, 2, 0.2, 1.0, 2.0
     t_start = time.perf_counter()
     tokenizer = load_tokenizer(TOKENIZER)
     slices = stdlib_slices(args.mb, args.generations)
     with tempfile.TemporaryDirectory(prefix="bench-sglang-") as tmp_name:
         tmp = Path(tmp_name)
         builds = []
-        for g, texts in enumerate(slices, start=1):
+        for g, texts in enumerate([*slices, slices[0]], start=1):  # the last: for the down server
             path = tmp / f"g{g}.ngc"
             build_static_from_tokens([tokenizer.encode(t) for t in texts], str(path), vocab_size=tokenizer.vocab_size,
                                      fingerprint=tokenizer.fingerprint, generation=g, corpus_index=True)
@@ -147,7 +151,7 @@ def main() -> int:
                              *[x for f in fakes for x in ("--sglang", f.url)]])
             feeder.wait(lambda e: e["event"] == "connected", 60, "the feeder to connect")
             rows = []
-            for g, path in enumerate(builds, start=1):
+            for g, path in enumerate(builds[:-1], start=1):
                 t0 = time.time()
                 admin.publish(ns, path)
                 t_pub = time.time()
@@ -168,6 +172,23 @@ def main() -> int:
                              "tokens": ready[1]["tokens"], "bytes": ready[1]["bytes"],
                              "file_bytes": path.stat().st_size})
             sent = sum(n for f in fakes for m, p, n in f.requests if p == "/add_external_corpus")
+            # One server down while a generation lands, back after --down seconds with no corpora (a new pod).
+            down, g = fakes[0], len(builds)
+            down.stop()
+            admin.publish(ns, builds[-1])
+            cid = f"ngramcache-{ns}-g{g}"
+            time.sleep(args.down)
+            if any(set(f.corpora) != {cid} for f in fakes[1:]):
+                raise SystemExit(f"generation {g} not on the servers that stayed up after {args.down:g} s")
+            with down.lock:
+                down.corpora = {}
+            down.start()
+            t_back = time.monotonic()
+            while set(down.corpora) != {cid}:
+                if time.monotonic() - t_back > 10 * args.interval + 60:
+                    raise SystemExit(f"the server back after {args.down:g} s down did not catch up")
+                time.sleep(0.005)
+            catch_up = time.monotonic() - t_back
             # The baseline: the last generation's body added straight to a stand-in, no feeder.
             body = json.dumps({"corpus_id": "baseline", "documents": [
                 tokenizer.decode(tokenizer.encode(t)) for t in slices[-1]]}, ensure_ascii=False).encode()
@@ -203,6 +224,8 @@ def main() -> int:
     print(f"baseline (one add of the last body straight to a stand-in, no feeder): {direct:.2f} s")
     print(f"bytes sent per generation: {per_gen / 1e6:.2f} MB to {args.servers} servers ({per_gen / args.servers / 1e6:.2f} "
           f"MB each, {per_gen / args.servers / tokens:.2f} bytes per corpus token)")
+    print(f"a server down {args.down:g} s while generation {len(builds)} landed, back with no corpora: listed "
+          f"{catch_up:.2f} s after it returned (--interval {args.interval:g} s)")
     print(f"checksum {checksum}; total {time.perf_counter() - t_start:.0f} s")
     return 0
 
