@@ -251,6 +251,9 @@ class HttpProxy:
                                "no llama-server is ready behind ngramcache llama-follow (starting or restarting)"}},
                                keep)
             return keep
+        if "100-continue" in head.tokens("expect"):  # the client (curl, past 1 KB) waits for this before its body
+            writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            await writer.drain()
         try:  # read whole before an upstream is chosen, so a refused connection can be retried with it
             body = await _read_body(head, reader)
         except _BadMessage as e:
@@ -258,7 +261,7 @@ class HttpProxy:
             return False
         length = [("Content-Length", str(len(body)))] if body or head.get("content-length") is not None else []
         request = _encode_head(head.first, [*((k, v) for k, v in _forwarded(head)
-                                              if k.lower() not in ("content-length", "transfer-encoding")),
+                                              if k.lower() not in ("content-length", "transfer-encoding", "expect")),
                                             *length, ("Connection", "close")]) + body
         deadline = time.monotonic() + self.hold_timeout
         resent = False

@@ -315,15 +315,18 @@ class LlamaFollower:
     async def _start(self, generation: int) -> ServerProcess | None:
         """A ready server reading the -lcs file (none before the first generation), or None (`_why` says why)."""
         lcs = self.config.lcs if generation else None
-        server = await ServerProcess.start(self.config.command, lcs, generation)
-        why = await server.wait_ready(self.config.start_timeout)
-        if why is None:
-            self.config.say(f"llama-server on 127.0.0.1:{server.port} ready in {server.ready_seconds:.2f} s "
-                            f"({f'generation {generation}' if generation else 'no generation yet, no -lcs file'})")
-            return server
-        await server.stop()
-        self.stats.failed_starts += 1
-        self._why = why
+        for _ in range(2):  # a second try on a fresh port: the free port found may be taken before the server binds
+            server = await ServerProcess.start(self.config.command, lcs, generation)
+            why = await server.wait_ready(self.config.start_timeout)
+            if why is None:
+                self.config.say(f"llama-server on 127.0.0.1:{server.port} ready in {server.ready_seconds:.2f} s "
+                                f"({f'generation {generation}' if generation else 'no generation yet, no -lcs file'})")
+                return server
+            await server.stop()
+            self.stats.failed_starts += 1
+            self._why = why
+            if "exited" not in why:
+                break  # it timed out: trying again would take as long
         return None
 
     async def _write_lcs(self, generation: int) -> bool:
