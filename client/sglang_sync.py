@@ -286,7 +286,7 @@ class SglangSync:
                 "generation": corpus.generation, "corpus_id": corpus.corpus_id, "documents": corpus.documents,
                 "tokens": corpus.tokens, "bytes": len(corpus.body), "cut_documents": corpus.cut_documents,
                 "cut_tokens": corpus.cut_tokens, "budget_tokens": self.max_tokens // 2,
-                "prepare_seconds": round(time.perf_counter() - t0, 3), "landed_at": landed_at})
+                "prepare_seconds": round(time.perf_counter() - t0, 3), "fetched_at": landed_at})
             for s in self._servers:
                 s.wake.set()
 
@@ -335,13 +335,13 @@ class SglangSync:
             self._on_event("listed", {"server": url, "generation": corpus.generation, "corpus_id": cid,
                                       "tokens": listed[cid], "re_added": lost, "bytes": len(corpus.body),
                                       "message": str(answer.get("message", "")),
-                                      "seconds_since_landed": round(time.time() - self._landed_at, 3)})
+                                      "seconds_since_fetched": round(time.time() - self._landed_at, 3)})
         elif server.corpus_id != cid:
             with self._lock:
                 server.corpus_id, server.generation, server.listed_at = cid, corpus.generation, time.time()
             self._on_event("listed", {"server": url, "generation": corpus.generation, "corpus_id": cid,
                                       "tokens": listed[cid], "re_added": False, "bytes": 0,
-                                      "message": "listed already", "seconds_since_landed": None})
+                                      "message": "listed already", "seconds_since_fetched": None})
         for old in self._older(listed, cid):
             await in_daemon_thread(functools.partial(http.remove, old))
             with self._lock:

@@ -139,7 +139,8 @@ class _Printer:
             print(f"following namespace {f['namespace']} at {f['service']} for {n} SGLang server{'s' if n > 1 else ''}"
                   f", checking each every {f['interval']:g} s (Ctrl-C stops)", file=sys.stderr, flush=True)
         elif kind == "generation":
-            cut = (f"; cut {f['cut_documents']:,} documents ({f['cut_tokens']:,} tokens) past the budget of "
+            docs = "document" if f["cut_documents"] == 1 else "documents"
+            cut = (f"; cut {f['cut_documents']:,} {docs} ({f['cut_tokens']:,} tokens) past the budget of "
                    f"{f['budget_tokens']:,} tokens (half of --max-tokens)" if f["cut_documents"] else "")
             print(f"generation {f['generation']}: {f['documents']:,} documents, {f['tokens']:,} tokens, "
                   f"{f['bytes'] / 1e6:.2f} MB to send to each server{cut}", flush=True)
@@ -147,8 +148,8 @@ class _Printer:
             how = ("listed already" if not f["bytes"] else
                    f"{'added again (the server had lost it)' if f['re_added'] else 'added'} and listed "
                    f"({f['tokens']:,} tokens, {f['bytes'] / 1e6:.2f} MB sent"
-                   + (f", {f['seconds_since_landed']:.2f} s after the generation landed)" if
-                      f["seconds_since_landed"] is not None else ")"))
+                   + (f", {f['seconds_since_fetched']:.2f} s after the feeder fetched it)" if
+                      f["seconds_since_fetched"] is not None else ")"))
             print(f"{where}generation {f['generation']} {how}", flush=True)
         elif kind == "removed":
             print(f"{where}removed {f['corpus_id']}", flush=True)

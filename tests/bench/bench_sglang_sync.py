@@ -168,7 +168,7 @@ def main() -> int:
                 t_all = max(t for t, _ in listed)
                 rows.append({"generation": g, "publish_s": t_pub - t0, "push_to_listed_s": t_all - t_pub,
                              "first_listed_s": min(t for t, _ in listed) - t_pub, "prepare_s": ready[1]["prepare_seconds"],
-                             "learned_s": ready[1]["landed_at"] - t_pub, "documents": ready[1]["documents"],
+                             "learned_s": ready[1]["fetched_at"] - t_pub, "documents": ready[1]["documents"],
                              "tokens": ready[1]["tokens"], "bytes": ready[1]["bytes"],
                              "file_bytes": path.stat().st_size})
             sent = sum(n for f in fakes for m, p, n in f.requests if p == "/add_external_corpus")

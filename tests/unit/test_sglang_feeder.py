@@ -1,4 +1,4 @@
-"""SglangSync's pieces without a network: the corpus cut to the budget, whose corpora it removes, the targets it accepts."""
+"""SglangSync's pieces without a network (tests/unit; the live ones: tests/integration/test_sglang_sync.py): the corpus cut to the budget, whose corpora it removes, the targets it accepts."""
 
 from __future__ import annotations
 
