@@ -52,8 +52,9 @@ def add_llama_follow(sub: SubParsers) -> None:
         "model/tokenizer.json --lcs /var/lib/llama/static.lcs --listen 0.0.0.0:8080 -- llama-server -m model.gguf "
         "--spec-type ngram-cache",
     )
-    p.add_argument("--server", default=os.environ.get("NGC_SERVER") or DEFAULT_SERVER, metavar="HOST:PORT[,...]",
-                   help=f"replicas of the service, tried in order (default: $NGC_SERVER, else {DEFAULT_SERVER})")
+    p.add_argument("--server", action="append", metavar="HOST:PORT",
+                   help=f"a replica of the ngramcache service; repeat for failover (default: $NGC_SERVER, else "
+                        f"{DEFAULT_SERVER})")
     p.add_argument("--namespace", required=True, metavar="NS", help="the namespace whose generations are followed")
     p.add_argument("--tokenizer", metavar="SPEC",
                    help="the model's tokenizer (a tokenizer.json path, or tiktoken:<encoding>): the namespace must be "
@@ -144,8 +145,8 @@ def cmd_llama_follow(args: argparse.Namespace) -> int:
                                    "file): give its path after '--'")
     if (args.tls_cert is None) != (args.tls_key is None) or (args.tls_cert is not None and args.tls_ca is None):
         raise InvalidArgumentError("--tls-cert and --tls-key go together, and with --tls-ca")
-    addresses = [a.strip() for a in args.server.split(",") if a.strip()]
-    for a in addresses or [args.server]:
+    addresses = args.server or [os.environ.get("NGC_SERVER") or DEFAULT_SERVER]
+    for a in addresses:
         check_address(a, "--server", "--tls-ca")
     lcs = _check_lcs(args.lcs)
     host, port = _listen_address(args.listen)

@@ -337,3 +337,18 @@ def test_what_the_service_refuses_is_one_line_naming_the_flag(tmp_path):
             err = f.read_stderr()
             assert code == 2, err
             assert len(err.strip().splitlines()) == 1 and err.startswith(f"ngramcache llama-follow: error: {expected}"), err
+
+
+@pytest.mark.parametrize("live_first", [False, True])
+def test_server_is_repeatable_for_failover(fleet, live_first):
+    """--server A --server B, one of them answering nothing: the follower serves the generation of the one that does."""
+    sha1 = fleet.publish(1)
+    dead = f"127.0.0.1:{free_port()}"
+    first, second = (fleet.address, dead) if live_first else (dead, fleet.address)
+    f = start_follower(fleet, "--server", second, address=first)
+    try:
+        wait_ready(f)
+        assert json.loads(http(f"{f.url}/completion", {})[1])["lcs_sha256"] == sha1
+    finally:
+        code, err = stop(f)
+    assert code == 0, err
