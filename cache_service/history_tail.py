@@ -25,7 +25,7 @@ from collections.abc import Callable, Collection, Iterable
 
 from ngramcache.client.errors import NamespaceNotFoundError, NgramCacheError
 
-from .counts.history import HistoryAppend, HistoryPage, HistoryRecord
+from .counts.history import HistoryAppend, HistoryBatch, HistoryPage, HistoryRecord
 from .counts.namespace import NamespaceInfo, check_tokenizer
 from .metrics import Metrics
 from .store_runner import StoreRunner
@@ -40,6 +40,7 @@ DEFAULT_PULL_RECORDS = 1024
 _POLL_RECORDS = 4096  # records per store read of the poller (a catch-up reads several)
 _RECORD_OVERHEAD = 64  # bytes a record costs besides its tokens (ids, group, cursor), for the budgets
 _INFO_TTL = 10.0  # seconds a namespace's tokenizer is trusted before it is read again
+_GATHER = 64  # most waiting PushHistory batches of one namespace sent in one store call
 
 
 @dataclasses.dataclass(frozen=True)
@@ -294,6 +295,8 @@ class HistoryTails:
         self.options = options or TailOptions()
         self.metrics = metrics
         self.tails: dict[str, HistoryTail] = {}
+        self._pushes: dict[str, list[tuple[HistoryBatch, asyncio.Future[HistoryAppend]]]] = {}  # waiting, per namespace
+        self._flushing: set[str] = set()  # namespaces whose flusher runs
 
     def tail(self, namespace: str) -> HistoryTail:
         tail = self.tails.get(namespace)
@@ -303,15 +306,55 @@ class HistoryTails:
 
     async def push(self, namespace: str, client_id: str, seq: int, records: list[HistoryRecord],
                    fingerprint: bytes) -> HistoryAppend:
-        """Store one batch exactly once; return what the store did (stored and skipped). Wakes the namespace's poller."""
-        done: HistoryAppend = await self.runner.call(self.runner.store.append_history, namespace, client_id, seq,
-                                                     records, fingerprint=fingerprint)
-        tail = self.tails.get(namespace)
-        if tail is not None:
-            tail.wake()
-        if self.metrics is not None:
-            self.metrics.history_pushed(done)
-        return done
+        """Store one batch exactly once; return what the store did (stored and skipped). Wakes the namespace's poller.
+
+        Concurrent pushes to one namespace are gathered: while one store call is in flight, the
+        batches that arrive wait and go together in the next (`CountsStore.append_history_many`:
+        on a partitioned history one script call per partition for all of them, so a busy fleet's
+        appends cost Redis no more per token than one sender's whole batch in one stream). A lone
+        push goes at once.
+        """
+        future: asyncio.Future[HistoryAppend] = asyncio.get_running_loop().create_future()
+        self._pushes.setdefault(namespace, []).append((HistoryBatch(client_id, seq, records, fingerprint), future))
+        if namespace not in self._flushing:
+            self._flushing.add(namespace)
+            asyncio.get_running_loop().create_task(self._flush(namespace), name=f"history-push-{namespace}")
+        return await future
+
+    async def _flush(self, namespace: str) -> None:
+        """Send the namespace's waiting batches, at most `_GATHER` a store call, until none waits."""
+        store = self.runner.store
+        try:
+            while self._pushes.get(namespace):
+                waiting = self._pushes[namespace]
+                items, self._pushes[namespace] = waiting[:_GATHER], waiting[_GATHER:]
+                results: list[HistoryAppend | BaseException]
+                try:
+                    if len(items) == 1:
+                        b = items[0][0]
+                        results = [await self.runner.call(store.append_history, namespace, b.client_id, b.batch_seq,
+                                                          b.records, fingerprint=b.fingerprint)]
+                    else:
+                        results = list(await self.runner.call(store.append_history_many, namespace,
+                                                              [b for b, _ in items]))
+                except Exception as exc:  # every batch of the call failed alike (each sender retries its own)
+                    results = [exc] * len(items)
+                for (_, future), result in zip(items, results):
+                    if future.done():  # its caller went away; the batch is stored or not, a retry will tell
+                        continue
+                    if isinstance(result, BaseException):
+                        future.set_exception(result)
+                    else:
+                        future.set_result(result)
+                        if self.metrics is not None:
+                            self.metrics.history_pushed(result)
+                tail = self.tails.get(namespace)
+                if tail is not None:
+                    tail.wake()
+        finally:
+            self._flushing.discard(namespace)
+            if not self._pushes.get(namespace):
+                self._pushes.pop(namespace, None)
 
     async def pull(self, namespace: str, fingerprint: bytes, after: str, *, max_records: int, wait: float,
                    exclude_client_id: str = "", groups: Collection[str] = ()) -> TailPage:

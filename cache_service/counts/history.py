@@ -25,6 +25,7 @@ __all__ = [
     "MAX_RECORD_TOKENS",
     "Cursor",
     "HistoryAppend",
+    "HistoryBatch",
     "HistoryBudget",
     "HistoryPage",
     "HistoryRecord",
@@ -117,6 +118,16 @@ class HistoryAppend:
     tokens: int = 0
     skipped_records: int = 0
     skipped_tokens: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class HistoryBatch:
+    """One sender's batch for `CountsStore.append_history_many`: the arguments `append_history` takes."""
+
+    client_id: str
+    batch_seq: int
+    records: Sequence[HistoryRecord]
+    fingerprint: bytes | None = None
 
 
 @dataclasses.dataclass(frozen=True)

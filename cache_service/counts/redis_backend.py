@@ -20,11 +20,18 @@ from typing import Final
 
 import numpy as np
 
-from ngramcache.client.errors import NamespaceNotFoundError
+from ngramcache.client.errors import InvalidArgumentError, NamespaceNotFoundError, NgramCacheError, TokenizerMismatchError
 
 from . import schema
 from .config import CountsStoreConfig
-from .history import CLUSTER_HISTORY_PARTITIONS, HistoryAppend, HistoryPage, HistoryRecord
+from .history import (
+    CLUSTER_HISTORY_PARTITIONS,
+    HistoryAppend,
+    HistoryBatch,
+    HistoryPage,
+    HistoryRecord,
+    validate_batch_seq,
+)
 from .leases import CommittedGeneration, Lease
 from .namespace import NamespaceInfo, validate_namespace
 from .redis_connection import RedisConnection
@@ -35,7 +42,7 @@ from .redis_reads import RedisReader
 from .redis_scripts import CREATE
 from .redis_writes import RedisWriter
 from .store import CountsStore
-from .values import ApplyResult, ChangeSet, GroupItem, ItemOutcome
+from .values import ApplyResult, ChangeSet, GroupItem, ItemOutcome, validate_client_id
 
 __all__ = ["RedisCountsStore"]
 
@@ -192,6 +199,27 @@ class RedisCountsStore(CountsStore):
         def run(handle: Handle) -> HistoryAppend:
             checked = self._check_history(handle.info, fingerprint, client_id, records)
             return self._history.append(handle, client_id, batch_seq, checked)
+
+        return self._handles.run(namespace, run)
+
+    def append_history_many(self, namespace: str, batches: Sequence[HistoryBatch]) -> list[HistoryAppend | NgramCacheError]:
+        def run(handle: Handle) -> list[HistoryAppend | NgramCacheError]:
+            out: list[HistoryAppend | NgramCacheError | None] = [None] * len(batches)
+            good: list[int] = []
+            checked: list[tuple[str, int, list[HistoryRecord]]] = []
+            for i, batch in enumerate(batches):
+                try:
+                    validate_client_id(batch.client_id)
+                    seq = validate_batch_seq(batch.batch_seq)
+                    records = self._check_history(handle.info, batch.fingerprint, batch.client_id, batch.records)
+                except (InvalidArgumentError, TokenizerMismatchError) as exc:
+                    out[i] = exc
+                    continue
+                good.append(i)
+                checked.append((batch.client_id, seq, records))
+            for i, done in zip(good, self._history.append_many(handle, checked) if checked else []):
+                out[i] = done
+            return [x for x in out if x is not None]
 
         return self._handles.run(namespace, run)
 

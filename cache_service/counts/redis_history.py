@@ -90,36 +90,51 @@ class RedisHistory:
         return max(1, self._config.history_budget.max_bytes // BYTES_PER_TOKEN // handle.info.history_partitions)
 
     def append(self, handle: Handle, client_id: str, batch_seq: int, records: Sequence[HistoryRecord]) -> HistoryAppend:
-        """Run HAPPEND for checked records, one call per partition they go to (pipelined); raises StaleHandle when the
-        namespace changed instance.
+        """`append_many` of one batch."""
+        return self.append_many(handle, [(client_id, batch_seq, records)])[0]
 
-        An empty batch takes its batch_seq in partition 0. ``stored`` is False only when every part was stored
-        before (a retry); otherwise the counts are those of the parts stored now.
+    def append_many(self, handle: Handle, batches: Sequence[tuple[str, int, Sequence[HistoryRecord]]]
+                    ) -> list[HistoryAppend]:
+        """Run HAPPEND for checked batches: one call per partition for the parts of every batch there (pipelined over
+        the partitions); raises StaleHandle when the namespace changed instance.
+
+        An empty batch takes its batch_seq in partition 0. A batch's ``stored`` is False only when every part was
+        stored before (a retry); otherwise its counts are those of the parts stored now.
         """
         partitions = handle.info.history_partitions
-        parts: dict[int, list[HistoryRecord]] = {}
-        for record in records:
-            parts.setdefault(partition_of(record, partitions), []).append(record)
-        if not parts:
-            parts[0] = []
+        parts: dict[int, list[tuple[int, list[HistoryRecord]]]] = {}
+        for i, (_client_id, _batch_seq, records) in enumerate(batches):
+            mine: dict[int, list[HistoryRecord]] = {}
+            for record in records:
+                mine.setdefault(partition_of(record, partitions), []).append(record)
+            if not mine:
+                mine[0] = []
+            for p, recs in mine.items():
+                parts.setdefault(p, []).append((i, recs))
         budget = self._config.history_budget
-        head: list[Any] = [handle.info.instance, client_id, batch_seq, self._max_tokens(handle), budget.max_age_ms,
-                           DUPLICATE_WINDOW_MS, self._config.dedup_ttl_ms]
+        head: list[Any] = [handle.info.instance, self._max_tokens(handle), budget.max_age_ms, DUPLICATE_WINDOW_MS,
+                           self._config.dedup_ttl_ms]
+        order = sorted(parts)
         calls: list[Call] = []
-        for p in sorted(parts):
+        for p in order:
             keys = handle.history[p]
             args = list(head)
-            for record in parts[p]:
-                args += [record.seq, record.group, record.offset, record.tokens.tobytes(),
-                         duplicate_key(record) or b""]
+            for i, recs in parts[p]:
+                args += [batches[i][0], batches[i][1], len(recs)]
+                for record in recs:
+                    args += [record.seq, record.group, record.offset, record.tokens.tobytes(),
+                             duplicate_key(record) or b""]
             calls.append((HAPPEND, [keys.guard, keys.stream, keys.stat, keys.seq, keys.seen, keys.dup], args))
         replies = [[int(x) for x in reply] for reply in self._conn.run(calls)]
         if any(reply[0] < 0 for reply in replies):
             raise StaleHandle
-        done = [reply for reply in replies if reply[0] == 1]
-        if not done:
-            return HistoryAppend(False)
-        return HistoryAppend(True, *(sum(reply[i] for reply in done) for i in range(1, 5)))
+        totals = [[0, 0, 0, 0, 0] for _ in batches]  # parts stored now, records, tokens, skipped, their tokens
+        for p, reply in zip(order, replies):
+            for k, (i, _recs) in enumerate(parts[p]):
+                status = reply[1 + 5 * k:6 + 5 * k]
+                if status[0] == 1:
+                    totals[i] = [a + b for a, b in zip(totals[i], status)]
+        return [HistoryAppend(True, *t[1:]) if t[0] else HistoryAppend(False) for t in totals]
 
     def read(self, handle: Handle, after: str, limit: int, groups: Sequence[str] = ()) -> HistoryPage:
         """Run HREAD after cursor ``after`` (see `CountsStore.read_history`)."""

@@ -15,9 +15,10 @@ Every write of the Redis backend is one of these scripts over keys of one shard 
 * ROLL closes a shard's open change piece when the version moved, trims history below the
   floor and returns the pieces a reader needs; SEAL rewrites a closed piece as the union of
   its roaring bitmaps; READ returns bucket contents packed for numpy.
-* HAPPEND appends one batch of fleet history records exactly once per (client id,
-  batch_seq), skips near-duplicates and trims by the budget; HREAD trims and reads after a
-  stream id (the rules of `history`).
+* HAPPEND appends batches of fleet history records (one sender's, or several gathered by
+  the service) to one partition, each exactly once per (client id, batch_seq), skips
+  near-duplicates and trims by the budget; HREAD trims and reads after a stream id (the
+  rules of `history`).
 * CREATE makes a namespace visible once its shard state exists; ACQUIRE, RENEW, RELEASE and
   COMMIT are the rebuild lease's steps (the rules of `leases`); FORGET_BASE clears a dropped
   namespace's corpus base.
@@ -277,9 +278,7 @@ return 1
 # id, so new ids still grow).
 _HTRIM = """
 local function id_ms(id) return tonumber(string.match(id, '^(%d+)')) end
-local function htrim(stream, stat, max_tokens, oldest_ms)
-  local st = redis.call('HMGET', stat, 'tokens', 'first')
-  local tokens, first = tonumber(st[1] or '0'), st[2] or ''
+local function htrim(stream, stat, max_tokens, oldest_ms, tokens, first)
   if tokens <= max_tokens and (first == '' or id_ms(first) >= oldest_ms) then return end
   local from, count, kept, dropped = '-', 1, nil, nil
   while true do
@@ -307,49 +306,75 @@ local function hnow()
 end
 """
 
-# One batch of history records, exactly once per (client id, batch_seq).
-# KEYS: guard, stream, stat, seq, seen, dup. ARGV: instance, client id, batch_seq, max_tokens,
-# max_age_ms, dup_window_ms, dedup_ttl_ms, then per record: seq, group, offset, tokens
+# Batches of history records, each exactly once per (client id, batch_seq) in this partition: one
+# sender's batch, or several senders' batches gathered by the service (their parts in this partition).
+# KEYS: guard, stream, stat, seq, seen, dup. ARGV: instance, max_tokens, max_age_ms, dup_window_ms,
+# dedup_ttl_ms, then per batch: client id, batch_seq, n, then n records of: seq, group, offset, tokens
 # (raw '<i4'), near-duplicate digest ('' for none: not a prompt).
-# Returns {-1} (another instance), {0} (duplicate: nothing stored) or {1, records stored, tokens
-# stored, near-duplicates skipped, their tokens}.
+# Returns {-1} (another instance) or {1, then per batch: 1 stored (0 duplicate: nothing stored), records
+# stored, tokens stored, near-duplicates skipped, their tokens}. A sender's silent peers are swept when a
+# sender is new here, old digests when a batch holds a prompt, so a call of plain records costs a few
+# commands besides its XADDs.
 HAPPEND = Script("history_append", _HTRIM + """
 if redis.call('HGET', KEYS[1], 'instance') ~= ARGV[1] then return {-1} end
-local hwm = redis.call('HGET', KEYS[4], ARGV[2])
-if hwm and tonumber(ARGV[3]) <= tonumber(hwm) then return {0} end
 local now = hnow()
-redis.call('HSET', KEYS[4], ARGV[2], ARGV[3])
-redis.call('ZADD', KEYS[5], now, ARGV[2])
-local silent = redis.call('ZRANGEBYSCORE', KEYS[5], '-inf', '(' .. (now - tonumber(ARGV[7])), 'LIMIT', 0, 16)
-for i = 1, #silent do
-  redis.call('HDEL', KEYS[4], silent[i])
-  redis.call('ZREM', KEYS[5], silent[i])
-end
-redis.call('ZREMRANGEBYSCORE', KEYS[6], '-inf', '(' .. (now - tonumber(ARGV[6])))
-local added, records, skipped, skipped_tokens, first = 0, 0, 0, 0, nil
-for a = 8, #ARGV, 5 do
-  local digest = ARGV[a + 4]
-  local skip = false
-  if digest ~= '' then
-    if redis.call('ZSCORE', KEYS[6], digest) then skip = true else redis.call('ZADD', KEYS[6], now, digest) end
-  end
-  if skip then
-    skipped = skipped + 1
-    skipped_tokens = skipped_tokens + #ARGV[a + 3] / 4
+local st = redis.call('HMGET', KEYS[3], 'tokens', 'first')
+local tokens, first = tonumber(st[1] or '0'), st[2] or ''
+local stored, digests_trimmed = false, false
+local out = {1}
+local a = 6
+while a <= #ARGV do
+  local client, bseq, n = ARGV[a], ARGV[a + 1], tonumber(ARGV[a + 2])
+  a = a + 3
+  local hwm = redis.call('HGET', KEYS[4], client)
+  if hwm and tonumber(bseq) <= tonumber(hwm) then
+    for _ = 1, 5 do out[#out + 1] = 0 end
   else
-    local id = redis.call('XADD', KEYS[2], '*', 'c', ARGV[2], 's', ARGV[a], 'g', ARGV[a + 1], 'o', ARGV[a + 2],
-                          't', ARGV[a + 3])
-    first = first or id
-    added = added + #ARGV[a + 3] / 4
-    records = records + 1
+    redis.call('HSET', KEYS[4], client, bseq)
+    if redis.call('ZADD', KEYS[5], now, client) == 1 then
+      local silent = redis.call('ZRANGEBYSCORE', KEYS[5], '-inf', '(' .. (now - tonumber(ARGV[5])), 'LIMIT', 0, 16)
+      for i = 1, #silent do
+        redis.call('HDEL', KEYS[4], silent[i])
+        redis.call('ZREM', KEYS[5], silent[i])
+      end
+    end
+    local added, records, skipped, skipped_tokens = 0, 0, 0, 0
+    for b = a, a + 5 * (n - 1), 5 do
+      local digest = ARGV[b + 4]
+      local skip = false
+      if digest ~= '' then
+        if not digests_trimmed then
+          redis.call('ZREMRANGEBYSCORE', KEYS[6], '-inf', '(' .. (now - tonumber(ARGV[4])))
+          digests_trimmed = true
+        end
+        if redis.call('ZSCORE', KEYS[6], digest) then skip = true else redis.call('ZADD', KEYS[6], now, digest) end
+      end
+      if skip then
+        skipped = skipped + 1
+        skipped_tokens = skipped_tokens + #ARGV[b + 3] / 4
+      else
+        local id = redis.call('XADD', KEYS[2], '*', 'c', client, 's', ARGV[b], 'g', ARGV[b + 1], 'o', ARGV[b + 2],
+                              't', ARGV[b + 3])
+        if first == '' then first = id end
+        added = added + #ARGV[b + 3] / 4
+        records = records + 1
+      end
+    end
+    if added > 0 then
+      tokens = tokens + added
+      stored = true
+    end
+    out[#out + 1] = 1
+    out[#out + 1] = records
+    out[#out + 1] = added
+    out[#out + 1] = skipped
+    out[#out + 1] = skipped_tokens
   end
+  a = a + 5 * n
 end
-if added > 0 then
-  redis.call('HINCRBY', KEYS[3], 'tokens', added)
-  if (redis.call('HGET', KEYS[3], 'first') or '') == '' then redis.call('HSET', KEYS[3], 'first', first) end
-end
-htrim(KEYS[2], KEYS[3], tonumber(ARGV[4]), now - tonumber(ARGV[5]))
-return {1, records, added, skipped, skipped_tokens}
+if stored then redis.call('HSET', KEYS[3], 'tokens', string.format('%d', tokens), 'first', first) end
+htrim(KEYS[2], KEYS[3], tonumber(ARGV[2]), now - tonumber(ARGV[3]), tokens, first)
+return out
 """)
 
 # KEYS: guard, stream, stat. ARGV: instance, after ('' = from the oldest; else a stream id,
@@ -357,7 +382,8 @@ return {1, records, added, skipped, skipped_tokens}
 # is answered), then returns {1, trimmed id or '', entries} or {-1} (another instance).
 HREAD = Script("history_read", _HTRIM + """
 if redis.call('HGET', KEYS[1], 'instance') ~= ARGV[1] then return {-1} end
-htrim(KEYS[2], KEYS[3], tonumber(ARGV[4]), hnow() - tonumber(ARGV[5]))
+local st = redis.call('HMGET', KEYS[3], 'tokens', 'first')
+htrim(KEYS[2], KEYS[3], tonumber(ARGV[4]), hnow() - tonumber(ARGV[5]), tonumber(st[1] or '0'), st[2] or '')
 local from = '-'
 if ARGV[2] ~= '' then from = '(' .. ARGV[2] end
 return {1, redis.call('HGET', KEYS[3], 'trimmed') or '', redis.call('XRANGE', KEYS[2], from, '+', 'COUNT', ARGV[3])}

@@ -33,12 +33,20 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ngramcache.client.errors import InvalidArgumentError, NgramCacheError
+from ngramcache.client.errors import InvalidArgumentError, NgramCacheError, TokenizerMismatchError
 from ngramcache.client.rows import COUNT, validate_deltas
 
 from .config import CountsStoreConfig
 from .dedup import DedupWindow, batch_too_old
-from .history import HistoryAppend, HistoryPage, HistoryRecord, validate_batch_seq, validate_limit, validate_records
+from .history import (
+    HistoryAppend,
+    HistoryBatch,
+    HistoryPage,
+    HistoryRecord,
+    validate_batch_seq,
+    validate_limit,
+    validate_records,
+)
 from .layout import MAX_AGGREGATED_COUNT
 from .leases import CommittedGeneration, Lease, LeaseTable, check_lease_args, check_ttl, lease_held, lease_lost, not_newer
 from .namespace import (
@@ -337,6 +345,29 @@ class CountsStore(abc.ABC):
         """
         validate_client_id(client_id)
         return self._append_history(namespace, client_id, validate_batch_seq(batch_seq), records, fingerprint)
+
+    def append_history_many(self, namespace: str, batches: Sequence[HistoryBatch]) -> list[HistoryAppend | NgramCacheError]:
+        """Several senders' batches at once (the service gathers concurrent pushes): each as `append_history` takes it.
+
+        Each batch is checked alone: one refused (a bad record, another tokenizer, a bad
+        client_id or batch_seq) gets its error in its place and the others go on. On Redis the
+        batches' parts in each partition are one script call (one per partition for all of
+        them, not one per batch); each part keeps the exactly-once rule of its batch.
+
+        Returns:
+            Per batch, in order: its `HistoryAppend`, or the `NgramCacheError` that refused it.
+
+        Raises:
+            NamespaceNotFoundError, BackendUnavailableError: every batch failed (retry each).
+        """
+        out: list[HistoryAppend | NgramCacheError] = []
+        for batch in batches:
+            try:
+                out.append(self.append_history(namespace, batch.client_id, batch.batch_seq, batch.records,
+                                               fingerprint=batch.fingerprint))
+            except (InvalidArgumentError, TokenizerMismatchError) as exc:
+                out.append(exc)
+        return out
 
     def read_history(self, namespace: str, after: str = "", limit: int = 1024, *,
                      groups: Collection[str] = ()) -> HistoryPage:

@@ -18,7 +18,13 @@ import numpy as np
 import pytest
 from helpers.counts import FP, OTHER_FP, VOCAB
 
-from ngramcache.cache_service.counts.history import MAX_BATCH_RECORDS, HistoryAppend, HistoryPage, HistoryRecord
+from ngramcache.cache_service.counts.history import (
+    MAX_BATCH_RECORDS,
+    HistoryAppend,
+    HistoryBatch,
+    HistoryPage,
+    HistoryRecord,
+)
 from ngramcache.cache_service.counts.store import CountsStore
 from ngramcache.client.errors import InvalidArgumentError, NamespaceNotFoundError, TokenizerMismatchError
 from ngramcache.client.sync.history_sources import prompt_group
@@ -275,3 +281,26 @@ def test_concurrent_appenders_lose_nothing(store: CountsStore, namespace: str) -
         mine = [r.offset for r in records if r.client_id == f"c{c}"]
         assert mine == sorted(mine) and len(set(mine)) == len(mine)
     assert len({r.cursor for r in records}) == len(records)
+
+
+def test_many_senders_batches_at_once_each_exactly_once_each_refused_alone(store: CountsStore, namespace: str) -> None:
+    """append_history_many (the service's gathered pushes): one store call per partition, the rules of each batch."""
+    store.create_namespace(namespace, FP, VOCAB)
+    batches = [HistoryBatch(f"s{c}", 4, [rec([c, i], seq=c, group=f"g{c}", offset=i) for i in range(3)], FP)
+               for c in range(6)]
+    batches.insert(2, HistoryBatch("s-bad", 1, [rec([VOCAB])]))
+    batches.insert(4, HistoryBatch("s-other", 1, [rec([1])], OTHER_FP))
+    batches.append(HistoryBatch("s0", 4, batches[0].records, FP))  # the same batch twice in one call: once
+    batches.append(HistoryBatch("s-empty", 1, []))
+    answers = store.append_history_many(namespace, batches)
+    assert isinstance(answers[2], InvalidArgumentError) and "history record 0" in str(answers[2])
+    assert isinstance(answers[4], TokenizerMismatchError)
+    assert [a for i, a in enumerate(answers) if i not in (2, 4)] == (
+        [HistoryAppend(True, 3, 6)] * 6 + [HistoryAppend(False), HistoryAppend(True)])
+    again = store.append_history_many(namespace, batches)  # a retry of every batch: nothing stored twice
+    assert [a for i, a in enumerate(again) if i not in (2, 4)] == [HistoryAppend(False)] * 8
+    assert store.append_history(namespace, "s-bad", 1, [rec([1])]).stored  # the refused batch took no seq
+    records, _ = read_all(store, namespace)
+    assert Counter(r.client_id for r in records) == {**{f"s{c}": 3 for c in range(6)}, "s-bad": 1}
+    for c in range(6):
+        assert [r.offset for r in records if r.client_id == f"s{c}"] == [0, 1, 2]

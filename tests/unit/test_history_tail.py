@@ -9,8 +9,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from ngramcache import NamespaceNotFoundError
-from ngramcache.cache_service.counts.history import HistoryAppend, HistoryPage, HistoryRecord
+from ngramcache import InvalidArgumentError, NamespaceNotFoundError
+from ngramcache.cache_service.counts.history import HistoryAppend, HistoryBatch, HistoryPage, HistoryRecord
 from ngramcache.cache_service.counts.namespace import NamespaceInfo
 from ngramcache.cache_service.history_tail import HistoryTails, TailOptions
 from ngramcache.cache_service.metrics import Metrics
@@ -30,6 +30,8 @@ class FakeStore:
         self.skip: set[str] = set()  # groups whose records append_history skips
         self.read_groups: list[tuple[str, ...]] = []  # the groups hint of each read
         self.page_size: int | None = None  # answer at most this many and say `more` (a partitioned history's cut)
+        self.append_delay = 0.0  # seconds an append takes (so pushes pile up behind it)
+        self.calls: list[int] = []  # batches per store call of the push path
 
     def namespace_info(self, namespace: str) -> NamespaceInfo:
         if not self.exists:
@@ -39,6 +41,17 @@ class FakeStore:
     def append_history(self, namespace: str, client_id: str, batch_seq: int, records: list[HistoryRecord],
                        *, fingerprint: bytes | None = None) -> HistoryAppend:
         """Stores every record but those in `skip` (as the store skips near-duplicate prompts)."""
+        time.sleep(self.append_delay)
+        self.calls.append(1)
+        return self._append(client_id, records)
+
+    def append_history_many(self, namespace: str, batches: list[HistoryBatch]) -> list[HistoryAppend | Exception]:
+        time.sleep(self.append_delay)
+        self.calls.append(len(batches))
+        return [InvalidArgumentError(f"bad batch of {b.client_id}") if b.client_id == "bad"
+                else self._append(b.client_id, b.records) for b in batches]
+
+    def _append(self, client_id: str, records: list[HistoryRecord]) -> HistoryAppend:
         kept = [r for r in records if r.group not in self.skip]
         for r in kept:
             n = self.first + len(self.records)
@@ -262,3 +275,25 @@ def test_the_poller_reads_on_at_once_while_the_store_says_more() -> None:
         await h.close()
 
     run(body())
+
+
+def test_concurrent_pushes_wait_for_the_call_in_flight_and_go_together() -> None:
+    """While one store call is in flight the pushes that arrive gather into the next (one append_history_many: one
+    script call per partition on Redis); each push still gets its own answer, a refused batch its own error."""
+    store = FakeStore()
+    store.append_delay = 0.2
+
+    async def body() -> list[Any]:
+        h = tails(store)
+        first = asyncio.ensure_future(h.push("ns", "c0", 1, [rec(0, 0)], FP))
+        await asyncio.sleep(0.05)  # the first call is in flight
+        rest = [h.push("ns", f"c{c}", 1, [rec(c, c, c)], FP) for c in range(1, 10)]
+        answers = await asyncio.gather(first, *rest, h.push("ns", "bad", 1, [rec(99, 1)], FP), return_exceptions=True)
+        await h.close()
+        return answers
+
+    answers = run(body())
+    assert answers[:10] == [HistoryAppend(True, 1, 1)] + [HistoryAppend(True, 1, 2)] * 9
+    assert isinstance(answers[10], InvalidArgumentError) and "bad batch of bad" in str(answers[10])
+    assert store.calls == [1, 10]  # the lone first push at once, the other ten in one call
+    assert sorted(r.client_id for r in store.records) == sorted(f"c{c}" for c in range(10))
