@@ -97,6 +97,8 @@ QUICK: dict[str, Quick] = {
     "bench_history_groups": Quick(("--quick",), (r"\| the service's own \(RemoteDrafter",)),
     "bench_history_lag": Quick(("--quick",), (r"accept on A -> draftable on B: p50", r"checksum [0-9a-f]+")),
     "bench_history_memory": Quick(("--quick",), (r"MEMORY USAGE stream", r"read: [\d,]+ records/s; checksum")),
+    "bench_history_partitions": Quick(("--quick",), (r"\| H=3, gathered \| [\d,]+ \|", r"3 vs 1d: [\d.]+x tokens per busy"),
+                                      seconds=15),
     "bench_llama_build": Quick(("--quick",), (r"\| portable \|", r"portable / native: prompt"), missing=_portable_wheel,
                                seconds=20),
     "bench_llama_server": Quick(("--quick",), (r"setup +tok/s", r"best built-in type"), missing=_llama_server),
