@@ -101,6 +101,8 @@ QUICK: dict[str, Quick] = {
                                       seconds=15),
     "bench_llama_build": Quick(("--quick",), (r"\| portable \|", r"portable / native: prompt"), missing=_portable_wheel,
                                seconds=20),
+    "bench_llama_follow": Quick(("--quick",), (r"\| overlap \| 1 \|", r"target: served from the new generation within 3 s"),
+                                missing=_llama_server, seconds=40),
     "bench_llama_server": Quick(("--quick",), (r"setup +tok/s", r"best built-in type"), missing=_llama_server),
     "bench_overload": Quick(("--quick",), (r"shedding point: [\d,]+ rows/s", r"checksum: store == acked in 2/2"), seconds=12),
     # llama.cpp, plain and the local drafters: transformers and the service (d, f) and cost-aware (g, h) setups
