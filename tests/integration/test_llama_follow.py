@@ -352,3 +352,65 @@ def test_server_is_repeatable_for_failover(fleet, live_first):
     finally:
         code, err = stop(f)
     assert code == 0, err
+
+
+def built_llama_server() -> Path:
+    """The llama-server tests/bench/build_llama_server.py caches, or a skip saying how to build it."""
+    bench = Path(__file__).resolve().parents[1] / "bench"
+    sys.path.insert(0, str(bench))
+    from build_llama_server import DEFAULT_CACHE, SERVER_CMAKE_ARGS, TARGET, server_dir
+
+    binary = server_dir(DEFAULT_CACHE, SERVER_CMAKE_ARGS) / TARGET
+    if not binary.is_file():
+        pytest.skip(f"{binary} is not built: python tests/bench/build_llama_server.py (6-8 min on 2 cores)")
+    return binary
+
+
+@pytest.mark.slow
+def test_the_real_llama_server_switches_with_no_failed_request(fleet):
+    """The real llama-server (SmolLM2-135M) behind llama-follow: completions all along, a new generation, none failed."""
+    binary = built_llama_server()
+    from helpers.model import smollm2_gguf
+
+    try:
+        model = smollm2_gguf()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    fleet.publish(1)
+    f = start_follower(fleet, server=[str(binary), "-m", str(model), "--spec-type", "ngram-cache", "-np", "2", "-c",
+                                      "1024", "-t", "2", "--no-webui"])
+    answers: list[str] = []
+    failures: list[str] = []
+    stopping = threading.Event()
+
+    def client() -> None:
+        while not stopping.is_set():
+            try:
+                code, raw, headers = http_headers(f"{f.url}/completion", {"prompt": "def add(a, b):", "n_predict": 4,
+                                                                         "temperature": 0})
+            except OSError as e:
+                failures.append(str(e))
+                continue
+            if code != 200 or "content" not in json.loads(raw):
+                failures.append(f"{code} {raw[:200]!r}")
+            else:
+                answers.append(headers.get("X-Ngramcache-Generation"))
+
+    try:
+        wait_ready(f, 120)
+        thread = threading.Thread(target=client, daemon=True)
+        thread.start()
+        wait_until(lambda: len(answers) >= 3, 60, "answers from generation 1")
+        fleet.publish(2)
+        wait_until(lambda: answers[-1:] == ["2"], 120, "an answer from generation 2")
+        n = len(answers)
+        wait_until(lambda: len(answers) >= n + 3, 60, "answers after the switch")
+        stopping.set()
+        thread.join(60)
+        assert failures == []
+        assert answers[0] == "1" and answers[-1] == "2" and answers.index("2") > 0
+        assert f.status()["switches"] == 1
+    finally:
+        stopping.set()
+        code, err = stop(f)
+    assert code == 0, err[-3000:]
