@@ -7,6 +7,7 @@
 - `commands`: build, stats, inspect, merge, import-llama, export-llama, export-sglang.
 - `demo`: the local part of `ngramcache demo`.
 - `sglang`: sglang-sync, which keeps running SGLang servers' external corpora on a namespace's newest generation.
+- `llama_follow`: llama-follow, which runs llama-server behind a proxy and moves it to each new generation.
 
 Every command checks its arguments and its output path before any work, so a mistake costs
 nothing and never destroys an input; a user error is one line on stderr (exit status 2),
