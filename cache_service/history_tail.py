@@ -72,8 +72,10 @@ class TailPage:
 
 
 def record_bytes(record: HistoryRecord) -> int:
-    """What a record counts against the ring's and an answer's byte bounds."""
-    return int(record.tokens.nbytes) + len(record.group) + len(record.client_id) + _RECORD_OVERHEAD
+    """What a record counts against the ring's and an answer's byte bounds (a partitioned history's cursor, a
+    position per partition, counts beyond the 32 bytes of a one-stream cursor that the overhead covers)."""
+    return (int(record.tokens.nbytes) + len(record.group) + len(record.client_id) + _RECORD_OVERHEAD
+            + max(0, len(record.cursor) - 32))
 
 
 @dataclasses.dataclass(frozen=True)

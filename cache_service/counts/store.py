@@ -309,7 +309,10 @@ class CountsStore(abc.ABC):
 
         A sender sends one batch at a time with increasing batch_seqs, so a batch_seq at or
         below the highest this client_id had stored in this namespace is a duplicate (a
-        retry): nothing is stored and the answer's ``stored`` is False. The records are checked whole
+        retry): nothing is stored and the answer's ``stored`` is False. On a partitioned
+        history (`NamespaceInfo.history_partitions` > 1) the rule holds per partition, for the
+        batch's records there: a retry after a try that stored some parts stores the others,
+        and its counts are theirs. The records are checked whole
         first; a bad one raises and nothing is stored (the batch_seq is not consumed). Each
         record's client_id is ignored and set to ``client_id``. An empty batch stores nothing
         but consumes its batch_seq.

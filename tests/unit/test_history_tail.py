@@ -12,7 +12,7 @@ import pytest
 from ngramcache import InvalidArgumentError, NamespaceNotFoundError
 from ngramcache.cache_service.counts.history import HistoryAppend, HistoryBatch, HistoryPage, HistoryRecord
 from ngramcache.cache_service.counts.namespace import NamespaceInfo
-from ngramcache.cache_service.history_tail import HistoryTails, TailOptions
+from ngramcache.cache_service.history_tail import HistoryTails, TailOptions, record_bytes
 from ngramcache.cache_service.metrics import Metrics
 from ngramcache.cache_service.store_runner import StoreRunner
 
@@ -297,3 +297,11 @@ def test_concurrent_pushes_wait_for_the_call_in_flight_and_go_together() -> None
     assert isinstance(answers[10], InvalidArgumentError) and "bad batch of bad" in str(answers[10])
     assert store.calls == [1, 10]  # the lone first push at once, the other ten in one call
     assert sorted(r.client_id for r in store.records) == sorted(f"c{c}" for c in range(10))
+
+
+def test_a_partitioned_historys_long_cursor_counts_against_the_ring() -> None:
+    """A cursor with a position per partition (~200 bytes at 12) is memory the ring holds per record."""
+    short = HistoryRecord("c", 1, "g", 0, np.zeros(4, dtype=np.int32), "inc.1796427272615-0")
+    long = HistoryRecord("c", 1, "g", 0, np.zeros(4, dtype=np.int32), "inc." + "_".join(["1796427272615-0"] * 12))
+    assert record_bytes(short) == 16 + 1 + 1 + 64
+    assert record_bytes(long) == record_bytes(short) + len(long.cursor) - 32
