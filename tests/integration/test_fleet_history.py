@@ -164,6 +164,20 @@ def test_two_clients_share_through_redis(tmp_path: Path, redis_standalone: objec
         ch.close()
 
 
+def test_two_clients_share_through_a_partitioned_history_on_a_cluster(tmp_path: Path, redis_cluster: object) -> None:
+    """The namespace's history in 12 partitions over 3 masters: each client's mirror gets every record of the other
+    (from every partition), with no gap, through the service's tail."""
+    url = redis_cluster.url  # type: ignore[attr-defined]
+    with ServiceThread(tmp_path / "data", counts=url) as svc:
+        ch = grpc.insecure_channel(f"127.0.0.1:{svc.port}")
+        ns = f"fleet-{int(time.time() * 1000) % 10**9}"
+        create(ch, ns)
+        assert svc.service.runner.store.namespace_info(ns).history_partitions == 12  # type: ignore[union-attr]
+        share_between_two_clients(f"127.0.0.1:{svc.port}", ns, tmp_path)
+        admin_pb2_grpc.AdminStub(ch).DropNamespace(admin_pb2.DropNamespaceRequest(name=ns), timeout=10)
+        ch.close()
+
+
 def test_group_and_mode_errors(tmp_path: Path) -> None:
     with ServiceThread(tmp_path / "data", counts=embedded(tmp_path)) as svc:
         ch = grpc.insecure_channel(f"127.0.0.1:{svc.port}")
