@@ -50,7 +50,8 @@ SWITCH_MODES = ("overlap", "restart")
 RESERVED = ("--host", "--port", "-lcs", "--lookup-cache-static", "--reuse-port")
 GENERATION_HEADER = "X-Ngramcache-Generation"  # on every answer: the generation of the server that gave it
 STOP_SECONDS = 20.0  # SIGTERM, then SIGKILL after this long
-RESTART_BACKOFF = (1.0, 2.0, 5.0, 10.0, 30.0)  # seconds before restarting a server that keeps exiting
+RESTART_BACKOFF = (1.0, 2.0, 5.0, 10.0, 30.0)
+STOPPED = "was stopped before it was ready"  # wait_ready's answer when the follower is asked to stop  # seconds before restarting a server that keeps exiting
 
 
 class GenerationSource(Protocol):
@@ -174,10 +175,12 @@ class ServerProcess:
             raise InvalidArgumentError(f"cannot run {command[0]}: {e.strerror or e} (the command after '--')") from None
         return cls(proc, port, generation)
 
-    async def wait_ready(self, timeout: float) -> str | None:
-        """Waits for /health 200; returns None when ready, else why not (exited, timed out)."""
+    async def wait_ready(self, timeout: float, stop: asyncio.Event | None = None) -> str | None:
+        """Waits for /health 200; returns None when ready, else why not (exited, timed out, ``stop`` set)."""
         deadline = time.monotonic() + timeout
         while True:
+            if stop is not None and stop.is_set():
+                return STOPPED
             if self.proc.returncode is not None:
                 return f"exited with status {self.proc.returncode} before /health answered 200 (its output is above)"
             if await _health(self.port) == 200:
@@ -237,6 +240,7 @@ class LlamaFollower:
         self._skipped = 0  # the newest generation given up (not written, or its server never ready): not retried
         self._draining: set[asyncio.Task[None]] = set()
         self.drain_on_stop = True  # False: stopping does not wait for the requests in flight (Ctrl-C)
+        self._stop: asyncio.Event | None = None
 
     def attach(self, source: GenerationSource) -> None:
         self.source = source
@@ -256,6 +260,7 @@ class LlamaFollower:
                 the proxy's address cannot be listened on (OSError).
         """
         config = self.config
+        self._stop = stop
         self.port = await self.proxy.start(config.listen_host, config.listen_port)
         config.say(f"listening on {config.listen_host}:{self.port}; llama-server runs behind it on a loopback port "
                    f"(switch: {config.switch})")
@@ -264,6 +269,8 @@ class LlamaFollower:
             if latest:
                 await self._write_lcs(latest)
             server = await self._start(self.stats.written)
+            if server is None and stop.is_set():
+                return
             if server is None:
                 raise NgramCacheError(f"llama-server {self._why} (the command after '--')")
             self._serve(server)
@@ -284,6 +291,8 @@ class LlamaFollower:
                 if await self._wait(stop, delay):
                     return
                 started = await self._start(self.stats.written)
+                if started is None and stop.is_set():
+                    return
                 if started is None:
                     failures += 1
                     self.config.say(f"llama-server {self._why}")
@@ -317,7 +326,7 @@ class LlamaFollower:
         lcs = self.config.lcs if generation else None
         for _ in range(2):  # a second try on a fresh port: the free port found may be taken before the server binds
             server = await ServerProcess.start(self.config.command, lcs, generation)
-            why = await server.wait_ready(self.config.start_timeout)
+            why = await server.wait_ready(self.config.start_timeout, self._stop)
             if why is None:
                 self.config.say(f"llama-server on 127.0.0.1:{server.port} ready in {server.ready_seconds:.2f} s "
                                 f"({f'generation {generation}' if generation else 'no generation yet, no -lcs file'})")
@@ -326,7 +335,7 @@ class LlamaFollower:
             self.stats.failed_starts += 1
             self._why = why
             if "exited" not in why:
-                break  # it timed out: trying again would take as long
+                break  # it timed out (trying again would take as long), or the follower stops
         return None
 
     async def _write_lcs(self, generation: int) -> bool:
@@ -358,6 +367,8 @@ class LlamaFollower:
             return
         if self.config.switch == "overlap":
             new = await self._start(generation)
+            if new is None and self._stopping():
+                return
             if new is None:
                 self._skipped = generation  # the next generation is tried; a restart reads the file meanwhile
                 self.config.say(f"llama-server for generation {generation} {self._why}; the server of generation "
@@ -368,6 +379,8 @@ class LlamaFollower:
             self.proxy.switch(None)  # new requests wait for the new server
             await self._drain(old)
             new = await self._start(generation)
+            if new is None and self._stopping():
+                return
             if new is None:  # self.server is the stopped one: _follow starts it again, held requests wait
                 self.config.say(f"llama-server for generation {generation} {self._why}; starting it again")
                 return
@@ -381,6 +394,9 @@ class LlamaFollower:
             task = asyncio.create_task(self._drain(old))
             self._draining.add(task)
             task.add_done_callback(self._draining.discard)
+
+    def _stopping(self) -> bool:
+        return self._stop is not None and self._stop.is_set()
 
     async def _drain(self, old: ServerProcess) -> None:
         t0 = time.monotonic()

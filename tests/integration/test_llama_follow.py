@@ -414,3 +414,27 @@ def test_the_real_llama_server_switches_with_no_failed_request(fleet):
         stopping.set()
         code, err = stop(f)
     assert code == 0, err[-3000:]
+
+
+def test_ctrl_c_while_the_model_loads_stops_at_once(fleet):
+    """A server that takes long to load does not hold up Ctrl-C (nor a SIGTERM): it is stopped, exit 130."""
+    fleet.publish(1)
+    f = start_follower(fleet, server=[sys.executable, str(STAND_IN), "--spec-type", "ngram-cache",
+                                      "--load-seconds", "60"])
+    try:
+        wait_until(lambda: _answers(f"{f.url}/health") == 503, 30, "the proxy answering 503 while the model loads")
+        t0 = time.monotonic()
+        code, err = stop(f, signal.SIGINT)
+        assert time.monotonic() - t0 < 10, err
+        assert code == 130, err
+        assert err.splitlines()[-1] == "ngramcache llama-follow: interrupted: llama-server stopped", err
+    finally:
+        if f.proc.poll() is None:
+            f.proc.kill()
+
+
+def _answers(url: str) -> int:
+    try:
+        return http(url, timeout=2)[0]
+    except OSError:
+        return 0
