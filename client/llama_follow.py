@@ -238,7 +238,7 @@ class LlamaFollower:
         self.server: ServerProcess | None = None
         self.port = 0
         self._skipped = 0  # the newest generation given up (not written, or its server never ready): not retried
-        self._draining: set[asyncio.Task[None]] = set()
+        self._draining: dict[asyncio.Task[None], ServerProcess] = {}  # old servers finishing their requests
         self.drain_on_stop = True  # False: stopping does not wait for the requests in flight (Ctrl-C)
         self._stop: asyncio.Event | None = None
 
@@ -392,18 +392,19 @@ class LlamaFollower:
                         f"{self.stats.last_export_seconds:.2f} s, server ready in {new.ready_seconds:.2f} s)")
         if self.config.switch == "overlap":  # the old server finishes its requests while this one serves
             task = asyncio.create_task(self._drain(old))
-            self._draining.add(task)
-            task.add_done_callback(self._draining.discard)
+            self._draining[task] = old
+            task.add_done_callback(lambda t: self._draining.pop(t, None))
 
     def _stopping(self) -> bool:
         return self._stop is not None and self._stop.is_set()
 
-    async def _drain(self, old: ServerProcess) -> None:
+    async def _drain(self, old: ServerProcess, wait: bool = True) -> None:
+        """Stop ``old`` once it has answered its requests (up to drain_timeout; at once without ``wait``)."""
         t0 = time.monotonic()
-        if old.upstream.in_flight:
+        if wait and old.upstream.in_flight:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(old.upstream.idle.wait(), self.config.drain_timeout)
-        left = old.upstream.in_flight
+        left = old.upstream.in_flight if wait else 0
         await old.stop()
         self.stats.last_drain_seconds = round(time.monotonic() - t0, 3)
         if left:
@@ -414,9 +415,11 @@ class LlamaFollower:
         await self.proxy.close()
         server, self.server = self.server, None
         if server is not None:
-            if not self.drain_on_stop:
-                server.upstream.in_flight = 0  # Ctrl-C: stop now, requests or not
-            await self._drain(server)
+            await self._drain(server, wait=self.drain_on_stop)  # Ctrl-C: stop now, requests or not
+        if self._draining and not self.drain_on_stop:
+            for task, old in list(self._draining.items()):
+                task.cancel()
+                await old.stop()
         if self._draining:
             await asyncio.gather(*self._draining, return_exceptions=True)
 

@@ -438,3 +438,33 @@ def _answers(url: str) -> int:
         return http(url, timeout=2)[0]
     except OSError:
         return 0
+
+
+def test_ctrl_c_during_a_drain_stops_the_old_server_too(fleet):
+    """An old server still finishing a long request after a switch is stopped at once by Ctrl-C, not after it."""
+    fleet.publish(1)
+    f = start_follower(fleet)
+    try:
+        wait_ready(f)
+        old_pid = json.loads(http(f"{f.url}/completion", {})[1])["pid"]
+        slow = threading.Thread(target=lambda: _quietly(lambda: http(f"{f.url}/completion", {"delay": 60}, 90)),
+                                daemon=True)
+        slow.start()
+        time.sleep(0.3)  # the slow request reached the old server
+        fleet.publish(2)
+        wait_until(lambda: f.status()["generation"] == 2, 30, "the switch to generation 2")
+        assert alive(old_pid)  # draining: its request is not done
+        t0 = time.monotonic()
+        code, err = stop(f, signal.SIGINT)
+        assert code == 130 and time.monotonic() - t0 < 15, err
+        wait_until(lambda: not alive(old_pid), 10, "the old server stopped")
+    finally:
+        if f.proc.poll() is None:
+            f.proc.kill()
+
+
+def _quietly(call: Any) -> None:
+    try:
+        call()
+    except OSError:
+        pass  # cut by the Ctrl-C: expected
