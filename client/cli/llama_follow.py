@@ -42,9 +42,11 @@ def add_llama_follow(sub: SubParsers) -> None:
         "server beside the old one, sends new requests to it once its /health answers 200, and stops the old one "
         "when its requests are done: no request fails, and two copies of the model are loaded for the few seconds "
         "of the switch. --switch restart loads one copy at a time: new requests wait in the proxy while the old "
-        "server finishes and the new one starts (about one start, 1-2 s for a small model). The proxy answers "
+        "server finishes its requests and the new one starts (the longest request in flight plus one start). The "
+        "proxy answers "
         "/health with the server's answer (503 while none is ready): point a readiness probe at it. GET "
-        "/ngramcache/status gives the generation served and the switch figures as JSON. A server that exits on "
+        "/ngramcache/status gives the generation served and the switch figures as JSON, and every answer carries "
+        "X-Ngramcache-Generation (the generation of the server that gave it). A server that exits on "
         "its own is started again; an unreachable service never stops llama-server (it serves the last "
         "generation written, or none, while the connection is retried). Ctrl-C stops the servers at once; SIGTERM "
         "lets their requests finish first (up to --drain-timeout).",
