@@ -312,34 +312,45 @@ end
 # dedup_ttl_ms, then per batch: client id, batch_seq, n, then n records of: seq, group, offset, tokens
 # (raw '<i4'), near-duplicate digest ('' for none: not a prompt).
 # Returns {-1} (another instance) or {1, then per batch: 1 stored (0 duplicate: nothing stored), records
-# stored, tokens stored, near-duplicates skipped, their tokens}. A sender's silent peers are swept when a
-# sender is new here, old digests when a batch holds a prompt, so a call of plain records costs a few
-# commands besides its XADDs.
+# stored, tokens stored, near-duplicates skipped, their tokens}. The batch_seqs are read (HMGET) and
+# written (HSET, ZADD seen) once for all the batches; silent senders are swept when a sender is new
+# here, old digests when a batch holds a prompt: a call costs a few commands besides its XADDs,
+# however many senders' batches it holds.
 HAPPEND = Script("history_append", _HTRIM + """
 if redis.call('HGET', KEYS[1], 'instance') ~= ARGV[1] then return {-1} end
 local now = hnow()
+local batches, clients = {}, {}
+local a = 6
+while a <= #ARGV do
+  local n = tonumber(ARGV[a + 2])
+  batches[#batches + 1] = {a, n}
+  clients[#clients + 1] = ARGV[a]
+  a = a + 3 + 5 * n
+end
+local hw = {}
+if #clients > 0 then
+  local got = redis.call('HMGET', KEYS[4], unpack(clients))
+  for i = 1, #clients do if got[i] then hw[clients[i]] = tonumber(got[i]) end end
+end
 local st = redis.call('HMGET', KEYS[3], 'tokens', 'first')
 local tokens, first = tonumber(st[1] or '0'), st[2] or ''
 local stored, digests_trimmed = false, false
+local seqs, seen = {}, {}
 local out = {1}
-local a = 6
-while a <= #ARGV do
-  local client, bseq, n = ARGV[a], ARGV[a + 1], tonumber(ARGV[a + 2])
-  a = a + 3
-  local hwm = redis.call('HGET', KEYS[4], client)
-  if hwm and tonumber(bseq) <= tonumber(hwm) then
+for i = 1, #batches do
+  local a, n = batches[i][1], batches[i][2]
+  local client, bseq = ARGV[a], ARGV[a + 1]
+  local hwm = hw[client]
+  if hwm and tonumber(bseq) <= hwm then
     for _ = 1, 5 do out[#out + 1] = 0 end
   else
-    redis.call('HSET', KEYS[4], client, bseq)
-    if redis.call('ZADD', KEYS[5], now, client) == 1 then
-      local silent = redis.call('ZRANGEBYSCORE', KEYS[5], '-inf', '(' .. (now - tonumber(ARGV[5])), 'LIMIT', 0, 16)
-      for i = 1, #silent do
-        redis.call('HDEL', KEYS[4], silent[i])
-        redis.call('ZREM', KEYS[5], silent[i])
-      end
-    end
+    hw[client] = tonumber(bseq)
+    seqs[#seqs + 1] = client
+    seqs[#seqs + 1] = bseq
+    seen[#seen + 1] = now
+    seen[#seen + 1] = client
     local added, records, skipped, skipped_tokens = 0, 0, 0, 0
-    for b = a, a + 5 * (n - 1), 5 do
+    for b = a + 3, a + 3 + 5 * (n - 1), 5 do
       local digest = ARGV[b + 4]
       local skip = false
       if digest ~= '' then
@@ -370,7 +381,16 @@ while a <= #ARGV do
     out[#out + 1] = skipped
     out[#out + 1] = skipped_tokens
   end
-  a = a + 5 * n
+end
+if #seqs > 0 then
+  redis.call('HSET', KEYS[4], unpack(seqs))
+  if redis.call('ZADD', KEYS[5], unpack(seen)) > 0 then  -- a sender new here: sweep up to 16 silent ones
+    local silent = redis.call('ZRANGEBYSCORE', KEYS[5], '-inf', '(' .. (now - tonumber(ARGV[5])), 'LIMIT', 0, 16)
+    for i = 1, #silent do
+      redis.call('HDEL', KEYS[4], silent[i])
+      redis.call('ZREM', KEYS[5], silent[i])
+    end
+  end
 end
 if stored then redis.call('HSET', KEYS[3], 'tokens', string.format('%d', tokens), 'first', first) end
 htrim(KEYS[2], KEYS[3], tonumber(ARGV[2]), now - tonumber(ARGV[3]), tokens, first)
