@@ -9,7 +9,11 @@ loads no engine:
   `NgramDraftModel`;
 - `ngramcache.client.adapters.vllm` (vLLM 0.22 to 0.33, not a dependency: vLLM imports it):
   `NgramCacheProposer`, for ``speculative_config={"method": "custom_class", "model": ...}``,
-  its rows mapped to drafter sequences by `ngramcache.client.adapters.batch_rows.BatchRows`.
+  its rows mapped to drafter sequences by `ngramcache.client.adapters.batch_rows.BatchRows`;
+- `ngramcache.client.adapters.vllm_speculator` (vLLM 0.34+, which imports it):
+  `NgramCacheSpeculator`, for ``speculative_config={"method": "ngramcache", ...}``, the method
+  `ngramcache.client.adapters.vllm.register` (a ``vllm.general_plugins`` entry point) registers
+  with its config, `ngramcache.client.adapters.vllm_method.NgramCacheSpeculatorConfig`.
 
 All take any drafter with ``draft``/``accept``/``reset`` (`ngramcache.Drafter`,
 ``NgramClient(...).drafter()``, `ngramcache.RemoteDrafter`) and count what they do in a

@@ -191,14 +191,15 @@ class NgramCacheSpeculator(BaseSpeculator):
         confidences = self._host_confidences[:num_reqs].numpy() if self.enable_adaptive_verification else None
         if confidences is not None:
             confidences.fill(0.0)
-        for b in rows:
-            self.stats.steps += 1
-            self.stats.tokens += int(sampled[b])
-            self.stats.accepted += int(sampled[b]) - 1  # vLLM samples the accepted drafted tokens and one more
-        limits = [min(self.n_draft, width, self.max_model_len - int(lengths[b])) for b in rows]
+        if rows:
+            taken = int(sampled[rows].sum())
+            self.stats.steps += len(rows)
+            self.stats.tokens += taken
+            self.stats.accepted += taken - len(rows)  # vLLM samples the accepted drafted tokens and one more
+            # Fillers: verified like drafts, rejected unless the model repeats the row's last token.
+            host[rows, :width] = np.array([s.tokens[-1] for s in seqs], dtype=np.int64)[:, None]
+        limits = np.minimum(min(self.n_draft, width), self.max_model_len - lengths[rows]).tolist()
         wanted = [k for k, limit in enumerate(limits) if limit > 0]
-        for k, b in enumerate(rows):
-            host[b, :width] = seqs[k].tokens[-1]  # filler: verified like a draft, rejected unless it repeats
         if wanted:
             drafts, odds = self._draft([seqs[k] for k in wanted], [limits[k] for k in wanted], confidences is not None)
             for k, draft, p in zip(wanted, drafts, odds, strict=True):
@@ -245,13 +246,13 @@ class NgramCacheSpeculator(BaseSpeculator):
             if most > 0:
                 pos = np.minimum(starts[:, None] + np.arange(most, dtype=np.int64)[None, :], (ends - 1)[:, None])
                 at = torch.as_tensor(slots[[rows[k] for k in tails]], device=token_ids.device)
-                new = token_ids[at[:, None], torch.as_tensor(pos, device=token_ids.device)].cpu().numpy()
+                new = token_ids[at[:, None], torch.as_tensor(pos, device=token_ids.device)].cpu().numpy().astype(np.int32, copy=False)
                 for i, k in enumerate(tails):
                     seq = out[k]
                     assert seq is not None
                     m = int(ends[i] - starts[i])
                     if m > 0:
-                        seq.append(new[i, :m].astype(np.int32, copy=False))
+                        seq.append(new[i, :m])
                         self.drafter.accept(seq.seq_id, seq.tokens)
         for b in rows:
             self._seqs.move_to_end(req_ids[b])

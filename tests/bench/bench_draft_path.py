@@ -11,8 +11,8 @@ the adapter what the engine would:
   (CPU tensors, as transformers' assisted-decoding loop calls them);
 - llama-cpp-python: `NgramDraftModel.__call__` on a view of one reused intc buffer;
 - vLLM: `NgramCacheProposer.propose` on a one-row batch laid out as vLLM 0.33.0's
-  (``num_speculative_tokens`` 64: vLLM verifies every drafted token, so it has no cost-aware
-  setting; its default already drafts up to the engine's limit).
+  (``num_speculative_tokens`` 64; no cost-aware setting: its default drafts up to the engine's
+  limit; auto is ``NGC_VLLM_N_DRAFT=auto``, opt-in there).
 
 Settings: fixed (n_draft=64, every drafted token sent), cost-aware (n_draft=64,
 ``cost_aware=True`` with flat given costs, c(k) = 1 + k/1000: a GPU's, so the drafts are the fixed
@@ -144,7 +144,8 @@ class VllmPath(Path_):
             speculative_config=SimpleNamespace(method="custom_class", model="x", num_speculative_tokens=64),
             model_config=SimpleNamespace(max_model_len=8192, tokenizer=None, get_vocab_size=lambda: 200_000),
             scheduler_config=SimpleNamespace(max_num_seqs=1))
-        self.make = lambda: NgramCacheProposer(config, ProposerConfig(mode="match"))
+        n_draft = setting.get("n_draft", "auto")
+        self.make = lambda: NgramCacheProposer(config, ProposerConfig(mode="match", n_draft=n_draft))
         self.token_ids = np.zeros((1, 8192), dtype=np.int32)
         self.num = np.zeros(1, dtype=np.int32)
 
@@ -168,7 +169,7 @@ class VllmPath(Path_):
 ADAPTERS: dict[str, tuple[Callable[[dict[str, Any]], Path_], tuple[str, ...]]] = {
     "transformers": (TransformersPath, tuple(SETTINGS)),
     "llama-cpp": (LlamaCppPath, tuple(SETTINGS)),
-    "vllm": (VllmPath, ("fixed",)),
+    "vllm": (VllmPath, ("fixed", "auto")),
 }
 
 

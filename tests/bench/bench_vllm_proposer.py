@@ -9,24 +9,31 @@ finished requests leave, the batch is compacted as vLLM does, and waiting reques
 rows. Both proposers see the same batches and draft with a context-only `Drafter`:
 
 - (a) `NgramCacheProposer`, which finds each row's sequence from its tokens (`BatchRows`);
-- (b) the oracle: a sequence per request id, `accept` and one `draft_batch` per step, nothing else.
+- (b) the oracle: a sequence per request id, `accept` and one `draft_batch` per step, nothing else;
+- (c) with ``--speculator`` (needs torch): vLLM 0.34's `NgramCacheSpeculator`, built and called
+  through the stand-in of 0.34.0's interface (tests/helpers/vllm_stand_in.py) on CPU tensors: a
+  sequence per request id, the new tokens of each row gathered from the token table, fixed-width
+  rows (drafts, then fillers).
 
-Their drafts must be equal (the checksum line). The figure is the median time of one
-``propose`` call per step, and (a)/(b).
+Their drafts must be equal (the checksum line; (c)'s rows against (b)'s padded as vLLM 0.34 pads
+them). The figure is the median time of one ``propose`` call per step, and (a)/(b), (c)/(b).
 
     python tests/bench/bench_vllm_proposer.py            # 128 requests, 64 rows, 1,024-token prompts
     python tests/bench/bench_vllm_proposer.py --quick
+    python tests/bench/bench_vllm_proposer.py --speculator
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import sysconfig
 import time
 import zlib
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
 
@@ -81,6 +88,7 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--n-draft", type=int, default=8)
     ap.add_argument("--quick", action="store_true", help="32 requests, 8 rows, 256-token prompts")
+    ap.add_argument("--speculator", action="store_true", help="also (c): vLLM 0.34's NgramCacheSpeculator (needs torch)")
     args = ap.parse_args()
     if args.quick:
         args.requests, args.rows, args.prompt = 32, 8, 256
@@ -94,6 +102,8 @@ def main() -> None:
                              scheduler_config=SimpleNamespace(max_num_seqs=args.rows))
     proposer = NgramCacheProposer(config, ProposerConfig())
     oracle = Oracle(vocab, args.n_draft)
+    runner, times_c = (speculator_runner(vocab, args.rows, max_len, args.n_draft), []) if args.speculator else (None, [])
+    checksum_c = checksum_b_padded = 0
     token_ids = np.zeros((args.rows, max_len), dtype=np.int32)
     num_tokens = np.zeros(args.rows, dtype=np.int32)
     batch: list[int] = []  # request index per row
@@ -132,6 +142,18 @@ def main() -> None:
         if steps > 0:  # the first step is the warm-up
             times_a.append(t1 - t0)
             times_b.append(t2 - t1)
+        if runner is not None:
+            for r in batch:
+                if str(r) not in runner.req_states.req_id_to_index:
+                    runner.add_request(str(r), docs[r][: args.prompt].tolist())
+            out_c = runner.step({str(r): new for r, new in zip(batch, sampled)}, [str(r) for r in batch])
+            if steps > 0:
+                times_c.append(runner.speculator.calls[-1])
+            for row, r in enumerate(batch):
+                last = int(token_ids[row, num_tokens[row] - 1])
+                want = out_b[row] + [last] * (args.n_draft - len(out_b[row]))
+                checksum_b_padded = zlib.crc32(np.asarray(want, dtype=np.int64).tobytes(), checksum_b_padded)
+                checksum_c = zlib.crc32(np.asarray(out_c[str(r)], dtype=np.int64).tobytes(), checksum_c)
         steps += 1
         for row, r in enumerate(batch):
             drafts[r] = out_a[row]
@@ -140,6 +162,8 @@ def main() -> None:
             checksum_b = zlib.crc32(np.asarray(out_b[row], dtype=np.int32).tobytes(), checksum_b)
         # Finished requests leave; the batch is compacted (the last rows move into the holes).
         done = [row for row, r in enumerate(batch) if num_tokens[row] >= args.prompt + args.new_tokens]
+        if runner is not None and done:
+            runner.finish_requests({str(batch[row]) for row in done})
         for row in sorted(done, reverse=True):
             last = len(batch) - 1
             if row != last:
@@ -155,8 +179,44 @@ def main() -> None:
     print(f"(a)/(b) = {med_a / med_b:.2f}; rows: started {proposer.rows.started}, taken over "
           f"{proposer.rows.taken_over}, freed {proposer.rows.freed}")
     print(f"checksum (a) {checksum_a:08x}  (b) {checksum_b:08x}  {'equal' if checksum_a == checksum_b else 'DIFFER'}")
-    if checksum_a != checksum_b:
+    same_c = True
+    if runner is not None:
+        med_c = statistics.median(times_c) * 1e6
+        same_c = checksum_c == checksum_b_padded
+        print(f"(c) NgramCacheSpeculator.propose median {med_c:8.1f} us/step  ({med_c / args.rows:.1f} us/row); "
+              f"(c)/(b) = {med_c / med_b:.2f}")
+        print(f"checksum (c) {checksum_c:08x}  (b) padded {checksum_b_padded:08x}  {'equal' if same_c else 'DIFFER'}")
+    if checksum_a != checksum_b or not same_c:
         raise SystemExit(1)
+
+
+def speculator_runner(vocab: int, rows: int, max_len: int, n_draft: int) -> Any:
+    """vLLM 0.34's model runner (the stand-in, CPU tensors) over `NgramCacheSpeculator`, its propose calls timed."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for helpers
+    from helpers import vllm_stand_in
+
+    sys.modules.update(vllm_stand_in.install())
+    from ngramcache.client.adapters import vllm as adapter
+
+    adapter.register()
+    model = SimpleNamespace(max_model_len=max_len, tokenizer=None, get_vocab_size=lambda: vocab)
+    parallel = SimpleNamespace(tensor_parallel_size=1)
+    spec = vllm_stand_in.speculative_config(model, parallel, method=adapter.METHOD, num_speculative_tokens=n_draft)
+    config = SimpleNamespace(speculative_config=spec, model_config=model, parallel_config=parallel,
+                             scheduler_config=SimpleNamespace(max_num_seqs=rows))
+    runner = vllm_stand_in.ModelRunner(config)
+    speculator = runner.speculator
+    propose = speculator.propose
+    speculator.calls = []
+
+    def timed(*a: Any, **kw: Any) -> Any:
+        t0 = time.perf_counter()
+        out = propose(*a, **kw)
+        speculator.calls.append(time.perf_counter() - t0)
+        return out
+
+    speculator.propose = timed
+    return runner
 
 
 if __name__ == "__main__":
