@@ -37,7 +37,7 @@ busiest unit's CPUs) and projected from the costs (the busiest unit's idle CPUs 
 of the marginal CPU per accepted token reaching one core). The cost table gives, per setup,
 the idle CPUs per client and the marginal microseconds per accepted token of each component.
 
-    nice flock /tmp/ngc-heavy.lock python tests/bench/bench_fleet_load.py             # about 15 min
+    nice flock /tmp/ngc-heavy.lock python tests/bench/bench_fleet_load.py             # about 11 min
     python tests/bench/bench_fleet_load.py --setups 3x2x64 --reps 3                   # the base, 3 ramps
     python tests/bench/bench_fleet_load.py --quick     # checks the script (< 60 s; figures meaningless)
 """
@@ -171,13 +171,14 @@ def client_process(conn: Connection, index: int, n_clients: int, addresses: list
             t_base, fed_base = time.monotonic(), fed
         c = cursor % n_clients
         cursor += 1
-        group = groups[c]
-        if group is None or all(p >= len(t) for p, t in zip(group.pos, group.texts)):
-            if group is not None:
-                for seq in group.seqs:
+        current = groups[c]
+        if current is None or all(p >= len(t) for p, t in zip(current.pos, current.texts)):
+            if current is not None:
+                for seq in current.seqs:
                     drafters[c].reset(seq)
-            group = groups[c] = Group(rng, next_seq[c], f"p{index}c{c}g{next_seq[c]}")
+            current = groups[c] = Group(rng, next_seq[c], f"p{index}c{c}g{next_seq[c]}")
             next_seq[c] += SIBLINGS
+        group = current
         t_step = time.perf_counter()
         for s, seq in enumerate(group.seqs):  # one step of every live sibling
             text, pos = group.texts[s], group.pos[s]
@@ -318,7 +319,7 @@ class Fleet:
             self.marker_clients = [
                 NgramClient([addresses[0]], NS, (FP, VOCAB), cache_dir=tmp / "marker-a", **CLIENT_OPTIONS),
                 NgramClient([addresses[-1]], NS, (FP, VOCAB), cache_dir=tmp / "marker-b", **CLIENT_OPTIONS)]
-            self.marker = Marker(*self.marker_clients, marker_timeout)
+            self.marker = Marker(self.marker_clients[0], self.marker_clients[1], marker_timeout)
             self.marker.start()
         except BaseException:
             self.close()
