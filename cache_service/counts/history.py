@@ -230,7 +230,7 @@ def validate_partitions(partitions: int) -> int:
     """A history partition count: an integer in [1, MAX_HISTORY_PARTITIONS], else InvalidArgumentError."""
     if isinstance(partitions, bool) or not isinstance(partitions, (int, np.integer)) \
             or not 1 <= int(partitions) <= MAX_HISTORY_PARTITIONS:
-        raise InvalidArgumentError(f"history partitions must be an integer in [1, {MAX_HISTORY_PARTITIONS}], "
+        raise InvalidArgumentError(f"history_partitions must be an integer in [1, {MAX_HISTORY_PARTITIONS}], "
                                    f"got {partitions!r}")
     return int(partitions)
 

@@ -132,7 +132,8 @@ def test_records_go_to_the_partition_of_their_group_or_sequence() -> None:
             validate_partitions(bad)  # type: ignore[arg-type]
     assert CountsStoreConfig.from_env({"NGC_COUNTS_HISTORY_PARTITIONS": "3"}).history_partitions == 3
     assert CountsStoreConfig().history_partitions is None
-    with pytest.raises(InvalidArgumentError, match="history partitions"):
+    assert CountsStoreConfig.from_url("redis://h:1?history_partitions=3").history_partitions == 3
+    with pytest.raises(InvalidArgumentError, match=r"history_partitions must be an integer in \[1, 64\], got 0"):
         CountsStoreConfig(history_partitions=0)
 
 
