@@ -3,18 +3,14 @@ carries one replica's output to another's drafts, and times it. A few seconds of
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
+import fleet_sim as fs
 import numpy as np
 import pytest
-from helpers.service import ServiceThread
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-
-import fleet_sim as fs
 from bench_fleet_history_service import ServiceFleet
 from fleet_setups import MatchLocal
+from helpers.service import ServiceThread
 
 from ngramcache import UNTAGGED, AdminClient
 

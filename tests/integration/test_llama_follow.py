@@ -356,8 +356,6 @@ def test_server_is_repeatable_for_failover(fleet, live_first):
 
 def built_llama_server() -> Path:
     """The llama-server tests/bench/build_llama_server.py caches, or a skip saying how to build it."""
-    bench = Path(__file__).resolve().parents[1] / "bench"
-    sys.path.insert(0, str(bench))
     from build_llama_server import DEFAULT_CACHE, SERVER_CMAKE_ARGS, TARGET, server_dir
 
     binary = server_dir(DEFAULT_CACHE, SERVER_CMAKE_ARGS) / TARGET

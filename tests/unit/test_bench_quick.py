@@ -45,7 +45,6 @@ def _llama_tools() -> str | None:
 
 
 def _llama_server() -> str | None:
-    sys.path.insert(0, str(BENCH))
     from build_llama_server import DEFAULT_CACHE, SERVER_CMAKE_ARGS, TARGET, server_dir
 
     binary = server_dir(DEFAULT_CACHE, SERVER_CMAKE_ARGS) / TARGET
@@ -53,7 +52,6 @@ def _llama_server() -> str | None:
 
 
 def _portable_wheel() -> str | None:
-    sys.path.insert(0, str(BENCH))
     from build_llama_cpp import DEFAULT_CACHE, PORTABLE_CMAKE_ARGS, cached_wheel
 
     if cached_wheel(DEFAULT_CACHE, PORTABLE_CMAKE_ARGS) is None:

@@ -4,16 +4,11 @@ fleet's lag, on small synthetic requests. No model, no SuffixDecoding; seconds."
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Sequence
-from pathlib import Path
-
-import numpy as np
-import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
 import fleet_sim as fs
+import numpy as np
+import pytest
 from fleet_setups import MatchFleet, MatchLocal, MatchSiloed, PromptLookup
 
 VOCAB = 1000

@@ -6,7 +6,6 @@ import importlib.util
 import platform
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -78,7 +77,6 @@ def test_project_core_stays_within_the_baseline():
 
 
 def test_suffix_decoding_peer_stays_within_the_baseline():
-    sys.path.insert(0, str(ROOT / "tests" / "bench"))
     from build_suffix_decoding import DEFAULT_DEST, module_path
 
     module = module_path(DEFAULT_DEST)
@@ -89,7 +87,6 @@ def test_suffix_decoding_peer_stays_within_the_baseline():
 def test_llama_server_recipe_is_portable():
     # Always checked: the flags the benchmark builds llama-server with (the build itself takes
     # minutes and is not part of the test command; the binary is checked below where it exists).
-    sys.path.insert(0, str(ROOT / "tests" / "bench"))
     from build_llama_server import SERVER_CMAKE_ARGS
 
     flags = SERVER_CMAKE_ARGS.split()
@@ -99,7 +96,6 @@ def test_llama_server_recipe_is_portable():
 
 
 def test_llama_server_stays_within_the_baseline():
-    sys.path.insert(0, str(ROOT / "tests" / "bench"))
     from build_llama_server import DEFAULT_CACHE, SERVER_CMAKE_ARGS, TARGET, server_dir
 
     binary = server_dir(DEFAULT_CACHE, SERVER_CMAKE_ARGS) / TARGET
