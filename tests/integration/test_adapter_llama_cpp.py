@@ -304,11 +304,18 @@ def test_cost_aware_generation_matches_plain_greedy(llama_cls, plain, static_cac
     assert cost(0) == 1.0 and all(cost(k + 1) >= cost(k) for k in range(8)) and cost(8) > 1.0
     assert llm.draft_model is dm and llm.n_tokens == 0  # the Llama is handed back as it was
     got = complete(llm, prompt)
-    assert len(got) >= 32 and dm.stats.accepted > 0
-    if got != reference:  # batched kernels round differently (see the test above): near ties only
-        slack = greedy_slack(llama_cls, prompt, got)
-        near_ties = [s for s in slack if s > 0]
-        assert len(near_ties) <= 2 and max(near_ties) < 0.5, (slack, got, reference)
+    # With the costs measured here, drafting may not pay at all (a loaded 2-core CPU: a drafted step costs up to
+    # twice a plain one, and then nothing is drafted); with cheap costs given (a GPU's), it must draft and accept.
+    assert len(got) >= 32
+    cheap = NgramDraftModel(drafter, seq_id=13, n_draft=8, cost_aware=True, verify_cost=[1.0 + 0.01 * k for k in range(9)])
+    llm.draft_model = cheap
+    got_cheap = complete(llm, prompt)
+    assert len(got_cheap) >= 32 and cheap.stats.accepted > 0, cheap.stats
+    for out in (got, got_cheap):
+        if out != reference:  # batched kernels round differently (see the test above): near ties only
+            slack = greedy_slack(llama_cls, prompt, out)
+            near_ties = [s for s in slack if s > 0]
+            assert len(near_ties) <= 2 and max(near_ties) < 0.5, (slack, out, reference)
     llm.close()
 
 
