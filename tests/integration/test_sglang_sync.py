@@ -193,6 +193,9 @@ def test_no_room_beside_other_corpora(service: Service, tokenizer: Tokenizer) ->
             notes = [e["message"] for e in events.of("note")]
             assert notes == [f"no room for generation 2's corpus beside {corpus_id(ns, 1)}: removing it first (the "
                              "server drafts from its other corpora meanwhile)"]
+            # The feeder is done with generation 2 (added, listed again, said) before its corpus goes: else its own
+            # check that the add is listed could see it gone ("added ... but the server does not list it").
+            wait_until(lambda: any(e["generation"] == 2 for e in events.of("listed")), 5.0, "g2 said listed")
             with a.lock:
                 a.corpora = {"someone-else": a.max_tokens - 10}
             wait_until(lambda: events.of("error"), 5.0, "the refusal")
