@@ -17,6 +17,8 @@ replica (or pulls from one that restarted) sees another ``view_id`` and reloads 
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import dataclasses
 import uuid
 from collections import deque
@@ -75,7 +77,7 @@ class DraftView:
     The heavy parts (`diff`, `build`, `export_rows`) are native calls that release the GIL
     and may run on a worker thread; the bookkeeping (`apply`, `install`, `changes_since`)
     runs on the one thread that owns the view (the service's event loop), which is also the
-    only writer of ``published``.
+    only writer of ``published``; `wait_newer` waits there for the next `apply` or `install`.
     """
 
     def __init__(self, full: CountTable, policy: ViewPolicy | None = None) -> None:
@@ -92,6 +94,7 @@ class DraftView:
         self._credit = float(self.policy.max_rows_per_second * self.policy.burst_seconds)  # rows it may log now
         self.rows_published = 0  # rows appended to the log since this object was made
         self.rebuilds = 0
+        self._news: asyncio.Event | None = None  # made by the first waiter; set (and dropped) by a change
         self.install(*self.build(full))
 
     def min_total(self, scale: int) -> list[int]:
@@ -174,6 +177,7 @@ class DraftView:
         self._log.clear()
         self._log_rows = 0
         self.rebuilds += 1
+        self._changed()
 
     def apply(self, rows: np.ndarray, scale: int) -> None:
         """Publish what `diff` returned."""
@@ -187,6 +191,23 @@ class DraftView:
         self.rows_published += len(rows)
         while self._log_rows > self.policy.log_rows and len(self._log) > 1:
             self._log_rows -= len(self._log.popleft()[1])
+        self._changed()
+
+    def _changed(self) -> None:
+        news, self._news = self._news, None
+        if news is not None:
+            news.set()
+
+    async def wait_newer(self, view_id: str, version: int, timeout: float) -> None:
+        """Return when the view is past ``version`` of incarnation ``view_id`` (at once if it is already, or
+        is another incarnation), or after ``timeout`` seconds: a Pull with nothing new waits here for a change
+        rather than the client asking again and again."""
+        if view_id != self.view_id or version != self.version or timeout <= 0:
+            return
+        if self._news is None:
+            self._news = asyncio.Event()
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._news.wait(), timeout)
 
     def changes_since(self, view_id: str, version: int) -> np.ndarray | None:
         """The rows to apply after ``version`` of incarnation ``view_id`` (in order: a later row of an

@@ -33,6 +33,9 @@ from ..store_runner import StoreRunner
 DEFAULT_CHUNK_ROWS = 16384
 """Rows of a Pull chunk when the request says 0 (counts.proto: 16384 rows, 896 KiB)."""
 
+MAX_PULL_WAIT_MS = 5000
+"""Longest wait of a draft view Pull with nothing new (PullRequest.wait_ms is capped at it)."""
+
 
 class CountsServicer(counts_pb2_grpc.CountsServicer):
     """Push and Pull over the service's counts store, called through its `StoreRunner`; concurrent
@@ -99,7 +102,7 @@ class CountsServicer(counts_pb2_grpc.CountsServicer):
         chunk_rows = min(request.max_chunk_rows or DEFAULT_CHUNK_ROWS, self.max_chunk_rows)
         info = await self.exporter.namespace(namespace, request.tokenizer_fingerprint)
         if request.view == counts_pb2.PULL_VIEW_DRAFT:
-            async for chunk in self._pull_view(request, chunk_rows):
+            async for chunk in self._pull_view(request, chunk_rows, context.time_remaining()):
                 yield chunk
             return
         if request.view != counts_pb2.PULL_VIEW_STORE:
@@ -112,9 +115,10 @@ class CountsServicer(counts_pb2_grpc.CountsServicer):
             async for part in chunks:
                 yield _chunk(part.rows, part.version, part.complete)
 
-    async def _pull_view(self, request: counts_pb2.PullRequest,
-                         chunk_rows: int) -> AsyncIterator[counts_pb2.PullResponse]:
-        """The draft view's changes since (view_id, since_version), or the whole view with reset."""
+    async def _pull_view(self, request: counts_pb2.PullRequest, chunk_rows: int,
+                         time_remaining: float | None) -> AsyncIterator[counts_pb2.PullResponse]:
+        """The draft view's changes since (view_id, since_version), or the whole view with reset; with nothing new
+        and ``wait_ms``, the changes of the view's next update (within the wait and the caller's deadline)."""
         if self._registry is None:
             raise InvalidArgumentError("this server does not serve draft views")
         view = (await self._registry.get(request.namespace)).view
@@ -122,6 +126,11 @@ class CountsServicer(counts_pb2_grpc.CountsServicer):
             raise BackendUnavailableError(f"the draft view of {request.namespace!r} is not built yet")
         if request.HasField("since_version"):
             changes = view.changes_since(request.view_id, request.since_version)
+            if changes is not None and not len(changes) and request.wait_ms:
+                left = float("inf") if time_remaining is None else time_remaining - 0.5  # answer before the deadline
+                wait = min(request.wait_ms, MAX_PULL_WAIT_MS) / 1000
+                await view.wait_newer(request.view_id, request.since_version, max(0.0, min(wait, left)))
+                changes = view.changes_since(request.view_id, request.since_version)
             if changes is not None:
                 for part, complete in split_rows(changes, chunk_rows):
                     yield _chunk(part, view.version, complete, view.view_id, reset=False)

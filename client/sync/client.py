@@ -241,7 +241,7 @@ class NgramClient:
     """A local `Drafter` kept in sync with a namespace of an ngramcache service; a context manager.
 
     The drafter drafts from the namespace's latest static generation (fetched once per node
-    into ``cache_dir``), a mirror of its dynamic counts (pulled at least once a second) and
+    into ``cache_dir``), a mirror of its dynamic counts (its changes pulled as the service takes them) and
     its own sequences; what it accepts is pushed in the background, exactly once. While no
     service answers, drafting goes on with what was last synced and pushes wait.
 

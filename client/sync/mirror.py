@@ -16,16 +16,23 @@ from ngramcache.client.errors import BackendUnavailableError, ResyncRequiredErro
 from ngramcache.client.sync.state import SyncState
 from ngramcache.client.transport import Channel
 
-__all__ = ["Mirror"]
+__all__ = ["PULL_WAIT_MS", "Mirror"]
 
 log = logging.getLogger("ngramcache.client.sync")
+
+PULL_WAIT_MS = 2000
+"""How long a Pull of the draft view with nothing new waits on the service for the view's next change: an idle
+client makes one call per wait instead of one per ``pull_interval``, and a change reaches it as soon as the
+view takes it. (A service from before the wait answers at once; the client then pulls every ``pull_interval``.)"""
 
 
 class Mirror:
     """Pulls the namespace's counts into `table`, the drafter's dynamic table (a task of the background loop).
 
-    ``mirror="draft"`` pulls the service's draft view (a reset swaps in a new table);
-    ``"full"`` every count of the store (a version no longer reachable reloads it whole).
+    ``mirror="draft"`` pulls the service's draft view (a reset swaps in a new table), each pull
+    ``pull_interval`` after the last answer, waiting up to `PULL_WAIT_MS` on the service while the
+    view has nothing new; ``"full"`` every count of the store (a version no longer reachable
+    reloads it whole), every ``pull_interval``.
     """
 
     def __init__(self, state: SyncState, table: CountTable) -> None:
@@ -66,6 +73,7 @@ class Mirror:
                                              view=counts_pb2.PULL_VIEW_DRAFT, view_id=view_id)
             if since is not None:
                 request.since_version = since
+                request.wait_ms = PULL_WAIT_MS
             target: CountTable | None = None
             async for chunk in chan.counts.Pull(request, timeout=max(30.0, config.rpc_timeout),
                                                 metadata=state.metadata):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -172,3 +174,38 @@ def table_dict_from_rows(rows: np.ndarray) -> dict[tuple[int, ...], dict[int, in
     t = CountTable()
     t.assign_rows(np.ascontiguousarray(rows, dtype=np.int64), zero_removes=True)
     return table_dict(t)
+
+
+def test_wait_newer_returns_at_the_next_change_and_at_once_when_behind():
+    full = CountTable()
+    full.add([1], 2, 10)
+    view = DraftView(full, ViewPolicy(top_k=2, min_total=(1, 1, 1, 1), min_change_pct=0, max_rows=100))
+
+    async def scenario() -> tuple[float, float, float, float]:
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        await view.wait_newer(view.view_id, view.version, 0.2)  # nothing changes: the whole wait
+        idle = loop.time() - t0
+
+        def change() -> None:
+            full.add([1], 2, 5)
+            view.apply(*view.diff(full.to_rows().astype(np.int64), 1.0))
+
+        version = view.version
+        loop.call_later(0.05, change)
+        t0 = loop.time()
+        await view.wait_newer(view.view_id, version, 5.0)  # woken by the change, not the 5 s
+        woken = loop.time() - t0
+        t0 = loop.time()
+        await view.wait_newer(view.view_id, version, 5.0)  # already past that version
+        behind = loop.time() - t0
+        t0 = loop.time()
+        await view.wait_newer("another replica", view.version, 5.0)  # another incarnation: reload at once
+        other = loop.time() - t0
+        return idle, woken, behind, other
+
+    idle, woken, behind, other = asyncio.run(scenario())
+    assert idle >= 0.19
+    assert 0.04 <= woken < 1.0
+    assert view.version == 2
+    assert behind < 0.05 and other < 0.05

@@ -1,0 +1,82 @@
+"""What an idle NgramClient costs the service: its calls per second, against the real service on loopback.
+
+A fleet's fixed cost is its idle clients' calls times the clients (issue 32: at 64 clients on
+two cores most of the CPU went to them); changes must still reach a waiting client at once.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+from helpers.corpus import FAST, FP, VOCAB
+from helpers.service import ServiceThread, wait_until
+
+from ngramcache import NgramClient
+from ngramcache.client._proto.v1 import admin_pb2, admin_pb2_grpc
+from ngramcache.client.sync.mirror import PULL_WAIT_MS
+
+pytestmark = pytest.mark.integration
+
+PULL = "/ngramcache.v1.Counts/Pull"
+
+
+@pytest.fixture
+def service(tmp_path: Path) -> Iterator[ServiceThread]:
+    with ServiceThread(tmp_path / "data", counts=f"embedded://{tmp_path / 'counts.snapshot'}?epoch_seconds=0",
+                       mirror_interval=0.05) as svc:
+        yield svc
+
+
+def namespace(svc: ServiceThread) -> str:
+    name = "idle-" + uuid.uuid4().hex[:8]
+    with grpc.insecure_channel(f"127.0.0.1:{svc.port}") as ch:
+        admin_pb2_grpc.AdminStub(ch).CreateNamespace(
+            admin_pb2.CreateNamespaceRequest(name=name, tokenizer_fingerprint=FP, vocab_size=VOCAB), timeout=10)
+    return name
+
+
+def pulls(svc: ServiceThread) -> float:
+    """Counts Pull calls the service ended so far."""
+    assert svc.service is not None and svc.service.metrics is not None
+    value = svc.service.metrics.registry.get_sample_value("ngramcache_rpc_total", {"method": PULL, "code": "OK"})
+    return value or 0.0
+
+
+def test_an_idle_client_pulls_the_draft_view_once_per_wait_not_once_per_interval(tmp_path: Path,
+                                                                                   service: ServiceThread) -> None:
+    ns = namespace(service)
+    with NgramClient(f"127.0.0.1:{service.port}", ns, (FP, VOCAB), cache_dir=tmp_path / "c", **FAST) as client:
+        wait_until(lambda: client.stats()["mirror_version"] is not None, 10.0, "the first pull")
+        time.sleep(0.5)
+        before, t0 = pulls(service), time.monotonic()
+        time.sleep(3.0)
+        calls, seconds = pulls(service) - before, time.monotonic() - t0
+        # Polling every pull_interval (0.1 s) makes about 30 calls in 3 s; waiting on the service, one per
+        # PULL_WAIT_MS plus the interval.
+        most = seconds / (PULL_WAIT_MS / 1000 + FAST["pull_interval"]) + 1
+        assert calls <= most, f"an idle client made {calls:.0f} Pull calls in {seconds:.1f} s (at most {most:.1f})"
+
+
+def test_a_change_reaches_a_waiting_client_at_once(tmp_path: Path, service: ServiceThread) -> None:
+    ns = namespace(service)
+    address = f"127.0.0.1:{service.port}"
+    with NgramClient(address, ns, (FP, VOCAB), cache_dir=tmp_path / "a", **FAST) as a, \
+            NgramClient(address, ns, (FP, VOCAB), cache_dir=tmp_path / "b", **FAST) as b:
+        wait_until(lambda: b.stats()["mirror_version"] is not None, 10.0, "B's first pull")
+        time.sleep(1.0)  # B's pull now waits on the service
+        text = np.array([5, 6, 7, 8, 9, 10, 11, 12] * 4, dtype=np.int32)
+        probe = np.array([1, 5, 6, 7], dtype=np.int32)
+        assert b.drafter().draft(2, probe, 4).size == 0
+        t0 = time.monotonic()
+        a.drafter().accept(1, text)
+        wait_until(lambda: b.drafter().draft(2, probe, 4).size > 0, 5.0, "B to draft A's counts")
+        took = time.monotonic() - t0
+        # A's push (push_interval 0.05 s), the service's mirror (0.05 s), then B's waiting pull answers: well
+        # under the wait of PULL_WAIT_MS, which would be the delay if the waiting pull were not woken.
+        assert took < PULL_WAIT_MS / 1000 / 2, f"A's counts reached B after {took:.2f} s"
