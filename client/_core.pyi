@@ -263,7 +263,11 @@ class Drafter:
         by the match length (or of the counts). Deterministic. uncapped (match mode): the draft
         is cut neither by the match length (length_factor) nor by its probability (min_prob), so
         it runs to n_draft where the match goes on: for a caller that cuts it by the odds and its
-        verify costs (the adapters' n_draft="auto").
+        verify costs (the adapters' n_draft="auto"). Since which text such a long draft copies
+        decides, it also looks further back (max_chain >= 64), counts an occurrence in the
+        sequence itself as 4 of other sequences' (sequence_weight >= 4), and a draft copied from
+        other sequences gives way where the sequence's own text has a match of 4 tokens or more
+        that goes on differently (splice_min 4).
         """
 
     def draft_tree(self, seq: int, tokens: NDArray[numpy.int32], budget: int = 16) -> tuple[NDArray[numpy.int32], NDArray[numpy.int32]]:

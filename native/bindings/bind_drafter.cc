@@ -164,7 +164,11 @@ void bind_drafter(nb::module_& m) {
           "by the match length (or of the counts). Deterministic. uncapped (match mode): the draft\n"
           "is cut neither by the match length (length_factor) nor by its probability (min_prob), so\n"
           "it runs to n_draft where the match goes on: for a caller that cuts it by the odds and its\n"
-          "verify costs (the adapters' n_draft=\"auto\").")
+          "verify costs (the adapters' n_draft=\"auto\"). Since which text such a long draft copies\n"
+          "decides, it also looks further back (max_chain >= 64), counts an occurrence in the\n"
+          "sequence itself as 4 of other sequences' (sequence_weight >= 4), and a draft copied from\n"
+          "other sequences gives way where the sequence's own text has a match of 4 tokens or more\n"
+          "that goes on differently (splice_min 4).")
       .def(
           "draft_tree",
           [](PyDrafter& d, int64_t seq, nb::handle tokens, int budget) {

@@ -144,9 +144,12 @@ int gather_options(const Sources& s, const MatchParams& p, Option* out) {
   return n;
 }
 
+// An occurrence's vote: one, or `sequence_weight` for one in the sequence being drafted.
+double weight(Source src, const MatchParams& p) { return src == Source::kSequence ? p.sequence_weight : 1.0; }
+
 // The probability that the next token is the most frequent one: its share of the
 // occurrences that go on, shrunk towards 0 by a prior that a longer match needs less of.
-double share(int count, int live, const Option& o, const MatchParams& p) {
+double share(double count, double live, const Option& o, const MatchParams& p) {
   const double prior = o.n > 0 && o.src[0] == Source::kCorpus ? p.corpus_prior : p.prior;
   return count / (live + prior / std::max<uint32_t>(o.length, 1));
 }
@@ -163,20 +166,22 @@ int walk(const Sources& s, const Option& o, const MatchParams& p, int limit, Tok
   int n_out = 0;
   Token next_of[kMaxCandidates];
   Token distinct[kMaxCandidates];
-  int counts[kMaxCandidates];
+  double counts[kMaxCandidates];
   while (n_out < limit) {
-    int n_distinct = 0, live = 0, best = -1;
+    int n_distinct = 0, best = -1;
+    double live = 0;
     for (int k = 0; k < o.n; ++k) {
       next_of[k] = (mask >> k & 1) ? next_token(s, o.src[k], o.pos[k], n_out, out, n_out) : -1;
       if (next_of[k] < 0) continue;
-      ++live;
+      const double w = weight(o.src[k], p);
+      live += w;
       int d = 0;
       while (d < n_distinct && distinct[d] != next_of[k]) ++d;
       if (d == n_distinct) {
         distinct[n_distinct] = next_of[k];
         counts[n_distinct++] = 0;
       }
-      ++counts[d];
+      counts[d] += w;
       if (best < 0 || counts[d] > counts[best]) best = d;  // ties: the earlier occurrence's
     }
     if (live == 0) break;
@@ -254,6 +259,50 @@ int fallback(const Token* seq, size_t n_seq, const CountTable* context, const Co
   return draft(seq, n_seq, context, dynamic, st, dp, out, odds);
 }
 
+// A draft taken from other texts (history, corpus) where the sequence's own text knows better:
+// at the first drafted position d where the sequence plus the draft so far ends with a match of
+// at least `p.splice_min` tokens in the sequence whose next token differs from the draft's, the
+// rest of the draft becomes the sequence's continuation (its longest such match, the most recent
+// of equals). Returns the draft's new length.
+constexpr int kSpliceChain = 8;  // sequence positions tried per drafted position: bounds a splice's cost
+
+int splice_sequence(const Sources& s, const MatchParams& p, int n_out, int limit, Token* out, float* odds) {
+  if (!s.sequence || s.n_seq < 2) return n_out;
+  const Token* seq = s.seq;
+  const size_t n_seq = s.n_seq;
+  auto virt = [&](size_t end, size_t back) -> Token {  // token `back` places before `end` of seq + out
+    const size_t q = end - 1 - back;
+    return q < n_seq ? seq[q] : out[q - n_seq];
+  };
+  for (int d = 1; d < n_out; ++d) {
+    const size_t end = n_seq + static_cast<size_t>(d);
+    const Token a = virt(end, 1), b = virt(end, 0);
+    uint32_t best_len = 0;
+    size_t best_i = 0;
+    int visited = 0;
+    for (uint32_t e = s.sequence->head(a, b); e != 0 && visited < kSpliceChain; e = s.sequence->prev(e - 1), ++visited) {
+      const size_t i = e - 1;
+      if (i + 1 >= n_seq) continue;
+      uint32_t len = 0;
+      const uint32_t most = static_cast<uint32_t>(std::min<size_t>(static_cast<size_t>(p.max_match), i + 1));
+      while (len < most && seq[i - len] == virt(end, len)) ++len;
+      if (len > best_len) {
+        best_len = len;
+        best_i = i;
+      }
+    }
+    if (best_len < static_cast<uint32_t>(p.splice_min) || seq[best_i + 1] == out[d]) continue;
+    const float q = static_cast<float>(1.0 / (1.0 + p.prior / best_len));
+    int n = d;
+    for (size_t j = best_i + 1; j < n_seq && n < limit; ++j) {
+      if (odds) odds[n] = q;
+      out[n++] = seq[j];
+    }
+    return n;
+  }
+  return n_out;
+}
+
 }  // namespace
 
 int draft_match(const Token* seq, size_t n_seq, const MatchTables& t, const MatchParams& p, Token* out, float* odds) {
@@ -268,6 +317,7 @@ int draft_match(const Token* seq, size_t n_seq, const MatchTables& t, const Matc
   // to `odds` only when asked, so a draft without odds costs what it did.
   float buf_odds[kMaxDraft], best_odds[kMaxDraft];
   double best_last = 1.0;
+  int chosen = -1;
   for (int i = 0; i < n_options; ++i) {
     double score, last;
     const int n = walk(s, options[i], p, max_length_for(p, options[i].length, p.n_draft), buf, &score, &last, buf_odds);
@@ -275,9 +325,13 @@ int draft_match(const Token* seq, size_t n_seq, const MatchTables& t, const Matc
       best_score = score;
       best_last = last;
       n_out = n;
+      chosen = i;
       std::copy(buf, buf + n, out);
       if (odds) std::copy(buf_odds, buf_odds + n, best_odds);
     }
+  }
+  if (chosen >= 0 && p.splice_min > 0 && options[chosen].n > 0 && options[chosen].src[0] != Source::kSequence) {
+    n_out = splice_sequence(s, p, n_out, p.n_draft, out, best_odds);
   }
   bool counted = false;
   if (p.count_option) {
@@ -342,20 +396,24 @@ int draft_tree(const Token* seq, size_t n_seq, const MatchTables& t, const Match
     int n_path = 0;
     for (int v = parent; v >= 0; v = tree->parents[v]) ++n_path;
     for (int v = parent, i = n_path - 1; v >= 0; v = tree->parents[v], --i) path[i] = tree->tokens[v];
-    int live = 0;
+    double live = 0;
     for (int k = 0; k < o.n; ++k) {
       next_of[k] = (mask >> k & 1) ? next_token(s, o.src[k], o.pos[k], depth, path, n_path) : -1;
-      if (next_of[k] >= 0) ++live;
+      if (next_of[k] >= 0) live += weight(o.src[k], p);
     }
     uint64_t left = mask;
     for (int k = 0; k < o.n; ++k) {
       if (!(left >> k & 1) || next_of[k] < 0) continue;
       uint64_t child = 0;
+      double votes = 0;
       for (int j = k; j < o.n; ++j) {
-        if ((left >> j & 1) && next_of[j] == next_of[k]) child |= uint64_t{1} << j;
+        if ((left >> j & 1) && next_of[j] == next_of[k]) {
+          child |= uint64_t{1} << j;
+          votes += weight(o.src[j], p);
+        }
       }
       left &= ~child;
-      const double q = prob * share(__builtin_popcountll(child), live, o, p);
+      const double q = prob * share(votes, live, o, p);
       if (q >= p.tree_min_prob) pending.push_back({q, parent, depth, next_of[k], opt, child});
     }
   };

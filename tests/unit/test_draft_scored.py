@@ -82,3 +82,43 @@ def test_uncapped_match_drafts_run_to_n_draft_with_their_odds():
     compatible = Drafter(vocab_size=16, fingerprint=UNTAGGED)
     compatible.accept(1, seq)
     assert list(compatible.draft_scored(1, seq, 32, uncapped=True)[0]) == list(compatible.draft(1, seq, 32))
+
+
+def test_an_occurrence_in_the_sequence_outvotes_other_sequences_by_sequence_weight():
+    """Two earlier sequences (the history) go on with 7 after (1, 2, 3), the sequence itself with 4: one vote
+    against two by default; with sequence_weight 4 (and in an uncapped draft, which uses at least 4) the
+    sequence's own continuation wins. (The count tables' walk is off: it would follow the sequence's counts.)"""
+    seq = arr([1, 2, 3, 4, 5, 6, 10, 1, 2, 3])
+
+    def drafter(**params: float) -> Drafter:
+        d = Drafter(vocab_size=64, fingerprint=UNTAGGED, mode="match", match_params={"count_option": 0, **params})
+        d.add_history(40, arr([1, 2, 3, 7, 8, 9]))
+        d.add_history(41, arr([1, 2, 3, 7, 8, 9]))
+        d.flush_history()  # the second source's text is held back for a piece until then
+        d.accept(1, seq)
+        return d
+
+    assert drafter().draft_scored(1, seq, 3)[0].tolist() == [7, 8, 9]
+    assert drafter(sequence_weight=4).draft_scored(1, seq, 3)[0].tolist() == [4, 5, 6]
+    assert drafter().draft_scored(1, seq, 3, uncapped=True)[0].tolist()[:3] == [4, 5, 6]
+
+
+def test_an_uncapped_draft_from_the_history_gives_way_to_the_sequences_own_text():
+    """The tail (30, 31) is only in the history, which goes on 40 41 42 43 70...; the sequence itself has
+    40 41 42 43 followed by 80. Once the draft has copied those 4 tokens (splice_min 4 in an uncapped draft) it
+    goes on with the sequence's 80 81 82 ..., not the history's 70."""
+    seq = arr([40, 41, 42, 43, 80, 81, 82, 90, 30, 31])
+    d = Drafter(vocab_size=128, fingerprint=UNTAGGED, mode="match")
+    d.add_history(40, arr([30, 31, 40, 41, 42, 43, 70, 71, 72, 73]))
+    d.accept(1, seq)
+    tokens, odds = d.draft_scored(1, seq, 16, uncapped=True)
+    assert tokens.tolist() == [40, 41, 42, 43, 80, 81, 82, 90, 30, 31]
+    assert len(odds) == len(tokens) and all(0 < o < 1 for o in odds.tolist())
+    # Capped (the CPU's drafts), nothing changes: 2 tokens for a 2-token match.
+    assert d.draft_scored(1, seq, 16)[0].tolist() == [40, 41]
+
+
+@pytest.mark.parametrize(("name", "value"), [("sequence_weight", 0.5), ("splice_min", 65)])
+def test_the_new_match_params_are_range_checked(name, value):
+    with pytest.raises(ValueError, match=rf"match_params\['{name}'\] must be in"):
+        Drafter(vocab_size=64, fingerprint=UNTAGGED, mode="match", match_params={name: value})

@@ -43,6 +43,8 @@ struct MatchParams {
   int max_options = 2;          // match lengths tried per source (their drafts compete); 1..8
   double prior = 1.0;           // added to the live occurrences, over the match length, in a token's probability
   double corpus_prior = 2.0;    // the same for the corpus index's occurrences (trusted less)
+  double sequence_weight = 1.0;  // an occurrence in the sequence drafted votes as this many others' (>= 1)
+  int splice_min = 0;  // a draft from other texts gives way to a >= this long match in the sequence (0: never)
   double count_prior = 1.0;     // the same for the count tables, over the n-gram size
   double min_prob = 0.25;       // the least probability of the whole linear draft; 0..1
   double tree_min_prob = 0.05;  // the least probability of a tree node (the budget bounds the tree); 0..1
@@ -94,6 +96,8 @@ void for_each_match_param(const MatchParams& p, Fn&& fn) {
   fn("prior", ParamKind::kReal, p.prior);
   fn("count_prior", ParamKind::kReal, p.count_prior);
   fn("corpus_prior", ParamKind::kReal, p.corpus_prior);
+  fn("sequence_weight", ParamKind::kReal, p.sequence_weight);
+  fn("splice_min", ParamKind::kInt, double(p.splice_min));
   fn("min_prob", ParamKind::kReal, p.min_prob);
   fn("tree_min_prob", ParamKind::kReal, p.tree_min_prob);
   fn("length_factor", ParamKind::kReal, p.length_factor);
