@@ -22,7 +22,8 @@ one untimed warm-up generation per setup:
 Reported per setup: tokens/s (all tokens over all generate time), x plain, tokens per forward
 pass (new tokens / forward passes, counted by a forward pre-hook: hardware-independent), ms per
 forward pass, outputs identical to plain's, and the costs "auto" learned. After every request
-the table is written to --out (results.md, results.json), so a run stopped by --time-limit (no
+the table is written to --out (results.md, results.json: also each request's prompt and every
+setup's output tokens, which replay_transformers_drafts.py replays offline), so a run stopped by --time-limit (no
 request is started that the slowest one so far would not finish in time; SIGALRM at the limit
 stops one in flight) or by SIGTERM keeps what it finished.
 
@@ -221,6 +222,7 @@ def main() -> int:
         signal.setitimer(signal.ITIMER_REAL, args.time_limit)
 
     runs: dict[str, list[dict[str, Any]]] = {s: [] for s in setups}
+    prompts: list[list[int]] = []
     note = ""
     bench: Bench | None = None
 
@@ -230,6 +232,8 @@ def main() -> int:
         learned = repr(bench.adapter.learned_verify_cost(bench.model)) if "auto" in setups or "compatible-auto" in setups else ""
         env = {**bench.env, "max_new_tokens": args.max_new_tokens}
         md, data = table(env, setups, runs, learned, note)
+        n = min(len(v) for v in runs.values())  # each request's prompt and every setup's output, for offline replays
+        data["outputs"] = {"prompts": prompts[:n], **{s: [r["tokens"] for r in runs[s][:n]] for s in setups}}
         print(md, flush=True)
         if args.out:
             (args.out / "results.md").write_text(md)
@@ -239,7 +243,7 @@ def main() -> int:
         bench = Bench(args)
         reqs_a, reqs_b, _ = build_workload(max(args.requests, 2), args.seed)
         reqs = (reqs_a + reqs_b)[: args.requests]
-        prompts = [bench.prompt(r.message()) for r in reqs]
+        prompts[:] = [bench.prompt(r.message()) for r in reqs]
         print(f"{bench.env['device']}, {args.dtype}: {len(prompts)} requests, prompts {min(map(len, prompts))}-"
               f"{max(map(len, prompts))} tokens; setups {', '.join(setups)}", flush=True)
         warm = bench.prompt("Repeat this code exactly:\n```python\ndef area(w, h):\n    return w * h\n```")
