@@ -35,8 +35,9 @@ __all__ = ["MIRROR_WAIT_MS", "HistoryMirror", "LagWindow"]
 
 log = logging.getLogger("ngramcache.client.sync")
 
-MIRROR_WAIT_MS = 1000
-"""How long one PullHistory of the tail waits for new records (the group pull never waits)."""
+MIRROR_WAIT_MS = 4000
+"""How long one PullHistory of the tail waits for new records (the group pull never waits). A record wakes it at
+once, so the wait sets only what an idle client costs: one call per wait (the service caps it, 5 s by default)."""
 
 _BEHIND_BYTES = 1 << 20  # an answer this large is a catch-up page, whatever its record count
 

@@ -80,3 +80,25 @@ def test_a_change_reaches_a_waiting_client_at_once(tmp_path: Path, service: Serv
         # A's push (push_interval 0.05 s), the service's mirror (0.05 s), then B's waiting pull answers: well
         # under the wait of PULL_WAIT_MS, which would be the delay if the waiting pull were not woken.
         assert took < PULL_WAIT_MS / 1000 / 2, f"A's counts reached B after {took:.2f} s"
+
+
+def calls(svc: ServiceThread, method: str) -> float:
+    assert svc.service is not None and svc.service.metrics is not None
+    value = svc.service.metrics.registry.get_sample_value("ngramcache_rpc_total", {"method": method, "code": "OK"})
+    return value or 0.0
+
+
+def test_an_idle_match_client_makes_few_calls_a_second(tmp_path: Path, service: ServiceThread) -> None:
+    ns = namespace(service)
+    with NgramClient(f"127.0.0.1:{service.port}", ns, (FP, VOCAB), cache_dir=tmp_path / "c", mode="match",
+                     **FAST) as client:
+        wait_until(lambda: client.stats()["mirror_version"] is not None, 10.0, "the first pull")
+        time.sleep(1.0)
+        methods = ("/ngramcache.v1.Counts/Pull", "/ngramcache.v1.Counts/PullHistory")
+        before, t0 = [calls(service, m) for m in methods], time.monotonic()
+        time.sleep(4.5)
+        seconds = time.monotonic() - t0
+        made = {m.rsplit("/", 1)[1]: calls(service, m) - b for m, b in zip(methods, before)}
+        # The draft view's Pull waits 2 s on the service, the history's tail 4 s: at most 3 and 2 calls in 4.5 s
+        # (polling every pull_interval made about 45 Pulls; a tail wait of 1 s, 4-5 PullHistory).
+        assert made["Pull"] <= 3 and made["PullHistory"] <= 2, f"in {seconds:.1f} s: {made}"
