@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import weakref
 from collections.abc import AsyncIterator
 
 import numpy as np
@@ -79,6 +80,9 @@ class CountsServicer(counts_pb2_grpc.CountsServicer):
         self._metrics = metrics  # observability (issue 8)
         self._registry = registry
         self.history = history
+        # Each record's wire form, made once: a replica's tail serves the same ring records to every
+        # client of the fleet (a record's entry goes when the ring drops the record).
+        self._wire: weakref.WeakKeyDictionary[HistoryRecord, counts_pb2.HistoryRecord] = weakref.WeakKeyDictionary()
 
     async def Push(self, request: counts_pb2.PushRequest, context: aio.ServicerContext) -> counts_pb2.PushResponse:
         rows = len(request.rows) // DELTA_ROW_BYTES
@@ -164,10 +168,16 @@ class CountsServicer(counts_pb2_grpc.CountsServicer):
         page = await history.pull(request.namespace, request.tokenizer_fingerprint, request.after,
                                   max_records=request.max_records, wait=request.wait_ms / 1000,
                                   exclude_client_id=request.exclude_client_id, groups=tuple(request.groups))
-        return counts_pb2.PullHistoryResponse(
-            records=[counts_pb2.HistoryRecord(seq=r.seq, group=r.group, offset=r.offset, tokens=tokens_to_bytes(r.tokens),
-                                              client_id=r.client_id, time_ms=r.time_ms) for r in page.records],
-            cursor=page.cursor, gap=page.gap)
+        return counts_pb2.PullHistoryResponse(records=[self._wire_record(r) for r in page.records], cursor=page.cursor,
+                                              gap=page.gap)
+
+    def _wire_record(self, record: HistoryRecord) -> counts_pb2.HistoryRecord:
+        wire = self._wire.get(record)
+        if wire is None:
+            wire = self._wire[record] = counts_pb2.HistoryRecord(
+                seq=record.seq, group=record.group, offset=record.offset, tokens=tokens_to_bytes(record.tokens),
+                client_id=record.client_id, time_ms=record.time_ms)
+        return wire
 
     def _history(self) -> HistoryTails:
         if self.history is None:
