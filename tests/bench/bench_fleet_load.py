@@ -14,13 +14,15 @@ A ramp: one step with no load (the fleet's polling and the marker alone), then t
 load from ``--start`` tokens/s, times ``--factor`` each step, until the knee: the first step
 whose accepted rate is below 90% of what was offered (saying whether the client processes
 or the store fell behind), or whose push-to-draftable p99 passed ``--max-p99`` seconds. The
-knee is the highest accepted rate of the ramp; one more step then runs at 80% of it.
+knee is the highest accepted rate of the ramp; one more step then runs at 80% of it. Beside
+it, the service-level knee: the highest accepted rate of a step whose push-to-draftable p50 and
+p99 are within ``--slo-p50`` and ``--slo-p99`` (250 ms and 1 s, issue 32's targets).
 
 Per step: offered, fed (accepted into the drafters) and accepted tokens/s (acknowledged by
 the store, counts and history both: the lower of the two), counts rows/s and history
 records/s acknowledged, CPU per component (the Redis masters, the replicas, the client
 processes: CPU seconds per second from /proc/<pid>/stat, so per-core figures hold on a
-shared machine), push-to-draftable p50/p99 (a marker sequence accepted by a client on the
+shared machine; in brackets the CPUs the machine's other work used meanwhile, from /proc/stat), push-to-draftable p50/p99 (a marker sequence accepted by a client on the
 first replica, timed until a client on the last replica drafts it, checked every
 millisecond; both sequences share a group, as siblings do; about 200 tokens/s of its own),
 pushes shed, rows and history tokens dropped, failed drafts, Redis `used_memory` summed over
@@ -87,6 +89,12 @@ def cpu_seconds(pid: int) -> float:
     """User + system CPU seconds of a process so far (/proc/<pid>/stat)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def machine_busy() -> float:
+    """CPU seconds the whole machine spent busy so far, all cores (/proc/stat: everything but idle and iowait)."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    return (sum(fields[:8]) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
 
 
 def quantile(values: list[float], q: float) -> float:
@@ -260,6 +268,7 @@ class Point:
     history_records: float = 0.0  # records/s acknowledged (stored or skipped as near-duplicates)
     cpu: dict[str, float] = field(default_factory=dict)  # component -> CPUs busy (CPU s per s)
     cpu_units: dict[str, list[float]] = field(default_factory=dict)  # masters / replicas: each one's CPUs
+    cpu_others: float = 0.0  # CPUs the machine's other work used meanwhile (busy CPUs less the fleet's)
     lags: list[float] = field(default_factory=list)  # push-to-draftable seconds (inf: not within the timeout)
     shed: float = 0.0
     dropped_rows: float = 0.0
@@ -359,10 +368,10 @@ class Fleet:
         self.set_rate(offered)
         time.sleep(seconds / 4)
         s0, fed0, _, fail0 = self.client_stats()
-        cpu0, t0 = self.cpu(), time.monotonic()
+        cpu0, busy0, t0 = self.cpu(), machine_busy(), time.monotonic()
         time.sleep(seconds)
         s1, fed1, _, fail1 = self.client_stats()
-        cpu1, t1 = self.cpu(), time.monotonic()
+        cpu1, busy1, t1 = self.cpu(), machine_busy(), time.monotonic()
         dt = t1 - t0
         d = {k: s1[k] - s0[k] for k in s1}
         point = Point(offered=offered, seconds=dt)
@@ -376,6 +385,7 @@ class Fleet:
                                  + d["history_duplicate_records"]) / dt
         point.cpu_units = {k: [(b - a) / dt for a, b in zip(cpu0[k], cpu1[k])] for k in cpu0}
         point.cpu = {k: sum(v) for k, v in point.cpu_units.items()}
+        point.cpu_others = max(0.0, (busy1 - busy0) / dt - sum(point.cpu.values()))
         point.lags = self.marker.between(t0, t1)
         point.shed, point.dropped_rows, point.dropped_history = d["overloaded"], d["dropped_rows"], d[
             "history_dropped_tokens"]
@@ -434,15 +444,23 @@ def knee_reached(points: list[Point], max_p99: float) -> str | None:
     return None
 
 
+def slo_knee(points: list[Point], p50: float, p99: float) -> Point | None:
+    """The service-level knee: of the steps whose push-to-draftable p50 and p99 are within ``p50`` and ``p99``
+    seconds, the one with the highest accepted rate (None: no step met both)."""
+    met = [p for p in points if p.lags and p.p50 <= p50 and p.p99 <= p99]
+    return max(met, key=lambda p: p.accepted) if met else None
+
+
 def fmt_point(p: Point) -> str:
-    cpu = " ".join(f"{p.cpu[k]:.2f}" for k in ("masters", "replicas", "clients"))
+    cpu = " ".join(f"{p.cpu[k]:.2f}" for k in ("masters", "replicas", "clients")) + f" ({p.cpu_others:.2f})"
     return (f"| {p.offered:,.0f} | {p.fed:,.0f} | {p.accepted:,.0f} | {p.counts_rows:,.0f} | {p.history_records:,.0f} | "
             f"{cpu} | {1e3 * p.p50:.0f} / {1e3 * p.p99:.0f} ({len(p.lags)}) | {p.shed:.0f} / {p.dropped_rows:.0f} / "
             f"{p.dropped_history:.0f} | {p.failures} | {p.redis_mb:.1f} | {p.pushed_mb:.2f} | {p.pulled_tokens:,.0f} | "
             f"{p.pulled_mb_per_client:.2f} |")
 
 
-HEADER = ("| offered tok/s | fed tok/s | accepted tok/s | counts rows/s | history rec/s | CPUs masters replicas clients | "
+HEADER = ("| offered tok/s | fed tok/s | accepted tok/s | counts rows/s | history rec/s | CPUs masters replicas clients "
+          "(other work) | "
           "push->draftable p50 / p99 ms (n) | shed / dropped rows / dropped hist tok | failed drafts | Redis MB | "
           "MB/s pushed | history tok/s pulled (all clients) | MB/s pulled per client |\n|" + "---:|" * 13)
 
@@ -546,6 +564,8 @@ def main() -> int:
     ap.add_argument("--max-steps", type=int, default=12)
     ap.add_argument("--step-seconds", type=float, default=10.0, help="measured seconds a step (plus a quarter warm-up)")
     ap.add_argument("--max-p99", type=float, default=5.0, help="push-to-draftable p99 past this (s) is the knee")
+    ap.add_argument("--slo-p50", type=float, default=0.25, help="the service-level knee's push-to-draftable p50 (s)")
+    ap.add_argument("--slo-p99", type=float, default=1.0, help="the service-level knee's push-to-draftable p99 (s)")
     ap.add_argument("--marker-timeout", type=float, default=10.0, help="a marker not draftable by then counts as inf")
     ap.add_argument("--fsync", choices=("always", "everysec", "no"), default="everysec")
     ap.add_argument("--reps", type=int, default=1, help="ramps per setup; knees and per-core figures are medians")
@@ -601,6 +621,18 @@ def main() -> int:
                   f"p99 {1e3 * at.p99:.0f} ms ({len(at.lags)} markers), failed drafts {at.failures}, shed {at.shed:.0f}, "
                   f"dropped rows {at.dropped_rows:.0f}; nothing acknowledged lost: {held(r.store_total, r.acked_total, r.final)}")
             ok = ok and held(r.store_total, r.acked_total, r.final)
+    print(f"\nService-level knee: the highest accepted rate of a step (the 80% step included) whose push->draftable "
+          f"p50 <= {1e3 * args.slo_p50:.0f} ms and p99 <= {1e3 * args.slo_p99:.0f} ms (the throughput knee above is "
+          f"where the accepted rate falls behind the offer or p99 passes {args.max_p99:g} s):")
+    for setup, rs in results.items():
+        for r in rs:
+            slo = slo_knee([*r.points, r.at80], args.slo_p50, args.slo_p99)
+            if slo is None:
+                print(f"{setup}: no step met both (knee {r.knee.accepted:,.0f} tok/s)")
+            else:
+                print(f"{setup}: {slo.accepted:,.0f} tok/s accepted at {slo.offered:,.0f} offered, push->draftable p50 "
+                      f"{1e3 * slo.p50:.0f} ms, p99 {1e3 * slo.p99:.0f} ms ({100 * slo.accepted / r.knee.accepted:.0f}% of "
+                      f"the knee, {r.knee.accepted:,.0f} tok/s)")
     print("\nCPU cost model (medians over the ramps of a setup): idle, the fleet's polling with no load (% of a core per "
           "client); marginal, CPU per accepted token above idle, over the knee and the two steps before it (us); the "
           "history tokens the clients pulled per accepted token (the mirrors' fan-out):")
