@@ -90,12 +90,21 @@ class HistoryMirror:
             tokens = bytes_to_tokens(r.tokens)
             received += len(tokens)
             parts = self.runs.fresh(r.client_id, r.seq, r.offset, tokens, r.group)
-            restored += max(0, sum(len(part) for _, part in parts) - len(tokens))  # a prompt put in front
+            if not parts:
+                continue
+            n = 0
             for source, part in parts:
-                runs.setdefault(source, []).append(part)
-                appended += len(part)
-            if parts and r.time_ms:  # the lag to draftable: a record's first arrival only
-                self.lag.add(max(0.0, now_ms - r.time_ms))
+                pieces = runs.get(source)
+                if pieces is None:
+                    runs[source] = [part]
+                else:
+                    pieces.append(part)
+                n += len(part)
+            appended += n
+            restored += max(0, n - len(tokens))  # a prompt put in front
+            time_ms = r.time_ms
+            if time_ms:  # the lag to draftable: a record's first arrival only
+                self.lag.add(max(0.0, now_ms - time_ms))
         for source, pieces in runs.items():
             drafter.add_history(source, pieces[0] if len(pieces) == 1 else np.concatenate(pieces))
         drafter.flush_history(HELD_IDLE_SECONDS)

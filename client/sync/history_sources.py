@@ -157,8 +157,14 @@ class MirroredRuns:
         of a sequence that starts right after a remembered prompt of its group gets it in front.
         """
         key = (client_id, seq)
-        self.prompts.learn(group, offset, tokens)
         runs = self.runs.get(key)
+        if runs and len(tokens) and runs[-1][1] == offset:
+            # The usual record: the next part of a sequence, right where its last run ends (not a prompt: offset > 0).
+            last = runs[-1]
+            last[1] = offset + len(tokens)
+            self.runs.move_to_end(key)
+            return [(last[2], tokens)]
+        self.prompts.learn(group, offset, tokens)
         if runs is None:
             runs = self.runs[key] = []
             prompt = self.prompts.start(group, offset)
