@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 
@@ -50,6 +51,31 @@ class ServiceUnreachableError(BackendUnavailableError):
         super().__init__(diagnosis.message())
         self.diagnosis = diagnosis
         self.retriable = not diagnosis.permanent
+
+
+class ConnectTimeoutError(BackendUnavailableError):
+    """No address answered within the connect timeout; what a probe of each found, and the settings to change.
+
+    Attributes:
+        addresses: the addresses tried.
+        timeout: the connect timeout, seconds.
+        diagnoses: each address's `Diagnosis` (a probe that found nothing wrong is left out).
+        detail: the last error, said when no probe found anything.
+    """
+
+    def __init__(self, addresses: Sequence[str], timeout: float, diagnoses: Sequence[Any], detail: str) -> None:
+        self.addresses = tuple(addresses)
+        self.timeout = timeout
+        self.diagnoses = tuple(diagnoses)
+        self.detail = detail
+        super().__init__(self.message())
+
+    def message(self, names: Mapping[str, str] | None = None) -> str:
+        """One line, settings named as ``names`` says (default: the library's; ``connect_timeout`` included)."""
+        timeout = (names or {}).get("connect_timeout", "connect_timeout")
+        causes = "; ".join(d.message(names) for d in self.diagnoses) or self.detail
+        return (f"no ngramcache service answered at {', '.join(self.addresses)} within {self.timeout:g} s "
+                f"({timeout}): {causes}")
 
 
 class OverloadedError(BackendUnavailableError):

@@ -16,6 +16,7 @@ from ngramcache.client import MAX_VOCAB
 from ngramcache.client.cli.arguments import _fingerprint_from_hex, int_in, load_tokenizer_spec, seconds_in
 from ngramcache.client.errors import (
     BackendUnavailableError,
+    ConnectTimeoutError,
     InvalidArgumentError,
     NamespaceNotFoundError,
     NgramCacheError,
@@ -175,6 +176,8 @@ def _cli_error(e: NgramCacheError, args: argparse.Namespace, addresses: list[str
 
     if isinstance(e, ServiceUnreachableError):
         return NgramCacheError(e.diagnosis.message(CLI_NAMES))
+    if isinstance(e, ConnectTimeoutError):
+        return NgramCacheError(e.message({**CLI_NAMES, "connect_timeout": "--connect-timeout"}))
     code = getattr(e, "code", None)
     where = f"the service at {', '.join(addresses)}"
     detail = str(e).removeprefix(f"{code.name}: ") if code is not None else str(e)
@@ -216,7 +219,7 @@ async def _follow(args: argparse.Namespace, config: Any, addresses: list[str], i
                 raise _cli_error(e, args, addresses) from None
             reason: NgramCacheError = e
         except BackendUnavailableError as e:
-            reason = e
+            reason = _cli_error(e, args, addresses) if isinstance(e, ConnectTimeoutError) else e
         except NgramCacheError as e:
             raise _cli_error(e, args, addresses) from None
         else:

@@ -10,7 +10,7 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 from ngramcache.client.cli.arguments import int_in, load_tokenizer_spec, quiet_option, seconds_in
-from ngramcache.client.errors import InvalidArgumentError, NgramCacheError, ServiceUnreachableError
+from ngramcache.client.errors import ConnectTimeoutError, InvalidArgumentError, NgramCacheError, ServiceUnreachableError
 
 if TYPE_CHECKING:
     SubParsers = argparse._SubParsersAction[argparse.ArgumentParser]
@@ -112,6 +112,8 @@ def cmd_sglang_sync(args: argparse.Namespace) -> int:
         asyncio.run(sync.run())
     except ServiceUnreachableError as e:
         raise NgramCacheError(e.diagnosis.message(CLI_NAMES)) from None
+    except ConnectTimeoutError as e:
+        raise NgramCacheError(e.message({**CLI_NAMES, "connect_timeout": "--timeout"})) from None
     return 0
 
 

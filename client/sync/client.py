@@ -25,6 +25,7 @@ from ngramcache.client.address import check_address
 from ngramcache.client.diagnose import Diagnosis, diagnose
 from ngramcache.client.errors import (
     BackendUnavailableError,
+    ConnectTimeoutError,
     InvalidArgumentError,
     NgramCacheError,
     ServiceUnreachableError,
@@ -79,10 +80,8 @@ class SyncLoop:
         except ServiceUnreachableError:
             raise
         except BackendUnavailableError as e:
-            causes = [d.message() for d in await self._diagnoses() if d is not None]
-            raise BackendUnavailableError(
-                f"no ngramcache service answered at {', '.join(config.addresses)} within "
-                f"{config.connect_timeout:g} s (connect_timeout): {'; '.join(causes) or e}") from None
+            found = [d for d in await self._diagnoses() if d is not None]
+            raise ConnectTimeoutError(config.addresses, config.connect_timeout, found, str(e)) from None
         if ns.tokenizer_fingerprint != config.fingerprint or ns.vocab_size != config.vocab_size:
             raise TokenizerMismatchError(
                 f"namespace {config.namespace!r} is bound to fingerprint {ns.tokenizer_fingerprint.hex()[:16]}... "
@@ -261,8 +260,10 @@ class NgramClient:
     Raises:
         TokenizerMismatchError: the namespace is bound to another tokenizer.
         NamespaceNotFoundError: no such namespace.
-        BackendUnavailableError: no address answered within ``connect_timeout`` (default 10 s), or the first sync took longer than ``ready_timeout``;
-            the message says what a probe of each address found (refused, unknown host, ...).
+        ConnectTimeoutError: (a BackendUnavailableError) no address answered within ``connect_timeout``
+            (default 10 s); the message says what a probe of each address found (refused, unknown host,
+            ...), ``diagnoses`` holds them and ``message(names)`` words them with other names for the settings.
+        BackendUnavailableError: the first sync took longer than ``ready_timeout``.
         ServiceUnreachableError: at once, when every address fails for a cause waiting cannot fix (TLS on
             one side only, an untrusted certificate, not a gRPC server).
         InvalidArgumentError: an address is not ``HOST:PORT`` (a URL such as ``http://...``, no port), or

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import socket
 import ssl
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -17,7 +19,7 @@ from helpers.tls import Issued, Pki
 
 from ngramcache.client.admin import AdminClient
 from ngramcache.client.diagnose import CLI_NAMES, diagnose
-from ngramcache.client.errors import BackendUnavailableError, ServiceUnreachableError
+from ngramcache.client.errors import BackendUnavailableError, ConnectTimeoutError, ServiceUnreachableError
 from ngramcache.client.remote import RemoteDrafter
 from ngramcache.client.sync.client import NgramClient
 
@@ -312,3 +314,29 @@ def test_ngram_client_says_what_the_probe_saw_at_connect_timeout(tmp_path: Path)
         NgramClient(address, "ns", (bytes(32), 100), cache_dir=tmp_path, connect_timeout=1)
     assert (f"no ngramcache service answered at {address} within 1 s (connect_timeout): cannot reach the service at "
             f"{address}: connection refused: nothing listens on that port") in str(e.value)
+
+
+def test_the_connect_timeout_error_names_the_settings_as_its_caller_does(tmp_path: Path) -> None:
+    """The library names its arguments (address, connect_timeout); a command names its flags."""
+    address = f"127.0.0.1:{_closed_port()}"
+    with pytest.raises(ConnectTimeoutError) as e:
+        NgramClient(address, "ns", (bytes(32), 100), cache_dir=tmp_path, connect_timeout=1)
+    assert e.value.addresses == (address,) and e.value.timeout == 1 and len(e.value.diagnoses) == 1
+    assert str(e.value).endswith("(connect_timeout): cannot reach the service at " + address + ": connection refused: "
+                                 "nothing listens on that port; is the service running? check the port in address")
+    cli = e.value.message({**CLI_NAMES, "connect_timeout": "--timeout"})
+    assert cli == (f"no ngramcache service answered at {address} within 1 s (--timeout): cannot reach the service at "
+                   f"{address}: connection refused: nothing listens on that port; is the service running? check the "
+                   "port in --server")
+
+
+def test_sglang_sync_with_the_service_down_names_its_flags() -> None:
+    address = f"127.0.0.1:{_closed_port()}"
+    done = subprocess.run([sys.executable, "-m", "ngramcache.client.cli", "sglang-sync", "--namespace", "ns",
+                           "--tokenizer", "tiktoken:cl100k_base", "--sglang", "http://127.0.0.1:9", "--server", address,
+                           "--timeout", "1"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip().splitlines() == [
+        f"ngramcache sglang-sync: error: no ngramcache service answered at {address} within 1 s (--timeout): cannot "
+        f"reach the service at {address}: connection refused: nothing listens on that port; is the service running? "
+        "check the port in --server"]
