@@ -107,9 +107,12 @@ def main() -> int:
     try:
         data = json.loads(args.results.read_text())
         prompts, outputs = data["outputs"]["prompts"], data["outputs"]["plain"]
-    except (OSError, ValueError, KeyError) as e:
-        print(f"{args.results}: not a results.json with outputs ({e}); write one with bench_transformers_device.py --out",
-              file=sys.stderr)
+    except OSError as e:
+        print(f"{args.results}: {e.strerror}", file=sys.stderr)
+        return 2
+    except (ValueError, KeyError, TypeError):
+        print(f"{args.results}: not a results.json with the outputs (bench_transformers_device.py --out DIR writes "
+              "one since it records them)", file=sys.stderr)
         return 2
     chosen = [s for s in args.setups.split(",") if s]
     if set(chosen) - set(SETUPS):
@@ -117,7 +120,14 @@ def main() -> int:
     params: dict[str, float] = {}
     for item in args.match_param:
         name, _, value = item.partition("=")
-        params[name] = float(value)
+        try:
+            params[name] = float(value)
+        except ValueError:
+            ap.error(f"--match-param {item!r}: give NAME=NUMBER, e.g. max_chain=16")
+    try:
+        Drafter(vocab_size=2, fingerprint=UNTAGGED, mode="match", match_params=params or None)
+    except ValueError as e:
+        ap.error(f"--match-param: {e}")
     vocab = max(max(max(p) for p in prompts), max(max(o) for o in outputs if o)) + 1
     tokens = sum(len(o) for o in outputs)
     rows: dict[str, float] = {}
@@ -141,4 +151,8 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    try:
+        raise SystemExit(main())
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        raise SystemExit(130) from None
