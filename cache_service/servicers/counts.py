@@ -23,6 +23,7 @@ from ngramcache.client.errors import BackendUnavailableError, InvalidArgumentErr
 
 from ..counts.export import CountsExporter, split_rows
 from ..counts.history import MAX_BATCH_RECORDS, MAX_RECORD_TOKENS, HistoryRecord
+from ..counts.namespace import check_tokenizer
 from ..counts.values import GroupItem
 from ..history_tail import HistoryTails
 from ..metrics import Metrics
@@ -104,6 +105,14 @@ class CountsServicer(counts_pb2_grpc.CountsServicer):
                    context: aio.ServicerContext) -> AsyncIterator[counts_pb2.PullResponse]:
         namespace = request.namespace
         chunk_rows = min(request.max_chunk_rows or DEFAULT_CHUNK_ROWS, self.max_chunk_rows)
+        if request.view == counts_pb2.PULL_VIEW_DRAFT and self._registry is not None:
+            # The view is the registry's, which holds the namespace's record (its mirror finds a drop within a
+            # refresh, as for Sessions): no store call per Pull, which every client makes every pull_interval.
+            live = await self._registry.get(namespace)
+            check_tokenizer(live.info, request.tokenizer_fingerprint)
+            async for chunk in self._pull_view(request, chunk_rows, context.time_remaining()):
+                yield chunk
+            return
         info = await self.exporter.namespace(namespace, request.tokenizer_fingerprint)
         if request.view == counts_pb2.PULL_VIEW_DRAFT:
             async for chunk in self._pull_view(request, chunk_rows, context.time_remaining()):

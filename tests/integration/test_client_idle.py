@@ -18,7 +18,7 @@ from helpers.corpus import FAST, FP, VOCAB
 from helpers.service import ServiceThread, wait_until
 
 from ngramcache import NgramClient
-from ngramcache.client._proto.v1 import admin_pb2, admin_pb2_grpc
+from ngramcache.client._proto.v1 import admin_pb2, admin_pb2_grpc, counts_pb2, counts_pb2_grpc
 from ngramcache.client.sync.mirror import PULL_WAIT_MS
 
 pytestmark = pytest.mark.integration
@@ -102,3 +102,32 @@ def test_an_idle_match_client_makes_few_calls_a_second(tmp_path: Path, service: 
         # The draft view's Pull waits 2 s on the service, the history's tail 4 s: at most 3 and 2 calls in 4.5 s
         # (polling every pull_interval made about 45 Pulls; a tail wait of 1 s, 4-5 PullHistory).
         assert made["Pull"] <= 3 and made["PullHistory"] <= 2, f"in {seconds:.1f} s: {made}"
+
+
+def test_a_draft_view_pull_makes_no_store_call(service: ServiceThread) -> None:
+    ns = namespace(service)
+    assert service.service is not None and service.service.metrics is not None
+    registry = service.service.metrics.registry
+
+    def store_calls() -> float:
+        return registry.get_sample_value("ngramcache_store_seconds_count", {"op": "namespace_info"}) or 0.0
+
+    with grpc.insecure_channel(f"127.0.0.1:{service.port}") as ch:
+        stub = counts_pb2_grpc.CountsStub(ch)
+
+        def pull(fingerprint: bytes = FP, **fields: object) -> list[counts_pb2.PullResponse]:
+            return list(stub.Pull(counts_pb2.PullRequest(namespace=ns, tokenizer_fingerprint=fingerprint,
+                                                         view=counts_pb2.PULL_VIEW_DRAFT, **fields),  # type: ignore[arg-type]
+                                  timeout=10))
+
+        last = pull()[-1]
+        before = store_calls()
+        for _ in range(20):
+            last = pull(since_version=last.version, view_id=last.view_id)[-1]
+        # Each Pull read the namespace's record from the store before (20 calls here): the replica's registry
+        # holds it.
+        assert store_calls() - before == 0
+        with pytest.raises(grpc.RpcError) as refused:
+            pull(since_version=last.version, view_id=last.view_id, fingerprint=bytes(32))
+        assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "is bound to tokenizer" in (refused.value.details() or "")
