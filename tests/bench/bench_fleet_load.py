@@ -92,6 +92,34 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def descendants(pid: int) -> list[int]:
+    """The process's children, their children, ... (/proc/<pid>/task/*/children; gone ones left out)."""
+    out: list[int] = []
+    try:
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+    except OSError:
+        return out
+    for task in tasks:
+        try:
+            children = [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            continue
+        for child in children:
+            out += [child, *descendants(child)]
+    return out
+
+
+def tree_cpu_seconds(pid: int) -> float:
+    """cpu_seconds of a process and every process under it (a `serve --workers N` replica's workers)."""
+    total = 0.0
+    for p in (pid, *descendants(pid)):
+        try:
+            total += cpu_seconds(p)
+        except OSError:  # exited in between
+            pass
+    return total
+
+
 def machine_busy() -> float:
     """CPU seconds the whole machine spent busy so far, all cores (/proc/stat: everything but idle and iowait)."""
     fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
@@ -293,7 +321,7 @@ class Fleet:
     """The cluster, the replicas, the client processes and the marker's two clients."""
 
     def __init__(self, tmp: Path, masters: int, replicas: int, clients: int, procs: int, fsync: str,
-                 marker_timeout: float) -> None:
+                 marker_timeout: float, workers: int = 1) -> None:
         self.n_clients = clients
         tmp.mkdir(parents=True, exist_ok=True)
         self.cluster = RedisClusterProcesses(masters=masters, args=["--appendonly", "yes", "--appendfsync", fsync])
@@ -302,8 +330,8 @@ class Fleet:
         self.procs: list[tuple[Any, Connection]] = []
         self.marker_clients: list[NgramClient] = []
         try:
-            self.replicas = [Replica(tmp, i, self.cluster.url, ("--peer-sync-interval", "1.0"))  # the default
-                             for i in range(replicas)]
+            extra = ("--peer-sync-interval", "1.0", *(("--workers", str(workers)) if workers > 1 else ()))  # the default
+            self.replicas = [Replica(tmp, i, self.cluster.url, extra) for i in range(replicas)]
             addresses = [r.address for r in self.replicas]
             with grpc.insecure_channel(addresses[0]) as ch:
                 admin_pb2_grpc.AdminStub(ch).CreateNamespace(admin_pb2.CreateNamespaceRequest(
@@ -348,7 +376,8 @@ class Fleet:
                 "clients": [p.pid for p, _ in self.procs] + [os.getpid()]}
 
     def cpu(self) -> dict[str, list[float]]:
-        return {k: [cpu_seconds(pid) for pid in pids] for k, pids in self.pids().items()}
+        return {k: [tree_cpu_seconds(pid) if k == "replicas" else cpu_seconds(pid) for pid in pids]
+                for k, pids in self.pids().items()}
 
     def client_stats(self) -> tuple[dict[str, float], int, int, int]:
         for _, conn in self.procs:
@@ -493,7 +522,7 @@ def ramp(tmp: Path, masters: int, replicas: int, clients: int, args: argparse.Na
     setup = f"{masters}x{replicas}x{clients}"
     procs = -(-clients // args.per_proc)
     t = time.monotonic()
-    fleet = Fleet(tmp, masters, replicas, clients, procs, args.fsync, args.marker_timeout)
+    fleet = Fleet(tmp, masters, replicas, clients, procs, args.fsync, args.marker_timeout, args.workers)
     try:
         print(f"\nsetup {setup}: {masters} masters, {replicas} replicas, {clients} clients in {procs} processes; "
               f"started in {time.monotonic() - t:.0f} s", flush=True)
@@ -579,6 +608,8 @@ def main() -> int:
     ap.add_argument("--slo-p99", type=float, default=1.0, help="the service-level knee's push-to-draftable p99 (s)")
     ap.add_argument("--marker-timeout", type=float, default=10.0, help="a marker not draftable by then counts as inf")
     ap.add_argument("--fsync", choices=("always", "everysec", "no"), default="everysec")
+    ap.add_argument("--workers", type=int, default=1,
+                    help="server processes per replica (serve --workers N; their CPU counts as the replica's; default 1)")
     ap.add_argument("--reps", type=int, default=1, help="ramps per setup; knees and per-core figures are medians")
     ap.add_argument("--quick", action="store_true",
                     help="checks the script in < 60 s: setup 3x2x16, 2 steps of 2 s (figures meaningless)")
