@@ -280,7 +280,8 @@ int splice_sequence(const Sources& s, const MatchParams& p, int n_out, int limit
     uint32_t best_len = 0;
     size_t best_i = 0;
     int visited = 0;
-    for (uint32_t e = s.sequence->head(a, b); e != 0 && visited < kSpliceChain; e = s.sequence->prev(e - 1), ++visited) {
+    for (uint32_t e = s.sequence->head(a, b); e != 0 && visited < kSpliceChain;
+         e = s.sequence->prev(e - 1), ++visited) {
       const size_t i = e - 1;
       if (i + 1 >= n_seq) continue;
       uint32_t len = 0;

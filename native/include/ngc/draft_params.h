@@ -35,16 +35,16 @@ struct MatchParams {
   int n_draft = 8;    // the most tokens to draft, 1..kMaxDraft
   int ngram_min = 1;  // the count tables' n-gram sizes
   int ngram_max = 4;
-  int min_match = 1;            // the shortest sequence/history match used (chains find >= 2); 1..64
-  int corpus_min_match = 1;     // the shortest corpus match used; 1..64
-  int max_match = 64;           // matches are compared this far back at most; 2..1024
-  int max_chain = 8;            // sequence/history positions tried per lookup; 1..65536
-  int max_candidates = 8;       // occurrences followed per match; 1..64
-  int max_options = 2;          // match lengths tried per source (their drafts compete); 1..8
-  double prior = 1.0;           // added to the live occurrences, over the match length, in a token's probability
-  double corpus_prior = 2.0;    // the same for the corpus index's occurrences (trusted less)
+  int min_match = 1;             // the shortest sequence/history match used (chains find >= 2); 1..64
+  int corpus_min_match = 1;      // the shortest corpus match used; 1..64
+  int max_match = 64;            // matches are compared this far back at most; 2..1024
+  int max_chain = 8;             // sequence/history positions tried per lookup; 1..65536
+  int max_candidates = 8;        // occurrences followed per match; 1..64
+  int max_options = 2;           // match lengths tried per source (their drafts compete); 1..8
+  double prior = 1.0;            // added to the live occurrences, over the match length, in a token's probability
+  double corpus_prior = 2.0;     // the same for the corpus index's occurrences (trusted less)
   double sequence_weight = 1.0;  // an occurrence in the sequence drafted votes as this many others' (>= 1)
-  int splice_min = 0;  // a draft from other texts gives way to a >= this long match in the sequence (0: never)
+  int splice_min = 0;           // a draft from other texts gives way to a >= this long match in the sequence (0: never)
   double count_prior = 1.0;     // the same for the count tables, over the n-gram size
   double min_prob = 0.25;       // the least probability of the whole linear draft; 0..1
   double tree_min_prob = 0.05;  // the least probability of a tree node (the budget bounds the tree); 0..1
