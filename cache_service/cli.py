@@ -155,7 +155,11 @@ class _Announcer:
         if self.log_json:
             entry = {"time": iso_utc(time.time()), "level": level, "logger": "ngramcache.serve", "message": message}
             message = json.dumps({**entry, "exception": exception} if exception else entry)
-        print(message, file=sys.stdout if stdout else sys.stderr, flush=True)
+        # One write for the line and its newline: the workers of `serve --workers N` share the parent's stderr,
+        # which is unbuffered, and print() writes the newline apart, so two workers' lines could run together.
+        stream = sys.stdout if stdout else sys.stderr
+        stream.write(message + "\n")
+        stream.flush()
 
 
 def _setup_logging(args: argparse.Namespace) -> None:
