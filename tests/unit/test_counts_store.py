@@ -71,7 +71,7 @@ def test_every_error_says_whether_a_retry_can_help() -> None:
                                              "StoreAuthenticationError", "SnapshotFormatError"}
     retriable = {c.__name__ for c in classes if c.retriable}
     assert retriable == {"BackendUnavailableError", "OverloadedError", "LeaseHeldError", "LeaseLostError",
-                         "ServiceUnreachableError"}  # later: a rebuild, a shed push
+                         "ServiceUnreachableError", "ConnectTimeoutError"}  # later: a rebuild, a shed push, a service up
 
 
 @pytest.mark.parametrize("module", [store, values, dedup, versions, leases, export], ids=lambda m: m.__name__)
