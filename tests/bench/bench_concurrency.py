@@ -285,7 +285,14 @@ def main() -> int:
         for label, writer in (("no writer (baseline)", False), ("during assign_rows", True)):
             p50, p99, p999, mx, n, t_apply = [], [], [], [], [], []
             for rep in range(args.reps):
-                w, ta = latency_under_writes(static, held, vocab, args.rows, rep, writer)
+                for _ in range(5):  # on a busy machine the drafting thread may not run within a short apply
+                    w, ta = latency_under_writes(static, held, vocab, args.rows, rep, writer)
+                    if len(w):
+                        break
+                else:
+                    print(f"{label}: no draft finished inside the apply window in 5 tries (the machine is too busy "
+                          "to measure it)", file=sys.stderr)
+                    return 1
                 p50.append(np.percentile(w, 50))
                 p99.append(np.percentile(w, 99))
                 p999.append(np.percentile(w, 99.9))
