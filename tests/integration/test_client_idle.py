@@ -131,3 +131,31 @@ def test_a_draft_view_pull_makes_no_store_call(service: ServiceThread) -> None:
             pull(since_version=last.version, view_id=last.view_id, fingerprint=bytes(32))
         assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
         assert "is bound to tokenizer" in (refused.value.details() or "")
+
+
+def test_a_waiting_pull_is_capped_and_cancellable(service: ServiceThread) -> None:
+    """wait_ms is the client's to choose but not unbounded: the largest value waits the server's cap (5 s); a
+    client that cancels a waiting Pull leaves the service answering the next one."""
+    ns = namespace(service)
+    with grpc.insecure_channel(f"127.0.0.1:{service.port}") as ch:
+        stub = counts_pb2_grpc.CountsStub(ch)
+
+        def request(last: counts_pb2.PullResponse, wait_ms: int) -> counts_pb2.PullRequest:
+            return counts_pb2.PullRequest(namespace=ns, tokenizer_fingerprint=FP, view=counts_pb2.PULL_VIEW_DRAFT,
+                                          since_version=last.version, view_id=last.view_id, wait_ms=wait_ms)
+
+        last = list(stub.Pull(counts_pb2.PullRequest(namespace=ns, tokenizer_fingerprint=FP,
+                                                     view=counts_pb2.PULL_VIEW_DRAFT), timeout=10))[-1]
+        t0 = time.monotonic()
+        answer = list(stub.Pull(request(last, 2**32 - 1), timeout=30))
+        took = time.monotonic() - t0
+        assert 4.5 < took < 15.0, f"a Pull asking to wait 2**32-1 ms answered after {took:.1f} s (cap 5 s)"
+        assert answer[-1].version == last.version and answer[-1].complete
+        waiting = stub.Pull(request(last, 5000), timeout=30)
+        time.sleep(0.3)
+        waiting.cancel()
+        with pytest.raises(grpc.RpcError) as cancelled:
+            list(waiting)
+        assert cancelled.value.code() == grpc.StatusCode.CANCELLED
+        answer = list(stub.Pull(request(last, 0), timeout=10))
+        assert answer[-1].version == last.version and answer[-1].complete
