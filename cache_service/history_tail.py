@@ -21,7 +21,7 @@ import dataclasses
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import AsyncIterator, Callable, Collection, Iterable
 
 from ngramcache.client.errors import NamespaceNotFoundError, NgramCacheError
 
@@ -372,6 +372,20 @@ class HistoryTails:
         if self.metrics is not None:
             self.metrics.history_served(len(page.records), sum(int(r.tokens.nbytes) for r in page.records))
         return page
+
+    async def subscribe(self, namespace: str, fingerprint: bytes, after: str, *, max_records: int, wait: float,
+                        exclude_client_id: str = "", groups: Collection[str] = ()) -> AsyncIterator[TailPage]:
+        """The pages `pull` would answer from ``after``, each from the cursor of the one before, forever: a page as
+        soon as records arrive, an empty one after ``wait`` seconds (0: the longest long poll) without any.
+
+        The caller takes one page at a time (the next is read only when it asks), so a slow reader holds one page.
+        """
+        wait = min(wait, self.options.max_wait) if wait > 0 else self.options.max_wait
+        while True:
+            page = await self.pull(namespace, fingerprint, after, max_records=max_records, wait=wait,
+                                   exclude_client_id=exclude_client_id, groups=groups)
+            yield page
+            after = page.cursor
 
     def drop(self, namespace: str) -> None:
         """Forget a namespace's tail (it was dropped)."""

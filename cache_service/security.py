@@ -50,7 +50,7 @@ _ENTRY_KEYS = frozenset({"name", "sha256", "namespaces", "roles"})
 class Role(enum.Enum):
     """What a token may do (docs/security.md lists the RPCs of each)."""
 
-    DRAFT = "draft"  # draft (Session, Draft) and read: Pull, PullHistory, List, Fetch, Watch
+    DRAFT = "draft"  # draft (Session, Draft) and read: Pull, PullHistory, SubscribeHistory, List, Fetch, Watch
     PUSH = "push"  # Counts.Push, Counts.PushHistory
     ADMIN = "admin"  # everything: also CreateNamespace, DropNamespace, StaticFiles.Publish
 

@@ -91,6 +91,7 @@ RULES: dict[str, MethodRule] = {
     _method(counts_pb2, "Counts", "Pull"): MethodRule(Role.DRAFT, _field("namespace")),
     _method(counts_pb2, "Counts", "PushHistory"): MethodRule(Role.PUSH, _field("namespace")),
     _method(counts_pb2, "Counts", "PullHistory"): MethodRule(Role.DRAFT, _field("namespace")),
+    _method(counts_pb2, "Counts", "SubscribeHistory"): MethodRule(Role.DRAFT, _field("namespace")),
     _method(static_files_pb2, "StaticFiles", "List"): MethodRule(Role.DRAFT, _field("namespace")),
     _method(static_files_pb2, "StaticFiles", "Fetch"): MethodRule(Role.DRAFT, _field("namespace")),
     _method(static_files_pb2, "StaticFiles", "Watch"): MethodRule(Role.DRAFT, _field("namespace")),

@@ -1,4 +1,4 @@
-"""The Counts servicer: Push applies delta batches exactly once, Pull streams a namespace's counts (or its draft view) in chunks; PushHistory and PullHistory carry the fleet history."""
+"""The Counts servicer: Push applies delta batches exactly once, Pull streams a namespace's counts (or its draft view) in chunks; PushHistory, PullHistory and SubscribeHistory carry the fleet history."""
 
 from __future__ import annotations
 
@@ -62,7 +62,7 @@ class CountsServicer(counts_pb2_grpc.CountsServicer):
             reads (None: such a Pull is INVALID_ARGUMENT).
         push_queue_rows: most rows of pushes waiting for the store per namespace; more are
             shed with OVERLOADED (see `PushBatcher`).
-        history: the fleet history's tails (None: PushHistory and PullHistory are INVALID_ARGUMENT).
+        history: the fleet history's tails (None: PushHistory, PullHistory and SubscribeHistory are INVALID_ARGUMENT).
     """
 
     def __init__(self, runner: StoreRunner, *, max_push_rows: int, max_chunk_rows: int,
@@ -179,6 +179,18 @@ class CountsServicer(counts_pb2_grpc.CountsServicer):
                                   exclude_client_id=request.exclude_client_id, groups=tuple(request.groups))
         return counts_pb2.PullHistoryResponse(records=[self._wire_record(r) for r in page.records], cursor=page.cursor,
                                               gap=page.gap)
+
+    async def SubscribeHistory(self, request: counts_pb2.PullHistoryRequest,
+                               context: aio.ServicerContext) -> AsyncIterator[counts_pb2.PullHistoryResponse]:
+        # grpc.aio writes each yielded message before it asks for the next: a reader that does not read holds its
+        # stream's one page here and costs the others nothing.
+        pages = self._history().subscribe(
+            request.namespace, request.tokenizer_fingerprint, request.after, max_records=request.max_records,
+            wait=request.wait_ms / 1000, exclude_client_id=request.exclude_client_id, groups=tuple(request.groups))
+        async with contextlib.aclosing(pages):
+            async for page in pages:
+                yield counts_pb2.PullHistoryResponse(records=[self._wire_record(r) for r in page.records],
+                                                     cursor=page.cursor, gap=page.gap)
 
     def _wire_record(self, record: HistoryRecord) -> counts_pb2.HistoryRecord:
         wire = self._wire.get(record)

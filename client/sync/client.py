@@ -204,7 +204,7 @@ class SyncLoop:
             "history_dropped_tokens": h.dropped_tokens + (drafter.history_dropped if enabled else 0),
             "history_unconfirmed_records": h.unconfirmed_records, "history_unconfirmed_tokens": h.unconfirmed_tokens,
             "history_pulled_records": h.pulled_records, "history_pulled_tokens": h.pulled_tokens,
-            "history_pulled_bytes": h.pulled_bytes, "history_gaps": h.gaps,
+            "history_pulled_bytes": h.pulled_bytes, "history_gaps": h.gaps, "history_tail_streams": h.tail_streams,
             "history_group_pull": enabled and self.history_mirror.groups_per_pull > 0,
             "history_group_pulls": h.group_pulls, "history_group_pulled_records": h.group_pulled_records,
             "history_group_pulled_tokens": h.group_pulled_tokens, "history_group_pulled_bytes": h.group_pulled_bytes,

@@ -251,6 +251,7 @@ class HistoryStats:
     pulled_records: int = 0
     pulled_tokens: int = 0
     pulled_bytes: int = 0
+    tail_streams: int = 0  # SubscribeHistory streams the mirror opened (one, plus one after each failure or failover)
     group_pulls: int = 0
     group_pulled_records: int = 0
     group_pulled_tokens: int = 0

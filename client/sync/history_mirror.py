@@ -1,8 +1,13 @@
 """The fleet history mirror: what other clients accepted, pulled (this client's live groups first) into the drafter's match history.
 
-Each round pulls the namespace's tail: a long poll of PullHistory from the mirror's cursor
-(at first the namespace's oldest kept record, so a cold client gets the recent window),
-``history_pull_records`` records at most, skipping this client's own records. While the tail
+Each round reads the namespace's tail: the next message of one long-lived SubscribeHistory
+stream opened from the mirror's cursor (at first the namespace's oldest kept record, so a cold
+client gets the recent window), ``history_pull_records`` records at most, skipping this
+client's own records. A stream that fails is opened again from the last cursor received, on
+the channel the retries and failover choose; a service without SubscribeHistory (UNIMPLEMENTED)
+is read with a PullHistory long poll a round instead, for as long as the client stays on that
+channel. The stream adds no call a round: at 32 clients a replica, the calls a server must
+accept are what delays an answer (docs/benchmarks.md, "Second pass"). While the tail
 is behind (its last page was full: a backlog of many clients' records) and this client has
 live groups (`LiveGroups`: the groups of the sequences it publishes now), the round first
 pulls those groups' records alone (PullHistory with ``groups``, at most
@@ -20,7 +25,9 @@ import logging
 import time
 from collections import OrderedDict, deque
 
+import grpc
 import numpy as np
+from grpc import aio
 from numpy.typing import NDArray
 
 from ngramcache.client._proto.codec import bytes_to_tokens
@@ -36,8 +43,9 @@ __all__ = ["MIRROR_WAIT_MS", "HistoryMirror", "LagWindow"]
 log = logging.getLogger("ngramcache.client.sync")
 
 MIRROR_WAIT_MS = 4000
-"""How long one PullHistory of the tail waits for new records (the group pull never waits). A record wakes it at
-once, so the wait sets only what an idle client costs: one call per wait (the service caps it, 5 s by default)."""
+"""How long the tail waits for new records (the group pull never waits): the longest a SubscribeHistory stream goes
+without a message (an empty one then), or one PullHistory long poll. A record wakes it at once, so the wait sets
+only what an idle client costs (the service caps it, 5 s by default)."""
 
 _BEHIND_BYTES = 1 << 20  # an answer this large is a catch-up page, whatever its record count
 
@@ -79,6 +87,9 @@ class HistoryMirror:
         self.group_cursor = ""
         self.groups: frozenset[str] = frozenset()  # the groups the group cursor has followed since it was set
         self.enabled = True
+        self.stream: aio.UnaryStreamCall | None = None  # the tail's SubscribeHistory stream, open from self.cursor
+        self.stream_channel: Channel | None = None  # the channel it runs on
+        self.unary_channel: Channel | None = None  # a channel whose service has no SubscribeHistory: long polls
 
     def apply(self, records: list[counts_pb2.HistoryRecord]) -> int:
         """Append what the drafter does not hold yet of ``records``, a source's parts in one call; return the tokens
@@ -176,10 +187,63 @@ class HistoryMirror:
             self.stats.group_cursor = self.group_cursor
         await self._spend(size)
 
+    async def _read_tail(self, request: counts_pb2.PullHistoryRequest) -> counts_pb2.PullHistoryResponse:
+        """The tail's next page after ``request.after``: the stream's next message (the stream opened if none runs on
+        the current channel), or a PullHistory long poll on a channel whose service has no stream."""
+        state, config = self.state, self.state.config
+        patience = request.wait_ms / 1000 + config.rpc_timeout
+
+        async def call(chan: Channel) -> counts_pb2.PullHistoryResponse:
+            if chan is self.unary_channel:
+                resp: counts_pb2.PullHistoryResponse = await chan.counts.PullHistory(
+                    request, timeout=patience, metadata=state.metadata)
+                return resp
+            if self.stream is None or self.stream_channel is not chan:
+                self.close_stream()
+                # After a failure the retry comes here again: the stream reopens from the last cursor received.
+                self.stream = chan.counts.SubscribeHistory(request, metadata=state.metadata)
+                self.stream_channel = chan
+                with state.lock:
+                    self.stats.tail_streams += 1
+            stream = self.stream
+            try:
+                # The service sends at least one message per wait_ms: silence past it plus rpc_timeout is a hung
+                # replica, failed over as a unary call's deadline would be.
+                message = await asyncio.wait_for(stream.read(), patience)
+            except asyncio.TimeoutError:
+                self.close_stream()
+                raise aio.AioRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, aio.Metadata(), aio.Metadata(),
+                                      details=f"no SubscribeHistory message within {patience:g} s") from None
+            except grpc.RpcError as e:
+                self.close_stream()
+                if e.code() != grpc.StatusCode.UNIMPLEMENTED:
+                    raise
+                log.info("ngramcache client: the service at %s has no SubscribeHistory (an older version); "
+                         "fleet history read by PullHistory long polls", chan.address)
+                self.unary_channel = chan
+                return await call(chan)
+            except BaseException:
+                self.close_stream()  # cancelled (close, or a switch that closed the channel): reopened if called again
+                raise
+            if message is aio.EOF:  # the service ended the stream without an error: open another
+                self.close_stream()
+                raise aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, aio.Metadata(), aio.Metadata(),
+                                      details="the SubscribeHistory stream ended")
+            assert isinstance(message, counts_pb2.PullHistoryResponse)
+            return message
+
+        return await state.retrying("SubscribeHistory", call)
+
+    def close_stream(self) -> None:
+        """Cancel the tail's stream (the next read opens another from the cursor)."""
+        if self.stream is not None:
+            self.stream.cancel()
+        self.stream = self.stream_channel = None
+
     async def pull_tail(self) -> None:
-        """The namespace's records after the cursor (a long poll)."""
+        """The namespace's records after the cursor (the stream's next message, or a long poll)."""
         request = self._request(self.cursor, MIRROR_WAIT_MS)
-        resp = await self._pull("PullHistory", request)
+        resp = await self._read_tail(request)
         received = self.apply(list(resp.records))
         size = resp.ByteSize()
         self.cursor = resp.cursor
@@ -204,4 +268,7 @@ class HistoryMirror:
             await self.pull()
 
         if self.enabled:
-            await self.state.forever("fleet history mirror", step)
+            try:
+                await self.state.forever("fleet history mirror", step)
+            finally:
+                self.close_stream()

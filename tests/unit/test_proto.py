@@ -45,6 +45,7 @@ CONTRACT: dict[str, tuple[ModuleType, ModuleType, str, dict[str, tuple[bool, boo
         "Pull": (False, True),
         "PushHistory": (False, False),
         "PullHistory": (False, False),
+        "SubscribeHistory": (False, True),
     }),
     "static_files": (static_files_pb2, static_files_pb2_grpc, "StaticFiles", {
         "List": (False, False),
@@ -127,7 +128,8 @@ def test_request_and_response_types() -> None:
     assert types(counts_pb2, "Counts") == {
         "Push": ("PushRequest", "PushResponse"), "Pull": ("PullRequest", "PullResponse"),
         "PushHistory": ("PushHistoryRequest", "PushHistoryResponse"),
-        "PullHistory": ("PullHistoryRequest", "PullHistoryResponse")}
+        "PullHistory": ("PullHistoryRequest", "PullHistoryResponse"),
+        "SubscribeHistory": ("PullHistoryRequest", "PullHistoryResponse")}
     assert types(static_files_pb2, "StaticFiles") == {
         "List": ("ListGenerationsRequest", "ListGenerationsResponse"), "Fetch": ("FetchRequest", "FetchResponse"),
         "Watch": ("WatchRequest", "WatchResponse"), "Publish": ("PublishRequest", "PublishResponse")}

@@ -1,4 +1,4 @@
-"""The history mirror's rounds against an in-memory PullHistory: live groups first while the tail is behind, each token
+"""The history mirror's rounds against an in-memory PullHistory (and SubscribeHistory over it): live groups first while the tail is behind, each token
 appended once, the group cursor starting at the tail's position, the fallback for a server that ignores groups.
 
 The real service is in tests/integration/test_fleet_history.py (test_group_first_mirror_*)."""
@@ -51,6 +51,28 @@ class Store:
             at = i
         return counts_pb2.PullHistoryResponse(records=out, cursor=str(at) if at >= 0 else request.after)
 
+    def SubscribeHistory(self, request: counts_pb2.PullHistoryRequest, **_: object) -> Stream:
+        return Stream(self, request)
+
+
+class Stream:
+    """A SubscribeHistory stream over `Store`: each read is the PullHistory page after the last cursor it answered."""
+
+    def __init__(self, store: Store, request: counts_pb2.PullHistoryRequest) -> None:
+        self.store = store
+        self.request = request
+
+    async def read(self) -> counts_pb2.PullHistoryResponse:
+        resp = await self.store.PullHistory(self.request)
+        following = counts_pb2.PullHistoryRequest()
+        following.CopyFrom(self.request)
+        following.after = resp.cursor
+        self.request = following
+        return resp
+
+    def cancel(self) -> None:
+        pass
+
 
 class Drafter:
     def __init__(self) -> None:
@@ -75,8 +97,10 @@ def mirror_over(store: Store, page: int = 5) -> tuple[HistoryMirror, Drafter, Li
     class Chan:
         counts = store
 
+    chan = Chan()
+
     async def retrying(what: str, call: Any, until: float | None = None) -> Any:
-        return await call(Chan())
+        return await call(chan)
 
     state.retrying = retrying  # type: ignore[method-assign]
     live = LiveGroups()

@@ -35,8 +35,8 @@ class CountsStub:
     (ngramcache.client.rows). Pushed rows are deltas (int32, 28 bytes a row); pulled rows
     are absolute counts (int64, 56 bytes a row, since a count can pass 2^31).
 
-    Roles (docs/security.md): Push and PushHistory the push role; Pull and PullHistory the
-    draft role; each only on the namespaces its token names.
+    Roles (docs/security.md): Push and PushHistory the push role; Pull, PullHistory and
+    SubscribeHistory the draft role; each only on the namespaces its token names.
     """
 
     def __init__(self, channel):
@@ -65,6 +65,11 @@ class CountsStub:
                 request_serializer=ngramcache_dot_client_dot___proto_dot_v1_dot_counts__pb2.PullHistoryRequest.SerializeToString,
                 response_deserializer=ngramcache_dot_client_dot___proto_dot_v1_dot_counts__pb2.PullHistoryResponse.FromString,
                 _registered_method=True)
+        self.SubscribeHistory = channel.unary_stream(
+                '/ngramcache.v1.Counts/SubscribeHistory',
+                request_serializer=ngramcache_dot_client_dot___proto_dot_v1_dot_counts__pb2.PullHistoryRequest.SerializeToString,
+                response_deserializer=ngramcache_dot_client_dot___proto_dot_v1_dot_counts__pb2.PullHistoryResponse.FromString,
+                _registered_method=True)
 
 
 class CountsServicer:
@@ -76,8 +81,8 @@ class CountsServicer:
     (ngramcache.client.rows). Pushed rows are deltas (int32, 28 bytes a row); pulled rows
     are absolute counts (int64, 56 bytes a row, since a count can pass 2^31).
 
-    Roles (docs/security.md): Push and PushHistory the push role; Pull and PullHistory the
-    draft role; each only on the namespaces its token names.
+    Roles (docs/security.md): Push and PushHistory the push role; Pull, PullHistory and
+    SubscribeHistory the draft role; each only on the namespaces its token names.
     """
 
     def Push(self, request, context):
@@ -192,6 +197,25 @@ class CountsServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SubscribeHistory(self, request, context):
+        """SubscribeHistory is PullHistory on one long-lived stream: each message is the page a
+        PullHistory from the previous message's cursor would answer (the first from `after`),
+        with its `cursor` and `gap` alike; `max_records`, `exclude_client_id` and `groups`
+        apply to every message. A message goes as soon as records newer than the cursor
+        arrive; with none, an empty one (cursor past the skipped records) after wait_ms
+        (capped as for PullHistory; 0 means the cap), so a reader that hears nothing for
+        wait_ms plus its margin may take the replica for hung. Each message is written once
+        the previous one was taken by the transport: a reader that does not read slows only
+        its own stream, and the server holds at most one page per stream. The stream runs
+        until the client cancels it or an error ends it; resume with after = the last cursor
+        received. A server from before this RPC answers UNIMPLEMENTED: use PullHistory.
+
+        Status codes (they end the stream): as for PullHistory.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CountsServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -215,6 +239,11 @@ def add_CountsServicer_to_server(servicer, server):
                     request_deserializer=ngramcache_dot_client_dot___proto_dot_v1_dot_counts__pb2.PullHistoryRequest.FromString,
                     response_serializer=ngramcache_dot_client_dot___proto_dot_v1_dot_counts__pb2.PullHistoryResponse.SerializeToString,
             ),
+            'SubscribeHistory': grpc.unary_stream_rpc_method_handler(
+                    servicer.SubscribeHistory,
+                    request_deserializer=ngramcache_dot_client_dot___proto_dot_v1_dot_counts__pb2.PullHistoryRequest.FromString,
+                    response_serializer=ngramcache_dot_client_dot___proto_dot_v1_dot_counts__pb2.PullHistoryResponse.SerializeToString,
+            ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
             'ngramcache.v1.Counts', rpc_method_handlers)
@@ -232,8 +261,8 @@ class Counts:
     (ngramcache.client.rows). Pushed rows are deltas (int32, 28 bytes a row); pulled rows
     are absolute counts (int64, 56 bytes a row, since a count can pass 2^31).
 
-    Roles (docs/security.md): Push and PushHistory the push role; Pull and PullHistory the
-    draft role; each only on the namespaces its token names.
+    Roles (docs/security.md): Push and PushHistory the push role; Pull, PullHistory and
+    SubscribeHistory the draft role; each only on the namespaces its token names.
     """
 
     @staticmethod
@@ -332,6 +361,33 @@ class Counts:
             request,
             target,
             '/ngramcache.v1.Counts/PullHistory',
+            ngramcache_dot_client_dot___proto_dot_v1_dot_counts__pb2.PullHistoryRequest.SerializeToString,
+            ngramcache_dot_client_dot___proto_dot_v1_dot_counts__pb2.PullHistoryResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SubscribeHistory(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/ngramcache.v1.Counts/SubscribeHistory',
             ngramcache_dot_client_dot___proto_dot_v1_dot_counts__pb2.PullHistoryRequest.SerializeToString,
             ngramcache_dot_client_dot___proto_dot_v1_dot_counts__pb2.PullHistoryResponse.FromString,
             options,
