@@ -186,7 +186,13 @@ def wait_ready(channel: grpc.Channel, address: str, timeout: float, tls_ca: byte
 
 
 class Channel:
-    """One grpc.aio channel to one address and its stubs; `epoch` counts the switches before it."""
+    """One grpc.aio channel to one address and its stubs; `epoch` counts the switches before it.
+
+    Attributes:
+        stored_at: when (time.monotonic()) the service last acknowledged a push on this channel
+            (`stored`): proof that it took a new call and its store answered then, which the
+            health check may rely on instead of a call of its own (client/sync/health.py).
+    """
 
     OPTIONS = (("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
                ("grpc.max_reconnect_backoff_ms", 1000), ("grpc.max_receive_message_length", 64 << 20))
@@ -199,6 +205,11 @@ class Channel:
         self.admin = admin_pb2_grpc.AdminStub(self.channel)  # type: ignore[no-untyped-call]  # generated, untyped
         self.counts = counts_pb2_grpc.CountsStub(self.channel)  # type: ignore[no-untyped-call]  # generated, untyped
         self.files = static_files_pb2_grpc.StaticFilesStub(self.channel)  # type: ignore[no-untyped-call]  # generated, untyped
+        self.stored_at = -1e9
+
+    def stored(self) -> None:
+        """The service acknowledged a push (Push or PushHistory) on this channel now."""
+        self.stored_at = time.monotonic()
 
 
 class FailoverChannel:

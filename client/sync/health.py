@@ -5,6 +5,13 @@ overloaded, partitioned) answers nothing: its calls only time out, and a mirror 
 would wait on it forever. The health check bounds that: after `failover_timeout` seconds
 without a SERVING answer the client switches, and the calls in flight on the old channel are
 cancelled and retried on the new one with the same (client id, seq), so exactly once holds.
+
+A check is skipped while a push was acknowledged on the same channel within the last interval:
+the replica then took a new call (a draining one refuses them) and its store answered (a store
+it cannot reach is the other reason it says NOT_SERVING), which is what SERVING tells. A busy
+client then makes a push's calls and no check; one that stops pushing is checked again within an
+interval. Other answers do not count: a draft view Pull or a history page may come from the
+replica's memory while its store is unreachable.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ class HealthWatch:
 
     def __init__(self, state: SyncState) -> None:
         self.state = state
+        self.skipped = 0  # checks skipped for a push acknowledged within the interval
 
     async def run(self) -> None:
         config = self.state.config
@@ -40,7 +48,11 @@ class HealthWatch:
             chan = self.state.channels.current()
             if chan.epoch != epoch:  # a new replica: judge it afresh
                 epoch, unhealthy_since = chan.epoch, None
-            healthy, why = await self._check(chan.channel, max(interval, config.failover_timeout / 2))
+            if time.monotonic() - chan.stored_at < interval:
+                healthy, why = True, ""  # a push was acknowledged just now: no check needed
+                self.skipped += 1
+            else:
+                healthy, why = await self._check(chan.channel, max(interval, config.failover_timeout / 2))
             now = time.monotonic()
             if healthy:
                 unhealthy_since = None

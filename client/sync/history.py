@@ -335,6 +335,7 @@ class HistoryPublisher:
         async def call(chan: Channel) -> counts_pb2.PushHistoryResponse:
             resp: counts_pb2.PushHistoryResponse = await attempts.call(lambda: chan.counts.PushHistory(
                 request, timeout=config.rpc_timeout, metadata=state.metadata))
+            chan.stored()
             return resp
 
         tokens = sum(len(r.tokens) for r in batch)

@@ -237,6 +237,7 @@ class Pusher:
                     err.retry_after = retry_after_of(trailing)
                     raise err from None
                 raise
+            chan.stored()
             return resp
 
         try:
