@@ -21,7 +21,7 @@ import dataclasses
 import logging
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Collection, Iterable
+from collections.abc import AsyncGenerator, Callable, Collection, Iterable
 
 from ngramcache.client.errors import NamespaceNotFoundError, NgramCacheError
 
@@ -374,7 +374,7 @@ class HistoryTails:
         return page
 
     async def subscribe(self, namespace: str, fingerprint: bytes, after: str, *, max_records: int, wait: float,
-                        exclude_client_id: str = "", groups: Collection[str] = ()) -> AsyncIterator[TailPage]:
+                        exclude_client_id: str = "", groups: Collection[str] = ()) -> AsyncGenerator[TailPage, None]:
         """The pages `pull` would answer from ``after``, each from the cursor of the one before, forever: a page as
         soon as records arrive, an empty one after ``wait`` seconds (0: the longest long poll) without any.
 
