@@ -21,6 +21,7 @@ share the budget ``history_max_bytes_per_s``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import OrderedDict, deque
@@ -271,4 +272,10 @@ class HistoryMirror:
             try:
                 await self.state.forever("fleet history mirror", step)
             finally:
+                stream = self.stream
                 self.close_stream()
+                if stream is not None:
+                    # Let grpc end the cancelled call on this loop (its status task), not as a task the closed
+                    # loop destroys pending.
+                    with contextlib.suppress(BaseException):
+                        await asyncio.wait_for(stream.code(), 1.0)
