@@ -262,3 +262,34 @@ def test_a_service_without_the_stream_is_mirrored_by_long_polls(tmp_path: Path, 
                                    r.getMessage()), lines  # one line per client
     assert lines[0] == (f"ngramcache client: the service at {address} has no SubscribeHistory (an older version); "
                         "fleet history read by PullHistory long polls")
+
+
+def test_a_stream_whose_reader_does_not_read_is_held_back_and_slows_no_other(tmp_path: Path) -> None:
+    with ServiceThread(tmp_path / "data", counts=embedded(tmp_path)) as svc:
+        address = f"127.0.0.1:{svc.port}"
+        create(address, "h")
+        assert svc.service is not None and svc.service.metrics is not None
+        registry = svc.service.metrics.registry
+
+        def served() -> float:
+            return registry.get_sample_value("ngramcache_history_served_records_total") or 0.0
+
+        with grpc.insecure_channel(address) as ch, grpc.insecure_channel(address) as other:
+            stub = counts_pb2_grpc.CountsStub(ch)
+            stalled = subscribe(stub, max_records=1)  # opened, never read past its first message
+            push(stub, "a", 0, record(0, *[7] * 4000))
+            next(stalled)
+            for b in range(1, 21):  # 500 records of 4,000 tokens: 8 MB
+                push(stub, "a", b, *[record(b * 100 + i, *[7] * 4000) for i in range(25)])
+            reader = subscribe(counts_pb2_grpc.CountsStub(other), max_records=64)
+            got, started = 0, time.monotonic()
+            while got < 501:
+                got += len(next(reader).records)
+            assert time.monotonic() - started < 10.0
+            time.sleep(0.5)
+            # The reader got its 501 records. The stalled stream got what the transports' windows took (about 4 MB,
+            # 262 messages of 16 kB in a trial) and the one page its handler holds: not the 500 waiting for it.
+            held = served() - 501 - 1
+            assert held < 400, held
+            reader.cancel()  # type: ignore[attr-defined]
+            stalled.cancel()  # type: ignore[attr-defined]
