@@ -6,6 +6,7 @@ The real service is in tests/integration/test_fleet_history.py (test_group_first
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import numpy as np
@@ -88,9 +89,9 @@ class Drafter:
         return [t for _, part in self.added for t in part]
 
 
-def mirror_over(store: Store, page: int = 5) -> tuple[HistoryMirror, Drafter, LiveGroups]:
+def mirror_over(store: Store, page: int = 5, **options: Any) -> tuple[HistoryMirror, Drafter, LiveGroups]:
     config = ClientConfig(addresses=("127.0.0.1:1",), namespace="ns", fingerprint=FP, vocab_size=100_000,
-                          cache_dir="/tmp", mode="match", history_pull_records=page)
+                          cache_dir="/tmp", mode="match", history_pull_records=page, **options)
     drafter = Drafter()
     state = SyncState(config, drafter)  # type: ignore[arg-type]
 
@@ -203,3 +204,16 @@ def test_live_groups_most_recent_first_bounded_and_expiring() -> None:
     assert live.recent(2, now=3.0) == ["c", "a"]
     assert live.recent(8, now=11.5) == ["c", "a"]  # b was last used at 1.0
     assert live.recent(8, now=20.0) == []
+
+
+def test_the_byte_budget_paces_the_reads_of_the_stream() -> None:
+    store = Store()
+    for i in range(20):
+        store.add("other", i, 0, list(range(1000 + 50 * i, 1050 + 50 * i)), f"n{i}")  # about 230 bytes a record
+    mirror, drafter, _ = mirror_over(store, page=5, history_max_bytes_per_s=4000)
+    started = time.monotonic()
+    rounds(mirror, 4)
+    took = time.monotonic() - started
+    pulled = mirror.stats.pulled_bytes
+    assert len(drafter.tokens()) == 20 * 50 and mirror.stats.tail_streams == 1  # one stream, every record once
+    assert pulled / 4000 * 0.9 <= took < pulled / 4000 + 1.0, (pulled, took)  # about a second per 4,000 bytes
