@@ -293,3 +293,27 @@ def test_a_stream_whose_reader_does_not_read_is_held_back_and_slows_no_other(tmp
             assert held < 400, held
             reader.cancel()  # type: ignore[attr-defined]
             stalled.cancel()  # type: ignore[attr-defined]
+
+
+def test_the_stream_reopens_on_the_next_replica_after_a_failover(tmp_path: Path, redis_standalone: object) -> None:
+    url = redis_standalone.url  # type: ignore[attr-defined]
+    rng = np.random.default_rng(17)
+    texts = [rng.integers(0, VOCAB, 40, dtype=np.int32) for _ in range(4)]
+    with ServiceThread(tmp_path / "one", counts=url) as first, ServiceThread(tmp_path / "two", counts=url) as second:
+        addresses = [f"127.0.0.1:{first.port}", f"127.0.0.1:{second.port}"]
+        ns = "failover-stream"
+        create(addresses[0], ns)
+        with NgramClient(addresses, ns, (FP, VOCAB), cache_dir=tmp_path / "b", **{**FAST, "failover_timeout": 2.0}) as b:
+            with NgramClient(addresses[1:], ns, (FP, VOCAB), cache_dir=tmp_path / "a", **FAST) as a:
+                a.drafter().accept(0, texts[0])
+                a.drafter().accept(1, texts[1])
+                wait_until(lambda: b.stats()["history_pulled_tokens"] == 2 * 40, 10.0, "the first records")
+                assert b.stats()["address"] == addresses[0] and b.stats()["history_tail_streams"] == 1
+                first.stop(1.0)  # B's replica goes away: its stream ends, B fails over and reopens there
+                a.drafter().accept(2, texts[2])
+                a.drafter().accept(3, texts[3])
+                wait_until(lambda: b.stats()["history_pulled_tokens"] >= 4 * 40, 20.0, "the stream on the other replica")
+            time.sleep(0.3)
+            s = b.stats()
+            assert s["address"] == addresses[1] and s["history_tail_streams"] >= 2, s
+            assert s["history_pulled_tokens"] == s["history_appended_tokens"] == 4 * 40 and s["history_gaps"] == 0, s
