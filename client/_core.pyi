@@ -267,7 +267,9 @@ class Drafter:
         decides, it also looks further back (max_chain >= 64), counts an occurrence in the
         sequence itself as 4 of other sequences' (sequence_weight >= 4), and a draft copied from
         other sequences gives way where the sequence's own text has a match of 4 tokens or more
-        that goes on differently (splice_min 4).
+        that goes on differently (splice_min 4); where nothing matches 4 tokens or more (new text,
+        as an edit writes), it resumes the text the sequence was copying, a little past where it
+        left off (resync_below 4).
         """
 
     def draft_tree(self, seq: int, tokens: NDArray[numpy.int32], budget: int = 16) -> tuple[NDArray[numpy.int32], NDArray[numpy.int32]]:

@@ -49,6 +49,9 @@ class ClientConfig:
         rpc_timeout: deadline of a unary call (pushes, List, GetNamespace).
         failover_timeout: with several addresses, seconds a replica may go without answering its
             health check SERVING (hung, stopped, NOT_SERVING) before the client moves to the next.
+            The check runs every second (at most `failover_timeout` / 3), skipped while a push was
+            acknowledged on the channel within that interval (a replica that takes a push and stores
+            it is serving; a busy client then makes no check).
         backoff: the retry policy while calls fail retriably.
         mode: the drafter's mode, ``"compatible"`` (default: llama.cpp's drafts) or ``"match"``
             (longest matches over the sequence, earlier sequences and the static generation's

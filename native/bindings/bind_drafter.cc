@@ -168,7 +168,9 @@ void bind_drafter(nb::module_& m) {
           "decides, it also looks further back (max_chain >= 64), counts an occurrence in the\n"
           "sequence itself as 4 of other sequences' (sequence_weight >= 4), and a draft copied from\n"
           "other sequences gives way where the sequence's own text has a match of 4 tokens or more\n"
-          "that goes on differently (splice_min 4).")
+          "that goes on differently (splice_min 4); where nothing matches 4 tokens or more (new text,\n"
+          "as an edit writes), it resumes the text the sequence was copying, a little past where it\n"
+          "left off (resync_below 4).")
       .def(
           "draft_tree",
           [](PyDrafter& d, int64_t seq, nb::handle tokens, int budget) {

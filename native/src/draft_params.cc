@@ -30,6 +30,7 @@ constexpr ParamRange kRanges[] = {
     {"count_prior", 0, 1e6, [](MatchParams& p, double x) { p.count_prior = x; }},
     {"corpus_prior", 0, 1e6, [](MatchParams& p, double x) { p.corpus_prior = x; }},
     {"splice_min", 0, 64, [](MatchParams& p, double x) { p.splice_min = static_cast<int>(x); }},
+    {"resync_below", 0, 64, [](MatchParams& p, double x) { p.resync_below = static_cast<int>(x); }},
     {"sequence_weight", 1, 1e6, [](MatchParams& p, double x) { p.sequence_weight = x; }},
     {"max_options", 1, 8, [](MatchParams& p, double x) { p.max_options = static_cast<int>(x); }},
     {"history_tokens", 0, 1e9, [](MatchParams& p, double x) { p.history_tokens = static_cast<size_t>(x); }},

@@ -187,6 +187,7 @@ constexpr size_t kMaxHeldSources = 4096;
 constexpr int kUncappedChain = 64;
 constexpr double kUncappedSequenceWeight = 4.0;
 constexpr int kUncappedSpliceMin = 4;
+constexpr int kUncappedResyncBelow = 4;
 }  // namespace
 
 void Drafter::stage_history_locked(bool external, int64_t key, const Token* tokens, size_t n) {
@@ -441,6 +442,9 @@ Status Drafter::draft(int64_t seq, const Token* tokens, size_t n, int n_draft, T
       mp.max_chain = std::max(mp.max_chain, kUncappedChain);
       mp.sequence_weight = std::max(mp.sequence_weight, kUncappedSequenceWeight);
       if (mp.splice_min == 0) mp.splice_min = kUncappedSpliceMin;
+      // After new text (an edit's insertion), resume the text being copied: on the same replays
+      // 1.25x -> 1.28x (seed 7) and 1.31x -> 1.38x (seed 8).
+      if (mp.resync_below == 0) mp.resync_below = kUncappedResyncBelow;
     }
     *n_out = seqs_.with_tables(seq, [&](const CountTable* context, const SeqIndex* index) {
       std::shared_lock history(history_mu_);

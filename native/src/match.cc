@@ -304,6 +304,94 @@ int splice_sequence(const Sources& s, const MatchParams& p, int n_out, int limit
   return n_out;
 }
 
+// After new text (an edit's insertion or replacement) the sequence's tail matches nothing long,
+// yet the text it was copying usually goes on a little further along: where it left off, past
+// about as many tokens as the new text has. With `p.resync_below` > 0 and no sequence/history
+// match that long, the draft resumes that text: of the tail's last kResyncBack positions, the
+// latest that ends a match of kResyncAnchor tokens or more says which text and where the copy
+// stopped; the draft goes on after the occurrence of the sequence's last token, within the new
+// text's length plus kResyncWindow tokens from there, that matches the tail longest (the first
+// of equals). On the code-edit replays (tests/bench/replay_transformers_drafts.py) these
+// constants were the best of those tried (back 16-48, anchor 4-8, window 8-64).
+constexpr size_t kResyncBack = 24;
+constexpr uint32_t kResyncAnchor = 6;
+constexpr size_t kResyncWindow = 16;
+
+// How many tokens before and at text[j] equal those before and at seq[i] (at most `most`).
+uint32_t match_back(const Token* text, size_t j, const Token* seq, size_t i, uint32_t most) {
+  uint32_t len = 0;
+  while (len < most && len <= j && len <= i && text[j - len] == seq[i - len]) ++len;
+  return len;
+}
+
+// Whether text[from..n_text) is seq[at..] (the history's copy of the sequence being drafted,
+// which the history takes in as the sequence is accepted, or the part of it held so far).
+bool copies_sequence(const Token* text, size_t from, size_t n_text, const Token* seq, size_t at, size_t n_seq) {
+  return n_text - from <= n_seq - at && std::equal(text + from, text + n_text, seq + at);
+}
+
+// The resumed draft in out[0..) (its length; 0: no text to resume), odds[i] growing with the
+// tokens copied (a copy that held so far tends to go on), cut as a match's draft is.
+int resync(const Sources& s, const MatchParams& p, int limit, Token* out, float* odds) {
+  const Token* seq = s.seq;
+  const size_t n_seq = s.n_seq;
+  if (n_seq < 3) return 0;
+  const uint32_t most = static_cast<uint32_t>(p.max_match);
+  Source src = Source::kSequence;
+  size_t resume = 0, since = 0;  // where the copy stopped in src's text, and the new tokens since
+  bool found = false;
+  for (size_t i = n_seq - 1; i >= 1 && n_seq - 1 - i < kResyncBack && !found; --i) {
+    uint32_t best = 0;
+    for (const Source from : {Source::kSequence, Source::kHistory}) {
+      const SeqIndex* index = from == Source::kSequence ? s.sequence : s.history;
+      if (!index || index->size() == 0) continue;
+      const Token* text = from == Source::kSequence ? seq : index->tokens();
+      const size_t end = from == Source::kSequence ? i - 1 : index->size() - 1;  // room for a next token
+      int visited = 0;
+      for (uint32_t e = index->head(seq[i - 1], seq[i]); e != 0 && visited < p.max_chain;
+           e = index->prev(e - 1), ++visited) {
+        const size_t j = e - 1;
+        if (j >= end) continue;
+        const uint32_t len = match_back(text, j, seq, i, most);
+        if (len < kResyncAnchor || len <= best) continue;
+        if (from == Source::kHistory && copies_sequence(text, j + 1, index->size(), seq, i + 1, n_seq)) continue;
+        best = len;
+        src = from;
+        resume = j + 1;
+        since = n_seq - 1 - i;
+        found = true;
+      }
+    }
+  }
+  if (!found) return 0;
+  const Token* text = src == Source::kSequence ? seq : s.history->tokens();
+  const size_t n_text = src == Source::kSequence ? n_seq - 1 : s.history->size();
+  uint32_t best = 0;
+  size_t at = 0;
+  for (size_t q = resume; q < n_text && q <= resume + since + kResyncWindow; ++q) {
+    if (text[q - 1] != seq[n_seq - 1]) continue;
+    const uint32_t len = match_back(text, q - 1, seq, n_seq - 1, most);
+    if (len > best) {
+      best = len;
+      at = q;
+    }
+  }
+  if (best == 0) return 0;
+  limit = max_length_for(p, best, limit);  // a capped draft's bounds (an uncapped one has none)
+  double prob = 1.0;
+  int n = 0;
+  while (n < limit) {
+    const Token t = next_token(s, src, static_cast<uint32_t>(at - 1), n, out, n);
+    if (t < 0) break;
+    const double q = 1.0 / (1.0 + p.prior / (best + static_cast<uint32_t>(n)));
+    prob *= q;
+    if (prob < p.min_prob) break;
+    if (odds) odds[n] = static_cast<float>(q);
+    out[n++] = t;
+  }
+  return n;
+}
+
 }  // namespace
 
 int draft_match(const Token* seq, size_t n_seq, const MatchTables& t, const MatchParams& p, Token* out, float* odds) {
@@ -334,8 +422,24 @@ int draft_match(const Token* seq, size_t n_seq, const MatchTables& t, const Matc
   if (chosen >= 0 && p.splice_min > 0 && options[chosen].n > 0 && options[chosen].src[0] != Source::kSequence) {
     n_out = splice_sequence(s, p, n_out, p.n_draft, out, best_odds);
   }
+  bool resynced = false;
+  if (p.resync_below > 0) {
+    uint32_t longest = 0;  // of the sequence/history matches
+    for (int i = 0; i < n_options; ++i) {
+      if (options[i].n > 0 && options[i].src[0] != Source::kCorpus) longest = std::max(longest, options[i].length);
+    }
+    if (longest < static_cast<uint32_t>(p.resync_below)) {
+      const int n = resync(s, p, p.n_draft, buf, buf_odds);
+      if (n > 0) {
+        n_out = n;
+        resynced = true;
+        std::copy(buf, buf + n, out);
+        std::copy(buf_odds, buf_odds + n, best_odds);
+      }
+    }
+  }
   bool counted = false;
-  if (p.count_option) {
+  if (p.count_option && !resynced) {
     double score;
     const int n =
         count_walk(seq, n_seq, t.context, t.dynamic, p, p.n_draft, p.min_prob, buf, &score, nullptr, 1.0, buf_odds);

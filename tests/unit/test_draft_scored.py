@@ -118,7 +118,41 @@ def test_an_uncapped_draft_from_the_history_gives_way_to_the_sequences_own_text(
     assert d.draft_scored(1, seq, 16)[0].tolist() == [40, 41]
 
 
-@pytest.mark.parametrize(("name", "value"), [("sequence_weight", 0.5), ("splice_min", 65)])
+# A prompt where 5 is mostly followed by 60, and once (after 10 .. 18) by 20 21 ...
+RESYNC_PROMPT = [5, 60, 61, 5, 60, 62, 5, 60, 63, 10, 11, 12, 13, 14, 15, 16, 17, 18, 5, 20, 21, 22, 23, 24, 25, 99]
+
+
+def test_after_new_text_an_uncapped_draft_resumes_the_text_it_was_copying():
+    """The answer copied the prompt's 10 .. 17, then wrote new text (50 51) where the prompt has 18, then the
+    prompt's 5: nothing ends like the tail (51, 5), and 5 alone is mostly followed by 60. An uncapped draft resumes
+    the copied text after the 5 that follows the place it left (20 21 ...: resync_below 4); a capped one follows
+    the counts. The drafter's history also holds the sequence itself (a copy that must not count as the text
+    being copied, or the draft would resume the answer's own 50 51)."""
+    seq = arr([*RESYNC_PROMPT, 10, 11, 12, 13, 14, 15, 16, 17, 50, 51, 5])
+    d = Drafter(vocab_size=128, fingerprint=UNTAGGED, mode="match")
+    d.accept(1, seq)
+    assert d.history_size > 0  # the sequence is in the history too
+    tokens, odds = d.draft_scored(1, seq, 8, uncapped=True)
+    assert tokens.tolist() == [20, 21, 22, 23, 24, 25, 99, 10]
+    assert odds.tolist() == sorted(odds.tolist()) and 0 < odds[0] < 1  # a copy that held so far tends to go on
+    assert d.draft_scored(1, seq, 8)[0].tolist()[:1] == [60]
+    # resync_below also applies to capped drafts when set, cut as a match of its anchor (1 token) is.
+    capped = Drafter(vocab_size=128, fingerprint=UNTAGGED, mode="match", match_params={"resync_below": 4})
+    capped.accept(1, seq)
+    assert capped.draft_scored(1, seq, 8)[0].tolist() == [20]
+
+
+def test_a_resumed_draft_needs_the_copied_texts_next_token_nearby():
+    """The new text is longer than the window allows and the prompt's 5 after the copy's place is too far: the
+    uncapped draft falls back to the counts (60 ...)."""
+    far = RESYNC_PROMPT[:18] + list(range(30, 50)) + RESYNC_PROMPT[18:]
+    seq = arr([*far, 10, 11, 12, 13, 14, 15, 16, 17, 50, 51, 5])
+    d = Drafter(vocab_size=128, fingerprint=UNTAGGED, mode="match")
+    d.accept(1, seq)
+    assert d.draft_scored(1, seq, 8, uncapped=True)[0].tolist()[:1] == [60]
+
+
+@pytest.mark.parametrize(("name", "value"), [("sequence_weight", 0.5), ("splice_min", 65), ("resync_below", 65)])
 def test_the_new_match_params_are_range_checked(name, value):
     with pytest.raises(ValueError, match=rf"match_params\['{name}'\] must be in"):
         Drafter(vocab_size=64, fingerprint=UNTAGGED, mode="match", match_params={name: value})

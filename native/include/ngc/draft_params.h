@@ -45,6 +45,7 @@ struct MatchParams {
   double corpus_prior = 2.0;     // the same for the corpus index's occurrences (trusted less)
   double sequence_weight = 1.0;  // an occurrence in the sequence drafted votes as this many others' (>= 1)
   int splice_min = 0;           // a draft from other texts gives way to a >= this long match in the sequence (0: never)
+  int resync_below = 0;         // no sequence/history match this long: resume the text last copied (0: never)
   double count_prior = 1.0;     // the same for the count tables, over the n-gram size
   double min_prob = 0.25;       // the least probability of the whole linear draft; 0..1
   double tree_min_prob = 0.05;  // the least probability of a tree node (the budget bounds the tree); 0..1
@@ -98,6 +99,7 @@ void for_each_match_param(const MatchParams& p, Fn&& fn) {
   fn("corpus_prior", ParamKind::kReal, p.corpus_prior);
   fn("sequence_weight", ParamKind::kReal, p.sequence_weight);
   fn("splice_min", ParamKind::kInt, double(p.splice_min));
+  fn("resync_below", ParamKind::kInt, double(p.resync_below));
   fn("min_prob", ParamKind::kReal, p.min_prob);
   fn("tree_min_prob", ParamKind::kReal, p.tree_min_prob);
   fn("length_factor", ParamKind::kReal, p.length_factor);
