@@ -110,12 +110,12 @@ class CountsServicer(counts_pb2_grpc.CountsServicer):
             # refresh, as for Sessions): no store call per Pull, which every client makes every pull_interval.
             live = await self._registry.get(namespace)
             check_tokenizer(live.info, request.tokenizer_fingerprint)
-            async for chunk in self._pull_view(request, chunk_rows, context.time_remaining()):
+            async for chunk in self._pull_view(request, chunk_rows, context):
                 yield chunk
             return
         info = await self.exporter.namespace(namespace, request.tokenizer_fingerprint)
         if request.view == counts_pb2.PULL_VIEW_DRAFT:
-            async for chunk in self._pull_view(request, chunk_rows, context.time_remaining()):
+            async for chunk in self._pull_view(request, chunk_rows, context):
                 yield chunk
             return
         if request.view != counts_pb2.PULL_VIEW_STORE:
@@ -129,29 +129,41 @@ class CountsServicer(counts_pb2_grpc.CountsServicer):
                 yield _chunk(part.rows, part.version, part.complete)
 
     async def _pull_view(self, request: counts_pb2.PullRequest, chunk_rows: int,
-                         time_remaining: float | None) -> AsyncIterator[counts_pb2.PullResponse]:
+                         context: aio.ServicerContext) -> AsyncIterator[counts_pb2.PullResponse]:
         """The draft view's changes since (view_id, since_version), or the whole view with reset; with nothing new
-        and ``wait_ms``, the changes of the view's next update (within the wait and the caller's deadline)."""
+        and ``wait_ms``, the changes of the view's next update (within the wait and the caller's deadline). With
+        ``follow``, the same again and again from the version just sent, until the caller cancels."""
         if self._registry is None:
             raise InvalidArgumentError("this server does not serve draft views")
-        view = (await self._registry.get(request.namespace)).view
-        if view is None:
-            raise BackendUnavailableError(f"the draft view of {request.namespace!r} is not built yet")
-        if request.HasField("since_version"):
-            changes = view.changes_since(request.view_id, request.since_version)
-            if changes is not None and not len(changes) and request.wait_ms:
-                left = float("inf") if time_remaining is None else time_remaining - 0.5  # answer before the deadline
-                wait = min(request.wait_ms, MAX_PULL_WAIT_MS) / 1000
-                await view.wait_newer(request.view_id, request.since_version, max(0.0, min(wait, left)))
-                changes = view.changes_since(request.view_id, request.since_version)
+        view_id, since = request.view_id, request.since_version if request.HasField("since_version") else None
+        wait = min(request.wait_ms, MAX_PULL_WAIT_MS) / 1000
+        if request.follow:
+            wait = wait or MAX_PULL_WAIT_MS / 1000  # the stream's silence is bounded: an empty batch after it
+        interval = min(request.min_interval_ms, MAX_PULL_WAIT_MS) / 1000
+        while True:
+            view = (await self._registry.get(request.namespace)).view  # NOT_FOUND once dropped
+            if view is None:
+                raise BackendUnavailableError(f"the draft view of {request.namespace!r} is not built yet")
+            changes = view.changes_since(view_id, since) if since is not None else None
+            if changes is not None and not len(changes) and wait:
+                left = context.time_remaining()
+                left = float("inf") if left is None else left - 0.5  # answer before the deadline
+                if left <= 0 and request.follow:
+                    return  # the caller's deadline is near: end the stream (it pulls again)
+                await view.wait_newer(view_id, since or 0, max(0.0, min(wait, left)))
+                changes = view.changes_since(view_id, since or 0)
             if changes is not None:
-                for part, complete in split_rows(changes, chunk_rows):
-                    yield _chunk(part, view.version, complete, view.view_id, reset=False)
+                view_id, version, reset, rows = view.view_id, view.version, False, changes
+            else:
+                view_id, version, rows = await asyncio.to_thread(view.export_rows)
+                reset = True
+            for part, complete in split_rows(rows, chunk_rows):
+                yield _chunk(part, version, complete, view_id, reset=reset)
+            since = version
+            if not request.follow:
                 return
-        view_id, version, rows = await asyncio.to_thread(view.export_rows)
-        for part, complete in split_rows(rows, chunk_rows):
-            yield _chunk(part, version, complete, view_id, reset=True)
-
+            if interval:
+                await asyncio.sleep(interval)  # the changes of the interval go as one batch
 
     async def PushHistory(self, request: counts_pb2.PushHistoryRequest,
                           context: aio.ServicerContext) -> counts_pb2.PushHistoryResponse:

@@ -173,7 +173,7 @@ class SyncLoop:
             "address": s.address, "client_id": state.client_id, "generation": s.generation,
             "mirror": state.config.mirror, "mirror_version": s.mirror_version, "view_id": s.view_id,
             "mirror_rows": table.n_entries, "mirror_bytes": table.memory_bytes(),
-            "pulled_rows": s.pulled_rows, "pulled_bytes": s.pulled_bytes,
+            "mirror_pulls": s.mirror_pulls, "pulled_rows": s.pulled_rows, "pulled_bytes": s.pulled_bytes,
             "mirror_lag_seconds": lag, "resyncs": s.resyncs,
             "drained_rows": s.drained_rows, "drained_count": s.drained_count, "pending_rows": self.pusher.pending_rows,
             "pushed_rows": s.pushed_rows, "acked_rows": s.acked_rows, "acked_count": s.acked_count,

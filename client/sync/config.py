@@ -36,8 +36,9 @@ class ClientConfig:
         mirror: what the dynamic mirror holds: ``"draft"`` (default) the service's draft view,
             only what can change a draft, bounded in rows whatever the fleet's size; ``"full"``
             every count of the store (traffic and memory grow with the fleet).
-        pull_interval: seconds from a mirror pull's answer to the next pull (<= 1); a pull of the
-            draft view with nothing new waits on the service (up to 2 s) for the view's next change.
+        pull_interval: seconds from a mirror pull's answer to the next pull (<= 1). The draft view
+            is followed on one Pull stream instead: the service sends each change of the view at
+            least this long after the one before (the changes between go as one batch).
         push_interval: seconds between two drains of the drafter's deltas.
         max_unacked: most push batches in flight (capped by the server's dedup window).
         max_batch_rows: most rows a push (capped by the server's limit).

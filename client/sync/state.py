@@ -30,6 +30,7 @@ class SyncStats:
     mirror_version: int | None = None
     view_id: str = ""
     mirror_last_ok: float = 0.0
+    mirror_pulls: int = 0  # Pull calls of the mirror (mirror="draft": one follow stream, again after a failure)
     pulled_rows: int = 0
     pulled_bytes: int = 0
     resyncs: int = 0

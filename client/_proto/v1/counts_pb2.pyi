@@ -118,7 +118,7 @@ class PushResponse(_message.Message):
     def __init__(self, duplicate: _Optional[bool] = ..., units: _Optional[int] = ..., applied_units: _Optional[int] = ..., duplicate_units: _Optional[int] = ..., entries: _Optional[int] = ..., version: _Optional[int] = ...) -> None: ...
 
 class PullRequest(_message.Message):
-    __slots__ = ("namespace", "tokenizer_fingerprint", "since_version", "max_chunk_rows", "view", "view_id", "wait_ms")
+    __slots__ = ("namespace", "tokenizer_fingerprint", "since_version", "max_chunk_rows", "view", "view_id", "wait_ms", "follow", "min_interval_ms")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     SINCE_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -126,6 +126,8 @@ class PullRequest(_message.Message):
     VIEW_FIELD_NUMBER: _ClassVar[int]
     VIEW_ID_FIELD_NUMBER: _ClassVar[int]
     WAIT_MS_FIELD_NUMBER: _ClassVar[int]
+    FOLLOW_FIELD_NUMBER: _ClassVar[int]
+    MIN_INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     tokenizer_fingerprint: bytes
     since_version: int
@@ -133,7 +135,9 @@ class PullRequest(_message.Message):
     view: PullView
     view_id: str
     wait_ms: int
-    def __init__(self, namespace: _Optional[str] = ..., tokenizer_fingerprint: _Optional[bytes] = ..., since_version: _Optional[int] = ..., max_chunk_rows: _Optional[int] = ..., view: _Optional[_Union[PullView, str]] = ..., view_id: _Optional[str] = ..., wait_ms: _Optional[int] = ...) -> None: ...
+    follow: bool
+    min_interval_ms: int
+    def __init__(self, namespace: _Optional[str] = ..., tokenizer_fingerprint: _Optional[bytes] = ..., since_version: _Optional[int] = ..., max_chunk_rows: _Optional[int] = ..., view: _Optional[_Union[PullView, str]] = ..., view_id: _Optional[str] = ..., wait_ms: _Optional[int] = ..., follow: _Optional[bool] = ..., min_interval_ms: _Optional[int] = ...) -> None: ...
 
 class PullResponse(_message.Message):
     __slots__ = ("rows", "version", "complete", "view_id", "reset")

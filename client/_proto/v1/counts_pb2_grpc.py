@@ -143,6 +143,8 @@ class CountsServicer:
         - FAILED_PRECONDITION: tokenizer_fingerprint differs from the namespace's.
         - UNAVAILABLE: the store could not be reached: pull again from the same point.
         - UNAUTHENTICATED, PERMISSION_DENIED, DEADLINE_EXCEEDED.
+        A draft view Pull with follow = true keeps the stream open and sends each update of the
+        view (see PullRequest.follow); the codes above end it.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
