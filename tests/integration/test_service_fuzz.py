@@ -92,6 +92,18 @@ def watch_may_wait(ch: grpc.Channel, payload: bytes) -> bool:
     return latest is not None and latest <= request.after_generation
 
 
+def follows(method: _descriptor.MethodDescriptor, payload: bytes) -> bool:
+    """Whether a call of ``method`` with ``payload`` may stream for as long as the caller wants."""
+    if method.name == "SubscribeHistory":
+        return True
+    if method.name != "Pull":
+        return False
+    try:
+        return counts_pb2.PullRequest.FromString(payload).follow
+    except Exception:  # not a PullRequest: the server must refuse it
+        return False
+
+
 def call_raw(ch: grpc.Channel, path: str, method: _descriptor.MethodDescriptor, payloads: list[bytes]) -> grpc.StatusCode:
     ident = lambda b: b  # noqa: E731 - raw bytes both ways
     try:
@@ -109,6 +121,13 @@ def call_raw(ch: grpc.Channel, path: str, method: _descriptor.MethodDescriptor, 
                 if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED and watch_may_wait(ch, payloads[0]):
                     return grpc.StatusCode.OK  # waiting for news, as it should
                 raise
+            stream.cancel()
+        elif method.server_streaming and follows(method, payloads[0]):
+            # SubscribeHistory and a Pull with follow stream until the caller cancels: their first message (an
+            # error ends the call before it), then a cancel.
+            stream = ch.unary_stream(path, request_serializer=ident, response_deserializer=ident)(payloads[0],
+                                                                                                 timeout=DEADLINE)
+            next(stream, None)
             stream.cancel()
         elif method.server_streaming:
             list(ch.unary_stream(path, request_serializer=ident, response_deserializer=ident)(payloads[0],
