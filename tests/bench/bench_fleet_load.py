@@ -245,9 +245,9 @@ def client_process(conn: Connection, index: int, n_clients: int, addresses: list
 class Marker(threading.Thread):
     """A marker sequence accepted by client A, timed until client B drafts its continuation, over and over."""
 
-    def __init__(self, a: NgramClient, b: NgramClient, timeout: float) -> None:
+    def __init__(self, a: NgramClient, b: NgramClient, timeout: float, pause: float = 0.5) -> None:
         super().__init__(name="marker", daemon=True)
-        self.a, self.b, self.timeout = a, b, timeout
+        self.a, self.b, self.timeout, self.pause = a, b, timeout, pause
         self.samples: list[tuple[float, float]] = []  # (monotonic time of the accept, seconds to draftable or inf)
         self.stop_event = threading.Event()
 
@@ -276,7 +276,7 @@ class Marker(threading.Thread):
             db.reset(2 * trial + 1)
             if not self.stop_event.is_set():
                 self.samples.append((started, took))
-            self.stop_event.wait(0.5)  # a light load of its own (about 100 tokens a trial), not counted
+            self.stop_event.wait(self.pause)  # a light load of its own (about 100 tokens a trial), not counted
 
     def between(self, t0: float, t1: float) -> list[float]:
         return [took for started, took in self.samples if t0 <= started < t1]
@@ -321,7 +321,7 @@ class Fleet:
     """The cluster, the replicas, the client processes and the marker's two clients."""
 
     def __init__(self, tmp: Path, masters: int, replicas: int, clients: int, procs: int, fsync: str,
-                 marker_timeout: float, workers: int = 1) -> None:
+                 marker_timeout: float, workers: int = 1, marker_pause: float = 0.5) -> None:
         self.n_clients = clients
         tmp.mkdir(parents=True, exist_ok=True)
         self.cluster = RedisClusterProcesses(masters=masters, args=["--appendonly", "yes", "--appendfsync", fsync])
@@ -352,7 +352,7 @@ class Fleet:
             self.marker_clients = [
                 NgramClient([addresses[0]], NS, (FP, VOCAB), cache_dir=tmp / "marker-a", **CLIENT_OPTIONS),
                 NgramClient([addresses[-1]], NS, (FP, VOCAB), cache_dir=tmp / "marker-b", **CLIENT_OPTIONS)]
-            self.marker = Marker(self.marker_clients[0], self.marker_clients[1], marker_timeout)
+            self.marker = Marker(self.marker_clients[0], self.marker_clients[1], marker_timeout, marker_pause)
             self.marker.start()
         except BaseException:
             self.close()
@@ -522,7 +522,8 @@ def ramp(tmp: Path, masters: int, replicas: int, clients: int, args: argparse.Na
     setup = f"{masters}x{replicas}x{clients}"
     procs = -(-clients // args.per_proc)
     t = time.monotonic()
-    fleet = Fleet(tmp, masters, replicas, clients, procs, args.fsync, args.marker_timeout, args.workers)
+    fleet = Fleet(tmp, masters, replicas, clients, procs, args.fsync, args.marker_timeout, args.workers,
+                  args.marker_pause)
     try:
         print(f"\nsetup {setup}: {masters} masters, {replicas} replicas, {clients} clients in {procs} processes; "
               f"started in {time.monotonic() - t:.0f} s", flush=True)
@@ -607,6 +608,9 @@ def main() -> int:
     ap.add_argument("--slo-p50", type=float, default=0.25, help="the service-level knee's push-to-draftable p50 (s)")
     ap.add_argument("--slo-p99", type=float, default=1.0, help="the service-level knee's push-to-draftable p99 (s)")
     ap.add_argument("--marker-timeout", type=float, default=10.0, help="a marker not draftable by then counts as inf")
+    ap.add_argument("--marker-pause", type=float, default=0.5,
+                    help="seconds between two marker trials (default 0.5: 9-13 markers a 10 s step; less times more "
+                         "of them, each about 100 tokens the load does not count)")
     ap.add_argument("--fsync", choices=("always", "everysec", "no"), default="everysec")
     ap.add_argument("--workers", type=int, default=1,
                     help="server processes per replica (serve --workers N; their CPU counts as the replica's; default 1)")
