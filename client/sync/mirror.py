@@ -25,7 +25,7 @@ log = logging.getLogger("ngramcache.client.sync")
 
 PULL_WAIT_MS = 2000
 """How long the draft view's follow stream goes without a batch while the view has nothing new (an empty one then;
-silence past it plus ``rpc_timeout`` is a hung replica), and how long a Pull of a service from before ``follow``
+silence past it plus ``pull_interval`` and ``rpc_timeout`` is a hung replica), and how long a Pull of a service from before ``follow``
 waits for the view's next change. (A service from before the wait answers at once; the client then pulls every
 ``pull_interval``.)"""
 
@@ -37,7 +37,7 @@ class Mirror:
     (``PullRequest.follow``): the service sends each update of the view as a batch of chunks (a
     reset swaps in a new table), at least ``pull_interval`` after the last one (the changes of
     that time go as one batch), and an empty batch after `PULL_WAIT_MS` without any; silence past
-    that plus ``rpc_timeout`` is taken for a hung replica. A stream that fails is opened again
+    that plus ``pull_interval`` and ``rpc_timeout`` is taken for a hung replica. A stream that fails is opened again
     from the last version applied, on the channel the retries and failover choose; one that ends
     after an answer (a service from before ``follow``) is followed by another Pull
     ``pull_interval`` later, as each pull was before. ``"full"`` pulls every count of the store
@@ -81,7 +81,9 @@ class Mirror:
         in (reset). Returns when the service ends the stream after its answers (a service that ignores
         ``follow``); failures reopen it as the retries and failover decide."""
         state, config = self.state, self.state.config
-        patience = PULL_WAIT_MS / 1000 + config.rpc_timeout
+        # The service sends a batch at least every pull_interval + PULL_WAIT_MS: silence past that plus rpc_timeout
+        # is a hung replica, failed over as a unary call's deadline would be.
+        patience = config.pull_interval + PULL_WAIT_MS / 1000 + config.rpc_timeout
 
         async def call(chan: Channel) -> None:
             since = state.stats.mirror_version
@@ -91,7 +93,7 @@ class Mirror:
                                              min_interval_ms=round(config.pull_interval * 1000))
             if since is not None:
                 request.since_version = since
-            # No deadline: the service sends a batch at least every PULL_WAIT_MS; silence past it is a hung replica.
+            # No deadline: the stream lasts as long as the client (see patience).
             stream = self.stream = chan.counts.Pull(request, metadata=state.metadata)
             with state.lock:
                 state.stats.mirror_pulls += 1

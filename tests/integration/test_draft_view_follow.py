@@ -176,6 +176,19 @@ def test_counts_reach_another_client_through_one_stream(tmp_path: Path) -> None:
             assert a.stats()["mirror_pulls"] == 1
 
 
+def test_a_quiet_view_keeps_its_stream_open(tmp_path: Path) -> None:
+    """The service's empty batches come pull_interval + the wait apart: a client with a short rpc_timeout does not
+    take that silence for a hung replica (it would reopen its stream)."""
+    with ServiceThread(tmp_path / "data", **VIEW) as svc:
+        address = f"127.0.0.1:{svc.port}"
+        ns = create_namespace(address)
+        with NgramClient(address, ns, (FP, VOCAB), cache_dir=tmp_path / "b",
+                         **{**FAST, "pull_interval": 0.9, "rpc_timeout": 0.5}) as b:
+            wait_until(lambda: b.stats()["mirror_pulls"] == 1 and b.stats()["view_id"] != "", 10.0, "B's stream")
+            time.sleep(7.0)  # two quiet batches (0.9 + 2 s apart)
+            assert b.stats()["mirror_pulls"] == 1
+
+
 async def _pull_view_ignoring_follow(self: CountsServicer, request: counts_pb2.PullRequest, chunk_rows: int,
                                      context: aio.ServicerContext) -> AsyncIterator[counts_pb2.PullResponse]:
     older = counts_pb2.PullRequest()
