@@ -48,7 +48,7 @@ class Mirror:
         self.state = state
         self.table = table
         self.ready = asyncio.Event()  # set after the first complete pull
-        self.stream: aio.UnaryStreamCall | None = None  # the draft view's follow stream while it is open
+        self.stream: aio.UnaryStreamCall | None = None  # the draft view's last follow stream
 
     async def pull(self, table: CountTable, since: int | None) -> int:
         """Apply one Pull of the store's counts (export or changes) to ``table``; return the version to resume from."""
@@ -131,14 +131,15 @@ class Mirror:
                         state.stats.mirror_last_ok = time.monotonic()
                     self.ready.set()
             finally:
-                stream.cancel()  # no-op once ended; else (an error, close, a switch) the service stops sending
-                if self.stream is stream:
-                    self.stream = None
+                # A no-op once ended; else (an error, close, a switch) the service stops sending. self.stream stays,
+                # for close_view to let grpc end the call.
+                stream.cancel()
 
         await state.retrying("Pull", call)
 
     async def close_view(self) -> None:
-        """Cancel the follow stream, if open, and let grpc end the call on this loop (at most 1 s)."""
+        """Cancel the last follow stream and let grpc end the call on this loop (at most 1 s), not as a task the
+        closed loop destroys pending."""
         stream, self.stream = self.stream, None
         if stream is not None:
             stream.cancel()
