@@ -48,19 +48,18 @@ def pulls(svc: ServiceThread) -> float:
     return value or 0.0
 
 
-def test_an_idle_client_pulls_the_draft_view_once_per_wait_not_once_per_interval(tmp_path: Path,
-                                                                                   service: ServiceThread) -> None:
+def test_an_idle_client_follows_the_draft_view_on_one_stream(tmp_path: Path, service: ServiceThread) -> None:
     ns = namespace(service)
     with NgramClient(f"127.0.0.1:{service.port}", ns, (FP, VOCAB), cache_dir=tmp_path / "c", **FAST) as client:
         wait_until(lambda: client.stats()["mirror_version"] is not None, 10.0, "the first pull")
         time.sleep(0.5)
-        before, t0 = pulls(service), time.monotonic()
+        before, opened, t0 = pulls(service), client.stats()["mirror_pulls"], time.monotonic()
         time.sleep(3.0)
-        calls, seconds = pulls(service) - before, time.monotonic() - t0
-        # Polling every pull_interval (0.1 s) makes about 30 calls in 3 s; waiting on the service, one per
-        # PULL_WAIT_MS plus the interval.
-        most = seconds / (PULL_WAIT_MS / 1000 + FAST["pull_interval"]) + 1
-        assert calls <= most, f"an idle client made {calls:.0f} Pull calls in {seconds:.1f} s (at most {most:.1f})"
+        ended, seconds = pulls(service) - before, time.monotonic() - t0
+        # Polling every pull_interval (0.1 s) made about 30 calls in 3 s, a long poll of PULL_WAIT_MS one per wait;
+        # following the view, the one stream stays open: no Pull starts or ends.
+        assert opened == 1 and client.stats()["mirror_pulls"] == 1 and ended == 0, \
+            f"in {seconds:.1f} s: {ended:.0f} Pull calls ended, {client.stats()['mirror_pulls']} opened in all"
 
 
 def test_a_change_reaches_a_waiting_client_at_once(tmp_path: Path, service: ServiceThread) -> None:
@@ -94,14 +93,19 @@ def test_an_idle_match_client_makes_few_calls_a_second(tmp_path: Path, service: 
                      **FAST) as client:
         wait_until(lambda: client.stats()["mirror_version"] is not None, 10.0, "the first pull")
         time.sleep(1.0)
-        methods = ("/ngramcache.v1.Counts/Pull", "/ngramcache.v1.Counts/PullHistory")
-        before, t0 = [calls(service, m) for m in methods], time.monotonic()
+        methods = ("/ngramcache.v1.Counts/Pull", "/ngramcache.v1.Counts/PullHistory",
+                   "/ngramcache.v1.Counts/SubscribeHistory")
+        streams = ("mirror_pulls", "history_tail_streams")
+        before, opened, t0 = [calls(service, m) for m in methods], [client.stats()[k] for k in streams], \
+            time.monotonic()
         time.sleep(4.5)
         seconds = time.monotonic() - t0
         made = {m.rsplit("/", 1)[1]: calls(service, m) - b for m, b in zip(methods, before)}
-        # The draft view's Pull waits 2 s on the service, the history's tail 4 s: at most 3 and 2 calls in 4.5 s
-        # (polling every pull_interval made about 45 Pulls; a tail wait of 1 s, 4-5 PullHistory).
-        assert made["Pull"] <= 3 and made["PullHistory"] <= 2, f"in {seconds:.1f} s: {made}"
+        now = [client.stats()[k] for k in streams]
+        # The draft view and the history's tail each on one stream that stays open: no call starts or ends
+        # (polling every pull_interval made about 45 Pulls in 4.5 s; long polls, 3 Pulls and 2 PullHistory).
+        assert opened == [1, 1] and now == [1, 1], f"streams opened {opened} then {now}"
+        assert made == {"Pull": 0, "PullHistory": 0, "SubscribeHistory": 0}, f"in {seconds:.1f} s: {made}"
 
 
 def test_a_draft_view_pull_makes_no_store_call(service: ServiceThread) -> None:

@@ -81,7 +81,7 @@ QUICK: dict[str, Quick] = {
     "bench_draft_path": Quick(("--quick",), (r"transformers +auto", r"target: the drafting path <= 100 us per step")),
     "bench_transformers_device": Quick(("--device", "cpu", "--requests", "1", "--max-new-tokens", "16", "--setups",
                                         "pld16,auto", "--threads", "2", "--out", "{data}/transformers_device",
-                                        "--time-limit", "240"),
+                                        "--time-limit", "480"),
                                        (r"\| auto \|", r"auto vs pld16: tokens/forward [\d.]+x"),
                                        missing=lambda: _have("torch", "transformers"), seconds=30),
     "replay_transformers_drafts": Quick(("{data}/transformers_device/results.json", "--setups", "pld16,auto-gpu-costs"),
