@@ -217,6 +217,17 @@ class SyncLoop:
         }
 
 
+def _cancel_leftover_tasks(loop: asyncio.AbstractEventLoop) -> None:
+    """Cancels the loop's tasks still pending once the client's work ended and lets them finish, as asyncio.run does:
+    grpc.aio's own task that awaits a cancelled stream's status can still be waiting, and a task destroyed pending
+    prints "Task was destroyed but it is pending!" when the loop closes."""
+    tasks = [t for t in asyncio.all_tasks(loop) if not t.done()]
+    for task in tasks:
+        task.cancel()
+    if tasks:
+        loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
+
+
 def _quiet_grpc_poller(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
     """The loop's exception handler, less grpc.aio's spurious poller errors.
 
@@ -318,6 +329,7 @@ class NgramClient:
             started(e)
         finally:
             with contextlib.suppress(Exception):
+                _cancel_leftover_tasks(self._loop)
                 self._loop.run_until_complete(self._loop.shutdown_asyncgens())
 
     def drafter(self) -> Drafter:
