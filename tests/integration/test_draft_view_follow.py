@@ -16,6 +16,7 @@ import grpc
 import pytest
 from grpc import aio
 from helpers.corpus import FAST, FP, VOCAB, motif_corpus
+from helpers.draft_view import pull_view, settled_view
 from helpers.redis_servers import free_port
 from helpers.service import ServiceThread, wait_until
 
@@ -56,26 +57,6 @@ def batch(stream: Iterator[counts_pb2.PullResponse]) -> list[counts_pb2.PullResp
 
 def rows(chunks: list[counts_pb2.PullResponse]) -> int:
     return sum(len(bytes_to_count_rows(c.rows)) for c in chunks)
-
-
-def view_table(address: str, namespace: str) -> tuple[str, int, CountTable]:
-    with grpc.insecure_channel(address) as ch:
-        chunks = list(counts_pb2_grpc.CountsStub(ch).Pull(counts_pb2.PullRequest(
-            namespace=namespace, tokenizer_fingerprint=FP, view=counts_pb2.PULL_VIEW_DRAFT), timeout=30))
-    table = CountTable()
-    for c in chunks:
-        table.assign_rows(bytes_to_count_rows(c.rows), zero_removes=True)
-    return chunks[-1].view_id, chunks[-1].version, table
-
-
-def settled_view(address: str, namespace: str) -> tuple[str, int, CountTable]:
-    last = view_table(address, namespace)
-    while True:
-        time.sleep(0.3)
-        now = view_table(address, namespace)
-        if now[:2] == last[:2]:
-            return now
-        last = now
 
 
 def rows_of(table: CountTable) -> list[tuple[int, ...]]:
@@ -145,7 +126,7 @@ def test_a_follow_stream_sends_each_update_a_quiet_batch_and_a_reset(tmp_path: P
 
             svc.run(rebuild())
             again = batch(stream)
-            new_id, _, served = view_table(address, ns)
+            new_id, _, served = pull_view(address, ns)
             assert all(c.reset for c in again) and again[-1].view_id == new_id != view_id
             assert rows(again) == served.n_entries > 0
             stream.cancel()  # type: ignore[attr-defined]
@@ -268,7 +249,7 @@ def test_a_cancelled_follow_stream_leaves_the_service_answering(tmp_path: Path) 
             got = batch(other)
             assert rows(got) > 0 and not got[-1].reset
             other.cancel()  # type: ignore[attr-defined]
-            assert view_table(address, ns)[2].n_entries > 0  # a plain Pull answers
+            assert pull_view(address, ns)[2].n_entries > 0  # a plain Pull answers
             # The cancelled streams' handlers ended (the service counts a call when it ends): the 5 streams and the
             # plain Pull ("a" follows the view on its own stream, still open).
             wait_until(lambda: rpcs(svc, PULL) == 6, 5.0, "the cancelled streams to end")

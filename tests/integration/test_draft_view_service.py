@@ -11,6 +11,7 @@ import grpc
 import numpy as np
 import pytest
 from helpers.corpus import FAST, FP, VOCAB, motif_corpus
+from helpers.draft_view import pull_view, settled_view
 from helpers.service import ServiceThread, wait_until
 
 from ngramcache import CountTable, NgramClient
@@ -29,28 +30,6 @@ def create_namespace(address: str) -> str:
         admin_pb2_grpc.AdminStub(ch).CreateNamespace(
             admin_pb2.CreateNamespaceRequest(name=name, tokenizer_fingerprint=FP, vocab_size=VOCAB), timeout=10)
     return name
-
-
-def pull_view(address: str, namespace: str) -> tuple[str, int, CountTable]:
-    with grpc.insecure_channel(address) as ch:
-        chunks = list(counts_pb2_grpc.CountsStub(ch).Pull(counts_pb2.PullRequest(
-            namespace=namespace, tokenizer_fingerprint=FP, view=counts_pb2.PULL_VIEW_DRAFT), timeout=30))
-    table = CountTable()
-    for c in chunks:
-        table.assign_rows(bytes_to_count_rows(c.rows), zero_removes=True)
-    assert chunks[-1].complete and all(c.reset for c in chunks)
-    return chunks[-1].view_id, chunks[-1].version, table
-
-
-def settled_view(address: str, namespace: str) -> tuple[str, int, CountTable]:
-    """The view once the service's mirror has applied every push (its version stops moving)."""
-    last = pull_view(address, namespace)
-    while True:
-        time.sleep(0.3)  # six refreshes of the service's mirror
-        now = pull_view(address, namespace)
-        if now[:2] == last[:2]:
-            return now
-        last = now
 
 
 def store_rows(address: str, namespace: str) -> int:
