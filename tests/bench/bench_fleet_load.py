@@ -625,6 +625,8 @@ def main() -> int:
         assert all(len(s) == 3 and min(s) >= 1 for s in setups)
     except (ValueError, AssertionError):
         ap.error(f"--setups takes MASTERSxREPLICASxCLIENTS,... (such as 3x2x64), got {args.setups!r}")
+    if not 0.01 <= args.marker_pause <= 60:
+        ap.error(f"--marker-pause takes seconds in 0.01..60 (0.5 by default), got {args.marker_pause}")
     cores = os.cpu_count() or 1
     results: dict[str, list[Ramp]] = {}
     t_all = time.monotonic()
