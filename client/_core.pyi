@@ -269,7 +269,8 @@ class Drafter:
         other sequences gives way where the sequence's own text has a match of 4 tokens or more
         that goes on differently (splice_min 4); where nothing matches 4 tokens or more (new text,
         as an edit writes), it resumes the text the sequence was copying, a little past where it
-        left off (resync_below 4).
+        left off (resync_below 4), and where its first token is less likely than not after a token
+        that replaced one of the copied text, it copies what follows the replaced token.
         """
 
     def draft_tree(self, seq: int, tokens: NDArray[numpy.int32], budget: int = 16) -> tuple[NDArray[numpy.int32], NDArray[numpy.int32]]:

@@ -170,7 +170,8 @@ void bind_drafter(nb::module_& m) {
           "other sequences gives way where the sequence's own text has a match of 4 tokens or more\n"
           "that goes on differently (splice_min 4); where nothing matches 4 tokens or more (new text,\n"
           "as an edit writes), it resumes the text the sequence was copying, a little past where it\n"
-          "left off (resync_below 4).")
+          "left off (resync_below 4), and where its first token is less likely than not after a token\n"
+          "that replaced one of the copied text, it copies what follows the replaced token.")
       .def(
           "draft_tree",
           [](PyDrafter& d, int64_t seq, nb::handle tokens, int budget) {

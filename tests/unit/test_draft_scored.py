@@ -152,6 +152,26 @@ def test_a_resumed_draft_needs_the_copied_texts_next_token_nearby():
     assert d.draft_scored(1, seq, 8, uncapped=True)[0].tolist()[:1] == [60]
 
 
+def test_after_a_substituted_token_an_uncapped_draft_goes_on_past_it():
+    """The answer copied the prompt's 10 .. 14, then wrote 99 where the prompt has 15: nothing ends like the tail
+    (14, 99) and the copy is too short to resume (resync's anchor), so the drafter had nothing. An uncapped draft
+    goes on after the replaced token (16 17 ...); a capped one stays empty. Where the tail has a match of its own
+    (a draft the drafter trusts), that draft stays."""
+    prompt = [10, 11, 12, 13, 14, 15, 16, 17, 18, 19]
+    seq = arr([*prompt, 10, 11, 12, 13, 14, 99])
+    d = Drafter(vocab_size=128, fingerprint=UNTAGGED, mode="match")
+    d.accept(1, seq)
+    tokens, odds = d.draft_scored(1, seq, 8, uncapped=True)
+    assert tokens.tolist() == [16, 17, 18, 19, 10, 11, 12, 13]
+    assert len(odds) == len(tokens) and all(0 < o < 1 for o in odds.tolist())
+    assert d.draft_scored(1, seq, 8)[0].tolist() == []
+    # (14, 99) also goes on with 50 51 in the prompt: the sequence's own match is drafted.
+    matched = arr([*prompt, 14, 99, 50, 51, 10, 11, 12, 13, 14, 99])
+    fresh = Drafter(vocab_size=128, fingerprint=UNTAGGED, mode="match")
+    fresh.accept(1, matched)
+    assert fresh.draft_scored(1, matched, 4, uncapped=True)[0].tolist() == [50, 51, 10, 11]
+
+
 @pytest.mark.parametrize(("name", "value"), [("sequence_weight", 0.5), ("splice_min", 65), ("resync_below", 65)])
 def test_the_new_match_params_are_range_checked(name, value):
     with pytest.raises(ValueError, match=rf"match_params\['{name}'\] must be in"):

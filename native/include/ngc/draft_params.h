@@ -45,7 +45,8 @@ struct MatchParams {
   double corpus_prior = 2.0;     // the same for the corpus index's occurrences (trusted less)
   double sequence_weight = 1.0;  // an occurrence in the sequence drafted votes as this many others' (>= 1)
   int splice_min = 0;           // a draft from other texts gives way to a >= this long match in the sequence (0: never)
-  int resync_below = 0;         // no sequence/history match this long: resume the text last copied (0: never)
+  int resync_below = 0;         // no sequence/history match this long: resume the text last copied (0: never; > 0 also
+                                // goes on past a replaced token where the draft is a guess)
   double count_prior = 1.0;     // the same for the count tables, over the n-gram size
   double min_prob = 0.25;       // the least probability of the whole linear draft; 0..1
   double tree_min_prob = 0.05;  // the least probability of a tree node (the budget bounds the tree); 0..1
