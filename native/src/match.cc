@@ -423,8 +423,8 @@ int realign(const Sources& s, const MatchParams& p, int limit, Token* out, float
     for (uint32_t x = index->head(seq[e - 1], seq[e]); x != 0 && visited < p.max_chain;
          x = index->prev(x - 1), ++visited) {
       const size_t j = x - 1;
-      if (j + 2 >= n_text) continue;            // room for the replaced token and one to copy (before the tail's)
-      if (text[j + 1] == seq[e + 1]) continue;  // not replaced: a plain match
+      if (j + 2 >= n_text) continue;  // room for the replaced token and one to copy (before the tail's)
+      if (text[j + 1] == seq[e + 1] || text[j + 1] < 0) continue;  // not replaced (a plain match), or a text's end
       const uint32_t len = match_back(text, j, seq, e, most);
       if (len < kRealignAnchor || len <= best) continue;
       best = len;

@@ -172,6 +172,18 @@ def test_after_a_substituted_token_an_uncapped_draft_goes_on_past_it():
     assert fresh.draft_scored(1, matched, 4, uncapped=True)[0].tolist() == [50, 51, 10, 11]
 
 
+def test_a_draft_past_a_replaced_token_does_not_cross_into_another_text():
+    """The tail before the new 99 (10 .. 14) ends one history text; what follows it there is another text
+    (70 71 ...), not the copied one: nothing is drafted."""
+    d = Drafter(vocab_size=128, fingerprint=UNTAGGED, mode="match")
+    d.add_history(40, arr([10, 11, 12, 13, 14]))
+    d.add_history(41, arr([70, 71, 72, 73]))
+    d.flush_history()
+    seq = arr([1, 2, 10, 11, 12, 13, 14, 99])
+    d.accept(1, seq)
+    assert d.draft_scored(1, seq, 8, uncapped=True)[0].tolist() == []
+
+
 @pytest.mark.parametrize(("name", "value"), [("sequence_weight", 0.5), ("splice_min", 65), ("resync_below", 65)])
 def test_the_new_match_params_are_range_checked(name, value):
     with pytest.raises(ValueError, match=rf"match_params\['{name}'\] must be in"):
