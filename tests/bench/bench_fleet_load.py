@@ -8,14 +8,17 @@ counts, publishing the fleet history and mirroring both, default settings), ``--
 a group of 8 siblings at a time (one prompt of 64-128 tokens, then 200-400 tokens each, the
 siblings' tokens mostly alike, `set_group` per group), drafting 8 tokens and accepting 1-8 at
 every step; its first group starts part-way (a fleet already running). One driver thread per
-client process paces its clients to the offered rate in tokens/s.
+client process paces its clients to the offered rate in tokens/s. The client processes run at a
+lower CPU priority (``--client-nice``, 10): they stand in for engine hosts, which in a fleet do
+not share cores with the service replicas and Redis; here they do, and take what those leave.
 
 A ramp: one step with no load (the fleet's polling and the marker alone), then the offered
 load from ``--start`` tokens/s, times ``--factor`` each step, until the knee: the first step
 whose accepted rate is below 90% of what was offered (saying whether the client processes
 or the store fell behind), or whose push-to-draftable p99 passed ``--max-p99`` seconds. The
 knee is the highest accepted rate of the ramp; one more step then runs at 80% of it, once the
-clients have pushed what the overloaded step left buffered (else it measures the recovery). Beside
+clients have pushed what the overloaded step left buffered and a step's time at that rate has
+passed unmeasured (else it measures the recovery). Beside
 it, the service-level knee: the highest accepted rate of a step whose push-to-draftable p50 and
 p99 are within ``--slo-p50`` and ``--slo-p99`` (250 ms and 1 s, issue 32's targets).
 
@@ -158,9 +161,12 @@ class Group:
         self.pos = [0] * SIBLINGS  # tokens accepted so far; 0: not started
 
 
-def client_process(conn: Connection, index: int, n_clients: int, addresses: list[str], cache_dir: str) -> None:
+def client_process(conn: Connection, index: int, n_clients: int, addresses: list[str], cache_dir: str,
+                   niceness: int = 0) -> None:
     """Runs ``n_clients`` NgramClients and one driver paced by ("rate", tokens/s) messages; answers ("stats",) and
-    ("stop",) with the clients' summed stats (stop closes them first)."""
+    ("stop",) with the clients' summed stats (stop closes them first). ``niceness`` is added to the process's."""
+    if niceness:
+        os.nice(niceness)
     clients = []
     for i in range(n_clients):
         k = index * n_clients + i
@@ -321,7 +327,7 @@ class Fleet:
     """The cluster, the replicas, the client processes and the marker's two clients."""
 
     def __init__(self, tmp: Path, masters: int, replicas: int, clients: int, procs: int, fsync: str,
-                 marker_timeout: float, workers: int = 1, marker_pause: float = 0.5) -> None:
+                 marker_timeout: float, workers: int = 1, marker_pause: float = 0.5, client_nice: int = 0) -> None:
         self.n_clients = clients
         tmp.mkdir(parents=True, exist_ok=True)
         self.cluster = RedisClusterProcesses(masters=masters, args=["--appendonly", "yes", "--appendfsync", fsync])
@@ -340,7 +346,7 @@ class Fleet:
             per = [clients // procs + (1 if i < clients % procs else 0) for i in range(procs)]
             for i, n in enumerate(per):
                 parent, child = ctx.Pipe()
-                p = ctx.Process(target=client_process, args=(child, i, n, addresses, str(tmp / f"node-{i}")),
+                p = ctx.Process(target=client_process, args=(child, i, n, addresses, str(tmp / f"node-{i}"), client_nice),
                                 daemon=True)
                 p.start()
                 self.procs.append((p, parent))
@@ -400,10 +406,11 @@ class Fleet:
                 client.close()
         return total / 1e6
 
-    def step(self, offered: float, seconds: float) -> Point:
-        """Offers ``offered`` tokens/s for ``seconds`` (the first quarter a warm-up, not measured)."""
+    def step(self, offered: float, seconds: float, warmup: float | None = None) -> Point:
+        """Offers ``offered`` tokens/s for ``warmup`` seconds not measured (default: a quarter of ``seconds``), then
+        for ``seconds`` measured."""
         self.set_rate(offered)
-        time.sleep(seconds / 4)
+        time.sleep(seconds / 4 if warmup is None else warmup)
         s0, fed0, _, fail0 = self.client_stats()
         cpu0, busy0, t0 = self.cpu(), machine_busy(), time.monotonic()
         time.sleep(seconds)
@@ -523,7 +530,7 @@ def ramp(tmp: Path, masters: int, replicas: int, clients: int, args: argparse.Na
     procs = -(-clients // args.per_proc)
     t = time.monotonic()
     fleet = Fleet(tmp, masters, replicas, clients, procs, args.fsync, args.marker_timeout, args.workers,
-                  args.marker_pause)
+                  args.marker_pause, args.client_nice)
     try:
         print(f"\nsetup {setup}: {masters} masters, {replicas} replicas, {clients} clients in {procs} processes; "
               f"started in {time.monotonic() - t:.0f} s", flush=True)
@@ -541,12 +548,13 @@ def ramp(tmp: Path, masters: int, replicas: int, clients: int, args: argparse.Na
                 break
             rate *= args.factor
         knee = max(points, key=lambda p: p.accepted)
-        # The step past the knee left a backlog (buffered pushes, a tail behind): drained first, so the 80% step
-        # measures 80% of the knee, not the recovery from the overload.
+        # The step past the knee left a backlog (buffered pushes, a tail behind): drained first, then a whole step's
+        # time at the new rate unmeasured, so the 80% step measures 80% of the knee, not the recovery from the overload.
         drained = fleet.drain(60)
-        at80 = fleet.step(0.8 * knee.accepted, args.step_seconds)
+        at80 = fleet.step(0.8 * knee.accepted, args.step_seconds, warmup=args.step_seconds)
         print(f"knee ({why}): {knee.accepted:,.0f} tokens/s accepted at {knee.offered:,.0f} offered; at 80% of it "
-              f"(after {drained:.0f} s without load, the backlog drained):", flush=True)
+              f"(after {drained:.0f} s without load, the backlog drained, and {args.step_seconds:g} s at that rate "
+              f"before it is measured):", flush=True)
         print(fmt_point(at80), flush=True)
         total, acked, final = fleet.finish()
     finally:
@@ -614,6 +622,10 @@ def main() -> int:
     ap.add_argument("--fsync", choices=("always", "everysec", "no"), default="everysec")
     ap.add_argument("--workers", type=int, default=1,
                     help="server processes per replica (serve --workers N; their CPU counts as the replica's; default 1)")
+    ap.add_argument("--client-nice", type=int, default=10,
+                    help="niceness added to the client processes (default 10; 0: none). The clients stand in for "
+                         "engine hosts, which do not share cores with the service and Redis; on one machine they "
+                         "would, so they get the CPU the service leaves. The marker's two clients are not niced")
     ap.add_argument("--reps", type=int, default=1, help="ramps per setup; knees and per-core figures are medians")
     ap.add_argument("--quick", action="store_true",
                     help="checks the script in < 60 s: setup 3x2x16, 2 steps of 2 s (figures meaningless)")
@@ -625,6 +637,8 @@ def main() -> int:
         assert all(len(s) == 3 and min(s) >= 1 for s in setups)
     except (ValueError, AssertionError):
         ap.error(f"--setups takes MASTERSxREPLICASxCLIENTS,... (such as 3x2x64), got {args.setups!r}")
+    if not 0 <= args.client_nice <= 19:
+        ap.error(f"--client-nice takes 0..19 (10 by default), got {args.client_nice}")
     if not 0.01 <= args.marker_pause <= 60:
         ap.error(f"--marker-pause takes seconds in 0.01..60 (0.5 by default), got {args.marker_pause}")
     cores = os.cpu_count() or 1
