@@ -29,6 +29,8 @@ processes: CPU seconds per second from /proc/<pid>/stat, so per-core figures hol
 shared machine; in brackets the CPUs the machine's other work used meanwhile, from /proc/stat), push-to-draftable p50/p99 (a marker sequence accepted by a client on the
 first replica, timed until a client on the last replica drafts it, checked every
 millisecond; both sequences share a group, as siblings do; about 200 tokens/s of its own),
+the part of it after the store (the reading client's lag from the store's time of its last
+1,000 records to its drafter),
 pushes shed, rows and history tokens dropped, failed drafts, Redis `used_memory` summed over
 the masters, MB/s pushed, history tokens pulled by all the clients (the mirrors' fan-out) and
 MB/s pulled per client. After the ramp every client closes (flushing) and the store's total
@@ -305,6 +307,7 @@ class Point:
     cpu_units: dict[str, list[float]] = field(default_factory=dict)  # masters / replicas: each one's CPUs
     cpu_others: float = 0.0  # CPUs the machine's other work used meanwhile (busy CPUs less the fleet's)
     lags: list[float] = field(default_factory=list)  # push-to-draftable seconds (inf: not within the timeout)
+    store_lag_ms: tuple[float, float] = (float("nan"), float("nan"))  # p50, p99: stored -> in B's drafter (B's records)
     shed: float = 0.0
     dropped_rows: float = 0.0
     dropped_history: float = 0.0
@@ -431,6 +434,9 @@ class Fleet:
         point.cpu = {k: sum(v) for k, v in point.cpu_units.items()}
         point.cpu_others = max(0.0, (busy1 - busy0) / dt - sum(point.cpu.values()))
         point.lags = self.marker.between(t0, t1)
+        b = self.marker_clients[1].stats()  # its last records' lag from the store's time to its drafter
+        point.store_lag_ms = tuple(float("nan") if b[k] is None else float(b[k])  # type: ignore[assignment]
+                                   for k in ("history_lag_ms_p50", "history_lag_ms_p99"))
         point.shed, point.dropped_rows, point.dropped_history = d["overloaded"], d["dropped_rows"], d[
             "history_dropped_tokens"]
         point.failures = fail1 - fail0
@@ -498,15 +504,16 @@ def slo_knee(points: list[Point], p50: float, p99: float) -> Point | None:
 def fmt_point(p: Point) -> str:
     cpu = " ".join(f"{p.cpu[k]:.2f}" for k in ("masters", "replicas", "clients")) + f" ({p.cpu_others:.2f})"
     return (f"| {p.offered:,.0f} | {p.fed:,.0f} | {p.accepted:,.0f} | {p.counts_rows:,.0f} | {p.history_records:,.0f} | "
-            f"{cpu} | {1e3 * p.p50:.0f} / {1e3 * p.p99:.0f} ({len(p.lags)}) | {p.shed:.0f} / {p.dropped_rows:.0f} / "
+            f"{cpu} | {1e3 * p.p50:.0f} / {1e3 * p.p99:.0f} ({len(p.lags)}) | {p.store_lag_ms[0]:.0f} / "
+            f"{p.store_lag_ms[1]:.0f} | {p.shed:.0f} / {p.dropped_rows:.0f} / "
             f"{p.dropped_history:.0f} | {p.failures} | {p.redis_mb:.1f} | {p.pushed_mb:.2f} | {p.pulled_tokens:,.0f} | "
             f"{p.pulled_mb_per_client:.2f} |")
 
 
 HEADER = ("| offered tok/s | fed tok/s | accepted tok/s | counts rows/s | history rec/s | CPUs masters replicas clients "
           "(other work) | "
-          "push->draftable p50 / p99 ms (n) | shed / dropped rows / dropped hist tok | failed drafts | Redis MB | "
-          "MB/s pushed | history tok/s pulled (all clients) | MB/s pulled per client |\n|" + "---:|" * 13)
+          "push->draftable p50 / p99 ms (n) | of which store->B p50 / p99 ms | shed / dropped rows / dropped hist tok | failed drafts | Redis MB | "
+          "MB/s pushed | history tok/s pulled (all clients) | MB/s pulled per client |\n|" + "---:|" * 14)
 
 
 @dataclass
