@@ -330,6 +330,26 @@ bool copies_sequence(const Token* text, size_t from, size_t n_text, const Token*
   return n_text - from <= n_seq - at && std::equal(text + from, text + n_text, seq + at);
 }
 
+// Copies src's text from position `from` on into out[0..) after a match of `best` tokens ending
+// just before it (its length), odds[i] growing with the tokens copied (a copy that held so far
+// tends to go on), cut as a match's draft is.
+int copy_from(const Sources& s, const MatchParams& p, Source src, size_t from, uint32_t best, int limit, Token* out,
+              float* odds) {
+  limit = max_length_for(p, best, limit);  // a capped draft's bounds (an uncapped one has none)
+  double prob = 1.0;
+  int n = 0;
+  while (n < limit) {
+    const Token t = next_token(s, src, static_cast<uint32_t>(from - 1), n, out, n);
+    if (t < 0) break;
+    const double q = 1.0 / (1.0 + p.prior / (best + static_cast<uint32_t>(n)));
+    prob *= q;
+    if (prob < p.min_prob) break;
+    if (odds) odds[n] = static_cast<float>(q);
+    out[n++] = t;
+  }
+  return n;
+}
+
 // The resumed draft in out[0..) (its length; 0: no text to resume), odds[i] growing with the
 // tokens copied (a copy that held so far tends to go on), cut as a match's draft is.
 int resync(const Sources& s, const MatchParams& p, int limit, Token* out, float* odds) {
@@ -377,19 +397,7 @@ int resync(const Sources& s, const MatchParams& p, int limit, Token* out, float*
     }
   }
   if (best == 0) return 0;
-  limit = max_length_for(p, best, limit);  // a capped draft's bounds (an uncapped one has none)
-  double prob = 1.0;
-  int n = 0;
-  while (n < limit) {
-    const Token t = next_token(s, src, static_cast<uint32_t>(at - 1), n, out, n);
-    if (t < 0) break;
-    const double q = 1.0 / (1.0 + p.prior / (best + static_cast<uint32_t>(n)));
-    prob *= q;
-    if (prob < p.min_prob) break;
-    if (odds) odds[n] = static_cast<float>(q);
-    out[n++] = t;
-  }
-  return n;
+  return copy_from(s, p, src, at, best, limit, out, odds);
 }
 
 // After a token that replaced one of the text being copied (a renamed word, a changed literal),
@@ -433,19 +441,7 @@ int realign(const Sources& s, const MatchParams& p, int limit, Token* out, float
     }
   }
   if (best == 0) return 0;
-  limit = max_length_for(p, best, limit);  // a capped draft's bounds (an uncapped one has none)
-  double prob = 1.0;
-  int n = 0;
-  while (n < limit) {
-    const Token t = next_token(s, src, static_cast<uint32_t>(start - 1), n, out, n);
-    if (t < 0) break;
-    const double q = 1.0 / (1.0 + p.prior / (best + static_cast<uint32_t>(n)));
-    prob *= q;
-    if (prob < p.min_prob) break;
-    if (odds) odds[n] = static_cast<float>(q);
-    out[n++] = t;
-  }
-  return n;
+  return copy_from(s, p, src, start, best, limit, out, odds);
 }
 
 int draft_linear(const Token* seq, size_t n_seq, const MatchTables& t, const MatchParams& p, Token* out, float* odds);
