@@ -434,9 +434,10 @@ class Fleet:
         point.cpu = {k: sum(v) for k, v in point.cpu_units.items()}
         point.cpu_others = max(0.0, (busy1 - busy0) / dt - sum(point.cpu.values()))
         point.lags = self.marker.between(t0, t1)
-        b = self.marker_clients[1].stats()  # its last records' lag from the store's time to its drafter
-        point.store_lag_ms = tuple(float("nan") if b[k] is None else float(b[k])  # type: ignore[assignment]
-                                   for k in ("history_lag_ms_p50", "history_lag_ms_p99"))
+        if offered:  # with no load its last records may be the fleet's first ones, long before the step
+            b = self.marker_clients[1].stats()  # its last records' lag from the store's time to its drafter
+            p50, p99 = b["history_lag_ms_p50"], b["history_lag_ms_p99"]
+            point.store_lag_ms = (float("nan") if p50 is None else p50, float("nan") if p99 is None else p99)
         point.shed, point.dropped_rows, point.dropped_history = d["overloaded"], d["dropped_rows"], d[
             "history_dropped_tokens"]
         point.failures = fail1 - fail0
@@ -503,9 +504,10 @@ def slo_knee(points: list[Point], p50: float, p99: float) -> Point | None:
 
 def fmt_point(p: Point) -> str:
     cpu = " ".join(f"{p.cpu[k]:.2f}" for k in ("masters", "replicas", "clients")) + f" ({p.cpu_others:.2f})"
+    store_lag = " / ".join("-" if x != x else f"{x:.0f}" for x in p.store_lag_ms)  # nan: not read (no load)
     return (f"| {p.offered:,.0f} | {p.fed:,.0f} | {p.accepted:,.0f} | {p.counts_rows:,.0f} | {p.history_records:,.0f} | "
-            f"{cpu} | {1e3 * p.p50:.0f} / {1e3 * p.p99:.0f} ({len(p.lags)}) | {p.store_lag_ms[0]:.0f} / "
-            f"{p.store_lag_ms[1]:.0f} | {p.shed:.0f} / {p.dropped_rows:.0f} / "
+            f"{cpu} | {1e3 * p.p50:.0f} / {1e3 * p.p99:.0f} ({len(p.lags)}) | {store_lag} | {p.shed:.0f} / "
+            f"{p.dropped_rows:.0f} / "
             f"{p.dropped_history:.0f} | {p.failures} | {p.redis_mb:.1f} | {p.pushed_mb:.2f} | {p.pulled_tokens:,.0f} | "
             f"{p.pulled_mb_per_client:.2f} |")
 
