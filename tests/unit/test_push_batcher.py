@@ -342,6 +342,37 @@ def test_a_pushed_batch_is_visible_to_lookups(store: EmbeddedCountsStore) -> Non
     assert store.lookup(NS, [5, 6]) == {7: 3}
 
 
+@pytest.mark.parametrize("epoch_seconds", [0.0, 60.0])
+def test_the_answers_version_is_read_once_per_epoch_not_once_per_group(epoch_seconds: float,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A version read is a round on every shard: groups inside one store epoch share one (epoch 0: one per group)."""
+    store = EmbeddedCountsStore(CountsStoreConfig(url=None, epoch_seconds=epoch_seconds))
+    store.create_namespace(NS, FP, VOCAB)
+    store.create_namespace("other", FP, VOCAB)
+    reads: list[str] = []
+    version = store.version
+
+    def counted(namespace: str) -> int:
+        reads.append(namespace)
+        return version(namespace)
+
+    monkeypatch.setattr(store, "version", counted)
+    answers: list[int] = []
+
+    async def test(batcher: PushBatcher) -> None:
+        for seq, deltas in enumerate(batches(5, 6)):
+            answers.append((await batcher.push(NS, GroupItem("a", seq, deltas, FP)))[1])
+        answers.append((await batcher.push("other", GroupItem("a", 0, batches(6, 1)[0], FP)))[1])
+
+    try:
+        batcher = run(store, test)
+    finally:
+        store.close()
+    assert batcher.groups == 7 and min(answers) > 0
+    assert reads == ([NS] * 6 if epoch_seconds == 0 else [NS]) + ["other"]  # each namespace reads its own
+    assert answers[:6] == sorted(answers[:6])  # never a version older than one answered before
+
+
 # Shedding: a bounded queue per namespace, and no push applied after its caller's deadline.
 
 
