@@ -120,7 +120,7 @@ class PushBatcher:
             timeout: seconds until its caller gives up (the call's deadline; None: never).
 
         Returns:
-            (its result, the namespace's version read after its group was applied).
+            (its result, the namespace's version: see `_version`).
 
         Raises:
             the item's own error (InvalidArgumentError, TokenizerMismatchError,
