@@ -56,11 +56,13 @@ import argparse
 import hashlib
 import multiprocessing as mp
 import os
+import shlex
 import statistics
 import sys
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -330,7 +332,8 @@ class Fleet:
     """The cluster, the replicas, the client processes and the marker's two clients."""
 
     def __init__(self, tmp: Path, masters: int, replicas: int, clients: int, procs: int, fsync: str,
-                 marker_timeout: float, workers: int = 1, marker_pause: float = 0.5, client_nice: int = 0) -> None:
+                 marker_timeout: float, workers: int = 1, marker_pause: float = 0.5, client_nice: int = 0,
+                 serve_args: Sequence[str] = ()) -> None:
         self.n_clients = clients
         tmp.mkdir(parents=True, exist_ok=True)
         self.cluster = RedisClusterProcesses(masters=masters, args=["--appendonly", "yes", "--appendfsync", fsync])
@@ -339,7 +342,7 @@ class Fleet:
         self.procs: list[tuple[Any, Connection]] = []
         self.marker_clients: list[NgramClient] = []
         try:
-            extra = ("--peer-sync-interval", "1.0", *(("--workers", str(workers)) if workers > 1 else ()))  # the default
+            extra = ("--peer-sync-interval", "1.0", *(("--workers", str(workers)) if workers > 1 else ()), *serve_args)
             self.replicas = [Replica(tmp, i, self.cluster.url, extra) for i in range(replicas)]
             addresses = [r.address for r in self.replicas]
             with grpc.insecure_channel(addresses[0]) as ch:
@@ -539,10 +542,11 @@ def ramp(tmp: Path, masters: int, replicas: int, clients: int, args: argparse.Na
     procs = -(-clients // args.per_proc)
     t = time.monotonic()
     fleet = Fleet(tmp, masters, replicas, clients, procs, args.fsync, args.marker_timeout, args.workers,
-                  args.marker_pause, args.client_nice)
+                  args.marker_pause, args.client_nice, shlex.split(args.serve_args))
     try:
         print(f"\nsetup {setup}: {masters} masters, {replicas} replicas, {clients} clients in {procs} processes; "
-              f"started in {time.monotonic() - t:.0f} s", flush=True)
+              f"started in {time.monotonic() - t:.0f} s{'; replicas: serve ' + args.serve_args if args.serve_args else ''}",
+              flush=True)
         print(HEADER, flush=True)
         idle = fleet.step(0.0, args.step_seconds)
         print(fmt_point(idle), flush=True)
@@ -635,6 +639,9 @@ def main() -> int:
                     help="niceness added to the client processes (default 10; 0: none). The clients stand in for "
                          "engine hosts, which do not share cores with the service and Redis; on one machine they "
                          "would, so they get the CPU the service leaves. The marker's two clients are not niced")
+    ap.add_argument("--serve-args", default="",
+                    help="more `ngramcache serve` options for every replica, one string with '=' (such as "
+                         "--serve-args='--mirror-interval 1'): compares a replica setting against the default")
     ap.add_argument("--reps", type=int, default=1, help="ramps per setup; knees and per-core figures are medians")
     ap.add_argument("--quick", action="store_true",
                     help="checks the script in < 60 s: setup 3x2x16, 2 steps of 2 s (figures meaningless)")
@@ -648,6 +655,10 @@ def main() -> int:
         ap.error(f"--setups takes MASTERSxREPLICASxCLIENTS,... (such as 3x2x64), got {args.setups!r}")
     if not 0 <= args.client_nice <= 19:
         ap.error(f"--client-nice takes 0..19 (10 by default), got {args.client_nice}")
+    try:
+        shlex.split(args.serve_args)
+    except ValueError as e:
+        ap.error(f"--serve-args: {e} in {args.serve_args!r}")
     if not 0.01 <= args.marker_pause <= 60:
         ap.error(f"--marker-pause takes seconds in 0.01..60 (0.5 by default), got {args.marker_pause}")
     cores = os.cpu_count() or 1
@@ -656,7 +667,11 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="ngc-bench-fleet-load-") as tmp:
         for rep in range(args.reps):
             for masters, replicas, clients in setups:
-                r = ramp(Path(tmp) / f"{masters}x{replicas}x{clients}-{rep}", masters, replicas, clients, args)
+                try:
+                    r = ramp(Path(tmp) / f"{masters}x{replicas}x{clients}-{rep}", masters, replicas, clients, args)
+                except RuntimeError as e:  # a replica that did not start (such as a bad --serve-args): its log
+                    print(f"bench_fleet_load.py: error: {e}", file=sys.stderr)
+                    return 1
                 results.setdefault(r.setup, []).append(r)
 
     print(f"\n## Knees and per-core figures (medians of {args.reps} ramp(s); per-core figures over the knee and the two "
