@@ -38,7 +38,7 @@ from ngramcache.client.sync.history import HistoryPublisher, HistoryStats
 from ngramcache.client.sync.history_mirror import HistoryMirror
 from ngramcache.client.sync.mirror import Mirror
 from ngramcache.client.sync.pusher import Pusher
-from ngramcache.client.sync.state import SyncState
+from ngramcache.client.sync.state import SyncState, cancel_until_done
 from ngramcache.client.sync.static_sync import StaticSync
 from ngramcache.client.transport import Channel, read_pem
 
@@ -152,9 +152,7 @@ class SyncLoop:
                         state.config.ready_timeout)
             started(None)
         await state.closing.wait()
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await cancel_until_done(tasks)
         with contextlib.suppress(Exception):
             await asyncio.gather(pusher, publisher)  # both flush within close_timeout
         await self.shutdown()

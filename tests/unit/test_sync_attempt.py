@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import grpc
 import pytest
@@ -64,3 +65,33 @@ def test_a_sender_cancelled_with_a_call_in_flight_is_unconfirmed_and_one_cancell
         return in_flight, attempts.given_up(), idle.given_up(cancelled=True)
 
     assert asyncio.run(body()) == (True, True, False)
+
+
+def test_a_cancellation_that_wait_for_swallowed_is_made_again() -> None:
+    """Python 3.11's asyncio.wait_for returns its inner call's result when that call ends as the cancellation arrives,
+    and the task runs on: `cancel_until_done` cancels it again (the fleet history mirror of a client closed under
+    load ran on, and `NgramClient.close` waited 70 s)."""
+    from ngramcache.client.sync.state import cancel_until_done
+
+    async def main() -> tuple[int, float]:
+        pages: asyncio.Queue[asyncio.Future[int]] = asyncio.Queue()
+        reads = 0
+
+        async def mirror() -> None:  # SyncState.forever's shape: a loop that only a cancellation ends
+            nonlocal reads
+            while True:
+                inner = asyncio.get_running_loop().create_future()
+                pages.put_nowait(inner)
+                await asyncio.wait_for(inner, 60)
+                reads += 1
+
+        task = asyncio.create_task(mirror(), name="mirror")
+        inner = await pages.get()
+        inner.set_result(1)  # the page arrives ...
+        started = time.monotonic()
+        await cancel_until_done([task], again_after=0.2)  # ... as the cancellation does
+        assert task.cancelled()
+        return reads, time.monotonic() - started
+
+    reads, took = asyncio.run(main())
+    assert reads >= 1 and took < 5.0  # ran on after the first cancellation; the second ended it
