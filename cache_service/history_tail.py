@@ -24,6 +24,7 @@ from collections import deque
 from collections.abc import AsyncGenerator, Callable, Collection, Iterable
 
 from ngramcache.client.errors import NamespaceNotFoundError, NgramCacheError
+from ngramcache.client.tasks import cancel_until_done
 
 from .counts.history import HistoryAppend, HistoryBatch, HistoryPage, HistoryRecord
 from .counts.namespace import NamespaceInfo, check_tokenizer
@@ -234,8 +235,7 @@ class HistoryTail:
 
     async def close(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+            await cancel_until_done([self._task])  # a wake at the cancellation's moment can leave it polling
             self._task = None
 
     # -- readers --------------------------------------------------------------------------

@@ -38,8 +38,9 @@ from ngramcache.client.sync.history import HistoryPublisher, HistoryStats
 from ngramcache.client.sync.history_mirror import HistoryMirror
 from ngramcache.client.sync.mirror import Mirror
 from ngramcache.client.sync.pusher import Pusher
-from ngramcache.client.sync.state import SyncState, cancel_until_done
+from ngramcache.client.sync.state import SyncState
 from ngramcache.client.sync.static_sync import StaticSync
+from ngramcache.client.tasks import cancel_until_done
 from ngramcache.client.transport import Channel, read_pem
 
 __all__ = ["NgramClient"]

@@ -15,34 +15,11 @@ from ngramcache.client.errors import NgramCacheError
 from ngramcache.client.sync.config import ClientConfig
 from ngramcache.client.transport import Channel, FailoverChannel, auth_metadata, channel_credentials
 
-__all__ = ["SyncState", "SyncStats", "cancel_until_done"]
+__all__ = ["SyncState", "SyncStats"]
 
 log = logging.getLogger("ngramcache.client.sync")
 
 T = TypeVar("T")
-
-
-async def cancel_until_done(tasks: list[asyncio.Task[None]], again_after: float = 2.0) -> None:
-    """Cancel ``tasks`` and wait until every one has ended, cancelling again those still running after
-    ``again_after`` seconds.
-
-    Once is not always enough: Python 3.11's ``asyncio.wait_for`` returns its inner call's result
-    when that call ends just as the cancellation arrives, and the cancelled task runs on (a loop
-    such as `SyncState.forever` then never ends). Seen under load: a client's fleet history mirror
-    read a page at that moment, and `NgramClient.close` waited its whole timeout. ``again_after``
-    leaves a task's cleanup (a second at most here) its time first.
-    """
-    for task in tasks:
-        task.cancel()
-    while pending := [t for t in tasks if not t.done()]:
-        await asyncio.wait(pending, timeout=again_after)
-        for task in pending:
-            if not task.done():
-                log.debug("ngramcache client: %s ran on after its cancellation; cancelled again", task.get_name())
-                task.cancel()
-    for task in tasks:
-        if not task.cancelled():
-            task.exception()  # retrieved: a task that ended with an error is not reported again at exit
 
 
 @dataclasses.dataclass

@@ -9,6 +9,7 @@ import grpc
 import pytest
 
 from ngramcache.client.sync.attempt import Attempts
+from ngramcache.client.tasks import cancel_until_done
 
 
 def rpc_error(code: grpc.StatusCode) -> grpc.aio.AioRpcError:
@@ -71,8 +72,6 @@ def test_a_cancellation_that_wait_for_swallowed_is_made_again() -> None:
     """Python 3.11's asyncio.wait_for returns its inner call's result when that call ends as the cancellation arrives,
     and the task runs on: `cancel_until_done` cancels it again (the fleet history mirror of a client closed under
     load ran on, and `NgramClient.close` waited 70 s)."""
-    from ngramcache.client.sync.state import cancel_until_done
-
     async def main() -> tuple[int, float]:
         pages: asyncio.Queue[asyncio.Future[int]] = asyncio.Queue()
         reads = 0
