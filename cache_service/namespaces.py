@@ -13,7 +13,6 @@ the namespace's `DraftView`, what clients mirroring the draft view pull.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import functools
 import logging
@@ -24,6 +23,7 @@ import numpy as np
 
 from ngramcache.client import CountTable, Drafter
 from ngramcache.client.errors import NamespaceNotFoundError, NgramCacheError, ResyncRequiredError
+from ngramcache.client.tasks import cancel_until_done
 
 from .counts import NamespaceInfo
 from .draft_view import DraftView, ViewPolicy
@@ -320,12 +320,8 @@ class NamespaceRegistry:
     async def close(self) -> None:
         self._closed = True
         scans = [t for t in (self._scan, *self._scanning.values()) if t is not None]
-        for t in scans:
-            t.cancel()
-        await asyncio.gather(*scans, return_exceptions=True)
+        await cancel_until_done(scans)
         tasks = [t for ns in self._live.values() for t in ns._tasks]
         for ns in list(self._live.values()):
             self._forget(ns)
-        for t in tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await t
+        await cancel_until_done(tasks)

@@ -11,6 +11,7 @@ from types import TracebackType
 from typing import Any
 
 from ngramcache.client.errors import NgramCacheError
+from ngramcache.client.tasks import cancel_until_done
 
 from .config import ServiceConfig
 from .server import Service, create_server
@@ -99,10 +100,7 @@ class ServiceThread:
             self.service = None
 
         async def cancel_rest() -> None:
-            rest = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-            for t in rest:
-                t.cancel()
-            await asyncio.gather(*rest, return_exceptions=True)
+            await cancel_until_done([t for t in asyncio.all_tasks() if t is not asyncio.current_task()])
             await self._loop.shutdown_asyncgens()
             await self._loop.shutdown_default_executor()
 

@@ -46,6 +46,7 @@ from ngramcache.client.sync.client import SyncLoop
 from ngramcache.client.sync.config import ClientConfig
 from ngramcache.client.sync.state import SyncState
 from ngramcache.client.sync.static_sync import StaticSync
+from ngramcache.client.tasks import cancel_until_done
 
 if TYPE_CHECKING:
     from ngramcache.client._proto.v1 import static_files_pb2
@@ -252,9 +253,7 @@ class SglangSync:
             self._started.set()
             await asyncio.gather(*tasks)
         finally:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await cancel_until_done(tasks)
             await core.shutdown()
 
     def _land(self, cache: StaticCache) -> None:

@@ -221,10 +221,8 @@ def _cancel_leftover_tasks(loop: asyncio.AbstractEventLoop) -> None:
     grpc.aio's own task that awaits a cancelled stream's status can still be waiting, and a task destroyed pending
     prints "Task was destroyed but it is pending!" when the loop closes."""
     tasks = [t for t in asyncio.all_tasks(loop) if not t.done()]
-    for task in tasks:
-        task.cancel()
     if tasks:
-        loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
+        loop.run_until_complete(cancel_until_done(tasks))
 
 
 def _quiet_grpc_poller(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
