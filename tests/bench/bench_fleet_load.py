@@ -47,6 +47,7 @@ the idle CPUs per client and the marginal microseconds per accepted token of eac
 
     nice flock /tmp/ngc-heavy.lock python tests/bench/bench_fleet_load.py             # about 11 min
     python tests/bench/bench_fleet_load.py --setups 3x2x64 --reps 3                   # the base, 3 ramps
+    python tests/bench/bench_fleet_load.py --setups 3x2x64 --serve-args='--mirror-interval 1'  # a serve setting
     python tests/bench/bench_fleet_load.py --quick     # checks the script (< 60 s; figures meaningless)
 """
 
