@@ -58,6 +58,7 @@ import hashlib
 import multiprocessing as mp
 import os
 import shlex
+import signal
 import statistics
 import sys
 import tempfile
@@ -170,6 +171,7 @@ def client_process(conn: Connection, index: int, n_clients: int, addresses: list
                    niceness: int = 0) -> None:
     """Runs ``n_clients`` NgramClients and one driver paced by ("rate", tokens/s) messages; answers ("stats",) and
     ("stop",) with the clients' summed stats (stop closes them first). ``niceness`` is added to the process's."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle: it stops this process
     if niceness:
         os.nice(niceness)
     clients = []
@@ -673,6 +675,10 @@ def main() -> int:
                 except RuntimeError as e:  # a replica that did not start (such as a bad --serve-args): its log
                     print(f"bench_fleet_load.py: error: {e}", file=sys.stderr)
                     return 1
+                except KeyboardInterrupt:  # Ctrl-C: ramp's finally stopped the fleet; the folder goes with tmp
+                    print("bench_fleet_load.py: interrupted; the Redis Cluster, replicas and clients it started are "
+                          "stopped", file=sys.stderr)
+                    return 130
                 results.setdefault(r.setup, []).append(r)
 
     print(f"\n## Knees and per-core figures (medians of {args.reps} ramp(s); per-core figures over the knee and the two "

@@ -35,3 +35,30 @@ def test_a_replica_refusing_the_serve_args_ends_the_run_with_its_error() -> None
     assert "bench_fleet_load.py: error: replica 0 did not start" in done.stderr
     assert "unrecognized arguments: --no-such-option" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_ctrl_c_stops_the_fleet_with_one_line() -> None:
+    """A terminal's Ctrl-C reaches the whole process group (Redis, replicas, client processes): the run says so in one
+    line and exits 130, no traceback from it or its client processes."""
+    import os
+    import signal
+    import time
+
+    proc = subprocess.Popen([sys.executable, str(SCRIPT), "--quick"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        while line and not line.startswith("setup "):  # the fleet is up
+            line = proc.stdout.readline()
+        assert line.startswith("setup "), line
+        time.sleep(1.0)
+        os.killpg(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 130, err
+    assert "bench_fleet_load.py: interrupted; the Redis Cluster, replicas and clients it started are stopped" in err
+    assert "Traceback" not in err, err
