@@ -293,12 +293,13 @@ class Drafter:
     def mode(self) -> str:
         """'compatible' or 'match'."""
 
-    def draft_batch(self, seqs: Sequence[int], tokens: Sequence[NDArray[numpy.int32]], n_draft: int = 8) -> tuple[NDArray[numpy.int32], NDArray[numpy.int32]]:
+    def draft_batch(self, seqs: Sequence[int], tokens: Sequence[NDArray[numpy.int32]], n_draft: int = 8, uncapped: bool = False) -> tuple[NDArray[numpy.int32], NDArray[numpy.int32]]:
         """
         Drafts for several sequences in one call (as a batching engine does each step), with the
         GIL released for the whole batch. Returns (drafts, lengths): row i of the int32 array
         drafts (shape (m, n_draft)) holds lengths[i] drafted tokens of draft(seqs[i], tokens[i],
-        n_draft), then padding.
+        n_draft), then padding. uncapped (match mode): each row's draft as draft_scored(...,
+        uncapped=True) drafts it, for an engine that verifies the whole width anyway.
         """
 
     def accept(self, seq: int, tokens: NDArray[numpy.int32]) -> None:

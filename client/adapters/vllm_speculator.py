@@ -262,16 +262,23 @@ class NgramCacheSpeculator(BaseSpeculator):
     def _draft(self, seqs: list[RowSequence], limits: list[int],
                scored: bool) -> tuple[list[NDArray[np.int32]], list[NDArray[np.float32]]]:
         """Drafts (and, when `scored`, each token's odds) for `seqs`, at most `limits` tokens each."""
+        from ngramcache.client import Drafter
+
+        # In the match mode each copy runs to the width (uncapped): vLLM verifies every slot anyway.
+        matcher = self.drafter if self.config.mode == "match" and isinstance(self.drafter, Drafter) else None
+        uncapped = matcher is not None
         draft_scored = getattr(self.drafter, "draft_scored", None) if scored else None
         if callable(draft_scored):
-            pairs = [draft_scored(s.seq_id, s.tokens, n) for s, n in zip(seqs, limits, strict=True)]
+            pairs = [draft_scored(s.seq_id, s.tokens, n, uncapped=True) if uncapped else draft_scored(s.seq_id, s.tokens, n)
+                     for s, n in zip(seqs, limits, strict=True)]
             return ([np.asarray(d, dtype=np.int32)[:n] for (d, _), n in zip(pairs, limits, strict=True)],
                     [np.asarray(p, dtype=np.float32)[:n] for (_, p), n in zip(pairs, limits, strict=True)])
         most = max(limits)
         batch = getattr(self.drafter, "draft_batch", None)
         if callable(batch):
             # One call for the whole batch, with the GIL released throughout (Drafter).
-            drafted, lengths = batch([s.seq_id for s in seqs], [s.tokens for s in seqs], most)
+            ids, tokens = [s.seq_id for s in seqs], [s.tokens for s in seqs]
+            drafted, lengths = matcher.draft_batch(ids, tokens, most, uncapped=True) if matcher else batch(ids, tokens, most)
             drafts = [drafted[i, : min(int(lengths[i]), limits[i])] for i in range(len(seqs))]
         else:
             drafts = [np.asarray(self.drafter.draft(s.seq_id, s.tokens, n), dtype=np.int32)[:n]

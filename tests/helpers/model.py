@@ -121,3 +121,48 @@ def repeat_prompt(code: str) -> str:
 def chatml(user: str) -> str:
     """`user` as a SmolLM2 chat prompt (ChatML), ready for the assistant's answer."""
     return f"<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n"
+
+
+def vllm_model_folder() -> Path:
+    """A model folder of SmolLM2-135M-Instruct (float32 safetensors) that vLLM loads correctly.
+
+    Made from `load_transformers_model`'s cached folder, which vLLM loads without error yet runs
+    wrong (it emits only ``<|endoftext|>``): that folder saves the tied embedding once, as
+    ``lm_head.weight``, which vLLM skips when ``tie_word_embeddings`` is set, and its config names
+    no ``architectures``. Here the tensor is saved as ``model.embed_tokens.weight`` and the config
+    names ``LlamaForCausalLM``. Kept in ``~/.cache/ngramcache/vllm/<key>`` (the same key), written
+    whole or not at all; needs only safetensors and numpy once the transformers folder exists.
+    """
+    import json
+    import shutil
+    import tempfile
+
+    from safetensors.numpy import load_file, save_file
+
+    model, _ = load_transformers_model()  # makes (or finds) the cached transformers folder
+    del model
+    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "ngramcache"
+    sources = sorted((cache / "transformers").glob("*/config.json"), key=lambda p: p.stat().st_mtime)
+    source = sources[-1].parent
+    target = cache / "vllm" / source.name
+    if (target / "config.json").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tmp-"))
+    try:
+        tensors = load_file(str(source / "model.safetensors"))
+        if "model.embed_tokens.weight" not in tensors:
+            tensors["model.embed_tokens.weight"] = tensors.pop("lm_head.weight")
+        tensors.pop("lm_head.weight", None)
+        save_file(tensors, str(staging / "model.safetensors"), metadata={"format": "pt"})
+        config = json.loads((source / "config.json").read_text())
+        config["architectures"] = ["LlamaForCausalLM"]
+        (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        for f in source.iterdir():
+            if f.name not in ("config.json", "model.safetensors"):
+                shutil.copy2(f, staging / f.name)
+        os.replace(staging, target)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return target

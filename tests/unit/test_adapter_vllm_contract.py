@@ -144,7 +144,8 @@ def test_loaded_and_called_as_vllm_does(static_file):
 
 
 def load_like_vllm_with(static_path: str | None, **env: str) -> NgramCacheProposer:
-    values = {"NGC_VLLM_STATIC": static_path or "", **env}
+    # The compatible mode: its drafts depend on the sequence alone, so each row's can be checked on its own.
+    values = {"NGC_VLLM_STATIC": static_path or "", "NGC_VLLM_MODE": "compatible", **env}
     return NgramCacheProposer(vllm_config(), ProposerConfig.from_env(values))
 
 
@@ -225,7 +226,7 @@ def test_a_moved_request_keeps_its_sequence_while_a_new_one_prefills_in_its_old_
 
 
 def test_no_draft_is_an_empty_list_and_drafts_stop_at_max_model_len(static_file):
-    proposer = NgramCacheProposer(vllm_config(max_model_len=10), ProposerConfig(static=static_file))
+    proposer = NgramCacheProposer(vllm_config(max_model_len=10), ProposerConfig(static=static_file, mode="compatible"))
     batch = PersistentBatch()
     batch.add("x", [150, 151, 152])  # never seen: nothing to draft
     batch.add("y", [11, 12, 13, 14, 15, 16, 17])
@@ -334,3 +335,17 @@ def test_auto_is_read_from_the_environment_and_bad_values_are_refused():
     assert ProposerConfig.from_env({"NGC_VLLM_N_DRAFT": "auto"}).n_draft == "auto"
     with pytest.raises(InvalidArgumentError, match="NGC_VLLM_N_DRAFT must be 'auto' or a whole number"):
         ProposerConfig(n_draft="fast")
+
+
+def test_the_default_match_mode_copies_to_the_width(static_file):
+    """By default (the match mode) a copy is not cut at its match length: vLLM verifies the width anyway."""
+    proposer = NgramCacheProposer(vllm_config(), ProposerConfig(static=static_file))
+    assert proposer.config.mode == "match"
+    batch = PersistentBatch()
+    batch.add("a", [30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 30, 31, 32])
+    drafts = step(proposer, batch, {0: [33]})
+    ref = Drafter(StaticCache.open(static_file), mode="match")
+    tokens = np.ascontiguousarray(batch.tokens(0), dtype=np.int32)
+    ref.accept(0, tokens)
+    assert drafts[0] == ref.draft_scored(0, tokens, SPEC_TOKENS, uncapped=True)[0].tolist() == [34, 35, 36, 37]
+    proposer.close()

@@ -100,7 +100,7 @@ def test_the_entry_point_registers_the_method_and_vllm_builds_the_speculator(vll
     load_plugins()
     load_plugins()  # every vLLM process loads it; again is harmless
     assert vllm.registered_speculative_methods() == ["ngramcache"]
-    config = vllm_config(vllm, options={"static": static_file})
+    config = vllm_config(vllm, options={"static": static_file, "mode": "compatible"})
     spec = config.speculative_config
     assert (spec.custom_method, spec.method, spec.num_speculative_tokens) == ("ngramcache", None, 8)
     assert spec.draft_model_config is config.model_config  # no draft model
@@ -116,7 +116,7 @@ def test_the_entry_point_registers_the_method_and_vllm_builds_the_speculator(vll
 
 def test_requests_prefill_preempt_resume_and_finish(vllm, static_file):
     load_plugins()
-    runner = vllm.ModelRunner(vllm_config(vllm, num_speculative_tokens=4, options={"static": static_file}))
+    runner = vllm.ModelRunner(vllm_config(vllm, num_speculative_tokens=4, options={"static": static_file, "mode": "compatible"}))
     sp = runner.speculator
     rng = np.random.default_rng(7)
     prompts = {r: [int(t) for t in rng.integers(20, VOCAB, 5)] + [11, 12] for r in "abc"}
@@ -170,7 +170,7 @@ def test_a_slot_reused_by_a_new_request_starts_a_new_sequence(vllm):
 
 def test_this_steps_width_dummy_runs_and_warmup_requests(vllm, static_file):
     load_plugins()
-    runner = vllm.ModelRunner(vllm_config(vllm, num_speculative_tokens=4, options={"static": static_file}))
+    runner = vllm.ModelRunner(vllm_config(vllm, num_speculative_tokens=4, options={"static": static_file, "mode": "compatible"}))
     sp = runner.speculator
     runner.add_request("r", [11, 12, 13])
     # Dynamic speculative decoding chose 2 slots this step: the rest is -1 (vLLM sets it).
@@ -193,7 +193,7 @@ def test_this_steps_width_dummy_runs_and_warmup_requests(vllm, static_file):
 
 def test_max_model_len_bounds_the_drafted_tokens(vllm, static_file):
     load_plugins()
-    runner = vllm.ModelRunner(vllm_config(vllm, num_speculative_tokens=4, options={"static": static_file},
+    runner = vllm.ModelRunner(vllm_config(vllm, num_speculative_tokens=4, options={"static": static_file, "mode": "compatible"},
                                           max_model_len=10))
     runner.add_request("r", [11, 12, 13, 14, 15, 16, 17])
     assert runner.step({"r": [18]}, ["r"]) == {"r": [11, 12, 18, 18]}  # 8 tokens of 10: two drafted, fillers after
@@ -201,7 +201,7 @@ def test_max_model_len_bounds_the_drafted_tokens(vllm, static_file):
 
 def test_adaptive_verification_gets_the_drafters_odds(vllm, static_file):
     load_plugins()
-    runner = vllm.ModelRunner(vllm_config(vllm, num_speculative_tokens=6, options={"static": static_file},
+    runner = vllm.ModelRunner(vllm_config(vllm, num_speculative_tokens=6, options={"static": static_file, "mode": "compatible"},
                                           adaptive=True))
     sp = runner.speculator
     assert sp.enable_adaptive_verification and sp.draft_token_confidence_probs.shape == (MAX_REQS, 6)

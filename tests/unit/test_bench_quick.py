@@ -38,9 +38,10 @@ def _have(*modules: str) -> str | None:
 
 
 def _llama_tools() -> str | None:
-    tools = ROOT / ".bench-data" / "llama" / "build" / "bin"
-    if not (tools / "llama-lookup-stats").exists() or not list((ROOT / ".bench-data" / "llama").glob("**/*.gguf")):
-        return f"llama.cpp's lookup tools are not built in {tools.parent.parent} (tests/bench/compare_llama.py, about 10 minutes)"
+    from compare_llama import built_tools
+
+    if built_tools() is None:
+        return "llama.cpp's lookup tools are not built (tests/bench/build_llama_server.py, which the test command runs)"
     return None
 
 
@@ -49,6 +50,12 @@ def _llama_server() -> str | None:
 
     binary = server_dir(DEFAULT_CACHE, SERVER_CMAKE_ARGS) / TARGET
     return None if binary.exists() else f"{binary} is not built (tests/bench/build_llama_server.py, minutes)"
+
+
+def _vllm_env() -> str | None:
+    from bench_vllm import VLLM_PYTHON
+
+    return None if VLLM_PYTHON.is_file() else f"no vLLM virtualenv at {VLLM_PYTHON} (tests/bench/build_vllm_env.py)"
 
 
 def _portable_wheel() -> str | None:
@@ -124,6 +131,9 @@ QUICK: dict[str, Quick] = {
     "bench_static": Quick(("--quick", "--data-dir", "{data}"), (r"\| 25mb \|", r"result checksum"), after="prepare_corpus",
                           extra=(r"heap load s / RSS MB \(ngramcache's loader of the llama.cpp file\)",)),
     "bench_token_encoding": Quick(("--quick",), (r"packed / bytes time", r"result checksum \d+")),
+    "bench_vllm": Quick(("--quick",), (r"edits, num_speculative_tokens 8\n", r"ngc +[\d.]+ +[\d.]+ .* \d/\d",
+                                       r"B with the fleet / alone: [\d.]+x steps"),
+                        missing=_vllm_env, seconds=150),
     "bench_vllm_proposer": Quick(("--quick", "--speculator"), (r"checksum \(a\) [0-9a-f]+ +\(b\) [0-9a-f]+ +equal",
                                                                r"checksum \(c\) [0-9a-f]+ +\(b\) padded [0-9a-f]+ +equal"),
                                  missing=lambda: _have("torch")),

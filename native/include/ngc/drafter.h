@@ -115,10 +115,10 @@ class Drafter {
   Status draft(int64_t seq, const Token* tokens, size_t n, int n_draft, Token* out, int* n_out, float* odds = nullptr,
                bool uncapped = false) const;
   // draft() for m sequences: seqs[i] after tokens[i][0..sizes[i]) into out + i x n_draft
-  // (room for m x n_draft), lengths[i] how many. The first failure stops the batch and
-  // names its index.
+  // (room for m x n_draft), lengths[i] how many, each `uncapped` as draft() takes it. The
+  // first failure stops the batch and names its index.
   Status draft_batch(size_t m, const int64_t* seqs, const Token* const* tokens, const size_t* sizes, int n_draft,
-                     Token* out, int32_t* lengths) const;
+                     Token* out, int32_t* lengths, bool uncapped = false) const;
   // Drafts a tree of at most `budget` (1..kMaxDraft) nodes (match mode only; match.h).
   Status draft_tree(int64_t seq, const Token* tokens, size_t n, int budget, DraftTree* tree) const;
   // See SequenceSet::accept. In the match mode the new tokens also join the history that
