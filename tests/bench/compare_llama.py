@@ -166,7 +166,7 @@ def main() -> int:
     bin_dir = ensure_llama(cache)
     model = ensure_model(cache)
     work = cache / "work"
-    work.mkdir(exist_ok=True)
+    work.mkdir(parents=True, exist_ok=True)
 
     # One corpus text file and one test text file, as llama-lookup-create/-stats take them.
     # llama.cpp drops a prompt file's final newline, so the files are written without one
