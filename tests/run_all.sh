@@ -103,6 +103,16 @@ step_start "SuffixDecoding (the benchmark's peer, built once)"
 .venv/bin/python tests/bench/build_suffix_decoding.py >/dev/null
 step_end
 
+# SGLang 0.5.23's wheel, read (never installed or imported) by tests/unit/test_sglang_drift.py, which
+# checks the SGLang stand-in against its source; downloaded once (39 MB) into the engines cache.
+step_start "SGLang's wheel (read by the SGLang drift test)"
+SGLANG_WHEELS="${XDG_CACHE_HOME:-$HOME/.cache}/ngramcache/engines/wheels"
+if ! ls "$SGLANG_WHEELS"/sglang-0.5.23-*.whl >/dev/null 2>&1; then
+  .venv/bin/python -m pip download -q --disable-pip-version-check --no-deps 'sglang==0.5.23' -d "$SGLANG_WHEELS" \
+    2> >(grep -v 'is ignored: it is neither a file nor a directory' >&2)
+fi
+step_end
+
 # llama.cpp's llama-server and lookup tools (llama-lookup-create/-stats/-merge, llama-tokenize), from
 # the same sdist with the same portable flags, cached by flags in ~/.cache/ngramcache/engines: the
 # llama-server tests, compare_llama and bench_llama_server/_follow run them. 8-10 minutes the first time.
