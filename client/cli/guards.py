@@ -193,6 +193,10 @@ def _inputs_of(args: argparse.Namespace) -> list[str]:
                 continue
             if os.path.isfile(item) or (name in ("inputs", "input") and os.path.lexists(item)):
                 found.append(str(item))
+                # A token file's stream offsets (OUT.npy -> OUT.offsets.npy) are read with it: an input too.
+                sidecar = str(item)[: -len(".npy")] + ".offsets.npy" if str(item).endswith(".npy") else None
+                if sidecar and not str(item).endswith(".offsets.npy") and os.path.isfile(sidecar):
+                    found.append(sidecar)
     return found
 
 

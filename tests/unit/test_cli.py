@@ -280,6 +280,20 @@ def test_an_output_that_is_an_input_is_refused(capsys, files, command, spelling)
     assert listing(files) == before  # nothing written, nothing replaced, no temporary files
 
 
+def test_an_output_onto_a_token_files_offsets_is_refused(capsys, tmp_path):
+    """`build small.npy -o small.offsets.npy` read the offsets and then overwrote them (exit 0): the
+    next build of small.npy failed on a file that was now a cache. The offsets are an input too."""
+    np.save(tmp_path / "small.npy", np.arange(40, dtype=np.int32) % 7)
+    np.save(tmp_path / "small.offsets.npy", np.array([0, 20], dtype=np.int64))
+    before = listing(tmp_path)
+    out = tmp_path / "small.offsets.npy"
+    rc, _, err = main(capsys, "build", tmp_path / "small.npy", "-o", out, *UNTAGGED_ARGS)
+    assert rc == 2, err
+    one_line_error(err, f"-o {out} is the input {out}", "would destroy the input")
+    assert listing(tmp_path) == before
+    assert np.load(out).tolist() == [0, 20]
+
+
 @pytest.mark.parametrize("command", ["build", "import-llama", "stats"])
 def test_an_output_onto_the_tokenizer_file_is_refused(capsys, files, command):
     """Every file a command reads is an input: the --tokenizer file too, for -o and --dump-drafts alike."""
