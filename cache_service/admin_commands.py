@@ -129,7 +129,7 @@ def cmd_namespace_list(args: argparse.Namespace) -> int:
     if not names:
         print("no namespaces", file=sys.stderr)
         return 0
-    width = max(len(ns.name) for ns in names)
+    width = max(len("namespace"), *(len(ns.name) for ns in names))
     print(f"{'namespace':{width}s}  {'vocabulary':>10s}  {'fingerprint':16s}  generation")
     for ns in names:
         print(f"{ns.name:{width}s}  {ns.vocab_size:>10,}  {ns.fingerprint.hex()[:16]}  {ns.latest_generation or '-'}")

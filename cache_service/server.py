@@ -127,7 +127,8 @@ class Service:
             ok, why = True, ""
         if ok != self.store_ok:
             if ok:
-                log.info("counts store %s answers again", redact_url(self.config.counts_url))
+                if self.store_ok is False:  # not at the first probe: nothing was down
+                    log.info("counts store %s answers again", redact_url(self.config.counts_url))
             else:
                 log.warning("counts store %s unreachable: %s; health NOT_SERVING until it answers",
                             redact_url(self.config.counts_url), why)

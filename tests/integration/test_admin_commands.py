@@ -128,3 +128,21 @@ def test_server_defaults_to_ngc_server_else_the_serve_default(command: list[str]
     with pytest.raises(SystemExit):
         cli_main([*(command[:2] if command[0] == "namespace" else command[:1]), "--help"])
     assert "(default: $NGC_SERVER, else 127.0.0.1:50051)" in " ".join(capsys.readouterr().out.split())
+
+
+def test_namespace_list_prints_aligned_columns(tmp_path: Path) -> None:
+    """Names shorter than the header ("namespace") shifted every column of their rows left."""
+    with ServiceThread(tmp_path / "data") as svc:
+        address = f"127.0.0.1:{svc.port}"
+        for name in ("ns", "code"):
+            assert cli("namespace", "create", name, "--vocab-size", VOCAB, "--fingerprint", FP.hex(),
+                       server=address).returncode == 0
+        r = cli("namespace", "list", server=address)
+    assert r.returncode == 0, r.stderr
+    header, *rows = r.stdout.splitlines()
+    assert header.split() == ["namespace", "vocabulary", "fingerprint", "generation"] and len(rows) == 2
+    for row in rows:
+        name, vocab, fingerprint, generation = row.split()
+        assert row.index(vocab) + len(vocab) == header.index("vocabulary") + len("vocabulary")  # right-aligned
+        assert row.index(fingerprint) == header.index("fingerprint")  # left-aligned
+        assert row.rindex(generation) == header.index("generation")

@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from helpers.sglang_fake import ADD_FIELDS, FakeSglang
 
 VERSION = "0.5.23"
