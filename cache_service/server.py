@@ -17,6 +17,7 @@ import os
 import secrets
 import socket
 import time
+import urllib.parse
 from pathlib import Path
 
 import grpc
@@ -425,8 +426,8 @@ async def _open_store(config: ServiceConfig) -> tuple[CountsStore, ServiceConfig
     try:
         return await asyncio.to_thread(open_counts_store, config.counts_url), config
     except BackendUnavailableError as e:
-        log.warning("counts store %s unreachable (%s); serving health NOT_SERVING and retrying",
-                    redact_url(config.counts_url), e)
+        log.warning("counts store %s unreachable (%s); serving health NOT_SERVING and retrying%s",
+                    redact_url(config.counts_url), e, _redis_hint(config.counts_url))
     interim = aio.server(options=[("grpc.so_reuseport", 1 if config.reuse_port else 0)])
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, interim)
@@ -452,6 +453,15 @@ async def _open_store(config: ServiceConfig) -> tuple[CountsStore, ServiceConfig
         await interim.stop(0)
     log.info("counts store %s reachable", redact_url(config.counts_url))
     return store, config
+
+
+def _redis_hint(url: str) -> str:
+    """How to start the Redis a loopback URL names, for a user trying a fleet on one machine ('' otherwise)."""
+    parsed = urllib.parse.urlsplit(url)
+    if parsed.scheme not in ("redis", "rediss") or parsed.hostname not in ("127.0.0.1", "localhost", "::1"):
+        return ""
+    return (f" (is a Redis running there? on one machine: redis-server --port {parsed.port or 6379} --daemonize yes "
+            "--appendonly yes; Debian's package: apt-get install redis-server)")
 
 
 __all__ = ["SERVICE_NAMES", "Service", "create_server"]

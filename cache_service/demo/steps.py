@@ -326,6 +326,11 @@ def _push_to_visible(a: WorkerProcess, b: WorkerProcess, probes: int) -> list[fl
     return delays
 
 
+# The demo's last line: where a user goes from here.
+NEXT_STEPS = ("next: README.md's quickstarts (a cache of your own files, a fleet with Redis, each engine); your "
+              "model's tokenizer and a fleet namespace: docs/engines.md, \"Your model + the fleet\"")
+
+
 def run_demo(args: argparse.Namespace) -> int:
     """`ngramcache demo`: the client's local build and replay, then (unless --no-serve) the served steps.
 
@@ -358,4 +363,5 @@ def run_demo(args: argparse.Namespace) -> int:
     else:
         _say(f"stopped the service and the workers ({took:.1f} s in all); try it yourself: "
              f"ngramcache serve --data-dir {workdir / SERVICE_DIR}")
+    _say(NEXT_STEPS)
     return 0

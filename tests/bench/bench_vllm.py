@@ -184,6 +184,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="bench-vllm-") as tmp:
         work = Path(tmp)
         lib, files = stdlib_files()
+        # (workload, k, label, setup, static file): plain once a workload (it drafts nothing, k changes nothing).
+        plan: list[tuple[Workload, int, str, str, Path | None]] = []
         for wl in workloads:
             statics: dict[str, Path | None] = {"none": None}
             if wl.name == "edits":
@@ -195,41 +197,49 @@ def main() -> int:
                                                                                   "glob", "contextlib", "functools")}
                               and str(f.relative_to(lib)) not in wl.quoted]
                     statics["unrelated"] = build_static(tokenizer, others, work / "unrelated.ngc")
+            if "plain" in setups:
+                plan.append((wl, 0, "plain", "plain", None))
             for k in ks:
-                plain_ids: list[list[int]] | None = None
-                rows: list[tuple[str, dict[str, Any]]] = []
-                for setup in [s for s in setups if s != "fleet"] + (["fleet"] if "fleet" in setups else []):
-                    variants = [(setup, None)]
-                    if setup.startswith("ngc") or setup == "fleet":
-                        variants = [(f"{setup}+{s}" if s != "none" else setup, p) for s, p in statics.items()]
-                    if setup == "plain" and (wl.name, "plain") in results:  # plain decoding drafts nothing: run once
-                        rows.append(("plain", results[(wl.name, "plain")]))
-                        plain_ids = results[(wl.name, "plain_ids")]
+                for setup in [s for s in setups if s != "plain"]:
+                    if setup.startswith("ngc"):
+                        plan += [(wl, k, f"{setup}+{name}" if name != "none" else setup, setup, path)
+                                 for name, path in statics.items()]
+                    else:  # vLLM's own drafters, and the fleet (what B learns from A, not from a file)
+                        plan.append((wl, k, setup, setup, None))
+        runs: dict[tuple[str, int, str], list[dict[str, Any]]] = {}
+        for rep in range(args.reps):  # interleaved: each rep runs every setup once, so load drifts hit all alike
+            for wl, k, label, setup, static in plan:
+                env = ngc_env(setup)
+                if static is not None:
+                    env["NGC_VLLM_STATIC"] = str(static)
+                name = f"{wl.name}-{label}-k{k}-{rep}".replace("+", "_")
+                t0 = time.monotonic()
+                if setup == "fleet":
+                    run = run_fleet(args.vllm_python, model, wl, k, tokenizer, work, name)
+                else:
+                    job = {"model": str(model), "speculative_config": spec_config(setup, k), "requests": wl.a}
+                    run = run_replica(args.vllm_python, job, work, env, name)
+                runs.setdefault((wl.name, k, label), []).append(run)
+                print(f"  rep {rep + 1}/{args.reps}: {wl.name} k={k} {label}: {time.monotonic() - t0:.0f} s",
+                      file=sys.stderr, flush=True)
+        for wl in workloads:
+            plain_runs = runs.get((wl.name, 0, "plain"))
+            plain = summarize(plain_runs, None) if plain_runs else None
+            # Sampled answers (rollouts) are the model's samples, not plain decoding's: not compared.
+            plain_ids = [r["output_ids"] for r in plain_runs[0]["requests"]] if plain_runs and wl.name == "edits" else None
+            for k in ks:
+                rows: list[tuple[str, dict[str, Any]]] = [("plain", plain)] if plain else []
+                for (name, kk, label), setup_runs in runs.items():
+                    if name != wl.name or kk != k:
                         continue
-                    for label, static in variants:
-                        runs = []
-                        for rep in range(args.reps):
-                            env = ngc_env(setup)
-                            if static is not None:
-                                env["NGC_VLLM_STATIC"] = str(static)
-                            name = f"{wl.name}-{label}-k{k}-{rep}".replace("+", "_")
-                            t0 = time.monotonic()
-                            if setup == "fleet":
-                                runs.append(run_fleet(args.vllm_python, model, wl, k, static, tokenizer, work, name))
-                            else:
-                                job = {"model": str(model), "speculative_config": spec_config(setup, k), "requests": wl.a}
-                                runs.append(run_replica(args.vllm_python, job, work, env, name))
-                            print(f"  {wl.name} k={k} {label} rep {rep + 1}: {time.monotonic() - t0:.0f} s", file=sys.stderr,
-                                  flush=True)
-                        compare = None if wl.name == "rollouts" else (plain_ids if setup != "fleet" else None)
-                        fig = summarize(runs, compare)
-                        if setup == "fleet":
-                            fig["alone"] = summarize([r["alone"] for r in runs], None)
-                        if setup == "plain":
-                            plain_ids = [r["output_ids"] for r in runs[0]["requests"]]
-                            results[(wl.name, "plain")] = fig
-                            results[(wl.name, "plain_ids")] = plain_ids
-                        rows.append((label, fig))
+                    if label == "fleet":
+                        alone = [r["alone"] for r in setup_runs]
+                        same = [r["output_ids"] for r in alone[0]["requests"]] if wl.name == "edits" else None
+                        fig = summarize(setup_runs, same)  # B with the fleet against B alone: the same answers
+                        fig["alone"] = summarize(alone, None)
+                    else:
+                        fig = summarize(setup_runs, plain_ids)
+                    rows.append((label, fig))
                 print_table(wl.name, k, rows)
                 results[f"{wl.name}/k{k}"] = dict(rows)
     if args.out:
@@ -237,8 +247,7 @@ def main() -> int:
     return 0
 
 
-def run_fleet(python: Path, model: Path, wl: Workload, k: int, static: Path | None, tokenizer: Any, work: Path,
-              name: str) -> dict[str, Any]:
+def run_fleet(python: Path, model: Path, wl: Workload, k: int, tokenizer: Any, work: Path, name: str) -> dict[str, Any]:
     """Replica A then replica B through one `ngramcache serve`; B's result, with B alone under "alone"."""
     from real_model_service import Service
 
@@ -246,7 +255,7 @@ def run_fleet(python: Path, model: Path, wl: Workload, k: int, static: Path | No
     svc = Service(work / f"{name}-svc")
     try:
         namespace = "bench"
-        seed_static = static or build_static(tokenizer, [], work / f"{name}-empty.ngc")
+        seed_static = build_static(tokenizer, [], work / f"{name}-empty.ngc")
         svc.create_namespace(namespace, bytes(tokenizer.fingerprint), tokenizer.vocab_size, seed_static)
         env = {"NGC_VLLM_SERVICE": svc.address, "NGC_VLLM_NAMESPACE": namespace,
                "NGC_VLLM_CACHE_DIR": str(work / f"{name}-cache")}
@@ -257,9 +266,8 @@ def run_fleet(python: Path, model: Path, wl: Workload, k: int, static: Path | No
                         f"{name}-B")
     finally:
         svc.stop()
-    alone_env = {"NGC_VLLM_STATIC": str(static)} if static is not None else {}
     b["alone"] = run_replica(python, {"model": str(model), "speculative_config": spec_config("ngc", k), "requests": wl.b},
-                             work, alone_env, f"{name}-B-alone")
+                             work, {}, f"{name}-B-alone")
     return b
 
 
@@ -278,6 +286,12 @@ def print_table(workload: str, k: int, rows: list[tuple[str, dict[str, Any]]]) -
             print(f"{'  B alone':<26}{a['steps_per_request']:>10.1f}{a['mean_accepted_length']:>8.2f}{a['drafted']:>9}"
                   f"{a['accepted']:>9}{a['tokens_per_s']:>8.1f}{'-':>6}{'-':>11}{'-':>7}"
                   f"   B with the fleet / alone: {f['steps'] / max(1, a['steps']):.2f}x steps")
+    figs = dict(rows)
+    best = min((figs[s]["steps"], s) for s in ("ngram", "suffix") if s in figs) if "ngram" in figs or "suffix" in figs else None
+    if best is not None:
+        for label, f in rows:
+            if label.startswith("ngc"):
+                print(f"{label} / vLLM {best[1]} (the better of vLLM's): {f['steps'] / max(1, best[0]):.2f}x engine steps")
     sys.stdout.flush()
 
 

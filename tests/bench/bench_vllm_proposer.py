@@ -100,7 +100,8 @@ def main() -> None:
     config = SimpleNamespace(speculative_config=SimpleNamespace(num_speculative_tokens=args.n_draft),
                              model_config=SimpleNamespace(max_model_len=max_len, get_vocab_size=lambda: vocab),
                              scheduler_config=SimpleNamespace(max_num_seqs=args.rows))
-    proposer = NgramCacheProposer(config, ProposerConfig())
+    # The compatible mode: each row's drafts depend on its own tokens only, so all three must draft alike.
+    proposer = NgramCacheProposer(config, ProposerConfig(mode="compatible"))
     oracle = Oracle(vocab, args.n_draft)
     runner, times_c = (speculator_runner(vocab, args.rows, max_len, args.n_draft), []) if args.speculator else (None, [])
     checksum_c = checksum_b_padded = 0
@@ -201,7 +202,8 @@ def speculator_runner(vocab: int, rows: int, max_len: int, n_draft: int) -> Any:
     adapter.register()
     model = SimpleNamespace(max_model_len=max_len, tokenizer=None, get_vocab_size=lambda: vocab)
     parallel = SimpleNamespace(tensor_parallel_size=1)
-    spec = vllm_stand_in.speculative_config(model, parallel, method=adapter.METHOD, num_speculative_tokens=n_draft)
+    spec = vllm_stand_in.speculative_config(model, parallel, method=adapter.METHOD, num_speculative_tokens=n_draft,
+                                           speculator_options={"mode": "compatible"})
     config = SimpleNamespace(speculative_config=spec, model_config=model, parallel_config=parallel,
                              scheduler_config=SimpleNamespace(max_num_seqs=rows))
     runner = vllm_stand_in.ModelRunner(config)

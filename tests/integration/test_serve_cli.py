@@ -469,3 +469,19 @@ def test_workers_log_json_at_the_level_given(tmp_path, redis_standalone):
     records = _json_lines(err)
     assert [r["message"] for r in records if r["level"] == "INFO"] == ["ngramcache serve: SIGTERM: draining (up to 10 s)..."] * 2
     assert not any("grpc_method" in r for r in records)  # the NOT_FOUND call is logged at INFO: below warning
+
+
+def test_a_loopback_redis_that_is_down_is_met_with_how_to_start_one(tmp_path):
+    """A user trying the fleet quickstart without a Redis saw only 'unreachable ... retrying' every few seconds."""
+    from helpers.redis_servers import free_port
+
+    port = free_port()
+    p = subprocess.Popen([*SERVE_CLI, "serve", "--port", "0", "--data-dir", str(tmp_path / "data"), "--counts",
+                          f"redis://127.0.0.1:{port}"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert p.stderr is not None
+        line = p.stderr.readline()  # the first warning comes at once
+    finally:
+        p.send_signal(signal.SIGTERM)
+        p.communicate(timeout=30)
+    assert "unreachable" in line and f"on one machine: redis-server --port {port} --daemonize yes" in line, line

@@ -76,6 +76,7 @@ class Quick:
     after: str | None = None  # runs once this one has (its data)
     extra: tuple[str, ...] = field(default=())  # more regexes, for what a fix made the report say
     seconds: int = 5  # about how long it runs on an idle 2-core machine: the longest start first
+    timeout: int = TIMEOUT_S  # seconds it may take beside the other quick runs before it counts as hung
 
 
 QUICK: dict[str, Quick] = {
@@ -133,7 +134,7 @@ QUICK: dict[str, Quick] = {
     "bench_token_encoding": Quick(("--quick",), (r"packed / bytes time", r"result checksum \d+")),
     "bench_vllm": Quick(("--quick",), (r"edits, num_speculative_tokens 8\n", r"ngc +[\d.]+ +[\d.]+ .* \d/\d",
                                        r"B with the fleet / alone: [\d.]+x steps"),
-                        missing=_vllm_env, seconds=150),
+                        missing=_vllm_env, seconds=150, timeout=1200),  # 7 engine replicas, each loads a model
     "bench_vllm_proposer": Quick(("--quick", "--speculator"), (r"checksum \(a\) [0-9a-f]+ +\(b\) [0-9a-f]+ +equal",
                                                                r"checksum \(c\) [0-9a-f]+ +\(b\) padded [0-9a-f]+ +equal"),
                                  missing=lambda: _have("torch")),
@@ -193,10 +194,10 @@ class QuickRuns:
         args = [a.replace("{data}", str(self.data)) for a in quick.args]
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         return subprocess.run([sys.executable, str(BENCH / f"{name}.py"), *args], cwd=ROOT, env=env,
-                              capture_output=True, text=True, timeout=TIMEOUT_S)
+                              capture_output=True, text=True, timeout=quick.timeout)
 
     def result(self, name: str) -> subprocess.CompletedProcess[str]:
-        return self.futures[name].result(timeout=3 * TIMEOUT_S)
+        return self.futures[name].result(timeout=3 * TIMEOUT_S + QUICK[name].timeout)
 
 
 @pytest.fixture(scope="module")

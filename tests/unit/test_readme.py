@@ -74,3 +74,14 @@ def test_sglang_facts_match_its_source():
     for fact in ("SGLang 0.5.23", "POST /add_external_corpus", "POST /remove_external_corpus", "GET /list_external_corpora",
                  "fail to start", "--speculative-ngram-external-sam-budget"):
         assert fact in engines, f"docs/engines.md does not say {fact!r}"
+
+
+def test_the_fleet_quickstart_starts_the_redis_it_uses():
+    """`serve --counts redis://127.0.0.1:6379` alone left a new user without a Redis, looping on 'unreachable'."""
+    text = README.read_text()
+    block = re.search(r"## Quickstart: a fleet with Redis\n\n```bash\n(.*?)```", text, re.S)
+    assert block, "README: no bash block under 'Quickstart: a fleet with Redis'"
+    lines = block.group(1).splitlines()
+    serve = next(i for i, line in enumerate(lines) if "ngramcache serve --counts redis://127.0.0.1:" in line)
+    port = re.search(r"redis://127\.0\.0\.1:(\d+)", lines[serve]).group(1)
+    assert any(line.startswith(f"redis-server --port {port} ") for line in lines[:serve]), lines
