@@ -43,7 +43,7 @@ def _cli_error(e: NgramCacheError, args: argparse.Namespace) -> NgramCacheError:
     code = getattr(e, "code", None)
     if code not in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
         return e
-    detail = str(e).removeprefix(f"{code.name}: ")
+    detail = getattr(e, "details", None) or str(e).removeprefix(f"{code.name}: ")
     if code == grpc.StatusCode.UNAUTHENTICATED and not args.token:
         return NgramCacheError(f"the service at {args.server} requires a bearer token: pass --token TOKEN or set "
                                "$NGC_TOKEN (a token with the admin role)")

@@ -60,10 +60,20 @@ def error_from_rpc(err: grpc.RpcError) -> NgramCacheError:
     details = err.details() if hasattr(err, "details") else str(err)
     reason = _reason(err)
     message = f"{code.name}: {details}" if code is not None else str(details)
+    if code in _AUTH_HINTS:
+        message += _AUTH_HINTS[code]
     out = error_class_for(code, reason)(message)
     out.code = code  # type: ignore[attr-defined]
     out.reason = reason  # type: ignore[attr-defined]
+    out.details = details  # type: ignore[attr-defined]  # the service's words alone (the CLI words its own hint)
     return out
+
+
+# What a library caller changes when the service refuses its credentials.
+_AUTH_HINTS = {
+    grpc.StatusCode.UNAUTHENTICATED: " (the service requires a bearer token it knows: pass token=... to the client)",
+    grpc.StatusCode.PERMISSION_DENIED: " (the token lacks that role on that namespace: pass token=... with it)",
+}
 
 
 # retry policy

@@ -180,7 +180,7 @@ def _cli_error(e: NgramCacheError, args: argparse.Namespace, addresses: list[str
         return NgramCacheError(e.message({**CLI_NAMES, "connect_timeout": "--connect-timeout"}))
     code = getattr(e, "code", None)
     where = f"the service at {', '.join(addresses)}"
-    detail = str(e).removeprefix(f"{code.name}: ") if code is not None else str(e)
+    detail = getattr(e, "details", None) or (str(e).removeprefix(f"{code.name}: ") if code is not None else str(e))
     if code == grpc.StatusCode.UNAUTHENTICATED and not args.token:
         return NgramCacheError(f"{where} requires a bearer token: pass --token TOKEN or set $NGC_TOKEN (a token with "
                                "the draft role on the namespace)")

@@ -96,7 +96,7 @@ def test_two_workers_share_counts_through_the_service(tmp_path):
     assert list(tmp.iterdir()) == []
     pids = worker_pids(r.stdout)
     assert len(pids) == 2 and not any(alive(p) for p in pids)
-    assert r.stdout.strip().splitlines()[-1].startswith("next: README.md's quickstarts")  # where to go from here
+    assert re.search(r"next: README\.md's quickstarts [^\n]*docs/engines\.md, \"Your model \+ the fleet\"$", out.strip())
 
 
 @pytest.mark.slow

@@ -581,3 +581,17 @@ def test_namespace_and_publish_commands_and_admin_client_over_mutual_tls_with_to
         assert r.returncode == 0 and "namespace pub deleted" in r.stdout, r.stderr
         r = _cli("namespace", "delete", "pub", "--yes", *admin)
         assert r.returncode == 0 and "did not exist" in r.stdout, r.stderr
+
+
+def test_the_library_says_to_pass_a_token_when_the_service_wants_one(service: ServiceThread) -> None:
+    """UNAUTHENTICATED reached a library caller as a bare NgramCacheError with no word on what to change."""
+    from ngramcache import AdminClient, NgramCacheError
+
+    with AdminClient(f"127.0.0.1:{service.port}") as admin, pytest.raises(NgramCacheError) as e:
+        admin.get_namespace(ALPHA)
+    assert str(e.value).startswith("UNAUTHENTICATED: ")
+    assert str(e.value).endswith("(the service requires a bearer token it knows: pass token=... to the client)")
+    with AdminClient(f"127.0.0.1:{service.port}", token=token("draft_ab")) as admin, pytest.raises(NgramCacheError) as e:
+        admin.drop_namespace(ALPHA)
+    assert str(e.value).startswith("PERMISSION_DENIED: ")
+    assert str(e.value).endswith("(the token lacks that role on that namespace: pass token=... with it)")

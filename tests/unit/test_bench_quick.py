@@ -147,7 +147,9 @@ QUICK: dict[str, Quick] = {
 NOT_BENCHMARKS = {
     "build_llama_cpp": "the test command runs it (its llama-cpp-python build); tests/unit/test_portability.py checks the result",
     "build_suffix_decoding": "the test command runs it; tests/unit/test_portability.py checks the result",
-    "build_llama_server": "a build of minutes (bench_llama_server's prerequisite); tests/unit/test_llama_server.py",
+    "build_vllm_env": "the test command runs it (.venv-vllm); tests/integration/test_vllm_engine.py uses the result",
+    "vllm_replica": "one engine replica of bench_vllm and tests/integration/test_vllm_engine.py, which run it",
+    "build_llama_server": "the test command runs it (llama-server and the lookup tools); tests/unit/test_llama_server.py",
     "peer_drafters": "a module of bench_drafting_modes; tests/unit/test_peer_drafters.py",
     "fleet_counts": "a module of bench_fleet_history; tests/unit/test_fleet_sim.py",
     "fleet_sim": "a module of bench_fleet_history; tests/unit/test_fleet_sim.py",
