@@ -24,7 +24,7 @@ DEFAULT_SERVER = "127.0.0.1:50051"  # where `ngramcache serve` listens with no o
 
 
 def _connection_options(p: argparse.ArgumentParser, role: str) -> None:
-    p.add_argument("--server", default=os.environ.get("NGC_SERVER") or DEFAULT_SERVER, metavar="HOST:PORT",
+    p.add_argument("--server", default=None, metavar="HOST:PORT",
                    help=f"a replica of the service (default: $NGC_SERVER, else {DEFAULT_SERVER})")
     p.add_argument("--tls-ca", metavar="PEM",
                    help="connect with TLS, trusting the CA certificates in this file (default: plaintext)")
@@ -36,21 +36,44 @@ def _connection_options(p: argparse.ArgumentParser, role: str) -> None:
                    help="seconds to wait for the server to answer, in (0, 86400] (default 10)")
 
 
+def server_of(args: argparse.Namespace, env: dict[str, str] | None = None) -> tuple[str, str]:
+    """(address, what names it): --server, else $NGC_SERVER, else the default (named --server, the flag to give)."""
+    env = dict(os.environ) if env is None else env
+    if args.server:
+        return args.server, "--server"
+    if env.get("NGC_SERVER"):
+        return env["NGC_SERVER"], "$NGC_SERVER"
+    return DEFAULT_SERVER, "--server"
+
+
+def _unset_server_hint(args: argparse.Namespace, env: dict[str, str] | None = None) -> str:
+    """Where neither --server nor $NGC_SERVER was given: a note naming a set variable that looks like a typo of it."""
+    env = dict(os.environ) if env is None else env
+    if args.server or env.get("NGC_SERVER"):
+        return ""
+    import difflib
+
+    typo = difflib.get_close_matches("NGC_SERVER", sorted(k for k in env if k.startswith("NGC_")), n=1, cutoff=0.8)
+    unset = f"neither --server nor $NGC_SERVER was given, so the default {DEFAULT_SERVER} was tried"
+    return f" ({unset}; ${typo[0]} is set: a typo of NGC_SERVER?)" if typo else f" ({unset})"
+
+
 def _cli_error(e: NgramCacheError, args: argparse.Namespace) -> NgramCacheError:
     """``e`` worded for the command line: the flags to change, not the library's arguments or gRPC metadata."""
+    server, server_name = server_of(args)
     if isinstance(e, ServiceUnreachableError):
-        return NgramCacheError(e.diagnosis.message(CLI_NAMES))
+        return NgramCacheError(e.diagnosis.message({**CLI_NAMES, "address": server_name}) + _unset_server_hint(args))
     code = getattr(e, "code", None)
     if code not in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
         return e
     detail = getattr(e, "details", None) or str(e).removeprefix(f"{code.name}: ")
     if code == grpc.StatusCode.UNAUTHENTICATED and not args.token:
-        return NgramCacheError(f"the service at {args.server} requires a bearer token: pass --token TOKEN or set "
+        return NgramCacheError(f"the service at {server} requires a bearer token: pass --token TOKEN or set "
                                "$NGC_TOKEN (a token with the admin role)")
     if code == grpc.StatusCode.UNAUTHENTICATED:
-        return NgramCacheError(f"the service at {args.server} refused the token: {detail}; pass --token TOKEN or set "
+        return NgramCacheError(f"the service at {server} refused the token: {detail}; pass --token TOKEN or set "
                                "$NGC_TOKEN to a token in its tokens file, with the admin role")
-    return NgramCacheError(f"the service at {args.server} refused the call: {detail}; pass --token TOKEN or set "
+    return NgramCacheError(f"the service at {server} refused the call: {detail}; pass --token TOKEN or set "
                            "$NGC_TOKEN to a token with that role")
 
 
@@ -59,8 +82,9 @@ def _client(args: argparse.Namespace) -> Iterator[AdminClient]:
     """An AdminClient to --server, once it answers; errors worded for the command line (`_cli_error`)."""
     if (args.tls_cert is None) != (args.tls_key is None) or (args.tls_cert is not None and args.tls_ca is None):
         raise InvalidArgumentError("--tls-cert and --tls-key go together, and with --tls-ca")
-    check_address(args.server, "--server", "--tls-ca")
-    client = AdminClient(args.server, token=args.token, tls_ca=args.tls_ca, tls_cert=args.tls_cert,
+    server, server_name = server_of(args)
+    check_address(server, server_name, "--tls-ca")
+    client = AdminClient(server, token=args.token, tls_ca=args.tls_ca, tls_cert=args.tls_cert,
                          tls_key=args.tls_key, timeout=args.timeout)
     try:
         client.wait_ready()

@@ -118,8 +118,10 @@ def test_server_defaults_to_ngc_server_else_the_serve_default(command: list[str]
     from ngramcache.client.cli import build_parser
 
     def parse() -> str:
+        from ngramcache.cache_service.admin_commands import server_of
+
         args = build_parser([add_namespace, add_publish, add_rebuild]).parse_args(command)
-        return str(args.server)
+        return server_of(args)[0]
 
     monkeypatch.delenv("NGC_SERVER", raising=False)
     assert parse() == "127.0.0.1:50051"
@@ -146,3 +148,19 @@ def test_namespace_list_prints_aligned_columns(tmp_path: Path) -> None:
         assert row.index(vocab) + len(vocab) == header.index("vocabulary") + len("vocabulary")  # right-aligned
         assert row.index(fingerprint) == header.index("fingerprint")  # left-aligned
         assert row.rindex(generation) == header.index("generation")
+
+
+def test_an_unreachable_server_from_the_environment_is_named_as_such() -> None:
+    """An error caused by $NGC_SERVER named --server, which the user never gave; a typo of the variable went unsaid."""
+    from helpers.redis_servers import free_port
+
+    port = free_port()
+    r = cli("namespace", "list", server=f"127.0.0.1:{port}")
+    assert r.returncode != 0 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert f"cannot reach the service at 127.0.0.1:{port}" in r.stderr and "$NGC_SERVER" in r.stderr, r.stderr
+    assert "--server" not in r.stderr, r.stderr
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NGC_")}
+    r = subprocess.run([sys.executable, "-m", "ngramcache.cache_service.cli", "namespace", "list", "--timeout", "2"],
+                       capture_output=True, text=True, timeout=120, env={**env, "NGC_SERVR": f"127.0.0.1:{port}"})
+    assert r.returncode != 0, r.stderr
+    assert "neither --server nor $NGC_SERVER was given" in r.stderr and "$NGC_SERVR is set: a typo of NGC_SERVER?" in r.stderr

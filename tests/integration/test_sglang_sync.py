@@ -150,6 +150,9 @@ def test_generations_follow_the_namespace(service: Service, tokenizer: Tokenizer
             t0 = time.monotonic()
             wait_until(lambda: set(b.corpora) == {corpus_id(ns, 3)}, 3.0, "g3 on the server back")
             assert time.monotonic() - t0 < 0.5 + 0.5
+            # The corpora change before the syncer has read the reply that changed them: wait for its status
+            # to say so (reading it at once flaked: b's error was still the refused connection of its outage).
+            wait_until(lambda: {s["url"]: s["error"] for s in sync.status()}[b.url] == "", 3.0, "b's error cleared")
             status = {s["url"]: s for s in sync.status()}
             assert status[a.url]["generation"] == 3 and status[a.url]["re_adds"] == 1
             assert status[b.url]["generation"] == 3 and status[b.url]["error"] == ""
