@@ -15,7 +15,7 @@ from ngramcache.client.errors import InvalidArgumentError
 ROOT = Path(__file__).resolve().parents[2]
 
 # Names the tests below (and test_serve_cli.py) use on purpose as typos.
-TYPOS = {"NGC_PROT", "NGC_TOKNE", "NGC_ZQXJW", "NGC_MAX_SESION"}
+TYPOS = {"NGC_PROT", "NGC_TOKNE", "NGC_ZQXJW", "NGC_MAX_SESION", "NGC_SERVR"}  # misspelt on purpose by tests
 
 
 def refusal(environ: dict[str, str]) -> str:
