@@ -55,6 +55,9 @@ ROLLOUT_PROMPT = ("Write a Python function `merge_intervals(intervals)` that mer
                   "with a docstring and three doctest examples.")
 
 
+SETUPS = ("plain", "ngram", "suffix", "ngc", "ngc-compatible", "fleet")
+
+
 class ReplicaError(RuntimeError):
     pass
 
@@ -173,8 +176,18 @@ def main() -> int:
         print(f"bench_vllm: no vLLM Python at {args.vllm_python}: run tests/bench/build_vllm_env.py first "
               "(tests/run_all.sh does)", file=sys.stderr)
         return 3
-    ks = [int(k) for k in args.k.split(",")]
+    try:
+        ks = [int(k) for k in args.k.split(",")]
+    except ValueError:
+        ap.error(f"--k takes whole numbers separated by commas, got {args.k!r}")
     setups = args.setups.split(",")
+    for given, known, flag in ((setups, SETUPS, "--setups"), (args.workloads.split(","), ("edits", "rollouts"), "--workloads"),
+                               (args.statics.split(","), ("none", "unrelated", "related"), "--statics")):
+        unknown = [x for x in given if x not in known]
+        if unknown:
+            ap.error(f"{flag}: unknown {', '.join(map(repr, unknown))} (known: {', '.join(known)})")
+    if not all(1 <= k <= 64 for k in ks) or args.requests < 1 or args.max_new_tokens < 1 or args.reps < 1:
+        ap.error("--k values must be in 1..64, and --requests, --max-new-tokens and --reps at least 1")
     from ngramcache.client.tokenizer import load_tokenizer
 
     model = vllm_model_folder()
@@ -296,4 +309,8 @@ def print_table(workload: str, k: int, rows: list[tuple[str, dict[str, Any]]]) -
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:  # the replicas (or pip) got the same Ctrl-C; servers started here are stopped by finally
+        print("bench_vllm: interrupted", file=sys.stderr)
+        sys.exit(130)

@@ -83,4 +83,8 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:  # the replicas (or pip) got the same Ctrl-C; servers started here are stopped by finally
+        print("build_vllm_env: interrupted", file=sys.stderr)
+        sys.exit(130)
