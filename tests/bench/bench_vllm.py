@@ -172,10 +172,6 @@ def main() -> int:
     if args.quick:  # every kind of setup once, on the edits: the script end to end, not figures
         args.requests, args.max_new_tokens, args.k, args.reps = 2, 24, "8", 1
         args.statics, args.workloads, args.setups = "none", "edits", "plain,ngram,suffix,ngc,fleet"
-    if not args.vllm_python.is_file():
-        print(f"bench_vllm: no vLLM Python at {args.vllm_python}: run tests/bench/build_vllm_env.py first "
-              "(tests/run_all.sh does)", file=sys.stderr)
-        return 3
     try:
         ks = [int(k) for k in args.k.split(",")]
     except ValueError:
@@ -188,6 +184,10 @@ def main() -> int:
             ap.error(f"{flag}: unknown {', '.join(map(repr, unknown))} (known: {', '.join(known)})")
     if not all(1 <= k <= 64 for k in ks) or args.requests < 1 or args.max_new_tokens < 1 or args.reps < 1:
         ap.error("--k values must be in 1..64, and --requests, --max-new-tokens and --reps at least 1")
+    if not args.vllm_python.is_file():
+        print(f"bench_vllm: no vLLM Python at {args.vllm_python}: run tests/bench/build_vllm_env.py first "
+              "(tests/run_all.sh does)", file=sys.stderr)
+        return 3
     from ngramcache.client.tokenizer import load_tokenizer
 
     model = vllm_model_folder()
