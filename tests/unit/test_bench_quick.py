@@ -141,6 +141,8 @@ QUICK: dict[str, Quick] = {
     "compare_llama": Quick(("--quick", "--data-dir", "{data}"), (r"3\. drafting:", r"\| static \| ngramcache stats"),
                            missing=_llama_tools, after="prepare_corpus"),
     "prepare_corpus": Quick(("--quick", "--data-dir", "{data}"), (r"300mb +\d+", r"tokens/s on \d+ threads")),
+    "replay_vllm_drafts": Quick(("--quick",), (r"num_speculative_tokens 8\n", r"oracle +[\d.]+ +[\d.]+  \[\d+, \d+\]"),
+                                missing=_vllm_env, seconds=40, timeout=900),  # one engine replica, then the replay
 }
 
 # Scripts the docs name that are not benchmarks of their own, and what keeps them from rotting.
