@@ -29,7 +29,12 @@ _HELP = {
     "port": "TCP port (default 50051; 0 picks a free one and prints it)",
     "data_dir": "folder for static generations and the embedded counts store's snapshot (default ./ngramcache-data)",
     "counts": "counts store URL: redis://HOST:PORT[/DB], rediss://..., redis+cluster://H:P[,H:P], "
-              "embedded://PATH (default: embedded, snapshotted in --data-dir)",
+              "redis+sentinel://H:P[,H:P]/MASTER-NAME[/DB], embedded://PATH (default: embedded, snapshotted in "
+              "--data-dir)",
+    "counts_min_replicas": "Redis replicas that must hold a pushed batch of counts or history before the push is "
+                           "acknowledged (WAIT; a push that reaches fewer in time fails, retriable); generation "
+                           "numbers and leases always wait for every connected replica (default 0: the master's "
+                           "answer suffices, and a failover may lose the last acknowledged pushes)",
     "allow_insecure_remote": "allow plaintext gRPC on a non-loopback address (default off)",
     "tls_cert": "PEM certificate (chain) of the server; with --tls-key, serve TLS (default: plaintext)",
     "tls_key": "PEM private key of --tls-cert, unencrypted (default: none)",

@@ -62,6 +62,7 @@ class ServiceConfig:
     port: int = 50051
     data_dir: str = "./ngramcache-data"
     counts: str | None = None  # counts store URL; None: embedded, snapshotted in data_dir
+    counts_min_replicas: int = 0  # counts and history pushes acknowledged once this many Redis replicas hold them
     allow_insecure_remote: bool = False  # plaintext on a non-loopback address
     # Security (docs/security.md)
     tls_cert: str | None = None  # PEM certificate chain; with tls_key: TLS
@@ -150,6 +151,9 @@ class ServiceConfig:
         if not isinstance(self.push_group_rows, int) or self.push_group_rows < 0:
             raise InvalidArgumentError(f"push_group_rows must be an integer >= 0 (0: the store's limit), got "
                                        f"{self.push_group_rows!r}")
+        if not isinstance(self.counts_min_replicas, int) or not 0 <= self.counts_min_replicas <= 64:
+            raise InvalidArgumentError(f"counts_min_replicas must be an integer in 0..64 (0: the master's answer "
+                                       f"suffices), got {self.counts_min_replicas!r}")
         if not self.data_dir:
             raise InvalidArgumentError("data_dir must name a folder")
         if self.peer_tls_ca and not os.access(self.peer_tls_ca, os.R_OK):
@@ -170,7 +174,8 @@ class ServiceConfig:
     def check_workers(self) -> None:
         """Several workers share counts only through a shared store: refuse the embedded one."""
         if self.workers > 1 and not (self.counts or "").startswith(("redis://", "rediss://", "redis+cluster://",
-                                                                    "rediss+cluster://")):
+                                                                    "rediss+cluster://", "redis+sentinel://",
+                                                                    "rediss+sentinel://")):
             raise InvalidArgumentError(
                 f"--workers {self.workers} runs {self.workers} processes, each with its own embedded counts store; "
                 "give them a shared one: --counts redis://HOST:PORT (or redis+cluster://...)")
@@ -185,9 +190,13 @@ class ServiceConfig:
 
     @property
     def counts_url(self) -> str:
-        """The counts store URL: the configured one, or the embedded store snapshotted in data_dir."""
+        """The counts store URL: the configured one (with ``min_replicas`` in its query when counts_min_replicas is
+        set: it wins over the URL's), or the embedded store snapshotted in data_dir."""
         if self.counts:
-            return self.counts
+            if not self.counts_min_replicas:
+                return self.counts
+            joiner = "&" if "?" in self.counts else "?"
+            return f"{self.counts}{joiner}min_replicas={self.counts_min_replicas}"
         return "embedded://" + str((Path(self.data_dir) / "counts.snapshot").resolve())
 
     def address(self) -> str:

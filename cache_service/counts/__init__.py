@@ -15,9 +15,9 @@ Modules, one concept each:
 * `namespace`: a namespace's record, the checks of its name, tokenizer and layout, its errors.
 * `layout`: bucket hash, field codec, batches encoded by (shard, bucket).
 * `embedded`: the in-process backend (optional snapshot file).
-* `redis_backend`: `RedisCountsStore`, standalone Redis or Redis Cluster, built from
-  `redis_connection` (client, retries, error translation), `redis_scripts` (one Lua
-  script per atomic unit), `redis_handles` (namespace records and key names),
+* `redis_backend`: `RedisCountsStore`, standalone Redis, Redis Cluster or Sentinel, built from
+  `redis_connection` (client, retries, error translation), `redis_replicas` (writes
+  acknowledged once replicas hold them: WAIT), `redis_scripts` (one Lua script per atomic unit), `redis_handles` (namespace records and key names),
   `redis_writes`, `redis_reads` and `redis_leases`.
 * `schema`: the Redis key names.
 * `factory`: `open_counts_store`, the only module that imports the backends.

@@ -6,7 +6,13 @@
 ``redis://[[user]:pass@]host:port[/db]``    standalone Redis
 ``rediss://...``                            standalone Redis over TLS
 ``redis+cluster://[[user]:pass@]h:p[,h:p]`` Redis Cluster (any reachable nodes; TLS: ``rediss+cluster://``)
+``redis+sentinel://[[user]:pass@]h:p[,h:p]``  a primary and replicas under Sentinel: the sentinels'
+``/MASTER-NAME[/db]``                       addresses (port 26379 by default), the master's name;
+                                            TLS: ``rediss+sentinel://``
 ==========================================  ==============================================
+
+The credentials and TLS of a Sentinel URL are the master's (and its replicas'); the
+sentinels get them too only with ``sentinel_auth=1``.
 
 Store options may ride in the query string (``?epoch_seconds=0.5&prefix=ngc``). Nothing
 is read at import time: build a config with `CountsStoreConfig.from_url` or `from_env`.
@@ -27,8 +33,10 @@ from .history import HistoryBudget, validate_partitions
 
 __all__ = ["CountsStoreConfig", "StoreAddress", "parse_url", "redact_url"]
 
-_SCHEMES = ("embedded", "redis", "rediss", "redis+cluster", "rediss+cluster")
+_SCHEMES = ("embedded", "redis", "rediss", "redis+cluster", "rediss+cluster", "redis+sentinel", "rediss+sentinel")
 _DEFAULT_REDIS_PORT = 6379
+_DEFAULT_SENTINEL_PORT = 26379
+_SENTINEL_FORM = "redis+sentinel://HOST:PORT[,HOST:PORT...]/MASTER-NAME[/DB]"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,21 +44,23 @@ class StoreAddress:
     """A backend URL, parsed (credentials percent-decoded). Its repr never shows the password.
 
     Attributes:
-        kind: "embedded", "redis" (one standalone server) or "cluster".
+        kind: "embedded", "redis" (one standalone server), "cluster" or "sentinel".
         path: embedded snapshot file (None: memory only).
-        hosts: Redis (host, port) pairs; one for standalone Redis.
-        db: standalone Redis database number.
+        hosts: Redis (host, port) pairs; one for standalone Redis; the sentinels' for Sentinel.
+        db: standalone (or Sentinel-managed) Redis database number.
+        master: the name the sentinels monitor the master under (Sentinel only).
         username: Redis ACL user, or None.
         password: Redis password, or None.
-        ssl: TLS (rediss:// and rediss+cluster://).
+        ssl: TLS (rediss://, rediss+cluster:// and rediss+sentinel://).
         query: the raw query string (store options).
         redacted: the URL without its query and with the password replaced by ``***``.
     """
 
-    kind: Literal["embedded", "redis", "cluster"]
+    kind: Literal["embedded", "redis", "cluster", "sentinel"]
     path: str | None = None
     hosts: tuple[tuple[str, int], ...] = ()
     db: int = 0
+    master: str | None = None
     username: str | None = None
     password: str | None = dataclasses.field(default=None, repr=False)
     ssl: bool = False
@@ -62,7 +72,7 @@ def parse_url(url: str | None) -> StoreAddress:
     """Parse a counts store URL (see the module docstring).
 
     Raises:
-        InvalidArgumentError: unknown scheme, bad host, port or database number.
+        InvalidArgumentError: unknown scheme, bad host, port or database number, no master name.
     """
     if not url:
         return StoreAddress("embedded")
@@ -71,7 +81,7 @@ def parse_url(url: str | None) -> StoreAddress:
     if scheme not in _SCHEMES:
         raise InvalidArgumentError(
             f"unsupported counts store URL {redact_url(url)!r}: use embedded://PATH, "
-            "redis://, rediss://, redis+cluster:// or rediss+cluster://")
+            "redis://, rediss://, redis+cluster://, rediss+cluster://, redis+sentinel:// or rediss+sentinel://")
     if scheme == "embedded":
         raw_path, _, query = rest.partition("?")
         path = urllib.parse.unquote(raw_path)
@@ -87,31 +97,40 @@ def parse_url(url: str | None) -> StoreAddress:
             password = urllib.parse.unquote(pw)
         else:
             password = urllib.parse.unquote(userinfo)
+    sentinel = scheme.endswith("+sentinel")
+    default_port = _DEFAULT_SENTINEL_PORT if sentinel else _DEFAULT_REDIS_PORT
     hosts = []
     for item in hostlist.split(","):
         if not item:
             continue
         host, sep, port = item.rpartition(":")
         if not sep:
-            host, port = item, str(_DEFAULT_REDIS_PORT)
+            host, port = item, str(default_port)
         host = host.strip("[]")
         try:
             hosts.append((host, int(port)))
         except ValueError:
             raise InvalidArgumentError(f"bad port in counts store URL {redact_url(url)!r}") from None
     if not hosts:
-        raise InvalidArgumentError(f"no host in counts store URL {redact_url(url)!r}")
+        raise InvalidArgumentError(f"no host in counts store URL {redact_url(url)!r}"
+                                   + (f": use {_SENTINEL_FORM}" if sentinel else ""))
     cluster = scheme.endswith("+cluster")
+    master = None
+    if sentinel:
+        master, _, path = path.partition("/")
+        if not master:
+            raise InvalidArgumentError(f"no master name in counts store URL {redact_url(url)!r}: use {_SENTINEL_FORM}")
     db = 0
     if path and not cluster:
         try:
             db = int(path)
         except ValueError:
             raise InvalidArgumentError(f"bad database number in {redact_url(url)!r}") from None
-    if not cluster and len(hosts) != 1:
+    if not cluster and not sentinel and len(hosts) != 1:
         raise InvalidArgumentError("a standalone redis:// URL names one host; use redis+cluster:// for several")
-    return StoreAddress("cluster" if cluster else "redis", hosts=tuple(hosts), db=db, username=username,
-                        password=password, ssl=scheme.startswith("rediss"),
+    kind: Literal["redis", "cluster", "sentinel"] = "cluster" if cluster else "sentinel" if sentinel else "redis"
+    return StoreAddress(kind, hosts=tuple(hosts), db=db, master=master and urllib.parse.unquote(master),
+                        username=username, password=password, ssl=scheme.startswith("rediss"),
                         query=urllib.parse.urlsplit(url).query, redacted=redact_url(url.split("?", 1)[0]) or "")
 
 
@@ -160,6 +179,15 @@ class CountsStoreConfig:
         history_partitions: partitions of a new namespace's fleet history (1..64), fixed at its
             creation; None = 1 on standalone Redis, 12 on a Cluster (even over 1, 2, 3, 4, 6
             or 12 masters). The embedded store keeps one.
+        min_replicas: counts and history writes are acknowledged only once this many replicas
+            of their master hold them (Redis WAIT); 0: as soon as the master applied them
+            (Redis replicates asynchronously: a failover may lose the last ones). Generation
+            numbers, leases and fencing tokens always wait for every connected replica.
+        replica_timeout: seconds a write waits for its replicas (at most half of socket_timeout);
+            fewer within it: the call fails with a retriable `BackendUnavailableError` (the write
+            may be applied; a retry is safe, as every write is exactly once).
+        sentinel_auth: the sentinels of a redis+sentinel:// URL take its credentials too
+            (default: they are sent only to the master and its replicas).
         address: ``url`` parsed (derived; not an argument).
     """
 
@@ -179,6 +207,9 @@ class CountsStoreConfig:
     history_max_bytes: int = 64 << 20
     history_max_age: float = 3600.0
     history_partitions: int | None = None
+    min_replicas: int = 0
+    replica_timeout: float = 1.0
+    sentinel_auth: bool = False
     address: StoreAddress = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -195,6 +226,10 @@ class CountsStoreConfig:
                 raise InvalidArgumentError(f"{name} must be >= 0")
         if self.retries < 0:
             raise InvalidArgumentError("retries must be >= 0")
+        if not 0 <= self.min_replicas <= 64:
+            raise InvalidArgumentError(f"min_replicas must be in 0..64, got {self.min_replicas!r}")
+        if not 0 < self.replica_timeout <= 60:
+            raise InvalidArgumentError(f"replica_timeout must be a number of seconds in (0, 60], got {self.replica_timeout!r}")
         self.history_budget  # noqa: B018 - checks history_max_bytes and history_max_age
         if self.history_partitions is not None:
             validate_partitions(self.history_partitions)
@@ -213,6 +248,13 @@ class CountsStoreConfig:
     def history_budget(self) -> HistoryBudget:
         """The fleet history's budget per namespace (``history_max_bytes``, ``history_max_age``)."""
         return HistoryBudget(self.history_max_bytes, self.history_max_age)
+
+    @property
+    def replica_timeout_ms(self) -> int:
+        """WAIT's timeout: ``replica_timeout`` in whole milliseconds, at most half of ``socket_timeout`` (the reply
+        must come before the socket gives up), at least 1."""
+        seconds = min(self.replica_timeout, self.socket_timeout / 2) if self.socket_timeout else self.replica_timeout
+        return max(1, int(seconds * 1000))
 
     @property
     def epoch_ms(self) -> int:
@@ -271,6 +313,15 @@ def _parse_optional_int(raw: str) -> int | None:
     return None if raw.strip().lower() in ("", "none") else _parse_int(raw)
 
 
+def _parse_bool(raw: str) -> bool:
+    text = raw.strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise InvalidArgumentError(f"expected a boolean (1/0, true/false), got {raw!r}")
+
+
 _CONFIG_FIELDS: dict[str, Callable[[str], Any]] = {
     "prefix": str,
     "max_batch_rows": _parse_int,
@@ -287,4 +338,7 @@ _CONFIG_FIELDS: dict[str, Callable[[str], Any]] = {
     "snapshot_seconds": _parse_float,
     "history_max_bytes": _parse_int,
     "history_max_age": _parse_float,
+    "min_replicas": _parse_int,
+    "replica_timeout": _parse_float,
+    "sentinel_auth": _parse_bool,
 }

@@ -1,10 +1,12 @@
-"""The Redis backend of the counts store, for a standalone Redis or a Redis Cluster: `RedisCountsStore`.
+"""The Redis backend of the counts store, for a standalone Redis, a Redis Cluster or Sentinel: `RedisCountsStore`.
 
 Every write is a Lua script over keys of one shard (see `schema` and `redis_scripts`), so
 it runs atomically on the shard's node. This module holds the namespaces (create, list,
 drop) and wires the parts, one concept each:
 
 * `redis_connection`: the client, its bounded retries, error translation, pipelined scripts.
+* `redis_replicas`: writes acknowledged only once replicas hold them (WAIT): generation
+  numbers, leases and fencing tokens always, counts and history with ``min_replicas``.
 * `redis_handles`: a namespace's record and key names, reloaded when its instance changed.
 * `redis_writes`: batches and groups as APPLY units, exactly once per (client_id, seq).
 * `redis_reads`: lookups, versions, changes since a version, exports.
@@ -39,6 +41,7 @@ from .redis_handles import Handle, HandleCache
 from .redis_history import RedisHistory
 from .redis_leases import RedisLeases
 from .redis_reads import RedisReader
+from .redis_replicas import ReplicaAcks
 from .redis_scripts import CREATE
 from .redis_writes import RedisWriter
 from .store import CountsStore
@@ -52,11 +55,11 @@ _CLUSTER_DEFAULT_SHARDS: Final = 64
 
 
 class RedisCountsStore(CountsStore):
-    """Counts in a standalone Redis or a Redis Cluster. Thread-safe; share one per process.
+    """Counts in a standalone Redis, a Redis Cluster or a Sentinel-managed Redis. Thread-safe; share one per process.
 
     Args:
-        config: a `CountsStoreConfig` whose url is redis://, rediss://, redis+cluster:// or
-            rediss+cluster://.
+        config: a `CountsStoreConfig` whose url is redis://, rediss://, redis+cluster://,
+            rediss+cluster://, redis+sentinel:// or rediss+sentinel://.
 
     Raises:
         BackendUnavailableError: Redis could not be reached.
@@ -66,11 +69,12 @@ class RedisCountsStore(CountsStore):
     def __init__(self, config: CountsStoreConfig) -> None:
         self.config = config
         self._conn = RedisConnection(config)
+        acks = ReplicaAcks(self._conn, config)
         self._handles = HandleCache(self._conn, config.prefix)
-        self._writer = RedisWriter(self._conn, config)
+        self._writer = RedisWriter(self._conn, config, acks)
         self._reader = RedisReader(self._conn, config)
-        self._leases = RedisLeases(self._conn, config.prefix)
-        self._history = RedisHistory(self._conn, config)
+        self._leases = RedisLeases(self._conn, config.prefix, acks)
+        self._history = RedisHistory(self._conn, config, acks)
 
     def __repr__(self) -> str:
         return f"RedisCountsStore({self._conn.where!r}, cluster={self._conn.cluster})"

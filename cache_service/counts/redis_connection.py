@@ -1,9 +1,11 @@
-"""The Redis backend's connection: one redis-py client (standalone or Cluster) with bounded retries, errors translated, scripts run pipelined."""
+"""The Redis backend's connection: one redis-py client (standalone, Cluster or Sentinel-managed) with bounded retries, errors translated, scripts run pipelined."""
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import threading
+import time
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
@@ -12,6 +14,7 @@ import redis.exceptions as rexc
 from redis.backoff import ExponentialBackoff
 from redis.cluster import ClusterNode, RedisCluster
 from redis.retry import Retry
+from redis.sentinel import Sentinel
 
 from ngramcache.client.errors import (
     BackendUnavailableError,
@@ -33,10 +36,11 @@ _UNAVAILABLE_ERRORS = (rexc.ClusterDownError, rexc.ClusterError, rexc.TryAgainEr
                        rexc.BusyLoadingError, rexc.OutOfMemoryError)
 _UNAVAILABLE_PREFIXES = ("OOM", "BUSY", "LOADING", "TRYAGAIN", "CLUSTERDOWN", "MASTERDOWN", "READONLY",
                          "MOVED", "ASK")
+_REFRESH_SECONDS = 0.5  # a Cluster's slot map is read again at most this often after a failed node call
 
 
 class RedisConnection:
-    """A client of the store's Redis (standalone or Cluster). Thread-safe, as redis-py's clients are.
+    """A client of the store's Redis (standalone, Cluster or Sentinel). Thread-safe, as redis-py's clients are.
 
     Connection errors are retried by redis-py a bounded number of times (``config.retries``,
     exponential backoff); what still fails reaches the caller as a store error
@@ -44,8 +48,10 @@ class RedisConnection:
     never holds the password.
 
     Args:
-        config: a `CountsStoreConfig` whose url is redis://, rediss://, redis+cluster:// or
-            rediss+cluster://.
+        config: a `CountsStoreConfig` whose url is redis://, rediss://, redis+cluster://,
+            rediss+cluster://, redis+sentinel:// or rediss+sentinel://. With Sentinel every new
+            connection asks the sentinels for the master, so a promoted replica is found
+            without an operator (a connection to a demoted master is dropped on its READONLY).
 
     Raises:
         InvalidArgumentError: the config's URL is not a Redis URL.
@@ -64,16 +70,32 @@ class RedisConnection:
         common: dict[str, Any] = {"username": address.username, "password": address.password,
                                   "socket_timeout": config.socket_timeout or None,
                                   "socket_connect_timeout": config.connect_timeout or None, "ssl": address.ssl}
+        self._refresh_lock = threading.Lock()
+        self._refreshed = 0.0
         with self.errors():
             if self.cluster:
                 nodes = [ClusterNode(host, port) for host, port in address.hosts]  # type: ignore[no-untyped-call]
                 self.client: Any = RedisCluster(startup_nodes=nodes, retry=retry, **common)
+            elif address.kind == "sentinel":
+                self.client = self._sentinel_master(config, retry, common)
+                self.client.ping()
             else:
                 (host, port), = address.hosts
                 self.client = redis.Redis(host=host, port=port, db=address.db, retry=retry,
                                           retry_on_error=[rexc.ConnectionError, rexc.TimeoutError], **common)
                 self.client.ping()
         log.debug("counts store connected to %s", self.where)
+
+    @staticmethod
+    def _sentinel_master(config: CountsStoreConfig, retry: Retry, common: dict[str, Any]) -> Any:
+        """A client of the master the sentinels name (looked up again on every new connection)."""
+        address = config.address
+        sentinel_kwargs = {k: v for k, v in common.items() if k.startswith("socket_") or k == "ssl"}
+        if config.sentinel_auth:
+            sentinel_kwargs.update(username=address.username, password=address.password)
+        sentinels = Sentinel(list(address.hosts), sentinel_kwargs=sentinel_kwargs, **common)
+        return sentinels.master_for(address.master or "", db=address.db, retry=retry,
+                                    retry_on_error=[rexc.ConnectionError, rexc.TimeoutError])
 
     @contextlib.contextmanager
     def errors(self) -> Iterator[None]:
@@ -143,6 +165,30 @@ class RedisConnection:
 
     def run_one(self, script: Script, keys: Sequence[Any], args: Sequence[Any]) -> Any:
         return self.run([(script, keys, args)])[0]
+
+    def node_of(self, key: Any) -> tuple[str, Any]:
+        """(name, client) of the master holding ``key``: on a Cluster its slot's, from the cached slot map."""
+        if not self.cluster:
+            return "master", self.client
+        node = self.client.get_node_from_key(key)
+        return node.name, self.client.get_redis_connection(node)
+
+    def refresh_topology(self) -> None:
+        """A Cluster: read the slot map again (after a node call failed; at most every 0.5 s). Never raises."""
+        if not self.cluster:
+            return
+        with self._refresh_lock:
+            if time.monotonic() - self._refreshed < _REFRESH_SECONDS:
+                return
+            self._refreshed = time.monotonic()
+        with contextlib.suppress(Exception):
+            self.client.nodes_manager.initialize()
+
+    def load_scripts_on(self, node_client: Any, scripts: Iterable[Script]) -> None:
+        """Load scripts on one node (its NOSCRIPT answers)."""
+        for script in scripts:
+            log.debug("loading Lua script %s (%s) on one node", script.name, script.sha)
+            node_client.script_load(script.source)
 
     def node_clients(self) -> list[Any]:
         """A client per primary (a Cluster: each holds some of the keys), or the one client."""

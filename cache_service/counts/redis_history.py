@@ -45,6 +45,7 @@ from .history import (
 )
 from .redis_connection import RedisConnection
 from .redis_handles import Handle, StaleHandle
+from .redis_replicas import ReplicaAcks
 from .redis_scripts import HAPPEND, HREAD, Call
 
 __all__ = ["RedisHistory"]
@@ -81,9 +82,10 @@ def _record(entry_id: str, fields: dict[str, Any], cursor: str) -> HistoryRecord
 class RedisHistory:
     """Appends and reads of the fleet history for `RedisCountsStore`. Thread-safe (no state of its own)."""
 
-    def __init__(self, conn: RedisConnection, config: CountsStoreConfig) -> None:
+    def __init__(self, conn: RedisConnection, config: CountsStoreConfig, acks: ReplicaAcks) -> None:
         self._conn = conn
         self._config = config
+        self._acks = acks  # appends are acknowledged by config.min_replicas replicas
 
     def _max_tokens(self, handle: Handle) -> int:
         """Tokens one partition keeps: the namespace's byte budget split evenly."""
@@ -125,7 +127,7 @@ class RedisHistory:
                     args += [record.seq, record.group, record.offset, record.tokens.tobytes(),
                              duplicate_key(record) or b""]
             calls.append((HAPPEND, [keys.guard, keys.stream, keys.stat, keys.seq, keys.seen, keys.dup], args))
-        replies = [[int(x) for x in reply] for reply in self._conn.run(calls)]
+        replies = [[int(x) for x in reply] for reply in self._acks.for_counts(calls)]
         if any(reply[0] < 0 for reply in replies):
             raise StaleHandle
         totals = [[0, 0, 0, 0, 0] for _ in batches]  # parts stored now, records, tokens, skipped, their tokens

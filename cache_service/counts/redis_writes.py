@@ -25,6 +25,7 @@ from .dedup import batch_too_old
 from .layout import EncodedBatch, encode_batch, encode_group
 from .redis_connection import RedisConnection
 from .redis_handles import Handle, StaleHandle
+from .redis_replicas import ReplicaAcks
 from .redis_scripts import APPLY, Call
 from .values import ApplyResult, GroupItem, ItemOutcome
 
@@ -39,11 +40,13 @@ class RedisWriter:
     Args:
         conn: the store's connection.
         config: the store's options (dedup window and its TTL).
+        acks: runs the APPLY units, acknowledged by ``config.min_replicas`` replicas.
     """
 
-    def __init__(self, conn: RedisConnection, config: CountsStoreConfig) -> None:
+    def __init__(self, conn: RedisConnection, config: CountsStoreConfig, acks: ReplicaAcks) -> None:
         self._conn = conn
         self._config = config
+        self._acks = acks
         self._lock = threading.Lock()
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None  # the second round trip in flight
 
@@ -120,7 +123,7 @@ class RedisWriter:
                                len(clients), *pairs])
 
     def _finish_apply(self, calls: list[Call], group: list[tuple[int, EncodedBatch]]) -> list[ApplyResult]:
-        replies = self._conn.run(calls)
+        replies = self._acks.for_counts(calls)
         results = []
         position = 0
         too_old: tuple[int, int] | None = None
@@ -168,7 +171,7 @@ class RedisWriter:
                 calls.append(self._unit_call(handle, s, enc, [(items[i].client_id, items[i].seq) for i in alive]))
             first_round = False
             again: dict[int, tuple[int, ...]] = {}
-            for (s, alive), reply in zip(pending.items(), self._conn.run(calls)):
+            for (s, alive), reply in zip(pending.items(), self._acks.for_counts(calls)):
                 code = int(reply[0])
                 if code == 1:
                     for i in alive:

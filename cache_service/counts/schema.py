@@ -52,6 +52,12 @@ Cluster that owns contiguous, equal slot ranges, as ``redis-cli --cluster create
     P:{T}:<b>       HASH    bucket b (global id, decimal): field = n-gram tokens then the
                             follower, token_width little-endian bytes each; value = count
 
+Any tag T a write acknowledged by replicas used (`redis_replicas`: the coordinator's, a shard's,
+a history partition's) also holds::
+
+    P:{T}:ack       STRING  a counter INCR'd right before WAIT, so WAIT covers every earlier
+                            write of that master (value meaningless; dropped with the shard)
+
 Fields are laid out as described in `layout`. A bucket holds ~64 entries when ``buckets`` is sized as entries / 64, which keeps it in
 Redis's listpack encoding (hash-max-listpack-entries 128): about 16 bytes an entry for
 3-byte tokens. Every key one apply unit touches (s, c, d:<cid>, its buckets) shares the

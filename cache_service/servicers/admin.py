@@ -30,7 +30,8 @@ DEFAULT_PAGE_SIZE: Final = 100
 MAX_PAGE_SIZE: Final = 1000
 
 # CountsStoreConfig.address.kind -> GetServerInfoResponse.counts_backend
-_BACKEND_NAMES: Final = {"embedded": "embedded", "redis": "redis", "cluster": "redis-cluster"}
+_BACKEND_NAMES: Final = {"embedded": "embedded", "redis": "redis", "cluster": "redis-cluster",
+                          "sentinel": "redis-sentinel"}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -1,4 +1,9 @@
-"""Real redis-server processes for tests and benchmarks: loopback only, free ports, temp dirs, stopped by PID."""
+"""Real redis-server processes for tests and benchmarks: loopback only, free ports, temp dirs, stopped by PID.
+
+Standalone servers, Redis Clusters (with or without a replica per master) and a primary with a
+replica under three Sentinels; the replicated ones have helpers to find the master holding a
+key, kill or stop it, and wait for the promotion of its replica.
+"""
 
 from __future__ import annotations
 
@@ -12,8 +17,13 @@ import time
 from collections.abc import Sequence
 
 import redis
+from redis.crc import key_slot
 
-__all__ = ["RedisClusterProcesses", "RedisServer", "free_port", "require_redis_binaries"]
+__all__ = ["REPLICATED_ARGS", "RedisClusterProcesses", "RedisSentinelGroup", "RedisServer", "free_port",
+           "require_redis_binaries"]
+
+# What a replicated production deployment runs: an append-only file fsynced every second.
+REPLICATED_ARGS: tuple[str, ...] = ("--appendonly", "yes", "--appendfsync", "everysec")
 
 
 def require_redis_binaries() -> tuple[str, str]:
@@ -138,11 +148,21 @@ class RedisServer:
 
 
 class RedisClusterProcesses:
-    """A Redis Cluster of ``masters`` redis-server processes on loopback, no replicas."""
+    """A Redis Cluster of ``masters`` redis-server processes on loopback, with ``replicas`` replicas per master.
 
-    def __init__(self, masters: int = 3, args: Sequence[str] = ()) -> None:
+    With replicas, each node runs with an append-only file fsynced every second and a short
+    ``cluster-node-timeout`` (``node_timeout_ms``), so a dead master's replica is promoted in
+    about that time plus an election (1-2 s more on loopback).
+    """
+
+    def __init__(self, masters: int = 3, args: Sequence[str] = (), *, replicas: int = 0,
+                 node_timeout_ms: int = 2000) -> None:
         _, self.cli_bin = require_redis_binaries()
-        self.nodes = [RedisServer(cluster=True, args=args) for _ in range(masters)]
+        self.masters = masters
+        self.replicas = replicas
+        self.node_timeout_ms = node_timeout_ms
+        extra = [*(REPLICATED_ARGS if replicas else ()), "--cluster-node-timeout", str(node_timeout_ms), *args]
+        self.nodes = [RedisServer(cluster=True, args=extra) for _ in range(masters * (1 + replicas))]
 
     @property
     def url(self) -> str:
@@ -152,25 +172,45 @@ class RedisClusterProcesses:
         for node in self.nodes:
             node.start()
         addrs = [f"127.0.0.1:{n.port}" for n in self.nodes]
-        subprocess.run([self.cli_bin, "--cluster", "create", *addrs, "--cluster-replicas", "0", "--cluster-yes"],
+        subprocess.run([self.cli_bin, "--cluster", "create", *addrs, "--cluster-replicas", str(self.replicas),
+                        "--cluster-yes"],
                        check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=timeout,
                        stdin=subprocess.DEVNULL)
         self.wait_ok(timeout)
         return self
 
+    def _alive(self) -> list[RedisServer]:
+        return [n for n in self.nodes if n.proc is not None and n.proc.poll() is None]
+
+    def _topology(self, node: RedisServer) -> list[tuple[str, int, str, str, bool]]:
+        """(node id, port, flags, master id or '-', failed) per node, as ``node`` sees them (CLUSTER NODES)."""
+        client = node.client(socket_timeout=1)
+        try:
+            rows = []
+            for line in client.execute_command("CLUSTER", "NODES").decode().splitlines():
+                parts = line.split()
+                port = int(parts[1].split("@", 1)[0].rsplit(":", 1)[1])
+                rows.append((parts[0], port, parts[2], parts[3], "fail" in parts[2]))
+            return rows
+        finally:
+            client.close()
+
     def wait_ok(self, timeout: float = 30.0) -> None:
-        """Wait until every node reports cluster_state:ok and sees every master."""
+        """Wait until every live node reports cluster_state:ok and sees every master, and every replica is in sync."""
         deadline = time.monotonic() + timeout
         while True:
             ok = True
-            for node in self.nodes:
+            for node in self._alive():
                 client = node.client(socket_timeout=1)
                 try:
                     info = client.execute_command("CLUSTER", "INFO")
                     text = info.decode() if isinstance(info, bytes) else str(info)
-                    known = sum(1 for line in client.execute_command("CLUSTER", "NODES").decode().splitlines()
-                                if "master" in line and "fail" not in line)
-                    ok = ok and "cluster_state:ok" in text and known == len(self.nodes)
+                    known = sum(1 for _, _, flags, _, failed in self._topology(node)
+                                if "master" in flags and not failed)
+                    ok = ok and "cluster_state:ok" in text and known == self.masters
+                    replication = client.info("replication")
+                    if replication.get("role") == "slave":
+                        ok = ok and replication.get("master_link_status") == "up"
                 except (redis.ConnectionError, redis.TimeoutError, redis.ResponseError):
                     ok = False
                 finally:
@@ -181,11 +221,180 @@ class RedisClusterProcesses:
                 raise RuntimeError("the Redis Cluster did not reach cluster_state:ok")
             time.sleep(0.1)
 
+    def node_at(self, port: int) -> RedisServer:
+        return next(n for n in self.nodes if n.port == port)
+
+    def master_of(self, key: str | bytes) -> RedisServer:
+        """The live master that owns the slot of ``key``, as a live node's CLUSTER SLOTS says."""
+        slot = key_slot(key.encode() if isinstance(key, str) else key)
+        for node in self._alive():
+            client = node.client(socket_timeout=1)
+            try:
+                for start, end, master, *_ in client.execute_command("CLUSTER", "SLOTS"):
+                    if start <= slot <= end:
+                        return self.node_at(int(master[1]))
+            except (redis.ConnectionError, redis.TimeoutError):
+                continue
+            finally:
+                client.close()
+        raise RuntimeError(f"no live node knows the owner of slot {slot}")
+
+    def replicas_of(self, master: RedisServer) -> list[RedisServer]:
+        """The replicas of ``master`` (by its node id), as ``master`` sees them."""
+        rows = self._topology(master)
+        my_id = next(node_id for node_id, _, flags, _, _ in rows if "myself" in flags)
+        return [self.node_at(port) for _, port, flags, master_id, _ in rows if master_id == my_id and "slave" in flags]
+
+    def wait_promoted(self, key: str | bytes, old: RedisServer, timeout: float = 30.0) -> tuple[RedisServer, float]:
+        """Wait until another node than ``old`` is the master of ``key``'s slot and takes writes; (it, time.monotonic() then)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                new = self.master_of(key)
+                if new is not old:
+                    client = new.client(socket_timeout=1)
+                    try:
+                        if client.info("replication").get("role") == "master":
+                            return new, time.monotonic()
+                    finally:
+                        client.close()
+            except (RuntimeError, redis.ConnectionError, redis.TimeoutError):
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"no replica of 127.0.0.1:{old.port} was promoted in {timeout} s")
+            time.sleep(0.02)
+
     def cleanup(self) -> None:
         for node in self.nodes:
             node.cleanup()
 
     def __enter__(self) -> RedisClusterProcesses:
+        try:
+            return self.start()
+        except BaseException:
+            self.cleanup()
+            raise
+
+    def __exit__(self, *exc: object) -> None:
+        self.cleanup()
+
+
+class _SentinelServer(RedisServer):
+    """One ``redis-server FILE --sentinel`` on 127.0.0.1, monitoring one master (it rewrites its FILE)."""
+
+    def __init__(self, master_name: str, master_port: int, *, down_after_ms: int, failover_timeout_ms: int) -> None:
+        super().__init__()
+        self.conf = os.path.join(self.dir, "sentinel.conf")
+        with open(self.conf, "w") as f:
+            f.write(f"port {self.port}\nbind 127.0.0.1\ndaemonize no\ndir {self.dir}\n"
+                    f"logfile {os.path.join(self.dir, 'sentinel.log')}\n"
+                    f"sentinel monitor {master_name} 127.0.0.1 {master_port} 2\n"
+                    f"sentinel down-after-milliseconds {master_name} {down_after_ms}\n"
+                    f"sentinel failover-timeout {master_name} {failover_timeout_ms}\n"
+                    f"sentinel parallel-syncs {master_name} 1\n")
+
+    def command(self) -> list[str]:
+        return [self.server_bin, self.conf, "--sentinel"]
+
+
+class RedisSentinelGroup:
+    """A primary, one replica and three Sentinels (quorum 2) on loopback; `url` is the redis+sentinel:// URL.
+
+    The data nodes run with an append-only file fsynced every second. A master unreachable for
+    ``down_after_ms`` is failed over by the sentinels (about 1-3 s more on loopback).
+    """
+
+    def __init__(self, master_name: str = "ngc", *, down_after_ms: int = 1000, failover_timeout_ms: int = 3000,
+                 args: Sequence[str] = ()) -> None:
+        self.master_name = master_name
+        self.primary = RedisServer(args=[*REPLICATED_ARGS, *args])
+        self.replica = RedisServer(args=[*REPLICATED_ARGS, *args, "--replicaof", "127.0.0.1", str(self.primary.port)])
+        self.data_nodes = [self.primary, self.replica]
+        self.sentinels = [_SentinelServer(master_name, self.primary.port, down_after_ms=down_after_ms,
+                                          failover_timeout_ms=failover_timeout_ms) for _ in range(3)]
+
+    @property
+    def url(self) -> str:
+        return "redis+sentinel://" + ",".join(f"127.0.0.1:{s.port}" for s in self.sentinels) + f"/{self.master_name}"
+
+    def start(self, timeout: float = 30.0) -> RedisSentinelGroup:
+        for node in (*self.data_nodes, *self.sentinels):
+            node.start()
+        self.wait_ready(timeout)
+        return self
+
+    def _sentinel_answer(self, *command: str) -> object | None:
+        """The first answer of a live sentinel to ``SENTINEL <command>``, or None when none answers."""
+        for sentinel in self.sentinels:
+            if sentinel.proc is None or sentinel.proc.poll() is not None:
+                continue
+            client = sentinel.client(socket_timeout=1)
+            try:
+                return client.execute_command("SENTINEL", *command)
+            except (redis.ConnectionError, redis.TimeoutError, redis.ResponseError):
+                continue
+            finally:
+                client.close()
+        return None
+
+    def wait_ready(self, timeout: float = 30.0) -> None:
+        """Wait until the replica is in sync and every sentinel knows the replica and the two other sentinels."""
+        deadline = time.monotonic() + timeout
+        while True:
+            ok = True
+            try:
+                client = self.replica.client(socket_timeout=1)
+                try:
+                    ok = client.info("replication").get("master_link_status") == "up"
+                finally:
+                    client.close()
+                for sentinel in self.sentinels:
+                    client = sentinel.client(socket_timeout=1)
+                    try:
+                        ok = ok and len(client.execute_command("SENTINEL", "REPLICAS", self.master_name)) >= 1
+                        ok = ok and len(client.execute_command("SENTINEL", "SENTINELS", self.master_name)) >= 2
+                    finally:
+                        client.close()
+            except (redis.ConnectionError, redis.TimeoutError, redis.ResponseError):
+                ok = False
+            if ok:
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError("the Sentinel group did not get ready (replica in sync, sentinels known)")
+            time.sleep(0.1)
+
+    def master(self) -> RedisServer:
+        """The data node the sentinels name as the master now."""
+        answer = self._sentinel_answer("GET-MASTER-ADDR-BY-NAME", self.master_name)
+        if not answer:
+            raise RuntimeError("no sentinel answered")
+        port = int(answer[1])  # type: ignore[index]
+        return next(n for n in self.data_nodes if n.port == port)
+
+    def wait_promoted(self, old: RedisServer, timeout: float = 30.0) -> tuple[RedisServer, float]:
+        """Wait until the sentinels name another master than ``old`` and it takes writes; (it, time.monotonic() then)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                new = self.master()
+                if new is not old:
+                    client = new.client(socket_timeout=1)
+                    try:
+                        if client.info("replication").get("role") == "master":
+                            return new, time.monotonic()
+                    finally:
+                        client.close()
+            except (RuntimeError, redis.ConnectionError, redis.TimeoutError):
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the sentinels did not promote a replica of 127.0.0.1:{old.port} in {timeout} s")
+            time.sleep(0.02)
+
+    def cleanup(self) -> None:
+        for node in (*self.sentinels, *self.data_nodes):
+            node.cleanup()
+
+    def __enter__(self) -> RedisSentinelGroup:
         try:
             return self.start()
         except BaseException:

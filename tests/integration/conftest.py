@@ -1,4 +1,4 @@
-"""Fixtures of the integration tests: real redis-server processes (standalone and a 3-master Cluster) and counts stores over them."""
+"""Fixtures of the integration tests: real redis-server processes (standalone, a 3-master Cluster, Sentinel) and counts stores over them."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-from helpers.redis_servers import RedisClusterProcesses, RedisServer
+from helpers.redis_servers import RedisClusterProcesses, RedisSentinelGroup, RedisServer
 
 from ngramcache.cache_service.counts.factory import open_counts_store
 from ngramcache.cache_service.counts.store import CountsStore
@@ -30,11 +30,19 @@ def redis_cluster() -> Iterator[RedisClusterProcesses]:
         yield cluster
 
 
+@pytest.fixture(scope="session")
+def redis_sentinel() -> Iterator[RedisSentinelGroup]:
+    with RedisSentinelGroup() as group:
+        yield group
+
+
 def backend_url(request: pytest.FixtureRequest, backend: str) -> str | None:
     if backend == "embedded":
         return None
     if backend == "standalone":
         return request.getfixturevalue("redis_standalone").url
+    if backend == "sentinel":
+        return request.getfixturevalue("redis_sentinel").url
     return request.getfixturevalue("redis_cluster").url
 
 

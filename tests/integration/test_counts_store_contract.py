@@ -1,4 +1,4 @@
-"""One contract for every counts store backend: embedded, a real standalone redis-server, a real 3-master Redis Cluster."""
+"""One contract for every counts store backend: embedded, a real standalone redis-server, a real 3-master Redis Cluster, a primary and replica under Sentinel."""
 
 from __future__ import annotations
 
@@ -25,6 +25,12 @@ from ngramcache.client.errors import (
 from ngramcache.client.rows import MAX_VOCAB
 
 pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(params=("embedded", "standalone", "cluster", "sentinel"))
+def backend(request: pytest.FixtureRequest) -> str:
+    """conftest's backends and Sentinel: the contract holds through redis+sentinel:// too."""
+    return request.param
 
 
 # --------------------------------------------------------------------------- namespaces

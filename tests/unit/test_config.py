@@ -89,3 +89,12 @@ def test_every_variable_the_project_reads_or_documents_is_accepted() -> None:
     assert refused == []
     known = service_config.known_env()
     assert "NGC_SERVER" in known and "NGC_COUNTS_HISTORY_MAX_BYTES" in known and "NGC_PROT" not in known
+
+
+def test_counts_min_replicas_rides_in_the_counts_url() -> None:
+    assert ServiceConfig(counts="redis://h:1/0").counts_url == "redis://h:1/0"
+    config = ServiceConfig(counts="redis+sentinel://h/m?prefix=x", counts_min_replicas=1)
+    assert config.counts_url == "redis+sentinel://h/m?prefix=x&min_replicas=1"
+    assert ServiceConfig(counts="redis://h", counts_min_replicas=2).counts_url == "redis://h?min_replicas=2"
+    with pytest.raises(InvalidArgumentError, match="counts_min_replicas"):
+        ServiceConfig(counts_min_replicas=-1)

@@ -60,3 +60,28 @@ def test_parse_url_forms() -> None:
     for bad in ("redis://a:1,b:2", "redis://h:port", "redis://", "redis://h:1/db"):
         with pytest.raises(InvalidArgumentError):
             parse_url(bad)
+
+
+def test_parse_sentinel_urls() -> None:
+    parts = parse_url("rediss+sentinel://u:p%40ss@a:1,b/my-master/2?min_replicas=1")
+    assert (parts.kind, parts.hosts, parts.master, parts.db, parts.ssl, parts.username, parts.password) == \
+        ("sentinel", (("a", 1), ("b", 26379)), "my-master", 2, True, "u", "p@ss")
+    assert parts.redacted == "rediss+sentinel://u:***@a:1,b/my-master/2"
+    assert parse_url("redis+sentinel://h:26380/m").db == 0
+    config = CountsStoreConfig.from_url("redis+sentinel://h/m?min_replicas=2&replica_timeout=0.5&sentinel_auth=yes")
+    assert (config.min_replicas, config.replica_timeout_ms, config.sentinel_auth) == (2, 500, True)
+    for bad, says in (("redis+sentinel://h:1", "no master name"), ("redis+sentinel://h:1/", "no master name"),
+                      ("redis+sentinel:///m", "no host"), ("redis+sentinel://h/m/x", "bad database number"),
+                      ("redis+sentinel://h:port/m", "bad port")):
+        with pytest.raises(InvalidArgumentError, match=says) as caught:
+            parse_url(bad)
+        assert "\n" not in str(caught.value)
+
+
+def test_replica_options_are_checked() -> None:
+    assert CountsStoreConfig(socket_timeout=0.3).replica_timeout_ms == 150  # WAIT answers before the socket gives up
+    for bad in ({"min_replicas": -1}, {"min_replicas": 65}, {"replica_timeout": 0}):
+        with pytest.raises(InvalidArgumentError):
+            CountsStoreConfig(**bad)  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgumentError):
+        CountsStoreConfig.from_url("redis://h?sentinel_auth=maybe")

@@ -1,0 +1,149 @@
+"""The Redis backend's replica acknowledgements: writes answered only once the master's replicas hold them (WAIT).
+
+Redis replicates asynchronously: a master answers a write before any replica has it, so a
+master that dies takes its last writes with it when a replica is promoted in its place. A
+generation number or a fencing token lost that way would be handed out again. `ReplicaAcks`
+runs a call's scripts on their master, then ``INCR`` of a marker in the slot of the call's
+first key and ``WAIT n timeout`` in the same pipeline, so on the same connection: WAIT
+blocks until n replicas acknowledged the connection's last write, the marker, and with it
+everything the master ran before it (its replication stream is one ordered log). The
+marker makes WAIT cover a script that wrote nothing now (a batch applied before, whose
+write may still be on its way to the replicas).
+
+How many replicas, two policies:
+
+* counts and history (`for_counts`): ``config.min_replicas``; 0 runs the scripts as
+  before, with no WAIT.
+* generation numbers, leases and fencing tokens (`for_leases`): every replica the master
+  has connected (``INFO replication``, read before each call: these writes are rare).
+  A replica that left meanwhile is not waited for.
+
+Fewer replicas within ``config.replica_timeout`` raise a retriable `BackendUnavailableError`:
+the write is applied on the master but not acknowledged, and the caller's retry is safe
+(every script is exactly once or checks its state). On a Cluster each master's calls go
+in one pipeline on that master's client, routed by the cached slot map; a redirection or
+a dead node raises the same retriable error and reads the slot map again.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import redis.exceptions as rexc
+
+from ngramcache.client.errors import BackendUnavailableError
+
+from .config import CountsStoreConfig
+from .redis_connection import RedisConnection
+from .redis_scripts import Call
+
+__all__ = ["ReplicaAcks", "ack_key"]
+
+log = logging.getLogger(__name__)
+
+
+def ack_key(key: str | bytes) -> str:
+    """The WAIT marker in the slot of ``key`` (its hash tag, ``P:{T}:ack``; `schema` lists it)."""
+    text = key.decode() if isinstance(key, bytes) else key
+    return text[:text.index("}") + 1] + ":ack"
+
+
+class ReplicaAcks:
+    """Runs script calls on their masters, answered once enough replicas hold them. Thread-safe.
+
+    Args:
+        conn: the store's connection.
+        config: the store's options (``min_replicas``, ``replica_timeout``).
+    """
+
+    def __init__(self, conn: RedisConnection, config: CountsStoreConfig) -> None:
+        self._conn = conn
+        self._min_replicas = config.min_replicas
+        self._timeout_ms = config.replica_timeout_ms
+
+    def for_counts(self, calls: Sequence[Call]) -> list[Any]:
+        """Counts and history writes: acknowledged by ``min_replicas`` replicas (0: by the master alone).
+
+        Raises:
+            BackendUnavailableError: fewer replicas acknowledged within the timeout, or Redis failed.
+        """
+        if self._min_replicas == 0:
+            return self._conn.run(calls)
+        return self._run(calls, self._min_replicas)
+
+    def for_leases(self, calls: Sequence[Call]) -> list[Any]:
+        """Generation numbers, leases, fencing tokens: acknowledged by every connected replica.
+
+        Raises:
+            BackendUnavailableError: fewer replicas acknowledged within the timeout, or Redis failed.
+        """
+        return self._run(calls, None)
+
+    def _run(self, calls: Sequence[Call], required: int | None) -> list[Any]:
+        by_node: dict[str, tuple[Any, list[int]]] = {}
+        for i, (_script, keys, _args) in enumerate(calls):
+            name, client = self._conn.node_of(keys[0])
+            by_node.setdefault(name, (client, []))[1].append(i)
+        results: list[Any] = [None] * len(calls)
+        try:
+            for name, (client, indices) in by_node.items():
+                replies = self._on_node(name, client, [calls[i] for i in indices], required)
+                for i, reply in zip(indices, replies):
+                    results[i] = reply
+        except BackendUnavailableError:
+            self._conn.refresh_topology()
+            raise
+        return results
+
+    def _on_node(self, name: str, client: Any, calls: list[Call], required: int | None) -> list[Any]:
+        """Run calls on one master with the marker and WAIT in the same pipeline; their replies."""
+        need = self._connected_replicas(client) if required is None else required
+        results: list[Any] = [None] * len(calls)
+        pending = list(range(len(calls)))
+        acked = need
+        for _attempt in range(2):
+            with self._conn.errors():
+                pipe = client.pipeline(transaction=False)
+                for i in pending:
+                    script, keys, args = calls[i]
+                    pipe.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
+                if need:
+                    pipe.incr(ack_key(calls[pending[0]][1][0]))
+                    pipe.execute_command("WAIT", need, self._timeout_ms)
+                replies = pipe.execute(raise_on_error=False)
+            if need:
+                acked = replies[-1]
+                replies = replies[:len(pending)]
+            missing = []
+            for i, reply in zip(pending, replies):
+                results[i] = reply
+                if isinstance(reply, rexc.NoScriptError):
+                    missing.append(i)
+            if not missing:
+                break
+            with self._conn.errors():
+                self._conn.load_scripts_on(client, {calls[i][0] for i in missing})
+            pending = missing
+        for reply in results:
+            if isinstance(reply, BaseException):
+                with self._conn.errors():
+                    raise reply
+        if isinstance(acked, BaseException):
+            with self._conn.errors():
+                raise acked
+        if int(acked) < need and not (required is None and int(acked) >= self._connected_replicas(client)):
+            raise BackendUnavailableError(
+                f"{self._conn.where}: the write reached {int(acked)} of {need} replicas of {name} in "
+                f"{self._timeout_ms} ms; not acknowledged (it may be applied: a retry is safe)")
+        return results
+
+    def _connected_replicas(self, client: Any) -> int:
+        """The replicas the master has connected now (INFO replication's connected_slaves)."""
+        with self._conn.errors():
+            info = client.info("replication")
+        if info.get("role") != "master":
+            raise BackendUnavailableError(f"{self._conn.where}: the node asked is a {info.get('role')}, not the master "
+                                          "(a failover is under way)")
+        return int(info.get("connected_slaves", 0))
