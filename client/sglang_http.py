@@ -36,7 +36,9 @@ have none of these routes (so: SGLang 0.5.11 .. 0.5.23). What was read, by path 
   old one needs room for both.
 - ``sglang/kernels/jit/csrc/ngram_corpus/ngram.cpp``: ``removeExternalCorpus`` erases the id
   whether or not it exists (so removing an unknown id is a 200); ``listExternalCorpora`` gives
-  each corpus's token count (separators included).
+  each corpus's token count (separators included); a load that kept no token fails 400 "External
+  corpus is empty — no tokens were loaded." (so a corpus whose first document is past the token
+  limit: SGLang drops whole documents, and the message does not give the limit).
 - ``sglang/srt/speculative/external_corpus_manager.py``: a second add while a load runs in the
   scheduler is refused "Another corpus load is already in progress." (400).
 - ``sglang/srt/arg_groups/fields/spec.py``: ``--speculative-ngram-external-sam-budget`` (default
@@ -52,6 +54,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 import ssl
 import threading
 import urllib.error
@@ -71,7 +74,8 @@ NOT_ENABLED = "Ngram speculative decoding is not enabled."
 BUDGET_REFUSED = "exceeds the remaining token budget"
 LOAD_BUSY = "Another corpus load is already in progress."
 ALREADY_EXISTS = "already exists"
-TRUNCATED = "(truncated: exceeded"
+EMPTY = "External corpus is empty"
+TRUNCATED = re.compile(r"\(truncated: exceeded (\d+) token limit\)")  # group 1: the server's limit
 
 
 class SglangError(NgramCacheError):

@@ -12,9 +12,16 @@ are `ngramcache.client.sglang_http`'s (pinned from SGLang 0.5.23's source).
 
 The budget: SGLang's --speculative-ngram-external-corpus-max-tokens bounds the tokens of all its
 corpora together, and the new corpus is added before the old one is removed, so a corpus is cut
-to half of ``max_tokens`` (whole documents, in the corpus index's order; the event
-``generation`` says what was cut). If a server has no room even so (other corpora on it), the
-old corpus is removed first, and said.
+to half of ``max_tokens``: whole documents, in the corpus index's order, up to the first that does
+not fit (SGLang cuts its own the same way); only a first document that alone is past the budget is
+sent in part, its beginning (else nothing could be sent). The event ``generation`` says what was
+cut. If a server has no room even so (other corpora on it), the old corpus is removed first, and
+said.
+
+A refused add (a 4xx answer: a server whose own limit is below ``max_tokens``, say) is said once,
+with the server's message and what it means, and that generation is not sent to that server again
+until a newer one lands or `REFUSED_RETRY_SECONDS` pass (the server keeps the corpus it had):
+sending the whole corpus every interval would change nothing.
 
 Corpus ids are ``ngramcache-<namespace>-g<generation>``; the feeder removes only ids of that
 form for its namespace, never another corpus.
@@ -40,7 +47,15 @@ from ngramcache.client._core import UNTAGGED, CountTable, Drafter, StaticCache
 from ngramcache.client.address import check_address
 from ngramcache.client.errors import InvalidArgumentError, NgramCacheError, TokenizerMismatchError
 from ngramcache.client.sglang_corpus import SGLANG_DEFAULT_MAX_TOKENS, corpus_documents
-from ngramcache.client.sglang_http import ALREADY_EXISTS, TRUNCATED, SglangError, SglangHttp, SglangTarget, in_daemon_thread
+from ngramcache.client.sglang_http import (
+    ALREADY_EXISTS,
+    EMPTY,
+    TRUNCATED,
+    SglangError,
+    SglangHttp,
+    SglangTarget,
+    in_daemon_thread,
+)
 from ngramcache.client.static_files import default_cache_dir, prepare_cache_dir
 from ngramcache.client.sync.client import SyncLoop
 from ngramcache.client.sync.config import ClientConfig
@@ -53,11 +68,15 @@ if TYPE_CHECKING:
     from ngramcache.client.static_files import GenerationFiles
     from ngramcache.client.tokenizer import Tokenizer
 
-__all__ = ["SglangCorpus", "SglangSync", "corpus_id", "prepare_corpus"]
+__all__ = ["REFUSED_RETRY_SECONDS", "SglangCorpus", "SglangSync", "corpus_id", "prepare_corpus"]
 
 log = logging.getLogger("ngramcache.client.sglang")
 
 Event = Callable[[str, dict[str, Any]], None]
+
+# A generation whose add a server refused (4xx) is sent to it again only for a newer generation, or after this long
+# (the server may have been restarted with a larger limit meanwhile, which the feeder cannot see).
+REFUSED_RETRY_SECONDS = 600.0
 
 
 def corpus_id(namespace: str, generation: int) -> str:
@@ -74,7 +93,12 @@ class SglangCorpus:
         body: the JSON request body (``{"corpus_id", "documents"}``), sent as is to every server.
         documents, tokens: documents kept and their tokens, a separator between two documents
             included (as SGLang counts them, with the namespace's tokenizer).
-        cut_documents, cut_tokens: documents (and their tokens) left out to fit the budget.
+        total_documents: the generation's non-empty documents: ``documents + cut_documents``.
+        cut_documents: documents left out whole to fit the budget.
+        cut_tokens: tokens not sent: those of the documents left out, and ``shortened_tokens``.
+        shortened_tokens: tokens cut from the end of the first document, when it alone is past the budget
+            (its beginning is then the only document sent); 0 otherwise.
+        first_document_tokens: tokens of the first document sent.
     """
 
     generation: int
@@ -82,16 +106,20 @@ class SglangCorpus:
     body: bytes
     documents: int
     tokens: int
+    total_documents: int
     cut_documents: int
     cut_tokens: int
+    shortened_tokens: int
+    first_document_tokens: int
 
 
 def prepare_corpus(cache: StaticCache, tokenizer: Tokenizer, namespace: str, max_tokens: int) -> SglangCorpus:
     """The corpus of generation ``cache``, cut to ``max_tokens`` (separators counted), as one request body.
 
-    Documents are kept in the corpus index's order; the first one past the budget keeps its
-    beginning (what fits), and the rest are left out (counted in ``cut_documents``, a partly
-    kept document included, and ``cut_tokens``).
+    Whole documents are kept in the corpus index's order up to the first that does not fit; it
+    and every one after it are left out (``cut_documents``, ``cut_tokens``), as SGLang cuts a
+    corpus past its own limit. Only when the first document alone is past the budget is its
+    beginning kept (``shortened_tokens`` cut from its end), else nothing could be sent.
 
     Raises:
         InvalidArgumentError: the generation has no corpus index (or an empty one), or a token outside the
@@ -103,27 +131,28 @@ def prepare_corpus(cache: StaticCache, tokenizer: Tokenizer, namespace: str, max
         raise TokenizerMismatchError(f"generation {cache.generation} was built with another tokenizer (fingerprint "
                                      f"{cache.fingerprint.hex()[:16]}...): give the namespace's tokenizer")
     docs: list[str] = []
-    tokens = cut_docs = cut_tokens = 0
+    tokens = cut_docs = cut_tokens = shortened = first = 0
     for doc in corpus_documents(cache):
         if len(doc) == 0:
             continue
         sep = 1 if docs else 0
-        room = max_tokens - tokens - sep
-        if cut_docs or room <= 0:
-            cut_docs += 1
-            cut_tokens += len(doc)
-            continue
-        if len(doc) > room:  # the first document past the budget: its beginning fills the room, the rest is cut
-            cut_docs += 1
-            cut_tokens += len(doc) - room
-            doc = doc[:room]
+        if cut_docs or tokens + sep + len(doc) > max_tokens:
+            if docs or cut_docs:  # past the budget: this document and every later one are left out whole
+                cut_docs += 1
+                cut_tokens += len(doc)
+                continue
+            shortened = len(doc) - max_tokens  # the first document alone is past it: its beginning is sent
+            cut_tokens += shortened
+            doc = doc[:max_tokens]
         docs.append(tokenizer.decode(doc))
         tokens += sep + len(doc)
+        first = first or len(doc)
     if not docs:
         raise InvalidArgumentError(f"generation {cache.generation}'s corpus index holds no tokens")
     cid = corpus_id(namespace, cache.generation)
     body = json.dumps({"corpus_id": cid, "documents": docs}, ensure_ascii=False).encode()
-    return SglangCorpus(cache.generation, cid, body, len(docs), tokens, cut_docs, cut_tokens)
+    return SglangCorpus(cache.generation, cid, body, len(docs), tokens, len(docs) + cut_docs, cut_docs, cut_tokens,
+                        shortened, first)
 
 
 @dataclass
@@ -139,6 +168,18 @@ class _Server:
     re_adds: int = 0  # adds of a corpus the server had listed before (it restarted)
     removes: int = 0
     error: str = ""  # the last failure, "" once a round succeeds
+    refused: _Refusal | None = None  # the last add this server refused (4xx), until a newer generation is added
+
+
+@dataclass(frozen=True)
+class _Refusal:
+    """An add a server refused (its status and message, the generation named): not sent again for the same
+    generation before ``until`` (time.monotonic())."""
+
+    generation: int
+    until: float
+    status: int
+    message: str
 
 
 class _Following(StaticSync):
@@ -174,8 +215,9 @@ class SglangSync:
         timeout, load_timeout: seconds for list/remove, and for an add (SGLang loads before answering).
         connect_timeout: seconds to wait for the service at the start.
         on_event: called on the loop with (kind, fields) for each event: ``connected`` (the service
-            answered), ``generation`` (a corpus is ready), ``listed``, ``removed``, ``note``, ``error``,
-            ``recovered``. Default: logged.
+            answered), ``generation`` (a corpus is ready), ``listed``, ``removed``, ``note``, ``error``
+            (once per message; a refused add has ``refused``, its ``generation``, and ``retry_seconds``
+            before it is sent again), ``recovered``. Default: logged.
 
     Raises:
         InvalidArgumentError: a bad address, interval or budget.
@@ -283,8 +325,9 @@ class SglangSync:
             self.current = corpus
             self._on_event("generation", {
                 "generation": corpus.generation, "corpus_id": corpus.corpus_id, "documents": corpus.documents,
-                "tokens": corpus.tokens, "bytes": len(corpus.body), "cut_documents": corpus.cut_documents,
-                "cut_tokens": corpus.cut_tokens, "budget_tokens": self.max_tokens // 2,
+                "tokens": corpus.tokens, "bytes": len(corpus.body), "total_documents": corpus.total_documents,
+                "cut_documents": corpus.cut_documents, "cut_tokens": corpus.cut_tokens,
+                "shortened_tokens": corpus.shortened_tokens, "budget_tokens": self.max_tokens // 2,
                 "prepare_seconds": round(time.perf_counter() - t0, 3), "fetched_at": landed_at})
             for s in self._servers:
                 s.wake.set()
@@ -300,9 +343,13 @@ class SglangSync:
                 attempt += 1
                 cap = min(self.interval, 0.25 * 2 ** min(attempt, 16))
                 delay = cap / 2 + random.uniform(0, cap / 2) if e.retriable else self.interval
-                if e.message != server.error:
-                    self._on_event("error", {"server": server.http.target.url, "message": e.message,
-                                             "status": e.status, "retry_seconds": round(delay, 2)})
+                if e.message != server.error:  # said once (a refused generation's message names it)
+                    fields = {"server": server.http.target.url, "message": e.message, "status": e.status,
+                              "retry_seconds": round(delay, 2)}
+                    refused = server.refused
+                    if refused is not None and refused.message == e.message:  # the add waits longer than the list
+                        fields.update(generation=refused.generation, refused=True, retry_seconds=self._refused_retry)
+                    self._on_event("error", fields)
                 with self._lock:
                     server.error = e.message
             else:
@@ -322,14 +369,28 @@ class SglangSync:
             return
         cid = corpus.corpus_id
         if cid not in listed:
+            refused = server.refused
+            if refused is not None and refused.generation == corpus.generation and time.monotonic() < refused.until:
+                # Not sent again: the server keeps what it has, and the same message is not said again.
+                raise SglangError(url, refused.status, refused.message, retriable=False)
             lost = server.corpus_id == cid  # it was listed: the server restarted (or someone removed it)
-            answer = await self._add(server, corpus, listed)
+            try:
+                answer = await self._add(server, corpus, listed)
+            except SglangError as e:
+                if e.retriable or not 400 <= e.status < 500:
+                    raise
+                message = f"generation {corpus.generation}'s corpus was refused: {e.message}"
+                with self._lock:
+                    server.refused = _Refusal(corpus.generation, time.monotonic() + self._refused_retry, e.status,
+                                              message)
+                raise SglangError(url, e.status, message, retriable=False) from None
             listed = await in_daemon_thread(http.list)
             if cid not in listed:
                 raise SglangError(url, 200, f"added {cid} but the server does not list it", retriable=True)
             with self._lock:
                 server.adds += 1
                 server.re_adds += int(lost)
+                server.refused = None
                 server.corpus_id, server.generation, server.listed_at = cid, corpus.generation, time.time()
             self._on_event("listed", {"server": url, "generation": corpus.generation, "corpus_id": cid,
                                       "tokens": listed[cid], "re_added": lost, "bytes": len(corpus.body),
@@ -357,6 +418,12 @@ class SglangSync:
         except SglangError as e:
             if e.status == 400 and ALREADY_EXISTS in e.message:
                 return {"message": e.message}  # another feeder added it meanwhile
+            if e.status == 400 and EMPTY in e.message:  # we never send an empty corpus: SGLang dropped every document
+                raise SglangError(url, e.status, f"{e.message} SGLang loaded none of it: its first document "
+                                  f"({corpus.first_document_tokens:,} tokens) is past the server's "
+                                  "--speculative-ngram-external-corpus-max-tokens (so is every document: SGLang "
+                                  f"keeps whole documents), which is below --max-tokens ({self.max_tokens:,}): give "
+                                  "--max-tokens the server's value", retriable=False) from None
             if not e.budget:
                 raise
             older = self._older(listed, corpus.corpus_id)
@@ -375,20 +442,34 @@ class SglangSync:
                     server.removes += 1
             answer = await in_daemon_thread(lambda: http.add(corpus.body))
         message = str(answer.get("message", ""))
-        if TRUNCATED in message:
+        truncated = TRUNCATED.search(message)
+        if truncated:
+            limit = int(truncated.group(1))
+            if limit < self.max_tokens:  # the server's own limit is the cause: name it
+                why = (f": the server's --speculative-ngram-external-corpus-max-tokens is {limit:,}, below --max-tokens "
+                       f"{self.max_tokens:,}; give --max-tokens {limit} (each corpus is cut to half of it)")
+            else:  # we sent at most half of its limit by our count: SGLang's tokenizer counted more
+                why = (f" (the corpus was cut to {corpus.tokens:,} tokens with the namespace's tokenizer: the model's "
+                       "counts more)")
             self._on_event("note", {"server": url, "message": f"SGLang cut generation {corpus.generation}'s corpus: "
-                                    f"{message} (its tokenizer counts more tokens than the namespace's)"})
+                                    f"{message}{why}"})
         return answer
+
+    @property
+    def _refused_retry(self) -> float:
+        return max(REFUSED_RETRY_SECONDS, self.interval)
 
     # status and the thread facade
 
     def status(self) -> list[dict[str, Any]]:
         """One dict per server: url, corpus_id and generation listed, listed_at, adds, re_adds, removes,
-        bytes_sent, error (empty when the last round succeeded)."""
+        bytes_sent, error (empty when the last round succeeded), refused_generation (the generation whose add
+        it refused and that is not sent to it again for now; 0 none)."""
         with self._lock:
             return [{"url": s.http.target.url, "corpus_id": s.corpus_id, "generation": s.generation,
                      "listed_at": s.listed_at, "adds": s.adds, "re_adds": s.re_adds, "removes": s.removes,
-                     "bytes_sent": s.http.bytes_sent, "error": s.error} for s in self._servers]
+                     "bytes_sent": s.http.bytes_sent, "error": s.error,
+                     "refused_generation": s.refused.generation if s.refused else 0} for s in self._servers]
 
     def start(self) -> SglangSync:
         """Run `run` on a daemon thread's loop; returns once the service answered (or raises its error)."""

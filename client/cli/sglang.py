@@ -7,6 +7,7 @@ import asyncio
 import json
 import os
 import sys
+import time
 from typing import TYPE_CHECKING, Any
 
 from ngramcache.client.cli.arguments import int_in, load_tokenizer_spec, quiet_option, seconds_in
@@ -32,8 +33,11 @@ def add_sglang_commands(sub: SubParsers) -> None:
         "new one is listed. Every --interval each server is listed again: a server that restarted gets the corpus "
         "again; one that does not answer is retried with a growing delay (at most --interval), apart from the "
         "others. SGLang's --speculative-ngram-external-corpus-max-tokens counts all its corpora and the new one "
-        "is added before the old one goes, so a corpus is cut to half of --max-tokens (whole documents; the "
-        "generation line says what was cut). Runs until interrupted (Ctrl-C); meant as a sidecar beside the servers.",
+        "is added before the old one goes, so a corpus is cut to half of --max-tokens: whole documents in order, "
+        "up to the first that does not fit (only a first document that alone is past it is sent in part, its "
+        "beginning); the generation line says what was cut. An add a server refuses (its own limit below "
+        "--max-tokens, say) is said once and that generation is not sent to it again until a newer one lands "
+        "(or 10 minutes pass). Runs until interrupted (Ctrl-C); meant as a sidecar beside the servers.",
     )
     p.add_argument("--namespace", required=True, metavar="NS", help="the namespace to follow")
     p.add_argument("--tokenizer", required=True, metavar="SPEC",
@@ -72,8 +76,8 @@ def add_sglang_commands(sub: SubParsers) -> None:
                    help="seconds to wait for the service at the start, and for a server's list or remove (default 10)")
     p.add_argument("--json", action="store_true",
                    help="print each event as one JSON object a line on stdout ({\"event\": connected | generation | listed | "
-                        "removed | note | error | recovered, ...}); an error that stops the command is still one "
-                        "line on stderr")
+                        "removed | note | error | recovered, \"time\": ISO 8601 UTC, ...}); an error that stops the "
+                        "command is still one line on stderr")
     quiet_option(p)
     p.set_defaults(func=cmd_sglang_sync)
 
@@ -126,11 +130,14 @@ class _Printer:
 
     def __call__(self, kind: str, f: dict[str, Any]) -> None:
         if self.as_json:
-            print(json.dumps({"event": kind, **f}), flush=True)
+            print(json.dumps({"event": kind, "time": _iso_utc(time.time()), **f}), flush=True)
             return
         where = f"{f['server']}: " if "server" in f else ""
         if kind == "error":
             retry = f"; trying again in {f['retry_seconds']:g} s" if "retry_seconds" in f else ""
+            if f.get("refused"):
+                retry = (f"; not sent to this server again before a newer generation lands or {f['retry_seconds']:g} s "
+                         "pass")
             print(f"{where}error: {f['message']}{retry}", file=sys.stderr, flush=True)
         elif kind == "note":
             print(f"{where}note: {f['message']}", file=sys.stderr, flush=True)
@@ -141,11 +148,8 @@ class _Printer:
             print(f"following namespace {f['namespace']} at {f['service']} for {n} SGLang server{'s' if n > 1 else ''}"
                   f", checking each every {f['interval']:g} s (Ctrl-C stops)", file=sys.stderr, flush=True)
         elif kind == "generation":
-            docs = "document" if f["cut_documents"] == 1 else "documents"
-            cut = (f"; cut {f['cut_documents']:,} {docs} ({f['cut_tokens']:,} tokens) past the budget of "
-                   f"{f['budget_tokens']:,} tokens (half of --max-tokens)" if f["cut_documents"] else "")
-            print(f"generation {f['generation']}: {f['documents']:,} documents, {f['tokens']:,} tokens, "
-                  f"{f['bytes'] / 1e6:.2f} MB to send to each server{cut}", flush=True)
+            print(f"generation {f['generation']}: {_kept(f)}, {f['tokens']:,} tokens, {f['bytes'] / 1e6:.2f} MB to send "
+                  f"to each server{_cut(f)}", flush=True)
         elif kind == "listed":
             how = ("listed already" if not f["bytes"] else
                    f"{'added again (the server had lost it)' if f['re_added'] else 'added'} and listed "
@@ -157,3 +161,33 @@ class _Printer:
             print(f"{where}removed {f['corpus_id']}", flush=True)
         elif kind == "recovered":
             print(f"{where}answering again", flush=True)
+
+
+def _iso_utc(seconds: float) -> str:
+    """A Unix time as ISO 8601 in UTC with milliseconds (as serve --log-json writes its lines' "time"): 2026-12-04T19:00:36.455Z."""
+    whole = int(seconds)
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(whole)) + f".{int((seconds - whole) * 1000):03d}Z"
+
+
+def _documents(n: int) -> str:
+    return f"{n:,} document{'' if n == 1 else 's'}"
+
+
+def _kept(f: dict[str, Any]) -> str:
+    if f["documents"] == f["total_documents"]:
+        return _documents(f["documents"])
+    return f"{f['documents']:,} of its {_documents(f['total_documents'])}"
+
+
+def _cut(f: dict[str, Any]) -> str:
+    """What was cut, in the generation line: documents left out whole, or the end of a first document too long."""
+    budget = f"the budget of {f['budget_tokens']:,} tokens (half of --max-tokens)"
+    if f["shortened_tokens"]:
+        after = f" and the {_documents(f['cut_documents'])} after it" if f["cut_documents"] else ""
+        return (f"; its first document alone is past {budget}: its beginning is sent, its last "
+                f"{f['shortened_tokens']:,} tokens{after} ({f['cut_tokens']:,} tokens in all) are cut")
+    if f["cut_documents"]:
+        them = "it" if f["documents"] == 1 else "them"
+        return (f"; the {_documents(f['cut_documents'])} after {them} ({f['cut_tokens']:,} tokens) "
+                f"{'is' if f['cut_documents'] == 1 else 'are'} cut, whole, past {budget}")
+    return ""
