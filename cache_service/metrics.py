@@ -18,9 +18,9 @@ Metrics (docs for each in its HELP text):
     ngramcache_duplicate_pushes_total          counter    pushes acknowledged as duplicates
     ngramcache_pushes_shed_total{reason}       counter    pushes answered OVERLOADED, nothing applied
     ngramcache_shed_rows_total                 counter    delta rows of those pushes
-    ngramcache_history_pushed_records_total    counter    fleet history records stored by PushHistory
+    ngramcache_history_pushed_records_total    counter    fleet history records stored by PushHistory (and match sessions)
     ngramcache_history_pushed_bytes_total      counter    their token bytes (4 a token)
-    ngramcache_history_skipped_records_total   counter    near-duplicate prompts PushHistory took and did not store
+    ngramcache_history_skipped_records_total   counter    near-duplicate prompts taken (likewise) and not stored
     ngramcache_history_skipped_bytes_total     counter    their token bytes
     ngramcache_history_duplicate_pushes_total  counter    PushHistory batches acknowledged as duplicates
     ngramcache_history_served_records_total    counter    fleet history records answered by PullHistory

@@ -111,7 +111,9 @@ def test_a_follow_stream_sends_each_update_a_quiet_batch_and_a_reset(tmp_path: P
                 quiet = batch(stream)
                 took = time.monotonic() - start
                 assert len(quiet) == 1 and quiet[0].complete and not quiet[0].rows and not quiet[0].reset
-                assert quiet[0].version == version and took < 2.0, took
+                # Latency is this check's point: a quiet batch comes each wait_ms (0.4 s), not only at the stream's
+                # 60 s deadline. 20 s is 10x the bound it had (2 s, reached on a loaded machine).
+                assert quiet[0].version == version and took < 20.0, took
                 if took > 0.3:
                     break
             assert took > 0.3, took

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import time
 import uuid
 from pathlib import Path
 
@@ -88,7 +87,11 @@ def test_counts_republished_only_when_they_move_by_min_change_pct(tmp_path: Path
                 pusher.drafter().accept(i, seq)  # each sequence counts (3) -> 4 once
                 wait_until(lambda i=i: pusher.stats()["acked_count"] == pusher.stats()["drained_count"]
                            and pusher.stats()["drained_count"] > 0, what="the push")
-            time.sleep(0.5)
+            # Wait for the condition, not a clock: the service's view settled, and the client's mirror holds it.
+            view_id, version, served = settled_view(address, ns)
+            wait_until(lambda: view.stats()["view_id"] == view_id and view.stats()["mirror_version"] >= version, 30.0,
+                       "the draft mirror to reach the view")
+            assert rows_of(view.drafter().dynamic) == rows_of(served)
             tokens, counts = view.drafter().dynamic.lookup([3])
             assert tokens.tolist() == [4]
             true = 40

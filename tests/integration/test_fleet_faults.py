@@ -176,7 +176,9 @@ def test_a_fleet_rides_out_kills_restarts_rebuilds_and_corruption(tmp_path: Path
               f"{', '.join(f'{c:.2f}' for c in convergence)} s; reconnects {[s['reconnects'] for s in stats]}")
         # No draft failed or stalled.
         assert sum(w.failures for w in workers) == 0, [e for w in workers for e in w.errors][:5]
-        assert max(w.slowest for w in workers) < 1.0
+        # A draft reads local tables only: one that waited on the fleet would wait out a connect (20 s here). 10 s is
+        # far past any scheduling pause of a loaded machine (it was 1 s, which a loaded 2-core machine can reach).
+        assert max(w.slowest for w in workers) < 10.0
         assert all(w.drafts > 500 for w in workers), [w.drafts for w in workers]
         assert sum(w.accepted for w in workers) > 0
         # The store holds exactly what was acknowledged: nothing lost, nothing counted twice.

@@ -209,7 +209,8 @@ def lookups_survive(c: StaticCache) -> None:
         tail = rng.integers(0, 8, int(rng.integers(1, 40))).astype(np.int32)
         length, count = c.corpus_match(tail)
         assert 0 <= length <= min(len(tail), c.index_depth) and count >= 0
-        d.draft(i, tail, 8)
+        drafted = d.draft(i, tail, 8)
+        assert len(drafted) <= 8 and all(0 <= t < c.vocab_size for t in drafted.tolist())
         tokens, parents = d.draft_tree(i, tail, 16)
         assert len(tokens) == len(parents) <= 16
 
@@ -253,7 +254,16 @@ def test_damaged_index_is_found_by_verify_and_never_read_out_of_bounds(tmp_path,
     lookups_survive(c)
 
 
+# What verify says of random 32-bit values in each section (the checksums resealed, so a structure check fires):
+# a token past the vocabulary, a position past the text, a bucket bound past the suffixes or out of order.
+RANDOM_DAMAGE = {"TEXT": r"TEXT\[\d+\] is outside the vocabulary",
+                 "SUFFIXES": r"SUFFIXES\[\d+\] is not a token position",
+                 "BUCKETS": "BUCKETS does not span SUFFIXES|BUCKETS is not monotone at token"}
+
+
 def test_random_damage_never_reads_out_of_bounds(tmp_path, corpus):
+    """Lookups on the damaged file stay in bounds (lookups_survive; the sanitizer runs catch a read past a
+    section), and verify names the damaged section."""
     _, data = corpus
     rng = np.random.default_rng(7)
     for trial in range(30):
@@ -263,7 +273,10 @@ def test_random_damage_never_reads_out_of_bounds(tmp_path, corpus):
         idx = rng.integers(0, len(values), 4)
         values[idx] = rng.integers(0, 2**32, 4, dtype=np.uint64).astype(np.uint32)
         put_section(bad, name, values)
-        lookups_survive(open_bytes(tmp_path, bad, name=f"r{trial}.ngc"))
+        c = open_bytes(tmp_path, bad, name=f"r{trial}.ngc")
+        lookups_survive(c)
+        with pytest.raises(CacheFormatError, match=RANDOM_DAMAGE[name]):
+            c.verify()
 
 
 # --- the drafter

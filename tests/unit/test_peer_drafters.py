@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import random
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -126,7 +127,29 @@ def test_replay_counts_steps_and_tokens():
     assert (r["chunks"], r["steps"], r["drafted"], r["accepted"]) == (3, 9, 27, 18)
     assert r["tokens_per_step"] == pytest.approx(27 / 9)
     assert r["accept_pct"] == pytest.approx(100 * 18 / 27)
-    assert r["draft_seconds"] >= 0 and r["us_per_drafted_token"] >= 0
+
+
+class SlowNextTokens(NextTokens):
+    """NextTokens whose draft calls take at least DRAFT_S each and whose observe calls at least OBSERVE_S."""
+
+    DRAFT_S, OBSERVE_S = 0.004, 0.003
+
+    def draft(self, context, n_draft):
+        time.sleep(self.DRAFT_S)
+        return super().draft(context, n_draft)
+
+    def observe(self, tokens):
+        time.sleep(self.OBSERVE_S)
+
+
+def test_replay_times_the_draft_calls_alone():
+    r = pd.replay(SlowNextTokens(good=2, bad=1), np.arange(35, dtype=np.int32), n_ctx=10, n_draft=8)
+    assert (r["steps"], r["drafted"]) == (9, 27)
+    # The draft calls' time: at least their sleeps, and not the observe calls' (the whole replay has both).
+    assert r["draft_seconds"] >= 9 * SlowNextTokens.DRAFT_S
+    assert r["seconds"] >= r["draft_seconds"] + 9 * SlowNextTokens.OBSERVE_S
+    assert r["us_per_drafted_token"] == pytest.approx(1e6 * r["draft_seconds"] / 27)
+    assert r["feed_seconds"] == 0.0 and r["corpus_streams"] == 0
 
 
 def test_replay_skips_a_chunk_ending_exactly_at_the_end():

@@ -61,21 +61,6 @@ def test_docs_refer_to_measurements_where_they_are():
         assert "README's \"Measured\"" not in text and "The README gives the measured" not in text, doc.name
 
 
-def test_sglang_facts_match_its_source():
-    # Read from SGLang 0.5.23's source: corpora can be added and removed at run time, and a
-    # corpus past --speculative-ngram-external-corpus-max-tokens fails startup (no truncation).
-    root = README.parent
-    pages = {p.name: p.read_text() for p in [README, *sorted((root / "docs").glob("*.md"))] if p.name != "api.md"}
-    for name, text in pages.items():
-        flat = " ".join(text.split())
-        assert "loads at most 10M tokens" not in flat, f"{name}: SGLang refuses a corpus past its limit, it does not truncate"
-        assert "SGLang does not reload it" not in flat, f"{name}: SGLang adds corpora at run time (/add_external_corpus)"
-    engines = " ".join(pages["engines.md"].split())
-    for fact in ("SGLang 0.5.23", "POST /add_external_corpus", "POST /remove_external_corpus", "GET /list_external_corpora",
-                 "fail to start", "--speculative-ngram-external-sam-budget"):
-        assert fact in engines, f"docs/engines.md does not say {fact!r}"
-
-
 def test_the_fleet_quickstart_starts_the_redis_it_uses():
     """`serve --counts redis://127.0.0.1:6379` alone left a new user without a Redis, looping on 'unreachable'."""
     text = README.read_text()

@@ -5,8 +5,9 @@ The wheel is downloaded once by the test command (``pip download --no-deps sglan
 imported. Checked: the routes the stand-in serves are the external-corpus routes of
 ``srt/entrypoints/http_server.py`` with the same methods; the request fields it accepts are those of
 ``AddExternalCorpusReqInput`` (``srt/managers/io_struct.py``, with its base class's); each route's
-answer has the keys the source builds, with 200 on success and 400 otherwise; and every message
-the stand-in sends is written in the wheel's sources.
+answer has the keys the source builds, with 200 on success and 400 otherwise; every message
+the stand-in sends is written in the wheel's sources; and what the docs say of SGLang (its routes,
+its defaults, a startup corpus past the limit failing the start) is what the wheel's source does.
 """
 
 from __future__ import annotations
@@ -23,10 +24,16 @@ from typing import Any
 import pytest
 from helpers.sglang_fake import ADD_FIELDS, FakeSglang
 
+from ngramcache.client.sglang_corpus import SGLANG_DEFAULT_MAX_TOKENS
+
 VERSION = "0.5.23"
 WHEELS = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "ngramcache" / "engines" / "wheels"
 HTTP_SERVER = "sglang/srt/entrypoints/http_server.py"
 IO_STRUCT = "sglang/srt/managers/io_struct.py"
+SPEC_ARGS = "sglang/srt/arg_groups/fields/spec.py"
+NGRAM_WORKER = "sglang/srt/speculative/ngram_worker.py"
+EXTERNAL_CORPUS = "sglang/srt/speculative/cpp_ngram/external_corpus.py"
+DOCS = Path(__file__).resolve().parents[2] / "docs"
 # The fixed part of every message the stand-in sends, as the source writes it.
 MESSAGES = ("Either file_path or documents must be provided.", "External ngram corpus path does not exist",
             "Ngram speculative decoding is not enabled.", "already exists. Remove it before adding a new corpus",
@@ -130,3 +137,48 @@ def test_every_message_of_the_stand_in_is_written_in_sglangs_source(wheel: zipfi
     for message in MESSAGES:
         assert message in fake_text, f"{message!r} is no longer sent by the stand-in: update MESSAGES"
         assert message in sources, f"SGLang {VERSION}'s source has no {message!r}: the stand-in drifted"
+
+
+def spec_defaults(wheel: zipfile.ZipFile) -> dict[str, Any]:
+    """The server arguments of ``srt/arg_groups/fields/spec.py`` with a constant default: {field: default}."""
+    defaults = {}
+    for node in ast.walk(ast.parse(source(wheel, SPEC_ARGS))):
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(node.value, ast.Constant):
+            defaults[node.target.id] = node.value.value
+    return defaults
+
+
+def function_source(wheel: zipfile.ZipFile, name: str, function: str) -> str:
+    tree = ast.parse(source(wheel, name))
+    found = [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == function]
+    assert len(found) == 1, f"{name}: no single {function}()"
+    return ast.unparse(found[0])
+
+
+def test_what_the_docs_say_of_sglang_is_in_its_source(wheel: zipfile.ZipFile) -> None:
+    """docs/engines.md's SGLang section, fact by fact, against the wheel (it used to be checked against strings
+    written in this repository only)."""
+    engines = " ".join((DOCS / "engines.md").read_text().split())
+    metadata = next(n for n in wheel.namelist() if n.endswith(".dist-info/METADATA"))
+    assert f"Version: {VERSION}\n" in source(wheel, metadata) and f"SGLang {VERSION}" in engines
+    # Corpora change at run time: the three routes, with their methods.
+    for method, path in corpus_routes(wheel):
+        assert f"{method} {path}" in engines, f"docs/engines.md does not name {method} {path}"
+    defaults = spec_defaults(wheel)
+    # The SAM budget's default is 0: a corpus is loaded but never drafted from until it is raised.
+    assert defaults["speculative_ngram_external_sam_budget"] == 0
+    assert "--speculative-ngram-external-sam-budget` at its default, 0" in engines
+    # The token limit's default, which the feeder's --max-tokens and export-sglang take as theirs.
+    assert defaults["speculative_ngram_external_corpus_max_tokens"] == SGLANG_DEFAULT_MAX_TOKENS == 10_000_000
+    assert "(default 10,000,000)" in engines
+    # A startup corpus past the limit fails the start, whole (no truncation): the worker loads the startup file
+    # through iter_external_corpus_chunks, which raises past the limit.
+    assert "iter_external_corpus_chunks(" in function_source(wheel, NGRAM_WORKER, "__init__")
+    chunks = function_source(wheel, EXTERNAL_CORPUS, "iter_external_corpus_chunks")
+    assert "if next_total_tokens > max_tokens:" in chunks and "raise ValueError(" in chunks
+    assert "fail to start" in engines and "SGLang does not truncate it" in engines
+    # ... and no page says otherwise.
+    for page in [DOCS.parent / "README.md", *sorted(DOCS.glob("*.md"))]:
+        flat = " ".join(page.read_text().split())
+        assert "loads at most 10M tokens" not in flat, f"{page.name}: SGLang refuses a startup corpus past its limit"
+        assert "SGLang does not reload it" not in flat, f"{page.name}: SGLang adds corpora at run time"
