@@ -15,7 +15,9 @@ def quiet_grpc_logging() -> None:
 
     Must run before grpc is first imported: the C core reads the variables once.
     """
-    if "GRPC_VERBOSITY" not in os.environ:
+    import ngramcache  # sets GRPC_VERBOSITY=ERROR where the user set none; keeps what they set
+
+    if ngramcache._USER_GRPC_VERBOSITY is None:
         os.environ["GRPC_VERBOSITY"] = "NONE"
         os.environ["GRPC_TRACE"] = ""
 

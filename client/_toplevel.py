@@ -11,7 +11,17 @@ submodule (the console script's entry point, say) does not load numpy, grpc and 
 from __future__ import annotations
 
 import importlib
+import os
 from typing import TYPE_CHECKING, Any
+
+# gRPC's C core reads GRPC_VERBOSITY once, when grpc is first imported; unset, grpcio 1.85 prints
+# INFO lines on stderr, four per failed TLS handshake (``ssl_transport_security.cc:2563] Handshake
+# failed ...``) ahead of the one error that says the same. Its documented default is ERROR: make
+# that the level where the user set none (``GRPC_VERBOSITY=info`` brings the lines back). Has no
+# effect where grpc was imported before ngramcache.
+_USER_GRPC_VERBOSITY = os.environ.get("GRPC_VERBOSITY")
+if _USER_GRPC_VERBOSITY is None:
+    os.environ["GRPC_VERBOSITY"] = "ERROR"
 
 if TYPE_CHECKING:
     from ngramcache.client import *  # noqa: F403

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import ssl
 import subprocess
@@ -283,6 +284,26 @@ def test_wait_ready_times_out_on_a_silent_server_with_what_the_probe_saw() -> No
     finally:
         silent.close()
     assert f"cannot reach the service at {address}: a server accepted the connection but did not answer" in str(e.value)
+
+
+def test_a_tls_client_of_a_plaintext_service_prints_its_error_and_nothing_of_grpc(
+        plain_server: str, pki: tuple[Pki, Issued, Issued, Pki]) -> None:
+    # A fresh interpreter, as a user's: gRPC's C core reads GRPC_VERBOSITY once, at its first import.
+    # grpcio 1.85 left to itself prints four "ssl_transport_security.cc:2563] Handshake failed" lines first.
+    code = ("from ngramcache.client.sync.client import NgramClient\n"
+            "from ngramcache.client.tokenizer import load_tokenizer\n"
+            "try:\n"
+            f"    NgramClient({plain_server!r}, 'default', load_tokenizer('tiktoken:cl100k_base'), tls_ca={str(pki[0].ca.cert)!r})\n"
+            "except Exception as e:\n"
+            "    print(f'{type(e).__name__}: {e}')\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GRPC_")}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120, check=False)
+    assert proc.stderr == ""
+    assert proc.stdout.startswith(f"ServiceUnreachableError: cannot reach the service at {plain_server}: the service "
+                                  "speaks plaintext and this client TLS; drop tls_ca"), proc.stdout
+    shown = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False,
+                           env={**env, "GRPC_VERBOSITY": "info"})  # the user's level is kept
+    assert "Handshake failed" in shown.stderr
 
 
 # the other clients: RemoteDrafter (its first call) and NgramClient (its constructor)
