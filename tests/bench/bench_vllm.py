@@ -98,16 +98,22 @@ class Workload:
         self.name, self.a, self.b, self.quoted = name, a, b, quoted
 
 
-def make_workloads(tokenizer: Any, n_requests: int, max_tokens: int, seed: int, kinds: list[str]) -> list[Workload]:
+def make_workloads(tokenizer: Any, n_requests: int, max_tokens: int, seed: int, kinds: list[str],
+                   edits_temperature: float = 0.0) -> list[Workload]:
     out = []
+
+    def sampling(sample_seed: int) -> dict[str, Any]:  # greedy, or a sample with a seed of its own
+        return {"temperature": edits_temperature, "seed": sample_seed} if edits_temperature > 0 else {"temperature": 0.0}
+
     if "edits" in kinds:
         reqs_a, reqs_b, quoted = build_workload(2 * n_requests, seed)
 
         def ids(r: Any) -> list[int]:
             return [int(t) for t in tokenizer.encode(chatml(r.message()))]
 
-        a = [{"prompt_ids": ids(r), "max_tokens": max_tokens, "temperature": 0.0} for r in reqs_a[:n_requests]]
-        b = [{"prompt_ids": ids(r), "max_tokens": max_tokens, "temperature": 0.0} for r in reqs_b[:n_requests] if r.overlap]
+        a = [{"prompt_ids": ids(r), "max_tokens": max_tokens, **sampling(100 + i)} for i, r in enumerate(reqs_a[:n_requests])]
+        b = [{"prompt_ids": ids(r), "max_tokens": max_tokens, **sampling(200 + i)}
+             for i, r in enumerate(reqs_b[:n_requests]) if r.overlap]
         out.append(Workload("edits", a, b, quoted))
     if "rollouts" in kinds:
         prompt = [int(t) for t in tokenizer.encode(chatml(ROLLOUT_PROMPT))]
@@ -165,6 +171,9 @@ def main() -> int:
     ap.add_argument("--statics", default="none,unrelated,related", help="edits: static files to draft with (ngc setups)")
     ap.add_argument("--reps", type=int, default=1, help="runs of each setup, interleaved; timings are medians")
     ap.add_argument("--seed", type=int, default=7)
+    ap.add_argument("--edits-temperature", type=float, default=0.0, metavar="T",
+                    help="sample the edits at this temperature (a seed each) instead of greedy decoding: "
+                         "how much each drafter's drafts vLLM's rejection sampler accepts (default 0: greedy)")
     ap.add_argument("--vllm-python", type=Path, default=VLLM_PYTHON,
                     help="the Python of the vLLM virtualenv (default .venv-vllm/bin/python)")
     ap.add_argument("--out", type=Path, help="also write every figure as JSON to this file")
@@ -182,6 +191,8 @@ def main() -> int:
         unknown = [x for x in given if x not in known]
         if unknown:
             ap.error(f"{flag}: unknown {', '.join(map(repr, unknown))} (known: {', '.join(known)})")
+    if not 0.0 <= args.edits_temperature <= 2.0:
+        ap.error(f"--edits-temperature must be in 0..2, not {args.edits_temperature}")
     if not all(1 <= k <= 64 for k in ks) or args.requests < 1 or args.max_new_tokens < 1 or args.reps < 1:
         ap.error("--k values must be in 1..64, and --requests, --max-new-tokens and --reps at least 1")
     if not args.vllm_python.is_file():
@@ -192,7 +203,8 @@ def main() -> int:
 
     model = vllm_model_folder()
     tokenizer = load_tokenizer(str(model))
-    workloads = make_workloads(tokenizer, args.requests, args.max_new_tokens, args.seed, args.workloads.split(","))
+    workloads = make_workloads(tokenizer, args.requests, args.max_new_tokens, args.seed, args.workloads.split(","),
+                               args.edits_temperature)
     results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="bench-vllm-") as tmp:
         work = Path(tmp)
@@ -238,8 +250,9 @@ def main() -> int:
         for wl in workloads:
             plain_runs = runs.get((wl.name, 0, "plain"))
             plain = summarize(plain_runs, None) if plain_runs else None
-            # Sampled answers (rollouts) are the model's samples, not plain decoding's: not compared.
-            plain_ids = [r["output_ids"] for r in plain_runs[0]["requests"]] if plain_runs and wl.name == "edits" else None
+            # Sampled answers (rollouts, sampled edits) are the model's samples, not plain decoding's: not compared.
+            greedy = wl.name == "edits" and args.edits_temperature == 0
+            plain_ids = [r["output_ids"] for r in plain_runs[0]["requests"]] if plain_runs and greedy else None
             for k in ks:
                 rows: list[tuple[str, dict[str, Any]]] = [("plain", plain)] if plain else []
                 for (name, kk, label), setup_runs in runs.items():
@@ -247,7 +260,7 @@ def main() -> int:
                         continue
                     if label == "fleet":
                         alone = [r["alone"] for r in setup_runs]
-                        same = [r["output_ids"] for r in alone[0]["requests"]] if wl.name == "edits" else None
+                        same = [r["output_ids"] for r in alone[0]["requests"]] if greedy else None
                         fig = summarize(setup_runs, same)  # B with the fleet against B alone: the same answers
                         fig["alone"] = summarize(alone, None)
                     else:
