@@ -122,7 +122,7 @@ def throughput(d: Drafter, held: list[np.ndarray], n_threads: int, positions: in
 
 def wheel_core() -> Path | None:
     """The core library the installed extension was linked from (scikit-build's build folder, Release), if there."""
-    found = sorted((ROOT / "build").glob("cp*/libngc.a"), key=lambda p: p.stat().st_mtime)
+    found = sorted((ROOT / "build").glob("cp*/src/libngc.a"), key=lambda p: p.stat().st_mtime)
     return found[-1] if found else None
 
 
@@ -132,7 +132,7 @@ def build_native_bench(quick: bool = False) -> Path:
     With `quick`, links the wheel's own build of the core when there is one (compiling the core
     again takes about a minute on 2 cores)."""
     build = ROOT / "build" / "bench"
-    core = wheel_core() if quick and not (build / "libngc.a").exists() else None
+    core = wheel_core() if quick and not (build / "src" / "libngc.a").exists() else None
     if core is not None:
         print(f"--quick: drafter_threads linked with the wheel's build of the core ({core})", file=sys.stderr)
         build.mkdir(parents=True, exist_ok=True)
@@ -149,7 +149,7 @@ def build_native_bench(quick: bool = False) -> Path:
     subprocess.run([cmake, "--build", str(build), "--target", "ngc"], check=True, capture_output=True)
     exe = build / "drafter_threads"
     subprocess.run(["g++", "-O2", "-std=c++20", f"-I{ROOT / 'native' / 'include'}", str(ROOT / "tests/bench/drafter_threads.cc"),
-                    str(build / "libngc.a"), "-lpthread", "-o", str(exe)], check=True)
+                    str(build / "src" / "libngc.a"), "-lpthread", "-o", str(exe)], check=True)
     return exe
 
 

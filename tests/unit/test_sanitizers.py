@@ -93,9 +93,9 @@ class Build:
 # -O1, as AddressSanitizer's documentation advises for speed: the rerun took 151 s here against 225 s at -O0.
 ASAN = Build("asan", "-O1 -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined",
              ("-DNGC_HEAP_FILES=ON", "-DNGC_SANITIZER_DRIVERS=ON"),
-             ("_core*.so", "sanitize/read_past_end", "sanitize/concurrency_check"))
+             ("bindings/_core*.so", "sanitize/read_past_end", "sanitize/concurrency_check"))
 TSAN = Build("tsan", "-O1 -g -fsanitize=thread", ("-DNGC_SANITIZER_DRIVERS=ON",),
-             ("_core*.so", "sanitize/concurrency_check"))
+             ("bindings/_core*.so", "sanitize/concurrency_check"))
 
 
 def build_key(build: Build, nanobind_version: str) -> str:
