@@ -15,12 +15,14 @@ from ngramcache.client.errors import InvalidArgumentError
 
 __all__ = ["DEAR_MAX_DRAFT", "UNCAPPED_MAX_COST", "DraftStats", "DrafterLike", "SequenceFeed"]
 
-# The most c(n_draft) at which an "auto" feed drafts uncapped: on an H200 c(64) = 1.10-1.15; on
-# 2 CPU cores c(8) is already ~2, and uncapped drafts made the default 14% slower there.
+# The most c(n_draft) at which an "auto" feed drafts long, cost-aware: on an H200 c(64) =
+# 1.10-1.15; on 2 CPU cores c(8) is already ~2, and uncapped drafts made the default 14% slower there.
 UNCAPPED_MAX_COST = 1.5
 # Where a full-length draft costs more than that, an "auto" feed drafts at most this many tokens
-# a step (the best fixed length on 2 CPU cores): the odds of a long copy's far tokens are the
-# least reliable, and a wrong 64-token draft there costs 4-6 steps.
+# a step (the best fixed length on 2 CPU cores). With costs learned from the steps, and until
+# they are measured, it sends them as a fixed n_draft does, the drafter's own draft whole: costs
+# learned beside other jobs are noisy (a burst of load between two steps reads as a dear draft,
+# or a cheap one), and a cut by them was worse than none (0.59x the tokens/s of n_draft 8).
 DEAR_MAX_DRAFT = 16
 
 
@@ -85,13 +87,15 @@ class SequenceFeed:
             step that verified the previous draft) and records it there.
         unscored_odds: the odds given to every drafted token of a drafter without `draft_scored`
             (calibrated by the policy like any odds); None: such a drafter is refused.
-        uncapped: with a policy and an `ngramcache.Drafter` in the match mode, draft with
-            ``draft_scored(..., uncapped=True)`` while the policy's costs say a full-length draft
-            costs at most `UNCAPPED_MAX_COST` steps (a GPU's): a match's draft is then not cut
-            by its length or its probability, the policy cuts it by its odds and the costs. Where
-            long drafts are dear (a CPU) the drafter's own thresholds stay and drafts are at most
-            `DEAR_MAX_DRAFT` tokens, since odds far past a match are the least reliable. Other
-            drafters draft as they do.
+        uncapped: an "auto" feed (with a policy): while the policy's costs say a full-length
+            draft costs at most `UNCAPPED_MAX_COST` steps (a GPU's), a match-mode
+            `ngramcache.Drafter` drafts with ``draft_scored(..., uncapped=True)`` (a match's draft
+            is not cut by its length or its probability) and the policy sends the prefix its odds
+            and the costs make worth it. Where long drafts are dear (a CPU): with costs learned
+            from the steps (`StepCosts`), and until they are measured, each step sends the
+            drafter's own draft of at most `DEAR_MAX_DRAFT` tokens, whole, as a fixed n_draft
+            does (a step they ask to time undrafted sends none); with given costs, drafts are
+            at most `DEAR_MAX_DRAFT` tokens and the policy cuts them.
 
     Raises:
         InvalidArgumentError: a policy with a drafter that has no `draft_scored` (and no `unscored_odds`).
@@ -108,7 +112,8 @@ class SequenceFeed:
                 f"cost-aware drafting needs a drafter with draft_scored() (ngramcache.Drafter), got {type(drafter).__name__}")
         self.policy = policy
         self.unscored_odds = unscored_odds
-        self._uncapped = uncapped and policy is not None and isinstance(drafter, Drafter)
+        self._auto = uncapped and policy is not None
+        self._uncapped = self._auto and isinstance(drafter, Drafter)
         # Step timing for learned costs: when the last draft() ran and how many tokens it sent.
         self._step_costs = policy.cost if policy is not None and hasattr(policy.cost, "record") else None
         self._last_call: float | None = None
@@ -180,14 +185,21 @@ class SequenceFeed:
         n = self.n_draft if limit is None else min(self.n_draft, limit)
         if n < 1 or len(tokens) == 0:
             return np.empty(0, dtype=np.int32)
-        if self.policy is None:
+        if self._auto and self._step_costs is not None and not self.long_drafts_cheap(n):
+            # Learned costs that say long drafts are dear, or not measured yet: a fixed length.
+            if self._step_costs.needs_baseline():  # they ask for a plain step to time
+                drafted = np.empty(0, dtype=np.int32)
+            else:
+                m = min(n, DEAR_MAX_DRAFT)
+                drafted = np.asarray(self.drafter.draft(self.seq_id, tokens, m), dtype=np.int32)[:m]
+        elif self.policy is None:
             drafted = np.asarray(self.drafter.draft(self.seq_id, tokens, n), dtype=np.int32)[:n]
         else:
             if self._scored:
-                if self._uncapped and self.policy.cost(n) <= UNCAPPED_MAX_COST:
+                if self._uncapped and self.long_drafts_cheap(n):
                     full, odds = self.drafter.draft_scored(self.seq_id, tokens, n, uncapped=True)  # type: ignore[attr-defined]
                 else:
-                    if self._uncapped:  # an "auto" feed where long drafts are dear
+                    if self._uncapped:  # given costs that say long drafts are dear: the policy cuts
                         n = min(n, DEAR_MAX_DRAFT)
                     full, odds = self.drafter.draft_scored(self.seq_id, tokens, n)  # type: ignore[attr-defined]
                 self._full = np.asarray(full, dtype=np.int32)[:n]
@@ -199,6 +211,13 @@ class SequenceFeed:
         self._last_sent = len(drafted)
         self.stats.drafted += len(drafted)
         return drafted
+
+    def long_drafts_cheap(self, n: int) -> bool:
+        """Whether an "auto" feed drafts long and cost-aware now: its costs are measured (or given)
+        and a draft of `n` tokens costs at most `UNCAPPED_MAX_COST` steps."""
+        assert self.policy is not None
+        cost = self.policy.cost
+        return bool(getattr(cost, "measured", True)) and cost(n) <= UNCAPPED_MAX_COST
 
     def new_generation(self) -> None:
         """Says the engine starts a generation (a prefill comes before the next `draft`): the time

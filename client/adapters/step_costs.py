@@ -102,8 +102,10 @@ class StepCosts(VerifyCost):
 
     def needs_baseline(self) -> bool:
         """Whether the next step should draft nothing: bucket 0 lacks samples and no step without a
-        draft came for `probe_every` steps (without it, nothing measures what a draft adds)."""
-        return len(self._buckets[0]) < self.min_samples and self._since_baseline >= self.probe_every
+        draft came for `probe_every` steps, a quarter of that before anything is measured (without
+        it, nothing measures what a draft adds, and "auto" drafts a fixed length until then)."""
+        every = self.probe_every if self.measured else max(1, self.probe_every // 4)
+        return len(self._buckets[0]) < self.min_samples and self._since_baseline >= every
 
     def update(self) -> None:
         """Recomputes c(k) from the steps kept (done by `record` every `refresh` steps)."""

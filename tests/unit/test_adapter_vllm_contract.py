@@ -297,8 +297,10 @@ def test_tls_settings_are_read_from_the_environment():
 @pytest.mark.parametrize(("per_token", "full"), [(0.002, True), (1.0, False)])
 def test_auto_draft_length_follows_the_step_costs_it_measures(static_file, per_token, full):
     """NGC_VLLM_N_DRAFT=auto: the time between two calls is one engine step that verified the
-    drafts of the first; where a drafted token is nearly free (a GPU) drafts stay full length,
-    where each costs half a step (a few CPU cores) they are cut."""
+    drafts of the first, and the costs are learned from those steps: a drafted token nearly free
+    (a GPU) or costing a whole step (a few CPU cores). Either way this sure copy is drafted full
+    length: where long drafts are cheap the policy keeps it, where they are dear the drafter's
+    own draft is sent whole, as a fixed length does (costs learned on a loaded CPU cut worse)."""
     spec, max_len = 8, 4096
     config = ProposerConfig.from_env({"NGC_VLLM_STATIC": static_file, "NGC_VLLM_N_DRAFT": "auto"})
     proposer = NgramCacheProposer(vllm_config(num_speculative_tokens=spec, max_model_len=max_len), config)
@@ -324,10 +326,11 @@ def test_auto_draft_length_follows_the_step_costs_it_measures(static_file, per_t
     assert proposer.step_costs.measured
     assert 0 in lengths  # steps without a draft timed the baseline
     recent = lengths[-20:]
+    assert max(recent) == spec
     if full:
-        assert max(recent) == spec and proposer.step_costs(spec) < 1.1
+        assert proposer.step_costs(spec) < 1.1
     else:
-        assert max(recent) < spec and proposer.step_costs(spec) > 8.0
+        assert proposer.step_costs(spec) > 8.0
     proposer.close()
 
 

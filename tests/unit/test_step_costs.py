@@ -64,13 +64,13 @@ def test_unseen_lengths_cost_what_the_longest_seen_costs():
 
 
 def test_costs_stay_the_prior_until_a_baseline_is_timed():
-    cost = StepCosts(prior=[1.0, 2.0], min_samples=3, probe_every=5, refresh=1)
+    cost = StepCosts(prior=[1.0, 2.0], min_samples=3, probe_every=20, refresh=1)
     for _ in range(4):
         cost.record(8, 0.02)
     assert not cost.measured and cost(8) == pytest.approx(9.0)  # the prior's line, extended
     assert not cost.needs_baseline()
     cost.record(8, 0.02)
-    assert cost.needs_baseline()  # 5 drafted steps and no undrafted one: ask for one
+    assert cost.needs_baseline()  # 5 drafted steps (a quarter of probe_every, unmeasured) and no undrafted one
     assert DraftLengthPolicy(cost).choose(ODDS) == 0
     for _ in range(3):
         cost.record(0, 0.01)
@@ -157,17 +157,33 @@ def test_step_costs_refuse_bad_tuning():
         StepCosts(min_samples=0)
 
 
-def test_auto_feeds_draft_uncapped_and_the_policy_cuts():
-    """With "auto" a match-mode Drafter's draft is not cut at the match length: where verifying is nearly free
-    the policy sends the long copy; where it is dear, the policy (not the drafter) cuts it."""
+def test_auto_feeds_draft_uncapped_where_measured_costs_are_flat():
+    """With "auto" a match-mode Drafter's draft is not cut at the match length where verifying is measured
+    nearly free (the policy sends the long copy); where it is dear, the drafter's own draft goes, whole."""
     tokens = np.asarray([5, 6, 7, 8, 9, 5, 6], dtype=np.int32)
     drafter = Drafter(vocab_size=64, fingerprint=UNTAGGED, mode="match")
-    flat = SequenceFeed(drafter, 1, MAX_AUTO_DRAFT, policy=DraftLengthPolicy(StepCosts()), uncapped=True)
-    capped = SequenceFeed(drafter, 2, MAX_AUTO_DRAFT, policy=DraftLengthPolicy(StepCosts()))
+    flat_costs = learned({0: 10.0, 1: 10.0, 64: 10.0})
+    flat = SequenceFeed(drafter, 1, MAX_AUTO_DRAFT, policy=DraftLengthPolicy(flat_costs), uncapped=True)
+    capped = SequenceFeed(drafter, 2, MAX_AUTO_DRAFT, policy=DraftLengthPolicy(flat_costs))  # not "auto"
     steep = SequenceFeed(drafter, 3, MAX_AUTO_DRAFT, policy=DraftLengthPolicy(learned({0: 10.0, 1: 16.0, 64: 80.0})),
                          uncapped=True)
     assert len(flat.draft(tokens)) == 64 and len(capped.draft(tokens)) < 8
-    assert len(steep.draft(tokens)) < 8
+    own = Drafter(vocab_size=64, fingerprint=UNTAGGED, mode="match")  # the same sequences, for the expected draft
+    for seq in (1, 2, 3):
+        own.accept(seq, tokens)
+    assert steep.draft(tokens).tolist() == own.draft(3, tokens, DEAR_MAX_DRAFT).tolist() == [7, 8, 9, 5, 6]
+
+
+def test_auto_drafts_as_a_fixed_length_until_its_costs_are_measured():
+    """Before a StepCosts has measured anything its costs are the flat prior, a GPU's: trusting them sent 64-token
+    drafts to a CPU's first ~100 steps, and noisy costs learned beside other jobs cut drafts worse than no cut
+    (0.59x the tokens/s of n_draft 8 beside other jobs). Until measured, "auto" sends the drafter's own draft of at most
+    DEAR_MAX_DRAFT tokens, whole."""
+    wide = Drafter(vocab_size=500, fingerprint=UNTAGGED, mode="match")
+    unmeasured = StepCosts()
+    feed = SequenceFeed(wide, 1, MAX_AUTO_DRAFT, policy=DraftLengthPolicy(unmeasured), uncapped=True)
+    assert not unmeasured.measured
+    assert len(feed.draft(repetitive())) == DEAR_MAX_DRAFT  # before: 64, the flat prior trusted
 
 
 def test_uncapped_only_where_a_full_draft_is_cheap():
