@@ -6,7 +6,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import redis
@@ -138,15 +138,32 @@ class RedisConnection:
 
         Raises the first error other than NOSCRIPT, after every call was attempted.
         """
+        return self.run_on(self.client, calls, load=self._load_scripts)[0]
+
+    def run_on(self, client: Any, calls: Sequence[Call], then: Callable[[Any], int] | None = None,
+               load: Callable[[Iterable[Script]], None] | None = None) -> tuple[list[Any], list[Any]]:
+        """Run scripts pipelined on `client` (the store's, or one node's), followed in the same pipeline
+        by the commands `then(pipe)` adds (it returns how many); NOSCRIPT loads the scripts missing
+        (`load`, default: on `client`) and runs those calls, and `then`'s commands, again.
+
+        Returns:
+            (the calls' replies, the replies of `then`'s commands).
+
+        Raises the first error other than NOSCRIPT, after every call was attempted.
+        """
         results: list[Any] = [None] * len(calls)
+        extra: list[Any] = []
         pending = list(range(len(calls)))
         for _attempt in range(2):
             with self.errors():
-                pipe = self.client.pipeline(transaction=False)
+                pipe = client.pipeline(transaction=False)
                 for i in pending:
                     script, keys, args = calls[i]
                     pipe.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
+                n_then = then(pipe) if then is not None else 0
                 replies = pipe.execute(raise_on_error=False)
+            extra = replies[len(pending):]
+            assert len(extra) == n_then
             missing = []
             for i, reply in zip(pending, replies):
                 results[i] = reply
@@ -155,13 +172,17 @@ class RedisConnection:
             if not missing:
                 break
             with self.errors():
-                self._load_scripts({calls[i][0] for i in missing})
+                scripts = {calls[i][0] for i in missing}
+                if load is not None:
+                    load(scripts)
+                else:
+                    self.load_scripts_on(client, scripts)
             pending = missing
-        for reply in results:
+        for reply in [*results, *extra]:
             if isinstance(reply, BaseException):
                 with self.errors():
                     raise reply
-        return results
+        return results, extra
 
     def run_one(self, script: Script, keys: Sequence[Any], args: Sequence[Any]) -> Any:
         return self.run([(script, keys, args)])[0]

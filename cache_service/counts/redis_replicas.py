@@ -32,8 +32,6 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-import redis.exceptions as rexc
-
 from ngramcache.client.errors import BackendUnavailableError
 
 from .config import CountsStoreConfig
@@ -122,39 +120,16 @@ class ReplicaAcks:
         WAIT in the same pipeline; their replies."""
         need = self._connected_replicas(client) if required is None else required
         marker_key = ack_key(marker if marker is not None else calls[0][1][0])
-        results: list[Any] = [None] * len(calls)
-        pending = list(range(len(calls)))
-        acked = need
-        for _attempt in range(2):
-            with self._conn.errors():
-                pipe = client.pipeline(transaction=False)
-                for i in pending:
-                    script, keys, args = calls[i]
-                    pipe.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
-                if need:
-                    pipe.incr(marker_key)
-                    pipe.execute_command("WAIT", need, self._timeout_ms)
-                replies = pipe.execute(raise_on_error=False)
-            if need:
-                acked = replies[-1]
-                replies = replies[:len(pending)]
-            missing = []
-            for i, reply in zip(pending, replies):
-                results[i] = reply
-                if isinstance(reply, rexc.NoScriptError):
-                    missing.append(i)
-            if not missing:
-                break
-            with self._conn.errors():
-                self._conn.load_scripts_on(client, {calls[i][0] for i in missing})
-            pending = missing
-        for reply in results:
-            if isinstance(reply, BaseException):
-                with self._conn.errors():
-                    raise reply
-        if isinstance(acked, BaseException):
-            with self._conn.errors():
-                raise acked
+
+        def then(pipe: Any) -> int:  # the marker and WAIT, on the same connection as the calls
+            if not need:
+                return 0
+            pipe.incr(marker_key)
+            pipe.execute_command("WAIT", need, self._timeout_ms)
+            return 2
+
+        results, extra = self._conn.run_on(client, calls, then)
+        acked = extra[-1] if need else 0
         if int(acked) < need and not (required is None and int(acked) >= self._connected_replicas(client)):
             raise BackendUnavailableError(
                 f"{self._conn.where}: the write reached {int(acked)} of {need} replicas of {name} in "

@@ -16,7 +16,7 @@ import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -69,6 +69,28 @@ def free_port(cluster_bus: bool = False) -> int:
             return port
     raise RuntimeError("no free port pair found")
 
+
+
+def wait_for_new_master(current: Callable[[], RedisServer], old: RedisServer, timeout: float,
+                        failure: str) -> tuple[RedisServer, float]:
+    """Poll `current()` until it names another node than ``old`` that says it is a master; (it,
+    time.monotonic() then). RuntimeError(`failure`) after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            new = current()
+            if new is not old:
+                client = new.client(socket_timeout=1)
+                try:
+                    if client.info("replication").get("role") == "master":
+                        return new, time.monotonic()
+                finally:
+                    client.close()
+        except (RuntimeError, redis.ConnectionError, redis.TimeoutError):
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(failure)
+        time.sleep(0.02)
 
 class RedisServer:
     """One redis-server on 127.0.0.1. `stop`/`kill` signal its PID only; `start` again reuses port and dir."""
@@ -270,22 +292,8 @@ class RedisClusterProcesses:
 
     def wait_promoted(self, key: str | bytes, old: RedisServer, timeout: float = 30.0) -> tuple[RedisServer, float]:
         """Wait until another node than ``old`` is the master of ``key``'s slot and takes writes; (it, time.monotonic() then)."""
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                new = self.master_of(key)
-                if new is not old:
-                    client = new.client(socket_timeout=1)
-                    try:
-                        if client.info("replication").get("role") == "master":
-                            return new, time.monotonic()
-                    finally:
-                        client.close()
-            except (RuntimeError, redis.ConnectionError, redis.TimeoutError):
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"no replica of 127.0.0.1:{old.port} was promoted in {timeout} s")
-            time.sleep(0.02)
+        return wait_for_new_master(lambda: self.master_of(key), old, timeout,
+                                   f"no replica of 127.0.0.1:{old.port} was promoted in {timeout} s")
 
     def cleanup(self) -> None:
         for node in self.nodes:
@@ -399,22 +407,8 @@ class RedisSentinelGroup:
 
     def wait_promoted(self, old: RedisServer, timeout: float = 30.0) -> tuple[RedisServer, float]:
         """Wait until the sentinels name another master than ``old`` and it takes writes; (it, time.monotonic() then)."""
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                new = self.master()
-                if new is not old:
-                    client = new.client(socket_timeout=1)
-                    try:
-                        if client.info("replication").get("role") == "master":
-                            return new, time.monotonic()
-                    finally:
-                        client.close()
-            except (RuntimeError, redis.ConnectionError, redis.TimeoutError):
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the sentinels did not promote a replica of 127.0.0.1:{old.port} in {timeout} s")
-            time.sleep(0.02)
+        return wait_for_new_master(self.master, old, timeout,
+                                   f"the sentinels did not promote a replica of 127.0.0.1:{old.port} in {timeout} s")
 
     def rejoin(self, node: RedisServer, timeout: float = 30.0) -> None:
         """Start a dead data node again as a replica of the master now (what the sentinels do at their next look at
