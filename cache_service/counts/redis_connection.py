@@ -14,7 +14,7 @@ import redis.exceptions as rexc
 from redis.backoff import ExponentialBackoff
 from redis.cluster import ClusterNode, RedisCluster
 from redis.retry import Retry
-from redis.sentinel import Sentinel
+from redis.sentinel import MasterNotFoundError, Sentinel
 
 from ngramcache.client.errors import (
     BackendUnavailableError,
@@ -106,6 +106,11 @@ class RedisConnection:
             raise
         except (rexc.AuthenticationError, rexc.AuthenticationWrongNumberOfArgsError) as exc:
             raise StoreAuthenticationError(f"{self.where} refused the credentials ({self._scrub(exc)})") from None
+        except MasterNotFoundError as exc:
+            # redis-py's message holds the repr of a whole connection pool; its reason is the last part.
+            message = self._scrub(exc)
+            reason = message.rsplit(" - ", 1)[1] if " - " in message else "they know no master by that name"
+            raise BackendUnavailableError(f"{self.where} is unavailable: no sentinel named a master ({reason})") from None
         except _UNAVAILABLE_ERRORS as exc:
             raise BackendUnavailableError(
                 f"{self.where} is unavailable: {type(exc).__name__}: {self._scrub(exc)}") from None

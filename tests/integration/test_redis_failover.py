@@ -359,3 +359,17 @@ def test_a_stopped_replica_turns_acknowledged_but_not_replicated_into_a_retriabl
         finally:
             loose.close()
             strict.close()
+
+
+def test_sentinels_that_do_not_answer_are_named_in_one_line() -> None:
+    # redis-py's MasterNotFoundError carries the repr of a whole connection pool (a screenful); the
+    # store says which sentinels, and why, in one line.
+    from helpers.redis_servers import free_port
+
+    port = free_port()  # nothing listens there
+    url = f"redis+sentinel://127.0.0.1:{port}/mymaster"
+    with pytest.raises(BackendUnavailableError) as e:
+        open_counts_store(url).close()  # it asks for the master at once
+    message = str(e.value)
+    assert message.startswith(f"{url} is unavailable: no sentinel named a master (")
+    assert "Connection refused" in message and "ConnectionPool" not in message and "\n" not in message
