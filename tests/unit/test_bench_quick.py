@@ -127,7 +127,7 @@ QUICK: dict[str, Quick] = {
     # llama.cpp, plain and the local drafters: transformers and the service (d, f) and cost-aware (g, h) setups
     # add minutes (the transformers adapter runs in bench_fleet_history_e2e and the integration tests).
     # the README's "1.17x" is transformers' (b) against (c) and (d): both engines, those setups
-    "bench_real_model": Quick(("--quick", "--engine", "both", "--setups", "a,b,c,d,e"),
+    "bench_real_model": Quick(("--quick", "--engine", "both", "--setups", "a,b,c,d"),
                               (r"## transformers .*\n(.*\n)*\(d\) ngramcache \+ service .* \d/\d", r"## llama-cpp-python",
                                r"s in all"),
                               missing=lambda: _have("transformers", "llama_cpp"), seconds=150, timeout=1200),
