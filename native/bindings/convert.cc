@@ -27,7 +27,7 @@ void raise_status(const Status& s) {
       cls = "InvalidArgumentError";
       break;
   }
-  nb::object type = nb::module_::import_("ngramcache.client.errors").attr(cls);
+  nb::object type = nb::module_::import_("ngramcache.client.kernel.errors").attr(cls);
   PyErr_SetString(type.ptr(), s.message().c_str());
   throw nb::python_error();
 }
@@ -74,7 +74,7 @@ RowsView<T> as_rows(nb::handle h) {
       v.array.shape(1) != rows::kWidth ||
       (v.array.shape(0) > 0 && (v.array.stride(1) != 1 || v.array.stride(0) != rows::kWidth))) {
     invalid(std::string("rows must be a C-contiguous ") + type + " numpy array of shape (m, " +
-            std::to_string(rows::kWidth) + ") (see ngramcache.client.rows)");
+            std::to_string(rows::kWidth) + ") (see ngramcache.client.kernel.rows)");
   }
   v.data = static_cast<const T*>(v.array.data());
   v.n = v.array.shape(0);

@@ -24,7 +24,7 @@ namespace nb = nanobind;
 // Raises the Python exception of `s` (which MUST NOT be ok): kCancelled -> KeyboardInterrupt
 // (the pending one when Python's signal handler raised it), kFormatError ->
 // CacheFormatError, kTokenizerMismatch -> TokenizerMismatchError, kIoError -> OSError,
-// anything else -> InvalidArgumentError (ngramcache.client.errors).
+// anything else -> InvalidArgumentError (ngramcache.client.kernel.errors).
 [[noreturn]] void raise_status(const Status& s);
 
 // Raises when `s` is not ok.

@@ -436,15 +436,13 @@ Status Drafter::draft(int64_t seq, const Token* tokens, size_t n, int n_draft, T
       mp.min_prob = 0.0;
       mp.length_factor = kMaxDraft;  // any match of >= 1 token may draft n_draft tokens
       // A long draft is nearly free, so which text it copies decides: look further back in
-      // the chains and trust the sequence's own text (an edit's source) over other sequences'.
-      // On the code-edit replay (tests/bench/replay_transformers_drafts.py) these took 1.21x
-      // transformers' best prompt lookup to 1.25x, and 1.30x to 1.31x on a second workload.
+      // the chains and trust the sequence's own text (an edit's source) over other sequences'
+      // (tuned on the code-edit replays, tests/bench/replay_transformers_drafts.py).
       mp.max_chain = std::max(mp.max_chain, kUncappedChain);
       mp.sequence_weight = std::max(mp.sequence_weight, kUncappedSequenceWeight);
       if (mp.splice_min == 0) mp.splice_min = kUncappedSpliceMin;
-      // After new text (an edit's insertion), resume the text being copied: on the same replays
-      // 1.25x -> 1.28x (seed 7) and 1.31x -> 1.38x (seed 8); going on past a replaced token where
-      // the draft is a guess (also resync_below) 1.28x -> 1.31x and 1.38x -> 1.40x.
+      // After new text (an edit's insertion), resume the text being copied, and go on past a
+      // replaced token where the draft is a guess (both resync_below; match_edits.cc).
       if (mp.resync_below == 0) mp.resync_below = kUncappedResyncBelow;
     }
     *n_out = seqs_.with_tables(seq, [&](const CountTable* context, const SeqIndex* index) {

@@ -111,7 +111,7 @@ class Drafter {
   // back (max_chain >= 64) and prefers the sequence's own text (sequence_weight >= 4, a splice
   // at a 4-token match: see MatchParams), since which text a long draft copies is what counts;
   // after new text (no 4-token match) it resumes the text it was copying (resync_below 4), and
-  // after a replaced token it copies what follows it where its draft is a guess (match.cc).
+  // after a replaced token it copies what follows it where its draft is a guess (match_edits.cc).
   Status draft(int64_t seq, const Token* tokens, size_t n, int n_draft, Token* out, int* n_out, float* odds = nullptr,
                bool uncapped = false) const;
   // draft() for m sequences: seqs[i] after tokens[i][0..sizes[i]) into out + i x n_draft

@@ -20,6 +20,11 @@
 // prefix probabilities) wins; with none, the step drafts as the compatible mode does
 // (drafter.h) from the same tables (fallback).
 //
+// With splice_min or resync_below (MatchParams), a linear draft is repaired across an edit of
+// the text being copied: it gives way to the sequence's own text (splice), resumes the text
+// after new tokens (resync), or goes on past a replaced token (realign). match.cc holds the
+// options, walks and drafts; match_edits.cc the repairs.
+//
 // draft_tree() grows every option at once, best first: the most probable continuation not
 // yet in the tree becomes the next node (one node for the same token under the same parent)
 // until `budget` nodes or tree_min_prob, for engines that verify a tree in one pass.

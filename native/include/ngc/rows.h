@@ -4,7 +4,7 @@
 // A row is kWidth integers (n, t0, t1, t2, t3, follower, count): an n-gram of n tokens
 // t0..t(n-1) (1 <= n <= kNgramMax; the unused slots are -1), the token that followed it,
 // and a count > 0. Deltas travel as int32 rows; absolute counts (what a store returns
-// for a mirror) as int64 rows. The Python twin of this contract is client/rows.py.
+// for a mirror) as int64 rows. The Python twin of this contract is client/kernel/rows.py.
 #pragma once
 
 #include <cstddef>
