@@ -12,11 +12,11 @@ from collections.abc import Iterator
 
 import grpc
 
-from ngramcache.client import cli as client_cli
-from ngramcache.client.address import check_address
-from ngramcache.client.admin import AdminClient, RebuildStatus
-from ngramcache.client.diagnose import CLI_NAMES
-from ngramcache.client.errors import InvalidArgumentError, NgramCacheError, ServiceUnreachableError
+from ngramcache.client.kernel.errors import InvalidArgumentError, NgramCacheError, ServiceUnreachableError
+from ngramcache.client.sync.admin import AdminClient, RebuildStatus
+from ngramcache.client.tools import cli as client_cli
+from ngramcache.client.wire.address import check_address
+from ngramcache.client.wire.diagnose import CLI_NAMES
 
 __all__ = ["DEFAULT_SERVER", "add_namespace", "add_publish", "add_rebuild"]
 

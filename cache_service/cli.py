@@ -16,8 +16,8 @@ import time
 import traceback
 from pathlib import Path
 
-from ngramcache.client import cli as client_cli
-from ngramcache.client.errors import InvalidArgumentError, NgramCacheError
+from ngramcache.client.kernel.errors import InvalidArgumentError, NgramCacheError
+from ngramcache.client.tools import cli as client_cli
 
 from .admin_commands import add_namespace, add_publish, add_rebuild
 from .config import ENV_PREFIX, ServiceConfig

@@ -12,7 +12,7 @@ import fcntl
 import os
 from pathlib import Path
 
-from ngramcache.client.errors import InvalidArgumentError
+from ngramcache.client.kernel.errors import InvalidArgumentError
 
 __all__ = ["HELD_BY_PARENT_ENV", "DataDirLock"]
 

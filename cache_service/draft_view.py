@@ -25,8 +25,8 @@ from collections import deque
 
 import numpy as np
 
-from ngramcache.client import CountTable
-from ngramcache.client.rows import empty_counts
+from ngramcache.client._core import CountTable
+from ngramcache.client.kernel.rows import empty_counts
 
 MAX_TOP_K = 64  # ngc::kMaxViewTopK
 

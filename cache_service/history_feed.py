@@ -6,10 +6,10 @@ import asyncio
 import contextlib
 import logging
 
-from ngramcache.client import Drafter
-from ngramcache.client.errors import NgramCacheError
-from ngramcache.client.sync.history import HistoryBuffer
-from ngramcache.client.sync.history_sources import HELD_IDLE_SECONDS, SourceIds
+from ngramcache.client._core import Drafter
+from ngramcache.client.kernel.errors import NgramCacheError
+from ngramcache.client.kernel.history_buffer import HistoryBuffer
+from ngramcache.client.kernel.history_sources import HELD_IDLE_SECONDS, SourceIds
 
 from .counts.history import HistoryRecord
 from .history_tail import HistoryTails

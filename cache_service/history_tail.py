@@ -23,11 +23,11 @@ import time
 from collections import deque
 from collections.abc import AsyncGenerator, Callable, Collection, Iterable
 
-from ngramcache.client.errors import NamespaceNotFoundError, NgramCacheError
-from ngramcache.client.tasks import cancel_until_done
+from ngramcache.client.kernel.errors import NamespaceNotFoundError, NgramCacheError
+from ngramcache.client.kernel.tasks import cancel_until_done
 
 from .counts.history import HistoryAppend, HistoryBatch, HistoryPage, HistoryRecord
-from .counts.namespace import NamespaceInfo, check_tokenizer
+from .counts.namespace import NamespaceRecord, check_tokenizer
 from .metrics import Metrics
 from .store_runner import StoreRunner
 
@@ -127,7 +127,7 @@ class HistoryTail:
         self.last: str | None = None  # the poller's cursor (None: not started; it reads from the oldest kept)
         self.last_used = 0.0
         self.polls = 0  # store reads the poller made (tests and the bench read it)
-        self.info: NamespaceInfo | None = None
+        self.info: NamespaceRecord | None = None
         self._info_at = -1e9
         self._news = asyncio.Event()  # replaced after every append: waiters wake on the one they hold
         self._wake = asyncio.Event()

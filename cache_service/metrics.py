@@ -54,7 +54,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from ngramcache.client.errors import BackendUnavailableError, NgramCacheError
+from ngramcache.client.kernel.errors import BackendUnavailableError, NgramCacheError
 
 from .counts.history import BYTES_PER_TOKEN, HistoryAppend
 

@@ -21,11 +21,11 @@ from collections.abc import Callable
 
 import numpy as np
 
-from ngramcache.client import CountTable, Drafter
-from ngramcache.client.errors import NamespaceNotFoundError, NgramCacheError, ResyncRequiredError
-from ngramcache.client.tasks import cancel_until_done
+from ngramcache.client._core import CountTable, Drafter
+from ngramcache.client.kernel.errors import NamespaceNotFoundError, NgramCacheError, ResyncRequiredError
+from ngramcache.client.kernel.tasks import cancel_until_done
 
-from .counts import NamespaceInfo
+from .counts import NamespaceRecord
 from .draft_view import DraftView, ViewPolicy
 from .peer_sync import PeerSync
 from .static_store import StaticStore
@@ -50,7 +50,7 @@ class MirrorState:
 class LiveNamespace:
     """One namespace's drafter, dynamic mirror and static generation (see module docstring)."""
 
-    def __init__(self, info: NamespaceInfo, *, max_sessions: int, session_memory: int,
+    def __init__(self, info: NamespaceRecord, *, max_sessions: int, session_memory: int,
                  view_policy: ViewPolicy | None = None,
                  on_match_drafter: Callable[[str, Drafter], None] | None = None) -> None:
         self.info = info
@@ -275,7 +275,7 @@ class NamespaceRegistry:
                     self._scanning[info.name] = task
                     task.add_done_callback(functools.partial(self._scan_done, info.name))
 
-    async def _scan_one(self, info: NamespaceInfo) -> None:
+    async def _scan_one(self, info: NamespaceRecord) -> None:
         assert self.peer_sync is not None
         try:
             await self.peer_sync.sync(info)

@@ -22,10 +22,10 @@ import grpc
 from grpc import aio
 
 from ngramcache.client._proto.v1 import static_files_pb2, static_files_pb2_grpc
-from ngramcache.client.errors import BackendUnavailableError, NgramCacheError
-from ngramcache.client.transport import auth_metadata, channel_credentials
+from ngramcache.client.kernel.errors import BackendUnavailableError, NgramCacheError
+from ngramcache.client.wire.transport import auth_metadata, channel_credentials
 
-from .counts import CountsStore, NamespaceInfo
+from .counts import CountsStore, NamespaceRecord
 from .static_store import StaticStore
 from .store_runner import StoreRunner
 
@@ -58,7 +58,7 @@ class PeerSync:
         self.fetched = 0  # generations installed from peers (metrics)
         self.refused = 0  # transfers refused (corrupt, truncated)
 
-    async def sync(self, info: NamespaceInfo) -> int:
+    async def sync(self, info: NamespaceRecord) -> int:
         """Install the namespace's committed generation if it is newer than ours; return our latest after."""
         latest = self._static.latest(info.name)
         have = latest.generation if latest else 0
@@ -79,7 +79,7 @@ class PeerSync:
                             committed.generation, committed.location, attempt, self._attempts, e)
         return have
 
-    async def fetch_base(self, info: NamespaceInfo, generation: int, addresses: list[str]) -> str:
+    async def fetch_base(self, info: NamespaceRecord, generation: int, addresses: list[str]) -> str:
         """Install ``generation`` (the corpus base, below the latest) from the first of ``addresses`` that has it.
 
         Returns "" once installed, else why not (one line per address tried).
@@ -102,7 +102,7 @@ class PeerSync:
             return aio.secure_channel(address, self._credentials, options=options)
         return aio.insecure_channel(address, options=options)
 
-    async def _fetch(self, info: NamespaceInfo, generation: int, address: str, restore: bool = False) -> None:
+    async def _fetch(self, info: NamespaceRecord, generation: int, address: str, restore: bool = False) -> None:
         async with self._channel(address) as channel:
             stub = static_files_pb2_grpc.StaticFilesStub(channel)  # type: ignore[no-untyped-call]  # generated, untyped
             request = static_files_pb2.FetchRequest(namespace=info.name, generation=generation)

@@ -44,20 +44,20 @@ from typing import Any
 
 import numpy as np
 
-from ngramcache.client import StaticBuilder, StaticCache
-from ngramcache.client.corpus import collect_inputs, is_token_file, token_streams
-from ngramcache.client.errors import (
+from ngramcache.client._core import StaticBuilder, StaticCache
+from ngramcache.client.kernel.corpus import collect_inputs, is_token_file, token_streams
+from ngramcache.client.kernel.errors import (
     CacheFormatError,
     GenerationNotFoundError,
     InvalidArgumentError,
     LeaseHeldError,
     LeaseLostError,
 )
-from ngramcache.client.rows import COUNT, N
-from ngramcache.client.sglang_corpus import corpus_documents
+from ngramcache.client.kernel.rows import COUNT, N
+from ngramcache.client.kernel.sglang_corpus import corpus_documents
 
 from .confinement import check_under_roots, confine_corpus
-from .counts import CountsStore, NamespaceInfo
+from .counts import CountsStore, NamespaceRecord
 from .counts.store import CommittedGeneration, Lease
 from .peer_sync import PeerSync
 from .static_store import PublishResult, StaticStore, publish_refused
@@ -308,7 +308,7 @@ class Rebuilder:
             if not await self._runner.call(self._store.renew_lease, lease, self._ttl_ms):
                 raise LeaseLostError(f"the rebuild lease of {lease.namespace!r} was lost while building")
 
-    async def _open_base(self, info: NamespaceInfo, committed: CommittedGeneration) -> StaticCache:
+    async def _open_base(self, info: NamespaceRecord, committed: CommittedGeneration) -> StaticCache:
         """The corpus base's file, verified: this replica's, else fetched from a replica that holds it.
 
         Raises:

@@ -28,7 +28,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from ngramcache.client.errors import InvalidArgumentError
+from ngramcache.client.kernel.errors import InvalidArgumentError
 
 from .counts.namespace import validate_namespace
 from .toml_files import tomllib

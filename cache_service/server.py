@@ -35,7 +35,7 @@ from ngramcache.client._proto.v1 import (
     static_files_pb2,
     static_files_pb2_grpc,
 )
-from ngramcache.client.errors import BackendUnavailableError, LeaseHeldError, NamespaceNotFoundError, NgramCacheError
+from ngramcache.client.kernel.errors import BackendUnavailableError, LeaseHeldError, NamespaceNotFoundError, NgramCacheError
 
 from .config import ServiceConfig
 from .confinement import parse_roots

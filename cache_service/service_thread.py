@@ -10,8 +10,8 @@ from collections.abc import Awaitable, Callable, Coroutine
 from types import TracebackType
 from typing import Any
 
-from ngramcache.client.errors import NgramCacheError
-from ngramcache.client.tasks import cancel_until_done
+from ngramcache.client.kernel.errors import NgramCacheError
+from ngramcache.client.kernel.tasks import cancel_until_done
 
 from .config import ServiceConfig
 from .server import Service, create_server

@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING, Final, Protocol, TypeVar
 import numpy as np
 from numpy.typing import NDArray
 
-from ngramcache.client import MAX_DRAFT
-from ngramcache.client.errors import InvalidArgumentError, NgramCacheError
+from ngramcache.client._core import MAX_DRAFT
+from ngramcache.client.kernel.errors import InvalidArgumentError, NgramCacheError
 
 if TYPE_CHECKING:
     from typing_extensions import Self  # typing.Self from Python 3.11

@@ -1,7 +1,7 @@
 """The one place where ngramcache errors become gRPC statuses (and the reason metadata).
 
-Servicers and the domain code raise the library's exceptions (`ngramcache.client.errors`,
-each with its row in the wire table `ngramcache.client.wire_errors.WIRE_ERRORS`) or
+Servicers and the domain code raise the library's exceptions (`ngramcache.client.kernel.errors`,
+each with its row in the wire table `ngramcache.client.wire.rpc_errors.WIRE_ERRORS`) or
 `ServiceError` for conditions that exist only on the wire (an evicted session); the error
 interceptor calls `status_of` and aborts the call with the code, the message and the
 trailing metadata entry ``ngc-error-reason`` (docs/protocol.md lists the codes and
@@ -16,14 +16,14 @@ import re
 
 import grpc
 
-from ngramcache.client.errors import (
+from ngramcache.client.kernel.errors import (
     BackendUnavailableError,
     LimitExceededError,
     NgramCacheError,
     OverloadedError,
     StoreAuthenticationError,
 )
-from ngramcache.client.wire_errors import (  # the reasons, re-exported for the servicers
+from ngramcache.client.wire.rpc_errors import (  # the reasons, re-exported for the servicers
     BATCH_TOO_OLD,
     CACHE_FORMAT,
     CHECKSUM_MISMATCH,

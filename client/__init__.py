@@ -1,7 +1,6 @@
 """ngramcache.client: the compiled drafting core, static caches and tools for inference workers."""
 
-from importlib import metadata as _metadata
-
+from ngramcache.client import _moved
 from ngramcache.client._core import (
     MAX_DRAFT,
     MAX_VOCAB,
@@ -19,9 +18,8 @@ from ngramcache.client._core import (
     replay,
 )
 from ngramcache.client.adapters.draft_length import DraftLengthPolicy, VerifyCost
-from ngramcache.client.admin import AdminClient
-from ngramcache.client.build import BuildResult, IndexBudgetWarning, build_static_from_tokens
-from ngramcache.client.errors import (
+from ngramcache.client.kernel.build import BuildResult, IndexBudgetWarning, build_static_from_tokens
+from ngramcache.client.kernel.errors import (
     BackendUnavailableError,
     BatchTooOldError,
     CacheFormatError,
@@ -44,14 +42,14 @@ from ngramcache.client.errors import (
     StoreAuthenticationError,
     TokenizerMismatchError,
 )
-from ngramcache.client.remote import RemoteDrafter
+from ngramcache.client.kernel.tokenizer import Tokenizer, load_tokenizer
+from ngramcache.client.kernel.version import __version__ as __version__
 from ngramcache.client.sync import ClientConfig, NgramClient
-from ngramcache.client.tokenizer import Tokenizer, load_tokenizer
+from ngramcache.client.sync.admin import AdminClient
+from ngramcache.client.sync.remote import RemoteDrafter
 
-try:
-    __version__ = _metadata.version("ngramcache")
-except _metadata.PackageNotFoundError:  # running from a source tree that was never installed
-    __version__ = "0+unknown"
+_moved.install()  # the old paths of modules that moved into kernel/, wire/, sync/ and tools/ (deprecated)
+
 
 __all__ = [
     "MAX_DRAFT",

@@ -4,7 +4,7 @@
 - `worker`: the worker process, and `WorkerProcess`, the demo's handle on it.
 
 The service runs in this process (`ngramcache.cache_service.service_thread.ServiceThread`).
-The steps after the client's local build and replay (`ngramcache.client.cli.run_local_demo`):
+The steps after the client's local build and replay (`ngramcache.client.tools.cli.run_local_demo`):
 start the service in this process (its own asyncio loop on a thread, a free loopback port,
 the embedded counts store), publish the cache as generation 1 of two namespaces, start two
 worker processes that draft locally with `NgramClient`, replay overlapping held-out files

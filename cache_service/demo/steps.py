@@ -19,8 +19,8 @@ from typing import Any
 
 import numpy as np
 
-from ngramcache.client import cli as client_cli
-from ngramcache.client.errors import InvalidArgumentError, NgramCacheError
+from ngramcache.client.kernel.errors import InvalidArgumentError, NgramCacheError
+from ngramcache.client.tools import cli as client_cli
 
 from ..config import ServiceConfig
 from ..service_thread import ServiceThread
@@ -75,8 +75,8 @@ async def _remote_session(port: int, text: np.ndarray, n_draft: int) -> tuple[in
     from grpc import aio
 
     from ngramcache import UNTAGGED
-    from ngramcache.client._proto.codec import bytes_to_tokens, tokens_to_bytes
     from ngramcache.client._proto.v1 import drafting_pb2, drafting_pb2_grpc
+    from ngramcache.client.wire.codec import bytes_to_tokens, tokens_to_bytes
 
     async with aio.insecure_channel(f"127.0.0.1:{port}") as ch:
         requests: asyncio.Queue[drafting_pb2.SessionRequest | None] = asyncio.Queue()

@@ -16,7 +16,7 @@ from typing import IO, Any
 
 import numpy as np
 
-from ngramcache.client.errors import InvalidArgumentError, NgramCacheError
+from ngramcache.client.kernel.errors import InvalidArgumentError, NgramCacheError
 
 VOCAB = 256  # byte tokens
 PROBE_TIMEOUT = 10.0  # seconds a worker watches for one probe's n-gram

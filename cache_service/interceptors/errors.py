@@ -1,6 +1,6 @@
 """Error interceptor: every exception a handler raises ends the call with its mapped status.
 
-Handlers raise library errors (`ngramcache.client.errors`) or `status.ServiceError`; this
+Handlers raise library errors (`ngramcache.client.kernel.errors`) or `status.ServiceError`; this
 interceptor turns them into the gRPC status, message and ``ngc-error-reason`` trailing
 metadata that `status.status_of` picks, for all four kinds of RPC. An unexpected exception
 is logged with its traceback here (once) and ends INTERNAL. Aborts raised by the handler
@@ -20,7 +20,7 @@ from typing import Any
 import grpc
 from grpc import aio
 
-from ngramcache.client.errors import InvalidArgumentError
+from ngramcache.client.kernel.errors import InvalidArgumentError
 
 from ..status import status_of
 

@@ -10,11 +10,12 @@ from typing import Final
 
 from grpc import aio
 
-from ngramcache.client import MAX_DRAFT, MAX_VOCAB, NGRAM_MAX, __version__
+from ngramcache.client._core import MAX_DRAFT, MAX_VOCAB, NGRAM_MAX
 from ngramcache.client._proto.v1 import admin_pb2, admin_pb2_grpc
-from ngramcache.client.errors import InvalidArgumentError, NamespaceNotFoundError
+from ngramcache.client.kernel.errors import InvalidArgumentError, NamespaceNotFoundError
+from ngramcache.client.kernel.version import __version__
 
-from ..counts.namespace import NamespaceInfo, validate_namespace
+from ..counts.namespace import NamespaceRecord, validate_namespace
 from ..rebuild import Rebuilder, RebuildOptions, RebuildStatus
 from ..store_runner import StoreRunner
 
@@ -189,7 +190,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
             file_bytes=s.file_bytes, error=s.error, holder=holder, history_tokens=s.history_tokens,
             base_generation=s.base_generation)
 
-    async def _describe(self, info: NamespaceInfo) -> admin_pb2.Namespace:
+    async def _describe(self, info: NamespaceRecord) -> admin_pb2.Namespace:
         version = await self._runner.call(self._store.version, info.name)
         latest = 0
         if self._latest_generation is not None:
@@ -199,7 +200,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
             buckets=info.buckets, shards=info.shards, instance=info.instance, counts_version=version,
             latest_generation=latest)
 
-    async def _describe_if_present(self, info: NamespaceInfo) -> admin_pb2.Namespace | None:
+    async def _describe_if_present(self, info: NamespaceRecord) -> admin_pb2.Namespace | None:
         try:
             return await self._describe(info)
         except NamespaceNotFoundError:  # dropped since it was listed

@@ -13,10 +13,10 @@ from collections.abc import AsyncIterator, Iterator
 import grpc
 from grpc import aio
 
-from ngramcache.client import MAX_VOCAB
-from ngramcache.client._proto.codec import bytes_to_tokens, tokens_to_bytes
+from ngramcache.client._core import MAX_VOCAB
 from ngramcache.client._proto.v1 import drafting_pb2, drafting_pb2_grpc
-from ngramcache.client.errors import InvalidArgumentError, NamespaceNotFoundError, TokenizerMismatchError
+from ngramcache.client.kernel.errors import InvalidArgumentError, NamespaceNotFoundError, TokenizerMismatchError
+from ngramcache.client.wire.codec import bytes_to_tokens, tokens_to_bytes
 
 from ..metrics import Metrics
 from ..namespaces import LiveNamespace, NamespaceRegistry
@@ -86,7 +86,7 @@ class DraftingServicer(drafting_pb2_grpc.DraftingServicer):
             max_sessions=max_sessions, idle_timeout=idle_timeout, max_session_tokens=max_session_tokens,
             max_step_tokens=max_step_tokens, max_draft_tokens=max_draft_tokens,
             max_sessions_per_client=max_sessions_per_client))
-        self._metrics = metrics  # observability (issue 8)
+        self._metrics = metrics
         if metrics is not None:
             metrics.watch_sessions(lambda: self.active_sessions)
 

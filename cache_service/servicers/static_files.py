@@ -8,9 +8,9 @@ from collections.abc import AsyncIterator, Awaitable
 from grpc import aio
 
 from ngramcache.client._proto.v1 import static_files_pb2, static_files_pb2_grpc
-from ngramcache.client.errors import GenerationConflictError, GenerationNotNewerError, InvalidArgumentError
+from ngramcache.client.kernel.errors import GenerationConflictError, GenerationNotNewerError, InvalidArgumentError
 
-from ..counts.namespace import NamespaceInfo
+from ..counts.namespace import NamespaceRecord
 from ..rebuild import Rebuilder
 from ..static_store import GenerationInfo, PublishResult, StaticStore, publish_refused
 from ..status import limit_exceeded
@@ -59,7 +59,7 @@ class StaticFilesServicer(static_files_pb2_grpc.StaticFilesServicer):
         self.max_file_bytes = max_file_bytes
         self.chunk_bytes = chunk_bytes
 
-    async def _namespace(self, namespace: str) -> NamespaceInfo:
+    async def _namespace(self, namespace: str) -> NamespaceRecord:
         # InvalidArgumentError for a malformed name, NamespaceNotFoundError for an unknown one.
         return await self._runner.call(self._runner.store.namespace_info, namespace)
 

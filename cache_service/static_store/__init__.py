@@ -13,7 +13,7 @@ Modules, one concept each:
 * `retention`: old generations pruned, a dropped namespace's folder, crash leftovers.
 * `store`: `StaticStore`, the facade over the modules above.
 
-It raises the library's errors (`ngramcache.client.errors`) and imports no grpc: the
+It raises the library's errors (`ngramcache.client.kernel.errors`) and imports no grpc: the
 service's `status.status_of` maps them to status codes through the wire error table.
 """
 

@@ -10,8 +10,8 @@ import threading
 from pathlib import Path
 
 from ngramcache.client._core import StaticCache
-from ngramcache.client.errors import CacheFormatError
-from ngramcache.client.files import sha256_of_file as _sha256_of
+from ngramcache.client.kernel.errors import CacheFormatError
+from ngramcache.client.kernel.files import sha256_of_file as _sha256_of
 
 from .layout import (
     GENERATION_RE,

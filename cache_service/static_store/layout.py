@@ -26,8 +26,8 @@ from pathlib import Path
 from typing import Final
 
 from ngramcache.client._core import StaticCache
-from ngramcache.client.errors import GenerationNotFoundError, GenerationNotNewerError, InvalidArgumentError
-from ngramcache.client.files import write_file_atomic
+from ngramcache.client.kernel.errors import GenerationNotFoundError, GenerationNotNewerError, InvalidArgumentError
+from ngramcache.client.kernel.files import write_file_atomic
 
 from ..counts.namespace import validate_namespace
 

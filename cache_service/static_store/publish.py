@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Final
 
 from ngramcache.client._core import StaticCache
-from ngramcache.client.errors import (
+from ngramcache.client.kernel.errors import (
     CacheFormatError,
     GenerationConflictError,
     GenerationNotNewerError,
@@ -22,7 +22,7 @@ from ngramcache.client.errors import (
     NamespaceNotFoundError,
     TokenizerMismatchError,
 )
-from ngramcache.client.files import fsync_dir, fsync_file, is_disk_full, sha256_of_file
+from ngramcache.client.kernel.files import fsync_dir, fsync_file, is_disk_full, sha256_of_file
 
 from .index import Entry, GenerationIndex
 from .layout import (

@@ -9,8 +9,8 @@ import time
 from pathlib import Path
 
 from ngramcache.client._core import StaticCache
-from ngramcache.client.errors import CacheFormatError
-from ngramcache.client.files import fsync_dir
+from ngramcache.client.kernel.errors import CacheFormatError
+from ngramcache.client.kernel.files import fsync_dir
 
 from .index import GenerationIndex
 from .layout import GENERATION_RE, SIDECAR_RE, TEMPORARY_RE, generation_file_name, sidecar_name

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import BinaryIO, TypeVar
 
 from ngramcache.client._core import StaticCache
-from ngramcache.client.errors import ChecksumMismatchError, InvalidArgumentError, NgramCacheError, OffsetOutOfRangeError
+from ngramcache.client.kernel.errors import ChecksumMismatchError, InvalidArgumentError, NgramCacheError, OffsetOutOfRangeError
 
 from ..counts.namespace import normalize_fingerprint
 from . import retention

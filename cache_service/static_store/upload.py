@@ -10,8 +10,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import BinaryIO, Protocol
 
-from ngramcache.client.errors import InvalidArgumentError, LimitExceededError
-from ngramcache.client.files import is_disk_full
+from ngramcache.client.kernel.errors import InvalidArgumentError, LimitExceededError
+from ngramcache.client.kernel.files import is_disk_full
 
 from .layout import GenerationInfo, PublishResult
 

@@ -7,7 +7,7 @@ import contextlib
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 
-from ngramcache.client.errors import NamespaceNotFoundError
+from ngramcache.client.kernel.errors import NamespaceNotFoundError
 
 from .layout import GenerationInfo, check_namespace
 

@@ -10,7 +10,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from ngramcache.client.adapters.sequence_feed import DrafterLike
-from ngramcache.client.errors import InvalidArgumentError
+from ngramcache.client.kernel.errors import InvalidArgumentError
 
 __all__ = ["BatchRows", "RowSequence"]
 

@@ -8,7 +8,7 @@ from collections.abc import Callable, Mapping, Sequence
 import numpy as np
 from numpy.typing import NDArray
 
-from ngramcache.client.errors import InvalidArgumentError
+from ngramcache.client.kernel.errors import InvalidArgumentError
 
 __all__ = ["DraftLengthPolicy", "VerifyCost", "best_length", "best_tree_size", "expected_tokens"]
 

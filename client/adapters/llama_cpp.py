@@ -63,7 +63,7 @@ except ImportError as e:  # the engine is an optional extra
 from ngramcache.client.adapters.draft_length import DraftLengthPolicy, VerifyCost
 from ngramcache.client.adapters.sequence_feed import DrafterLike, DraftStats, SequenceFeed
 from ngramcache.client.adapters.step_costs import UNSCORED_ODDS, StepCosts, draft_length_setting
-from ngramcache.client.errors import InvalidArgumentError
+from ngramcache.client.kernel.errors import InvalidArgumentError
 
 __all__ = ["DraftStats", "NgramDraftModel", "measure_verify_cost"]
 

@@ -11,7 +11,7 @@ from numpy.typing import NDArray
 
 from ngramcache.client._core import Drafter
 from ngramcache.client.adapters.draft_length import DraftLengthPolicy
-from ngramcache.client.errors import InvalidArgumentError
+from ngramcache.client.kernel.errors import InvalidArgumentError
 
 __all__ = ["DEAR_MAX_DRAFT", "UNCAPPED_MAX_COST", "DraftStats", "DrafterLike", "SequenceFeed"]
 
@@ -28,7 +28,7 @@ DEAR_MAX_DRAFT = 16
 
 class DrafterLike(Protocol):
     """What the adapters need of a drafter: `ngramcache.Drafter`, `NgramClient(...).drafter()`
-    and `ngramcache.client.remote.RemoteDrafter` all have it."""
+    and `ngramcache.client.sync.remote.RemoteDrafter` all have it."""
 
     def draft(self, seq: int, tokens: NDArray[np.int32], n_draft: int = 8) -> NDArray[np.int32]: ...
 

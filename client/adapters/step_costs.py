@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from ngramcache.client.adapters.draft_length import VerifyCost
-from ngramcache.client.errors import InvalidArgumentError
+from ngramcache.client.kernel.errors import InvalidArgumentError
 
 __all__ = ["AUTO", "MAX_AUTO_DRAFT", "UNSCORED_ODDS", "StepCosts", "draft_length_setting"]
 

@@ -42,7 +42,7 @@ from ngramcache.client.adapters.batch_rows import BatchRows
 from ngramcache.client.adapters.draft_length import best_length
 from ngramcache.client.adapters.sequence_feed import DEAR_MAX_DRAFT, UNCAPPED_MAX_COST, DrafterLike, DraftStats
 from ngramcache.client.adapters.step_costs import AUTO, UNSCORED_ODDS, StepCosts
-from ngramcache.client.errors import InvalidArgumentError
+from ngramcache.client.kernel.errors import InvalidArgumentError
 
 __all__ = ["METHOD", "NgramCacheProposer", "ProposerConfig", "open_drafter", "register"]
 
@@ -264,7 +264,7 @@ def open_drafter(cfg: ProposerConfig, vllm_config: Any, own: Callable[[Any], Any
         InvalidArgumentError: a missing file, an unknown tokenizer or vocabulary size.
         TokenizerMismatchError: a static file of another tokenizer than ``cfg.tokenizer``.
     """
-    from ngramcache.client import UNTAGGED, Drafter, StaticCache
+    from ngramcache.client._core import UNTAGGED, Drafter, StaticCache
 
     if cfg.static:
         if not os.path.isfile(cfg.static):
@@ -276,7 +276,7 @@ def open_drafter(cfg: ProposerConfig, vllm_config: Any, own: Callable[[Any], Any
     if cfg.service:
         tokenizer = _tokenizer(cfg, vllm_config)
         if cfg.remote:
-            from ngramcache.client.remote import RemoteDrafter
+            from ngramcache.client.sync.remote import RemoteDrafter
 
             remote = RemoteDrafter(cfg.service[0], str(cfg.namespace), tokenizer, token=cfg.token, mode=cfg.mode,
                                    tls_ca=cfg.tls_ca, tls_cert=cfg.tls_cert, tls_key=cfg.tls_key)
@@ -292,7 +292,7 @@ def open_drafter(cfg: ProposerConfig, vllm_config: Any, own: Callable[[Any], Any
 
 
 def _tokenizer(cfg: ProposerConfig, vllm_config: Any) -> Any:
-    from ngramcache.client.tokenizer import load_tokenizer
+    from ngramcache.client.kernel.tokenizer import load_tokenizer
 
     if cfg.tokenizer:
         return load_tokenizer(cfg.tokenizer)
@@ -428,7 +428,7 @@ class NgramCacheProposer:
         sent = 0
         if wanted and not costs.needs_baseline():  # else: a step with no drafts, to time one
             scored = getattr(self.drafter, "draft_scored", None)
-            from ngramcache.client import Drafter
+            from ngramcache.client._core import Drafter
 
             uncapped = self.config.mode == "match" and isinstance(self.drafter, Drafter)
             for k in wanted:
@@ -458,9 +458,9 @@ class NgramCacheProposer:
     def _draft(self, seq_ids: list[int], tokens: list[NDArray[np.int32]]) -> list[NDArray[np.int32]]:
         batch = getattr(self.drafter, "draft_batch", None)
         if callable(batch):
-            from ngramcache.client import Drafter
+            from ngramcache.client._core import Drafter
 
-            # One call for the whole batch, with the GIL released throughout (Drafter). In the match
+                        # One call for the whole batch, with the GIL released throughout (Drafter). In the match
             # mode each copy runs to the width (uncapped): vLLM verifies it in the step it runs anyway.
             if self.config.mode == "match" and isinstance(self.drafter, Drafter):
                 drafts, lengths = self.drafter.draft_batch(seq_ids, tokens, self.n_draft, uncapped=True)

@@ -53,7 +53,7 @@ from ngramcache.client.adapters.batch_rows import RowSequence
 from ngramcache.client.adapters.sequence_feed import DrafterLike, DraftStats
 from ngramcache.client.adapters.step_costs import UNSCORED_ODDS
 from ngramcache.client.adapters.vllm import ProposerConfig, open_drafter
-from ngramcache.client.errors import InvalidArgumentError
+from ngramcache.client.kernel.errors import InvalidArgumentError
 
 __all__ = ["NgramCacheSpeculator"]
 
@@ -262,9 +262,9 @@ class NgramCacheSpeculator(BaseSpeculator):
     def _draft(self, seqs: list[RowSequence], limits: list[int],
                scored: bool) -> tuple[list[NDArray[np.int32]], list[NDArray[np.float32]]]:
         """Drafts (and, when `scored`, each token's odds) for `seqs`, at most `limits` tokens each."""
-        from ngramcache.client import Drafter
+        from ngramcache.client._core import Drafter
 
-        # In the match mode each copy runs to the width (uncapped): vLLM verifies every slot anyway.
+                # In the match mode each copy runs to the width (uncapped): vLLM verifies every slot anyway.
         matcher = self.drafter if self.config.mode == "match" and isinstance(self.drafter, Drafter) else None
         uncapped = matcher is not None
         draft_scored = getattr(self.drafter, "draft_scored", None) if scored else None

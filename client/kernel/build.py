@@ -13,12 +13,13 @@ from typing import TYPE_CHECKING
 import numpy as np
 from numpy.typing import NDArray
 
-from ngramcache.client import _core, corpus
+from ngramcache.client import _core
 from ngramcache.client._core import StaticBuilder, StaticCache
-from ngramcache.client.errors import InvalidArgumentError
+from ngramcache.client.kernel import corpus
+from ngramcache.client.kernel.errors import InvalidArgumentError
 
 if TYPE_CHECKING:
-    from ngramcache.client.tokenizer import Tokenizer
+    from ngramcache.client.kernel.tokenizer import Tokenizer
 
 __all__ = ["BuildResult", "IndexBudgetWarning", "build_static", "build_static_from_tokens", "out_of_vocabulary"]
 

@@ -18,10 +18,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ngramcache.client.errors import InvalidArgumentError
+from ngramcache.client.kernel.errors import InvalidArgumentError
 
 if TYPE_CHECKING:
-    from ngramcache.client.tokenizer import Tokenizer
+    from ngramcache.client.kernel.tokenizer import Tokenizer
 
 TOKEN_SUFFIXES = (".bin", ".tokens")  # raw little-endian int32
 NPY_SUFFIX = ".npy"                   # numpy int32, 1-D; optional sibling <stem>.offsets.npy

@@ -37,7 +37,7 @@ class BackendUnavailableError(NgramCacheError, ConnectionError):
 
 
 class ServiceUnreachableError(BackendUnavailableError):
-    """A service address did not answer, with the cause a probe found (`ngramcache.client.diagnose`).
+    """A service address did not answer, with the cause a probe found (`ngramcache.client.wire.diagnose`).
 
     Retriable unless the cause is one waiting cannot fix (TLS on one side only, a certificate
     the CA did not sign, a server that is not gRPC).

@@ -16,7 +16,7 @@ import numpy as np
 
 from ngramcache.client._core import MAX_VOCAB, NGRAM_MAX
 from ngramcache.client._core import ROW_WIDTH as _CORE_ROW_WIDTH
-from ngramcache.client.errors import InvalidArgumentError
+from ngramcache.client.kernel.errors import InvalidArgumentError
 
 __all__ = [
     "COUNT",

@@ -12,11 +12,11 @@ import numpy as np
 from numpy.typing import NDArray
 
 from ngramcache.client._core import UNTAGGED, StaticCache
-from ngramcache.client.errors import CacheFormatError, InvalidArgumentError, TokenizerMismatchError
-from ngramcache.client.files import write_lines_atomic
+from ngramcache.client.kernel.errors import CacheFormatError, InvalidArgumentError, TokenizerMismatchError
+from ngramcache.client.kernel.files import write_lines_atomic
 
 if TYPE_CHECKING:
-    from ngramcache.client.tokenizer import Tokenizer
+    from ngramcache.client.kernel.tokenizer import Tokenizer
 
 __all__ = ["SGLANG_DEFAULT_MAX_TOKENS", "SglangExport", "corpus_documents", "export_sglang"]
 

@@ -21,12 +21,12 @@ import re
 from pathlib import Path
 
 from ngramcache.client._core import StaticCache
-from ngramcache.client.errors import CacheFormatError, InvalidArgumentError, TokenizerMismatchError
-from ngramcache.client.files import fsync_dir, sha256_of_file
+from ngramcache.client.kernel.errors import CacheFormatError, InvalidArgumentError, TokenizerMismatchError
+from ngramcache.client.kernel.files import fsync_dir, sha256_of_file
 
-__all__ = ["GenerationFiles", "default_cache_dir", "prepare_cache_dir", "sha256_of_file"]  # sha256_of_file: ngramcache.client.files's, kept here for its users
+__all__ = ["GenerationFiles", "default_cache_dir", "prepare_cache_dir", "sha256_of_file"]  # sha256_of_file: ngramcache.client.kernel.files's, kept here for its users
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("ngramcache.client.static_files")  # a logger name that log configs can rely on, whatever folder holds the module
 
 def default_cache_dir() -> str:
     """A node's generation cache when none is given: ``$XDG_CACHE_HOME/ngramcache`` (``~/.cache/ngramcache``)."""

@@ -18,12 +18,12 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ngramcache.client import corpus
-from ngramcache.client.errors import InvalidArgumentError
-from ngramcache.client.files import fsync_dir
+from ngramcache.client.kernel import corpus
+from ngramcache.client.kernel.errors import InvalidArgumentError
+from ngramcache.client.kernel.files import fsync_dir
 
 if TYPE_CHECKING:
-    from ngramcache.client.tokenizer import Tokenizer
+    from ngramcache.client.kernel.tokenizer import Tokenizer
 
 __all__ = ["TokenizeResult", "offsets_path", "tokenize_to_npy"]
 

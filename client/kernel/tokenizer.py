@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from ngramcache.client.errors import InvalidArgumentError
+from ngramcache.client.kernel.errors import InvalidArgumentError
 
 __all__ = ["Tokenizer", "load_tokenizer", "tiktoken_encoding_names"]
 

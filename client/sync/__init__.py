@@ -12,13 +12,13 @@
 - `health`: failover from a replica that hangs or says NOT_SERVING.
 - `client`: `NgramClient`, the synchronous facade that owns the background thread.
 
-The channel, credentials, retries and the wire error mapping are `ngramcache.client.transport`'s.
+The channel, credentials, retries and the wire error mapping are `ngramcache.client.wire.transport`'s.
 """
 
 from ngramcache.client.sync.client import NgramClient
 from ngramcache.client.sync.config import ClientConfig, HasTokenizer
 from ngramcache.client.sync.pusher import aggregate_rows
-from ngramcache.client.transport import Backoff, channel_credentials, error_from_rpc
+from ngramcache.client.wire.transport import Backoff, channel_credentials, error_from_rpc
 
 __all__ = ["Backoff", "ClientConfig", "HasTokenizer", "NgramClient", "aggregate_rows", "channel_credentials",
            "error_from_rpc"]

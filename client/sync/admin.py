@@ -23,9 +23,9 @@ import grpc
 
 from ngramcache.client._core import StaticCache
 from ngramcache.client._proto.v1 import admin_pb2, admin_pb2_grpc, static_files_pb2, static_files_pb2_grpc
-from ngramcache.client.address import check_address
 from ngramcache.client.sync.config import HasTokenizer
-from ngramcache.client.transport import (
+from ngramcache.client.wire.address import check_address
+from ngramcache.client.wire.transport import (
     auth_metadata,
     channel_credentials,
     error_from_rpc,
@@ -139,7 +139,7 @@ class AdminClient:
 
     def wait_ready(self) -> None:
         """Wait up to the timeout for the service to answer, failing at once when a connection attempt fails
-        for a cause a probe can name (`ngramcache.client.transport.wait_ready`).
+        for a cause a probe can name (`ngramcache.client.wire.transport.wait_ready`).
 
         Raises:
             ServiceUnreachableError: refused, unknown host, TLS on one side only, an untrusted certificate,

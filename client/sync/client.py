@@ -21,9 +21,7 @@ from typing import Any, TypeVar
 
 from ngramcache.client._core import CountTable, Drafter
 from ngramcache.client._proto.v1 import admin_pb2
-from ngramcache.client.address import check_address
-from ngramcache.client.diagnose import Diagnosis, diagnose
-from ngramcache.client.errors import (
+from ngramcache.client.kernel.errors import (
     BackendUnavailableError,
     ConnectTimeoutError,
     InvalidArgumentError,
@@ -31,7 +29,8 @@ from ngramcache.client.errors import (
     ServiceUnreachableError,
     TokenizerMismatchError,
 )
-from ngramcache.client.static_files import GenerationFiles, default_cache_dir, prepare_cache_dir
+from ngramcache.client.kernel.static_files import GenerationFiles, default_cache_dir, prepare_cache_dir
+from ngramcache.client.kernel.tasks import cancel_until_done
 from ngramcache.client.sync.config import ClientConfig, HasTokenizer
 from ngramcache.client.sync.health import HealthWatch
 from ngramcache.client.sync.history import HistoryPublisher, HistoryStats
@@ -40,8 +39,9 @@ from ngramcache.client.sync.mirror import Mirror
 from ngramcache.client.sync.pusher import Pusher
 from ngramcache.client.sync.state import SyncState
 from ngramcache.client.sync.static_sync import StaticSync
-from ngramcache.client.tasks import cancel_until_done
-from ngramcache.client.transport import Channel, read_pem
+from ngramcache.client.wire.address import check_address
+from ngramcache.client.wire.diagnose import Diagnosis, diagnose
+from ngramcache.client.wire.transport import Channel, read_pem
 
 __all__ = ["NgramClient"]
 

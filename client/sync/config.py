@@ -5,8 +5,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Protocol
 
-from ngramcache.client.errors import InvalidArgumentError
-from ngramcache.client.transport import Backoff
+from ngramcache.client.kernel.errors import InvalidArgumentError
+from ngramcache.client.wire.transport import Backoff
 
 __all__ = ["ClientConfig", "HasTokenizer"]
 

@@ -31,13 +31,13 @@ import numpy as np
 from grpc import aio
 from numpy.typing import NDArray
 
-from ngramcache.client._proto.codec import bytes_to_tokens
 from ngramcache.client._proto.v1 import counts_pb2
-from ngramcache.client.errors import NgramCacheError
+from ngramcache.client.kernel.errors import NgramCacheError
+from ngramcache.client.kernel.history_sources import HELD_IDLE_SECONDS, MirroredRuns
 from ngramcache.client.sync.history import HistoryStats, LiveGroups
-from ngramcache.client.sync.history_sources import HELD_IDLE_SECONDS, MirroredRuns
 from ngramcache.client.sync.state import SyncState
-from ngramcache.client.transport import Channel
+from ngramcache.client.wire.codec import bytes_to_tokens
+from ngramcache.client.wire.transport import Channel
 
 __all__ = ["MIRROR_WAIT_MS", "HistoryMirror", "LagWindow"]
 

@@ -13,11 +13,11 @@ from grpc import aio
 from numpy.typing import NDArray
 
 from ngramcache.client._core import CountTable
-from ngramcache.client._proto.codec import bytes_to_count_rows
 from ngramcache.client._proto.v1 import counts_pb2
-from ngramcache.client.errors import BackendUnavailableError, ResyncRequiredError
+from ngramcache.client.kernel.errors import BackendUnavailableError, ResyncRequiredError
 from ngramcache.client.sync.state import SyncState
-from ngramcache.client.transport import Channel
+from ngramcache.client.wire.codec import bytes_to_count_rows
+from ngramcache.client.wire.transport import Channel
 
 __all__ = ["PULL_WAIT_MS", "Mirror"]
 

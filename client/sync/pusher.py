@@ -27,14 +27,14 @@ import grpc
 import numpy as np
 from numpy.typing import NDArray
 
-from ngramcache.client._proto.codec import delta_rows_to_bytes
 from ngramcache.client._proto.v1 import counts_pb2
-from ngramcache.client.errors import NgramCacheError, OverloadedError
-from ngramcache.client.rows import COUNT, DELTA_DTYPE, KEY_WIDTH, ROW_WIDTH
+from ngramcache.client.kernel.errors import NgramCacheError, OverloadedError
+from ngramcache.client.kernel.rows import COUNT, DELTA_DTYPE, KEY_WIDTH, ROW_WIDTH
 from ngramcache.client.sync.attempt import Attempts
 from ngramcache.client.sync.state import SyncState
-from ngramcache.client.transport import Channel, error_from_rpc
-from ngramcache.client.wire_errors import retry_after_of
+from ngramcache.client.wire.codec import delta_rows_to_bytes
+from ngramcache.client.wire.rpc_errors import retry_after_of
+from ngramcache.client.wire.transport import Channel, error_from_rpc
 
 __all__ = ["DROP_LOG_INTERVAL", "PushRate", "Pusher", "aggregate_rows"]
 

@@ -19,12 +19,12 @@ import numpy as np
 from numpy.typing import NDArray
 
 from ngramcache.client._core import MAX_DRAFT
-from ngramcache.client._proto.codec import bytes_to_tokens, tokens_to_bytes
 from ngramcache.client._proto.v1 import drafting_pb2, drafting_pb2_grpc
-from ngramcache.client.address import check_address
-from ngramcache.client.errors import InvalidArgumentError
+from ngramcache.client.kernel.errors import InvalidArgumentError
 from ngramcache.client.sync.config import HasTokenizer
-from ngramcache.client.transport import (
+from ngramcache.client.wire.address import check_address
+from ngramcache.client.wire.codec import bytes_to_tokens, tokens_to_bytes
+from ngramcache.client.wire.transport import (
     auth_metadata,
     channel_credentials,
     error_from_rpc,

@@ -11,9 +11,9 @@ from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 from ngramcache.client._core import Drafter
-from ngramcache.client.errors import NgramCacheError
+from ngramcache.client.kernel.errors import NgramCacheError
 from ngramcache.client.sync.config import ClientConfig
-from ngramcache.client.transport import Channel, FailoverChannel, auth_metadata, channel_credentials
+from ngramcache.client.wire.transport import Channel, FailoverChannel, auth_metadata, channel_credentials
 
 __all__ = ["SyncState", "SyncStats"]
 

@@ -10,10 +10,10 @@ import grpc
 
 from ngramcache.client._core import StaticCache
 from ngramcache.client._proto.v1 import static_files_pb2
-from ngramcache.client.errors import CacheFormatError, NgramCacheError, TokenizerMismatchError
-from ngramcache.client.static_files import GenerationFiles
+from ngramcache.client.kernel.errors import CacheFormatError, NgramCacheError, TokenizerMismatchError
+from ngramcache.client.kernel.static_files import GenerationFiles
 from ngramcache.client.sync.state import SyncState
-from ngramcache.client.transport import Channel, error_from_rpc
+from ngramcache.client.wire.transport import Channel, error_from_rpc
 
 __all__ = ["StaticSync"]
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 __all__ = ["HttpProxy", "Upstream"]
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("ngramcache.client.http_proxy")  # a logger name that log configs can rely on, whatever folder holds the module
 
 MAX_HEAD_BYTES = 64 * 1024  # a request or response head longer than this is refused (431 / 502)
 RELAY_BYTES = 64 * 1024

@@ -38,12 +38,12 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from ngramcache.client._core import StaticCache, export_llama
-from ngramcache.client.errors import InvalidArgumentError, NgramCacheError
-from ngramcache.client.http_proxy import HttpProxy, Upstream
+from ngramcache.client.kernel.errors import InvalidArgumentError, NgramCacheError
+from ngramcache.client.tools.http_proxy import HttpProxy, Upstream
 
 __all__ = ["GENERATION_HEADER", "SWITCH_MODES", "FollowConfig", "GenerationSource", "LlamaFollower", "check_server_command"]
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("ngramcache.client.llama_follow")  # a logger name that log configs can rely on, whatever folder holds the module
 
 SWITCH_MODES = ("overlap", "restart")
 # Arguments llama-follow gives llama-server itself: where it listens and which -lcs file it reads.
@@ -430,7 +430,7 @@ class ClientGenerations:
     """A `GenerationSource` over an `NgramClient`: the generation it has installed and attached, and its file."""
 
     def __init__(self, client: Any) -> None:
-        from ngramcache.client.static_files import GenerationFiles
+        from ngramcache.client.kernel.static_files import GenerationFiles
 
         self.client = client
         self.files = GenerationFiles(client.config.cache_dir, client.config.namespace)

@@ -64,7 +64,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from ngramcache.client.errors import InvalidArgumentError, NgramCacheError
+from ngramcache.client.kernel.errors import InvalidArgumentError, NgramCacheError
 
 __all__ = ["SglangError", "SglangHttp", "SglangTarget", "in_daemon_thread"]
 

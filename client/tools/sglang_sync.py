@@ -8,7 +8,7 @@ server: list its corpora; add ours if it is missing (a new generation, or a serv
 restarted and lost it); once it is listed, remove our older ones. A server that does not
 answer is retried with a growing delay, capped at ``interval``, so it catches up within one
 interval after it returns, and it never delays the other servers. The routes and their errors
-are `ngramcache.client.sglang_http`'s (pinned from SGLang 0.5.23's source).
+are `ngramcache.client.tools.sglang_http`'s (pinned from SGLang 0.5.23's source).
 
 The budget: SGLang's --speculative-ngram-external-corpus-max-tokens bounds the tokens of all its
 corpora together, and the new corpus is added before the old one is removed, so a corpus is cut
@@ -44,10 +44,15 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ngramcache.client._core import UNTAGGED, CountTable, Drafter, StaticCache
-from ngramcache.client.address import check_address
-from ngramcache.client.errors import InvalidArgumentError, NgramCacheError, TokenizerMismatchError
-from ngramcache.client.sglang_corpus import SGLANG_DEFAULT_MAX_TOKENS, corpus_documents
-from ngramcache.client.sglang_http import (
+from ngramcache.client.kernel.errors import InvalidArgumentError, NgramCacheError, TokenizerMismatchError
+from ngramcache.client.kernel.sglang_corpus import SGLANG_DEFAULT_MAX_TOKENS, corpus_documents
+from ngramcache.client.kernel.static_files import default_cache_dir, prepare_cache_dir
+from ngramcache.client.kernel.tasks import cancel_until_done
+from ngramcache.client.sync.client import SyncLoop
+from ngramcache.client.sync.config import ClientConfig
+from ngramcache.client.sync.state import SyncState
+from ngramcache.client.sync.static_sync import StaticSync
+from ngramcache.client.tools.sglang_http import (
     ALREADY_EXISTS,
     EMPTY,
     TRUNCATED,
@@ -56,17 +61,12 @@ from ngramcache.client.sglang_http import (
     SglangTarget,
     in_daemon_thread,
 )
-from ngramcache.client.static_files import default_cache_dir, prepare_cache_dir
-from ngramcache.client.sync.client import SyncLoop
-from ngramcache.client.sync.config import ClientConfig
-from ngramcache.client.sync.state import SyncState
-from ngramcache.client.sync.static_sync import StaticSync
-from ngramcache.client.tasks import cancel_until_done
+from ngramcache.client.wire.address import check_address
 
 if TYPE_CHECKING:
     from ngramcache.client._proto.v1 import static_files_pb2
-    from ngramcache.client.static_files import GenerationFiles
-    from ngramcache.client.tokenizer import Tokenizer
+    from ngramcache.client.kernel.static_files import GenerationFiles
+    from ngramcache.client.kernel.tokenizer import Tokenizer
 
 __all__ = ["REFUSED_RETRY_SECONDS", "SglangCorpus", "SglangSync", "corpus_id", "prepare_corpus"]
 

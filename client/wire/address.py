@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from ngramcache.client.errors import InvalidArgumentError
+from ngramcache.client.kernel.errors import InvalidArgumentError
 
 __all__ = ["DEFAULT_PORT", "GRPC_SCHEMES", "check_address", "host_port"]
 

@@ -6,7 +6,7 @@ a row), int64 for pulled absolute counts (56 bytes a row); see docs/protocol.md 
 not `repeated int32`. Decoding never copies on a little-endian machine: the arrays
 returned are read-only views of the message's bytes (the native core accepts them as they
 are). Lengths are checked here; the values (token ranges, row contents) are checked by
-the receiver (`ngramcache.client.rows.validate_deltas`, the drafter).
+the receiver (`ngramcache.client.kernel.rows.validate_deltas`, the drafter).
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from typing import Final
 import numpy as np
 from numpy.typing import NDArray
 
-from ngramcache.client.errors import InvalidArgumentError
-from ngramcache.client.rows import COUNTS_DTYPE, DELTA_DTYPE, ROW_WIDTH
+from ngramcache.client.kernel.errors import InvalidArgumentError
+from ngramcache.client.kernel.rows import COUNTS_DTYPE, DELTA_DTYPE, ROW_WIDTH
 
 __all__ = [
     "COUNT_ROW_BYTES",

@@ -21,7 +21,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from ngramcache.client.address import host_port
+from ngramcache.client.wire.address import host_port
 
 __all__ = ["CLI_NAMES", "Diagnosis", "diagnose"]
 

@@ -2,7 +2,7 @@
 
 Both sides derive their mapping from `WIRE_ERRORS`: the service's `status_of`
 (cache_service/status.py) sends an exception's row, the client's `error_from_rpc`
-(client/transport.py) raises the row's class again, so every error in the table arrives as
+(client/wire/transport.py) raises the row's class again, so every error in the table arrives as
 itself. A row without a reason is its code's default; docs/protocol.md lists the codes and
 reasons a client can see.
 """
@@ -14,7 +14,7 @@ from typing import Any
 
 import grpc
 
-from ngramcache.client.errors import (
+from ngramcache.client.kernel.errors import (
     BackendUnavailableError,
     BatchTooOldError,
     CacheFormatError,

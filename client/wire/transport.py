@@ -21,9 +21,14 @@ import grpc
 from grpc import aio
 
 from ngramcache.client._proto.v1 import admin_pb2_grpc, counts_pb2_grpc, static_files_pb2_grpc
-from ngramcache.client.diagnose import diagnose
-from ngramcache.client.errors import BackendUnavailableError, InvalidArgumentError, NgramCacheError, ServiceUnreachableError
-from ngramcache.client.wire_errors import REASON_KEY, error_class_for
+from ngramcache.client.kernel.errors import (
+    BackendUnavailableError,
+    InvalidArgumentError,
+    NgramCacheError,
+    ServiceUnreachableError,
+)
+from ngramcache.client.wire.diagnose import diagnose
+from ngramcache.client.wire.rpc_errors import REASON_KEY, error_class_for
 
 __all__ = ["REASON_KEY", "Backoff", "Channel", "FailoverChannel", "auth_metadata", "channel_credentials",
            "error_from_rpc", "open_channel", "read_pem", "unreachable_error", "wait_ready"]
@@ -49,7 +54,7 @@ def _reason(err: grpc.RpcError) -> str | None:
 def error_from_rpc(err: grpc.RpcError) -> NgramCacheError:
     """The library error for a failed call (its ``retriable`` says whether to try again).
 
-    Derived from the wire error table (`ngramcache.client.wire_errors`): an error the service
+    Derived from the wire error table (`ngramcache.client.wire.rpc_errors`): an error the service
     raised arrives as itself (`NamespaceNotFoundError`, `LeaseHeldError`, ...); UNAVAILABLE,
     DEADLINE_EXCEEDED, CANCELLED and ABORTED are otherwise `BackendUnavailableError`
     (retriable); RESOURCE_EXHAUSTED (a server limit) and the other codes a caller can fix
@@ -134,7 +139,7 @@ def unreachable_error(address: str, tls_ca: bytes | None = None, tls_cert: str |
                       tls_key: str | bytes | None = None, *, timeout: float = 2.0,
                       fallback: NgramCacheError | None = None) -> NgramCacheError:
     """The error for a service at ``address`` that gRPC could not reach: `ServiceUnreachableError` with the
-    cause a probe finds (`ngramcache.client.diagnose`), else ``fallback`` (or a plain BackendUnavailableError)."""
+    cause a probe finds (`ngramcache.client.wire.diagnose`), else ``fallback`` (or a plain BackendUnavailableError)."""
     found = diagnose(address, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key, timeout=timeout)
     if found is not None:
         return ServiceUnreachableError(found)

@@ -35,7 +35,7 @@ from helpers.redis_servers import RedisServer
 from ngramcache.cache_service.counts.factory import open_counts_store
 from ngramcache.cache_service.counts.layout import encode_batch
 from ngramcache.cache_service.counts.redis_backend import RedisCountsStore
-from ngramcache.client.rows import COUNT, DELTA_DTYPE, FOLLOWER, NGRAM_MAX, ROW_WIDTH, TOKENS, N
+from ngramcache.client.kernel.rows import COUNT, DELTA_DTYPE, FOLLOWER, NGRAM_MAX, ROW_WIDTH, TOKENS, N
 
 VOCAB = 128_256  # Llama 3: 3-byte tokens
 FP = bytes(range(32))

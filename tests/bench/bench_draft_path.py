@@ -42,7 +42,7 @@ from typing import Any
 import numpy as np
 
 from ngramcache import UNTAGGED, Drafter
-from ngramcache.client.tokenizer import load_tokenizer
+from ngramcache.client.kernel.tokenizer import load_tokenizer
 
 FLAT = [1.0 + k / 1000 for k in range(65)]  # a GPU's verify costs: every drafted token worth sending
 SETTINGS = {"fixed": dict(n_draft=64), "cost-aware": dict(n_draft=64, cost_aware=True, verify_cost=FLAT),

@@ -59,9 +59,9 @@ from helpers.service import SERVE_CLI
 
 from ngramcache import UNTAGGED
 from ngramcache.cache_service.counts import open_counts_store
-from ngramcache.client._proto.codec import bytes_to_delta_rows
 from ngramcache.client._proto.v1 import admin_pb2, admin_pb2_grpc, counts_pb2, counts_pb2_grpc
-from ngramcache.client.rows import COUNT
+from ngramcache.client.kernel.rows import COUNT
+from ngramcache.client.wire.codec import bytes_to_delta_rows
 
 SETTINGS = (0, 1)  # --counts-min-replicas of the two services
 BATCHES = 128  # distinct random batches, pushed in turn

@@ -78,8 +78,8 @@ from helpers.fleet import Replica
 from helpers.redis_servers import RedisClusterProcesses
 
 from ngramcache import NgramClient
-from ngramcache.client._proto.codec import bytes_to_count_rows
 from ngramcache.client._proto.v1 import admin_pb2, admin_pb2_grpc, counts_pb2, counts_pb2_grpc
+from ngramcache.client.wire.codec import bytes_to_count_rows
 
 NS = "fleet"  # helpers.fleet.Replica's namespace
 FP = hashlib.sha256(b"bench-fleet-load").digest()

@@ -38,7 +38,7 @@ import numpy as np
 
 from ngramcache import CountTable, replay
 from ngramcache.cache_service.draft_view import DraftView, ViewPolicy
-from ngramcache.client.tokenizer import load_tokenizer
+from ngramcache.client.kernel.tokenizer import load_tokenizer
 
 ROW_BYTES = 56  # an int64 count row on the wire (counts.proto)
 

@@ -35,8 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for help
 from helpers.service import ServiceThread
 
 from ngramcache import Drafter, NgramClient, RemoteDrafter
-from ngramcache.client._proto.codec import tokens_to_bytes
 from ngramcache.client._proto.v1 import admin_pb2, admin_pb2_grpc, counts_pb2, counts_pb2_grpc
+from ngramcache.client.wire.codec import tokens_to_bytes
 
 FP, VOCAB, SIBLING = b"\x05" * 32, 1000, 64
 

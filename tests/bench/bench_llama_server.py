@@ -96,7 +96,7 @@ def server_args(setup: str, files: dict[str, Path], n_ctx: int, threads: int) ->
 
 
 def export_llama(ngc: Path, lcs: Path) -> None:
-    r = subprocess.run([sys.executable, "-m", "ngramcache.client.cli", "export-llama", str(ngc), "-o", str(lcs),
+    r = subprocess.run([sys.executable, "-m", "ngramcache.client.tools.cli", "export-llama", str(ngc), "-o", str(lcs),
                         "--quiet"], capture_output=True, text=True)
     if r.returncode != 0:
         raise SystemExit(f"export-llama {ngc} failed: {r.stderr.strip()}")

@@ -49,9 +49,9 @@ from helpers.redis_servers import RedisServer
 from helpers.service import start_serve, stop_serve
 
 from ngramcache import UNTAGGED, NgramClient
-from ngramcache.client._proto.codec import bytes_to_count_rows, delta_rows_to_bytes
 from ngramcache.client._proto.v1 import admin_pb2, admin_pb2_grpc, counts_pb2, counts_pb2_grpc
-from ngramcache.client.rows import DELTA_DTYPE, NGRAM_MAX, ROW_WIDTH
+from ngramcache.client.kernel.rows import DELTA_DTYPE, NGRAM_MAX, ROW_WIDTH
+from ngramcache.client.wire.codec import bytes_to_count_rows, delta_rows_to_bytes
 
 NS = "overload"
 VOCAB = 50_000

@@ -30,7 +30,7 @@ import numpy as np
 
 from ngramcache import CountTable, NgramClient, StaticCache, build_static_from_tokens, replay
 from ngramcache.client._proto.v1 import admin_pb2, admin_pb2_grpc, static_files_pb2, static_files_pb2_grpc
-from ngramcache.client.tokenizer import load_tokenizer
+from ngramcache.client.kernel.tokenizer import load_tokenizer
 
 NS = "bench"
 

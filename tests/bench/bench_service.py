@@ -59,7 +59,6 @@ from grpc import aio
 
 from ngramcache import CountTable
 from ngramcache.cache_service.counts import ApplyResult, CountsStore, GroupItem, open_counts_store
-from ngramcache.client._proto.codec import delta_rows_to_bytes, tokens_to_bytes
 from ngramcache.client._proto.v1 import (
     admin_pb2,
     admin_pb2_grpc,
@@ -68,7 +67,8 @@ from ngramcache.client._proto.v1 import (
     drafting_pb2,
     drafting_pb2_grpc,
 )
-from ngramcache.client.rows import COUNT
+from ngramcache.client.kernel.rows import COUNT
+from ngramcache.client.wire.codec import delta_rows_to_bytes, tokens_to_bytes
 
 FP = bytes(32)
 VOCAB = 256

@@ -39,12 +39,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from helpers.sglang_fake import FakeSglang
 
 from ngramcache import build_static_from_tokens
-from ngramcache.client.admin import AdminClient
-from ngramcache.client.tokenizer import load_tokenizer
+from ngramcache.client.kernel.tokenizer import load_tokenizer
+from ngramcache.client.sync.admin import AdminClient
 
 TOKENIZER = "tiktoken:qwen"
 SERVE = [sys.executable, "-c", "import sys; from ngramcache.cache_service.cli import main; sys.exit(main())", "serve"]
-FEEDER = [sys.executable, "-m", "ngramcache.client.cli", "sglang-sync"]
+FEEDER = [sys.executable, "-m", "ngramcache.client.tools.cli", "sglang-sync"]
 
 
 def start_service(data_dir: Path) -> tuple[subprocess.Popen[str], int]:

@@ -33,7 +33,7 @@ SIZES = ["25mb", "100mb", "300mb"]
 
 
 def cli(*args: str) -> dict:
-    r = subprocess.run([sys.executable, "-m", "ngramcache.client.cli", *args], capture_output=True, text=True)
+    r = subprocess.run([sys.executable, "-m", "ngramcache.client.tools.cli", *args], capture_output=True, text=True)
     if r.returncode != 0:
         raise SystemExit(f"ngramcache {' '.join(args)} failed:\n{r.stderr}")
     return json.loads(r.stdout)
@@ -171,7 +171,7 @@ def main() -> int:
                      "--json", "--quiet") for _ in range(args.reps)]
         same = (work / f"{size}.256.ngc").read_bytes() == out.read_bytes()
         (work / f"{size}.256.ngc").unlink()
-        cli_export = subprocess.run([sys.executable, "-m", "ngramcache.client.cli", "export-llama", str(out), "-o",
+        cli_export = subprocess.run([sys.executable, "-m", "ngramcache.client.tools.cli", "export-llama", str(out), "-o",
                                      str(work / f"{size}.lcs"), "--quiet"], check=True)
         del cli_export
         llama_bytes = (work / f"{size}.lcs").stat().st_size

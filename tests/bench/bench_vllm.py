@@ -199,7 +199,7 @@ def main() -> int:
         print(f"bench_vllm: no vLLM Python at {args.vllm_python}: run tests/bench/build_vllm_env.py first "
               "(tests/run_all.sh does)", file=sys.stderr)
         return 3
-    from ngramcache.client.tokenizer import load_tokenizer
+    from ngramcache.client.kernel.tokenizer import load_tokenizer
 
     model = vllm_model_folder()
     tokenizer = load_tokenizer(str(model))

@@ -39,7 +39,7 @@ import numpy as np
 
 from ngramcache import UNTAGGED, Drafter
 from ngramcache.client.adapters.vllm import NgramCacheProposer, ProposerConfig
-from ngramcache.client.tokenizer import load_tokenizer
+from ngramcache.client.kernel.tokenizer import load_tokenizer
 
 
 def module_tokens(n_needed: int, count: int) -> list[np.ndarray]:

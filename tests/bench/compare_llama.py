@@ -132,7 +132,7 @@ def lookup_stats(bin_dir: Path, model: Path, text: Path, n_ctx: int, n_draft: in
 
 
 def cli(*args: str) -> dict:
-    r = sh([sys.executable, "-m", "ngramcache.client.cli", *args])
+    r = sh([sys.executable, "-m", "ngramcache.client.tools.cli", *args])
     return json.loads(r.stdout) if r.stdout.strip().startswith("{") else {}
 
 

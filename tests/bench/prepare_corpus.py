@@ -342,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
         print_summary(manifest)
         return 0
 
-    from ngramcache.client.tokenizer import load_tokenizer
+    from ngramcache.client.kernel.tokenizer import load_tokenizer
 
     data_dir.mkdir(parents=True, exist_ok=True)
     tiers = QUICK_TIERS if args.quick else TIERS

@@ -96,7 +96,7 @@ def run_plain(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     from bench_vllm import VLLM_PYTHON, make_workloads, run_replica
     from helpers.model import vllm_model_folder
 
-    from ngramcache.client.tokenizer import load_tokenizer
+    from ngramcache.client.kernel.tokenizer import load_tokenizer
 
     model = vllm_model_folder()
     tokenizer = load_tokenizer(str(model))

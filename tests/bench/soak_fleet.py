@@ -31,8 +31,8 @@ from helpers.fleet import NS, Replica, Worker, stdlib_texts
 from helpers.redis_servers import RedisServer
 
 from ngramcache import UNTAGGED, NgramClient
-from ngramcache.client._proto.codec import bytes_to_count_rows
 from ngramcache.client._proto.v1 import admin_pb2, admin_pb2_grpc, counts_pb2, counts_pb2_grpc
+from ngramcache.client.wire.codec import bytes_to_count_rows
 
 
 def rss_mb(pid: int) -> float:

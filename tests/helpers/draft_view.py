@@ -8,8 +8,8 @@ import grpc
 
 from helpers.corpus import FP
 from ngramcache import CountTable
-from ngramcache.client._proto.codec import bytes_to_count_rows
 from ngramcache.client._proto.v1 import counts_pb2, counts_pb2_grpc
+from ngramcache.client.wire.codec import bytes_to_count_rows
 
 __all__ = ["pull_view", "settled_view"]
 

@@ -4,7 +4,7 @@
         server.corpora                                          # {corpus_id: tokens loaded}
         server.restart()                                        # same port, corpora lost (a pod restart)
 
-What it copies, and from where (paths in the sglang 0.5.23 wheel; ngramcache/client/sglang_http.py
+What it copies, and from where (paths in the sglang 0.5.23 wheel; ngramcache/client/tools/sglang_http.py
 lists them): the three routes of ``srt/entrypoints/http_server.py`` with their bodies and statuses;
 bearer-key checks of ``srt/utils/auth.py`` (401 ``{"error": "Unauthorized"}``); the documents path of
 ``srt/managers/tokenizer_control_mixin.py`` (encode without special tokens, skip empty documents, a

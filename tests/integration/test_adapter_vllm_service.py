@@ -11,8 +11,8 @@ from helpers.tls import Pki
 
 from ngramcache import CountTable, Drafter, StaticCache, build_static_from_tokens
 from ngramcache.client.adapters.vllm import NgramCacheProposer, ProposerConfig
-from ngramcache.client.admin import AdminClient
-from ngramcache.client.tokenizer import load_tokenizer
+from ngramcache.client.kernel.tokenizer import load_tokenizer
+from ngramcache.client.sync.admin import AdminClient
 
 pytestmark = pytest.mark.integration
 

@@ -15,8 +15,8 @@ from helpers.service import ServiceThread, wait_until
 
 from ngramcache import StaticCache, build_static_from_tokens
 from ngramcache.cache_service.cli import main as cli_main
-from ngramcache.client._proto.codec import delta_rows_to_bytes
 from ngramcache.client._proto.v1 import counts_pb2, counts_pb2_grpc
+from ngramcache.client.wire.codec import delta_rows_to_bytes
 
 pytestmark = pytest.mark.integration
 
@@ -115,7 +115,7 @@ def test_errors_stay_one_line_on_stderr_with_json(tmp_path: Path) -> None:
 def test_server_defaults_to_ngc_server_else_the_serve_default(command: list[str], monkeypatch: pytest.MonkeyPatch,
                                                               capsys: pytest.CaptureFixture[str]) -> None:
     from ngramcache.cache_service.cli import add_namespace, add_publish, add_rebuild
-    from ngramcache.client.cli import build_parser
+    from ngramcache.client.tools.cli import build_parser
 
     def parse() -> str:
         from ngramcache.cache_service.admin_commands import server_of

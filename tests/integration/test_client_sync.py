@@ -28,7 +28,6 @@ from ngramcache import (
     TokenizerMismatchError,
     build_static_from_tokens,
 )
-from ngramcache.client._proto.codec import bytes_to_count_rows
 from ngramcache.client._proto.v1 import (
     admin_pb2,
     admin_pb2_grpc,
@@ -37,7 +36,8 @@ from ngramcache.client._proto.v1 import (
     static_files_pb2,
     static_files_pb2_grpc,
 )
-from ngramcache.client.rows import COUNT
+from ngramcache.client.kernel.rows import COUNT
+from ngramcache.client.wire.codec import bytes_to_count_rows
 
 pytestmark = pytest.mark.integration
 
@@ -315,7 +315,7 @@ def test_a_service_that_is_down_is_reported_within_connect_timeout(tmp_path):
     import time as _time
 
     from ngramcache import NgramClient
-    from ngramcache.client.errors import BackendUnavailableError
+    from ngramcache.client.kernel.errors import BackendUnavailableError
 
     with socket.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))

@@ -33,7 +33,7 @@ from helpers.redis_servers import RedisServer, free_port
 
 from ngramcache.cache_service.config import ENV_PREFIX, ServiceConfig
 from ngramcache.cache_service.security import new_token, token_sha256
-from ngramcache.client.errors import InvalidArgumentError
+from ngramcache.client.kernel.errors import InvalidArgumentError
 
 pytestmark = pytest.mark.integration
 

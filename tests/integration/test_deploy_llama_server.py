@@ -29,8 +29,8 @@ from helpers.service import ServiceThread, wait_until
 from helpers.tls import Pki
 
 from ngramcache import AdminClient, build_static_from_tokens, load_tokenizer
-from ngramcache.client import cli
-from ngramcache.client.llama_follow import check_server_command
+from ngramcache.client.tools import cli
+from ngramcache.client.tools.llama_follow import check_server_command
 
 pytestmark = pytest.mark.integration
 

@@ -22,8 +22,8 @@ from helpers.service import ServiceThread, wait_until
 
 from ngramcache import CountTable, NgramClient
 from ngramcache.cache_service.servicers.counts import CountsServicer
-from ngramcache.client._proto.codec import bytes_to_count_rows
 from ngramcache.client._proto.v1 import admin_pb2, admin_pb2_grpc, counts_pb2, counts_pb2_grpc
+from ngramcache.client.wire.codec import bytes_to_count_rows
 
 pytestmark = pytest.mark.integration
 

@@ -23,7 +23,7 @@ from ngramcache.cache_service.counts.history import (
 from ngramcache.cache_service.counts.store import CountsStore
 from ngramcache.cache_service.history_tail import HistoryTails, TailOptions
 from ngramcache.cache_service.store_runner import StoreRunner
-from ngramcache.client.errors import InvalidArgumentError
+from ngramcache.client.kernel.errors import InvalidArgumentError
 
 pytestmark = pytest.mark.integration
 

@@ -20,8 +20,8 @@ from helpers.service import ServiceThread, wait_until
 
 from ngramcache import NgramClient
 from ngramcache.cache_service.servicers.counts import CountsServicer
-from ngramcache.client._proto.codec import bytes_to_tokens, tokens_to_bytes
 from ngramcache.client._proto.v1 import admin_pb2, admin_pb2_grpc, counts_pb2, counts_pb2_grpc
+from ngramcache.client.wire.codec import bytes_to_tokens, tokens_to_bytes
 
 pytestmark = pytest.mark.integration
 

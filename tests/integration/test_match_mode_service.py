@@ -13,7 +13,6 @@ from helpers.corpus import FP, VOCAB, motif_corpus
 from helpers.service import ServiceThread, wait_until
 
 from ngramcache import CountTable, Drafter, NgramClient, RemoteDrafter, StaticCache, build_static_from_tokens
-from ngramcache.client._proto.codec import bytes_to_tokens, tokens_to_bytes
 from ngramcache.client._proto.v1 import (
     admin_pb2,
     admin_pb2_grpc,
@@ -22,7 +21,8 @@ from ngramcache.client._proto.v1 import (
     static_files_pb2,
     static_files_pb2_grpc,
 )
-from ngramcache.client.errors import InvalidArgumentError
+from ngramcache.client.kernel.errors import InvalidArgumentError
+from ngramcache.client.wire.codec import bytes_to_tokens, tokens_to_bytes
 
 pytestmark = pytest.mark.integration
 

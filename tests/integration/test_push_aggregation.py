@@ -19,9 +19,9 @@ from helpers.service import ServiceThread
 
 from ngramcache import CountTable
 from ngramcache.cache_service.counts.store import CountsStore, GroupItem, ItemOutcome
-from ngramcache.client._proto.codec import bytes_to_count_rows, delta_rows_to_bytes
 from ngramcache.client._proto.v1 import admin_pb2, admin_pb2_grpc, counts_pb2, counts_pb2_grpc
-from ngramcache.client.rows import COUNT, KEY_WIDTH
+from ngramcache.client.kernel.rows import COUNT, KEY_WIDTH
+from ngramcache.client.wire.codec import bytes_to_count_rows, delta_rows_to_bytes
 
 pytestmark = pytest.mark.integration
 

@@ -21,7 +21,6 @@ from helpers.corpus import FAST, FP, VOCAB, motif_corpus
 from helpers.service import ServiceThread, start_serve, stop_serve, wait_until
 
 from ngramcache import CountTable, Drafter, NgramClient, StaticCache, build_static_from_tokens
-from ngramcache.client._proto.codec import bytes_to_count_rows
 from ngramcache.client._proto.v1 import (
     admin_pb2,
     admin_pb2_grpc,
@@ -32,6 +31,7 @@ from ngramcache.client._proto.v1 import (
     static_files_pb2,
     static_files_pb2_grpc,
 )
+from ngramcache.client.wire.codec import bytes_to_count_rows
 
 pytestmark = pytest.mark.integration
 
@@ -162,7 +162,7 @@ def test_rebuild_takes_the_token_files_tokenize_makes_from_text(tmp_path: Path) 
     """`ngramcache tokenize` turns text into the streams `rebuild --corpus` reads: the same counts as `build` of the text."""
     import sysconfig
 
-    from ngramcache.client.tokenizer import load_tokenizer
+    from ngramcache.client.kernel.tokenizer import load_tokenizer
 
     tok = load_tokenizer("tiktoken:qwen")
     text = tmp_path / "text"

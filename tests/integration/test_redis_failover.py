@@ -34,14 +34,15 @@ from typing import Any
 import grpc
 import numpy as np
 import pytest
+from helpers.counts import apply
 from helpers.redis_servers import RedisClusterProcesses, RedisSentinelGroup, RedisServer, stalled_replica, valkey_server
 from helpers.service import start_serve, stop_serve
 
 from ngramcache.cache_service.counts import open_counts_store
 from ngramcache.cache_service.counts.schema import meta_key
-from ngramcache.client._proto.codec import delta_rows_to_bytes
 from ngramcache.client._proto.v1 import admin_pb2, admin_pb2_grpc, counts_pb2, counts_pb2_grpc, drafting_pb2, drafting_pb2_grpc
-from ngramcache.client.errors import BackendUnavailableError
+from ngramcache.client.kernel.errors import BackendUnavailableError
+from ngramcache.client.wire.codec import delta_rows_to_bytes
 
 pytestmark = pytest.mark.integration
 
@@ -336,11 +337,11 @@ def test_a_stopped_replica_turns_acknowledged_but_not_replicated_into_a_retriabl
             try:
                 acknowledged = 0
                 for seq in range(20):
-                    loose.apply(NS, "loose", seq, batch(rng))
+                    apply(loose, NS, "loose", seq, batch(rng))
                     acknowledged += 1
                 unreplicated = lag(master)
                 with pytest.raises(BackendUnavailableError, match="reached 0 of 1 replicas"):
-                    strict.apply(NS, "strict", 0, batch(rng))
+                    apply(strict, NS, "strict", 0, batch(rng))
                 with pytest.raises(BackendUnavailableError, match="replicas"):
                     strict.acquire_lease(NS, "builder", 5000)  # leases always wait for the connected replica
                 with pytest.raises(BackendUnavailableError, match="replicas"):
@@ -354,7 +355,7 @@ def test_a_stopped_replica_turns_acknowledged_but_not_replicated_into_a_retriabl
                   f"lacked {unreplicated} bytes of them; with --counts-min-replicas 1: 0 acknowledged, each one a "
                   "retriable error")
             assert unreplicated > 0
-            retried = strict.apply(NS, "strict", 0, batch(rng))  # acknowledged once the replica holds it
+            retried = apply(strict, NS, "strict", 0, batch(rng))  # acknowledged once the replica holds it
             assert retried.duplicates == 1  # the failed try was applied on the master: exactly once
         finally:
             loose.close()

@@ -12,7 +12,6 @@ from helpers.corpus import motif_corpus as corpus
 from helpers.service import ServiceThread, wait_until
 
 from ngramcache import CountTable, Drafter, RemoteDrafter, StaticCache, build_static_from_tokens
-from ngramcache.client._proto.codec import delta_rows_to_bytes, tokens_to_bytes
 from ngramcache.client._proto.v1 import (
     admin_pb2,
     admin_pb2_grpc,
@@ -23,7 +22,8 @@ from ngramcache.client._proto.v1 import (
     static_files_pb2,
     static_files_pb2_grpc,
 )
-from ngramcache.client.errors import NamespaceNotFoundError, TokenizerMismatchError
+from ngramcache.client.kernel.errors import NamespaceNotFoundError, TokenizerMismatchError
+from ngramcache.client.wire.codec import delta_rows_to_bytes, tokens_to_bytes
 
 pytestmark = pytest.mark.integration
 
@@ -77,7 +77,10 @@ def test_remote_drafts_equal_local_drafts_and_sessions_recover(tmp_path):
         dynamic.update(learned)
         local = Drafter(static=StaticCache.open(path), dynamic=dynamic)
         text = corpus(3, 900)
-        wait_for_replica(svc, "r", generation=1, version=pushed.version)  # what the exact asserts below need
+        assert pushed.applied_units == 1
+        assert svc.service is not None
+        version = svc.service.runner.store.version("r")  # taken after the push was applied
+        wait_for_replica(svc, "r", generation=1, version=version)  # what the exact asserts below need
         with RemoteDrafter(f"127.0.0.1:{svc.port}", "r", (FP, VOCAB)) as remote:
             nonempty = 0
             for n in range(20, len(text), 5):

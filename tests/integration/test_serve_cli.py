@@ -18,8 +18,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from helpers.service import SERVE_CLI, start_serve, stop_serve
 
-from ngramcache.client._proto.codec import bytes_to_count_rows, delta_rows_to_bytes
 from ngramcache.client._proto.v1 import admin_pb2, admin_pb2_grpc, counts_pb2, counts_pb2_grpc
+from ngramcache.client.wire.codec import bytes_to_count_rows, delta_rows_to_bytes
 
 pytestmark = pytest.mark.integration
 

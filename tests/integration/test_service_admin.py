@@ -18,8 +18,8 @@ from ngramcache.cache_service.servicers.admin import V1_CAPABILITIES, AdminServi
 from ngramcache.cache_service.servicers.counts import CountsServicer
 from ngramcache.cache_service.store_runner import StoreRunner
 from ngramcache.client import MAX_DRAFT, MAX_VOCAB, NGRAM_MAX
-from ngramcache.client._proto.codec import delta_rows_to_bytes
 from ngramcache.client._proto.v1 import admin_pb2, admin_pb2_grpc, counts_pb2, counts_pb2_grpc
+from ngramcache.client.wire.codec import delta_rows_to_bytes
 
 pytestmark = pytest.mark.integration
 

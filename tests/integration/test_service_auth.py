@@ -34,7 +34,6 @@ from ngramcache import build_static_from_tokens
 from ngramcache.cache_service.interceptors.auth import AuthInterceptor
 from ngramcache.cache_service.interceptors.errors import ErrorInterceptor
 from ngramcache.cache_service.security import TokenTable, parse_grant, token_sha256
-from ngramcache.client._proto.codec import bytes_to_count_rows, delta_rows_to_bytes, tokens_to_bytes
 from ngramcache.client._proto.v1 import (
     admin_pb2,
     admin_pb2_grpc,
@@ -45,6 +44,7 @@ from ngramcache.client._proto.v1 import (
     static_files_pb2,
     static_files_pb2_grpc,
 )
+from ngramcache.client.wire.codec import bytes_to_count_rows, delta_rows_to_bytes, tokens_to_bytes
 
 pytestmark = pytest.mark.integration
 

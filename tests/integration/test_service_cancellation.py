@@ -12,7 +12,6 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from helpers.service import start_serve, stop_serve
 
-from ngramcache.client._proto.codec import tokens_to_bytes
 from ngramcache.client._proto.v1 import (
     admin_pb2,
     admin_pb2_grpc,
@@ -23,6 +22,7 @@ from ngramcache.client._proto.v1 import (
     static_files_pb2,
     static_files_pb2_grpc,
 )
+from ngramcache.client.wire.codec import tokens_to_bytes
 
 pytestmark = pytest.mark.integration
 

@@ -20,9 +20,9 @@ from ngramcache.cache_service.counts.factory import open_counts_store
 from ngramcache.cache_service.counts.store import CountsStore
 from ngramcache.cache_service.servicers.counts import DEFAULT_CHUNK_ROWS, CountsServicer
 from ngramcache.cache_service.store_runner import StoreRunner
-from ngramcache.client._proto.codec import bytes_to_count_rows, delta_rows_to_bytes
 from ngramcache.client._proto.v1 import counts_pb2, counts_pb2_grpc
-from ngramcache.client.rows import COUNT, KEY_WIDTH
+from ngramcache.client.kernel.rows import COUNT, KEY_WIDTH
+from ngramcache.client.wire.codec import bytes_to_count_rows, delta_rows_to_bytes
 
 pytestmark = pytest.mark.integration
 
@@ -138,14 +138,12 @@ def test_push_then_pull_returns_what_was_pushed(service: CountsService) -> None:
     ns = service.namespace()
     rng = np.random.default_rng(1)
     expected: Counter[tuple[int, ...]] = Counter()
-    last_version = 0
     for seq in range(5):
         deltas = random_batch(rng, 300)
         reply = service.push(ns, "worker-1", seq, deltas)
         assert not reply.duplicate and reply.applied_units == reply.units >= 1 and reply.duplicate_units == 0
         assert reply.entries == len(as_counter(deltas))
-        assert reply.version >= last_version > 0 or seq == 0
-        last_version = reply.version
+        assert reply.version == 0  # deprecated: no store call fills it any more
         expected.update(as_counter(deltas))
     chunks = service.pull(ns)
     check_chunks(chunks, MAX_CHUNK_ROWS)
@@ -330,7 +328,8 @@ def test_pull_since_a_version_the_store_no_longer_keeps_is_out_of_range(
     old = service.pull(ns)[-1].version
     for seq in range(5):
         time.sleep(0.002)
-        service.push(ns, "c", seq, batch([row([seq], 1)]))  # each Push reads the version: a new epoch
+        service.push(ns, "c", seq, batch([row([seq], 1)]))
+        service.store.version(ns)  # each version read (a mirror's Pull) opens a new epoch
     latest = service.pull(ns)[-1].version
     for since in (old, latest + 10**9):
         err = rpc_error(lambda since=since: service.pull(ns, since))  # type: ignore[misc]

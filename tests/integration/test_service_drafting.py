@@ -19,7 +19,6 @@ from helpers.corpus import motif_corpus as corpus
 from helpers.service import ServiceThread
 
 from ngramcache import CountTable, Drafter, StaticCache, build_static_from_tokens
-from ngramcache.client._proto.codec import bytes_to_tokens, delta_rows_to_bytes, tokens_to_bytes
 from ngramcache.client._proto.v1 import (
     admin_pb2,
     admin_pb2_grpc,
@@ -30,6 +29,7 @@ from ngramcache.client._proto.v1 import (
     static_files_pb2,
     static_files_pb2_grpc,
 )
+from ngramcache.client.wire.codec import bytes_to_tokens, delta_rows_to_bytes, tokens_to_bytes
 
 pytestmark = pytest.mark.integration
 

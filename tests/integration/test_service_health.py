@@ -13,8 +13,8 @@ from helpers.redis_servers import RedisServer
 from helpers.service import ServiceThread, wait_until
 
 from ngramcache.cache_service.status import store_outage_message
-from ngramcache.client._proto.codec import delta_rows_to_bytes
 from ngramcache.client._proto.v1 import admin_pb2, admin_pb2_grpc, counts_pb2, counts_pb2_grpc
+from ngramcache.client.wire.codec import delta_rows_to_bytes
 
 pytestmark = pytest.mark.integration
 

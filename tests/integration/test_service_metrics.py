@@ -43,7 +43,6 @@ from ngramcache.cache_service.servicers.drafting import DraftingServicer
 from ngramcache.cache_service.servicers.static_files import StaticFilesServicer
 from ngramcache.cache_service.static_store import StaticStore
 from ngramcache.cache_service.store_runner import StoreRunner
-from ngramcache.client._proto.codec import delta_rows_to_bytes, tokens_to_bytes
 from ngramcache.client._proto.v1 import (
     counts_pb2,
     counts_pb2_grpc,
@@ -52,6 +51,7 @@ from ngramcache.client._proto.v1 import (
     static_files_pb2,
     static_files_pb2_grpc,
 )
+from ngramcache.client.wire.codec import delta_rows_to_bytes, tokens_to_bytes
 
 pytestmark = pytest.mark.integration
 
@@ -325,8 +325,8 @@ def test_reader_writer_streams_deadlines_and_cancellations() -> None:
 def test_the_whole_service_serves_metrics_on_its_own_port(tmp_path: Path) -> None:
     from helpers.service import ServiceThread
 
-    from ngramcache.client._proto.codec import tokens_to_bytes
     from ngramcache.client._proto.v1 import admin_pb2, admin_pb2_grpc, drafting_pb2, drafting_pb2_grpc
+    from ngramcache.client.wire.codec import tokens_to_bytes
 
     with ServiceThread(tmp_path / "data", metrics_port=0) as svc:
         assert svc.service is not None and svc.service.metrics_port > 0

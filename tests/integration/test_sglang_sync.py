@@ -25,10 +25,10 @@ from helpers.sglang_fake import FakeSglang
 from helpers.tls import Pki
 
 from ngramcache import build_static_from_tokens
-from ngramcache.client.admin import AdminClient
-from ngramcache.client.sglang_http import SglangTarget
-from ngramcache.client.sglang_sync import SglangSync, corpus_id
-from ngramcache.client.tokenizer import Tokenizer, load_tokenizer
+from ngramcache.client.kernel.tokenizer import Tokenizer, load_tokenizer
+from ngramcache.client.sync.admin import AdminClient
+from ngramcache.client.tools.sglang_http import SglangTarget
+from ngramcache.client.tools.sglang_sync import SglangSync, corpus_id
 
 pytestmark = pytest.mark.integration
 
@@ -304,7 +304,7 @@ def test_https_with_a_ca(service: Service, tokenizer: Tokenizer, tmp_path: Path)
 
 
 def run_cli(*args: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "ngramcache.client.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "ngramcache.client.tools.cli", *args], capture_output=True, text=True,
                           timeout=timeout, check=False)
 
 
@@ -313,7 +313,7 @@ def test_command_feeds_and_stops_cleanly_on_ctrl_c(service: Service, tokenizer: 
     service.publish(1)
     with FakeSglang(tokenizer, api_key="k") as a:
         env = {**os.environ, "SGLANG_API_KEY": "k"}
-        p = subprocess.Popen([sys.executable, "-m", "ngramcache.client.cli", "sglang-sync", "--server",
+        p = subprocess.Popen([sys.executable, "-m", "ngramcache.client.tools.cli", "sglang-sync", "--server",
                               service.address, "--namespace", ns, "--tokenizer", TOKENIZER, "--sglang", a.url,
                               "--interval", "0.5", "--cache-dir", str(service.tmp / "cli-cache"), "--json"],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)

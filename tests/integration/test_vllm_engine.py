@@ -19,8 +19,8 @@ from helpers.model import chatml, stdlib_function_source, vllm_model_folder
 from helpers.service import start_serve, stop_serve
 from real_model_workload import stdlib_files
 
-from ngramcache.client.admin import AdminClient
-from ngramcache.client.tokenizer import load_tokenizer
+from ngramcache.client.kernel.tokenizer import load_tokenizer
+from ngramcache.client.sync.admin import AdminClient
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -156,7 +156,7 @@ def test_a_bad_variable_stops_vllm_with_one_line(env: dict[str, str], message: s
     with pytest.raises(ReplicaError) as e:
         run_replica(vllm_python, ngc_job(model, requests_[:1], multiprocess=True), workdir, env, "bad-" + next(iter(env)))
     last = str(e.value).strip().splitlines()[-1]  # what the user sees last: our line, not vLLM's wrapping of it
-    assert last == f"ngramcache.client.errors.InvalidArgumentError: {message}", str(e.value)[-2000:]
+    assert last == f"ngramcache.client.kernel.errors.InvalidArgumentError: {message}", str(e.value)[-2000:]
 
 
 @pytest.mark.parametrize("store", ["embedded", "redis"])

@@ -26,7 +26,7 @@ import pytest
 from ngramcache import UNTAGGED, Drafter, StaticCache, build_static_from_tokens
 from ngramcache.client.adapters.batch_rows import BatchRows
 from ngramcache.client.adapters.vllm import NgramCacheProposer, ProposerConfig
-from ngramcache.client.errors import InvalidArgumentError, TokenizerMismatchError
+from ngramcache.client.kernel.errors import InvalidArgumentError, TokenizerMismatchError
 
 BACKEND = "ngramcache.client.adapters.vllm.NgramCacheProposer"
 VOCAB = 200

@@ -28,7 +28,7 @@ from helpers import vllm_stand_in  # noqa: E402
 
 from ngramcache import UNTAGGED, Drafter, StaticCache, build_static_from_tokens  # noqa: E402
 from ngramcache.cache_service.toml_files import tomllib  # noqa: E402
-from ngramcache.client.errors import InvalidArgumentError  # noqa: E402
+from ngramcache.client.kernel.errors import InvalidArgumentError  # noqa: E402
 
 VOCAB = 200
 MAX_REQS = 4

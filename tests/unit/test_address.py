@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from ngramcache.client.address import check_address, host_port
-from ngramcache.client.admin import AdminClient
-from ngramcache.client.errors import InvalidArgumentError
-from ngramcache.client.remote import RemoteDrafter
+from ngramcache.client.kernel.errors import InvalidArgumentError
+from ngramcache.client.sync.admin import AdminClient
 from ngramcache.client.sync.client import NgramClient
+from ngramcache.client.sync.remote import RemoteDrafter
+from ngramcache.client.wire.address import check_address, host_port
 
 TOKENIZER = (bytes(32), 100)
 

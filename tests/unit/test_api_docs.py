@@ -40,7 +40,7 @@ def tree_copy(tmp_path):
 
 def test_check_fails_when_a_docstring_changes(tree_copy):
     assert gen("--check", cwd=tree_copy).returncode == 0
-    errors = tree_copy / "client" / "errors.py"
+    errors = tree_copy / "client" / "kernel" / "errors.py"
     errors.write_text(errors.read_text().replace('"""Base class of every ngramcache error.',
                                                  '"""Base class of every ngramcache error (reworded).', 1))
     r = gen("--check", cwd=tree_copy)

@@ -37,11 +37,11 @@ def service_bench() -> ModuleType:
 def test_apply_many_and_its_baselines_are_rated_in_raw_delta_rows(counts_bench: ModuleType) -> None:
     """The baselines send entries that encode_batch summed from repeated rows: each counts the rows it stands for."""
     from ngramcache.cache_service.counts.layout import encode_batch
-    from ngramcache.cache_service.counts.namespace import NamespaceInfo
-    from ngramcache.client.rows import COUNT
+    from ngramcache.cache_service.counts.namespace import NamespaceRecord
+    from ngramcache.client.kernel.rows import COUNT
 
     rows = counts_bench.make_deltas(np.random.default_rng(1), 20_000)
-    info = NamespaceInfo("ns", counts_bench.FP.hex(), counts_bench.VOCAB, 1024, 1, "i")
+    info = NamespaceRecord("ns", counts_bench.FP.hex(), counts_bench.VOCAB, 1024, 1, "i")
     enc = encode_batch(rows, info)
     assert len(enc.counts) < len(rows)  # Zipf tokens repeat: fewer entries than rows
     as_rows = counts_bench.raw_deltas_per_second(rows[:, COUNT], 2.0)

@@ -1,4 +1,4 @@
-"""client/build.py: build_static_from_tokens returns what it wrote and says, with a result and a warning, what did not fit in the corpus index."""
+"""client/kernel/build.py: build_static_from_tokens returns what it wrote and says, with a result and a warning, what did not fit in the corpus index."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from ngramcache import UNTAGGED, BuildResult, IndexBudgetWarning, StaticCache, build_static_from_tokens
-from ngramcache.client.errors import InvalidArgumentError
+from ngramcache.client.kernel.errors import InvalidArgumentError
 
 
 def test_result_counts_what_was_written(tmp_path):
@@ -44,9 +44,9 @@ def test_budget_below_the_minimum_is_refused(tmp_path):
 def test_text_is_tokenized_in_batches_that_scale_with_the_budget(tmp_path):
     from pathlib import Path
 
-    from ngramcache.client import corpus
-    from ngramcache.client.build import build_static
-    from ngramcache.client.tokenizer import load_tokenizer
+    from ngramcache.client.kernel import corpus
+    from ngramcache.client.kernel.build import build_static
+    from ngramcache.client.kernel.tokenizer import load_tokenizer
 
     assert corpus.text_batch_bytes(16 << 20) == 1 << 20
     assert corpus.text_batch_bytes(64 << 20) == 2 << 20
@@ -61,7 +61,7 @@ def test_text_is_tokenized_in_batches_that_scale_with_the_budget(tmp_path):
             batches.append(sum(len(t.encode()) for t in texts))
             return tok.encode_batch(texts)
 
-    lib = Path(__file__).resolve().parents[2] / "client"
+    lib = Path(__file__).resolve().parents[2] / "client" / "kernel"
     folder = tmp_path / "c"
     folder.mkdir()
     for i in range(40):  # 40 files of 100 KB: 4 batches of 1 MiB under a 16 MiB budget

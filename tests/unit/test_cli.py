@@ -23,18 +23,19 @@ import pytest
 from helpers import reference
 
 from ngramcache import StaticCache
-from ngramcache.client import build as build_module
-from ngramcache.client import cli, corpus
-from ngramcache.client.cli import commands
-from ngramcache.client.cli import demo as cli_demo
-from ngramcache.client.cli import parser as cli_parser
-from ngramcache.client.tokenizer import load_tokenizer
+from ngramcache.client.kernel import build as build_module
+from ngramcache.client.kernel import corpus
+from ngramcache.client.kernel.tokenizer import load_tokenizer
+from ngramcache.client.tools import cli
+from ngramcache.client.tools.cli import commands
+from ngramcache.client.tools.cli import demo as cli_demo
+from ngramcache.client.tools.cli import parser as cli_parser
 
 TOKENIZER = "tiktoken:qwen"
 
 
 def run(*args: str, ok: bool = True) -> subprocess.CompletedProcess:
-    result = subprocess.run([sys.executable, "-m", "ngramcache.client.cli", *args], capture_output=True, text=True,
+    result = subprocess.run([sys.executable, "-m", "ngramcache.client.tools.cli", *args], capture_output=True, text=True,
                             check=False)
     if ok:
         assert result.returncode == 0, result.stderr
@@ -421,9 +422,9 @@ def test_ctrl_c_stops_a_build_in_one_line_and_leaves_nothing(tmp_path):
     out.mkdir()
     argv = ["build", str(big), "-o", str(out / "zeros.ngc"), "--vocab-size", "10", "--fingerprint", "untagged",
             "--memory-budget", "64MiB"]
-    # `python -m ngramcache.client.cli ARGV`, with Ctrl-C handled even if this test runs with SIGINT ignored (nohup).
+    # `python -m ngramcache.client.tools.cli ARGV`, with Ctrl-C handled even if this test runs with SIGINT ignored (nohup).
     launcher = ("import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
-                "sys.argv[0] = 'ngramcache'; runpy.run_module('ngramcache.client.cli', run_name='__main__')")
+                "sys.argv[0] = 'ngramcache'; runpy.run_module('ngramcache.client.tools.cli', run_name='__main__')")
     proc = subprocess.Popen([sys.executable, "-c", launcher, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
     try:
@@ -679,7 +680,7 @@ def _run_file_size_limited(limit: int, *args: object) -> subprocess.CompletedPro
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
 
-    return subprocess.run([sys.executable, "-m", "ngramcache.client.cli", *map(str, args)], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "ngramcache.client.tools.cli", *map(str, args)], capture_output=True,
                           text=True, preexec_fn=limit_writes, timeout=120)
 
 

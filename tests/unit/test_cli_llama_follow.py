@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from ngramcache.client import cli
+from ngramcache.client.tools import cli
 
 FP = "00" * 32
 STAND_IN = str(Path(__file__).resolve().parents[1] / "helpers" / "llama_stand_in.py")

@@ -10,7 +10,7 @@ import pytest
 
 from ngramcache.cache_service import config as service_config
 from ngramcache.cache_service.config import ServiceConfig
-from ngramcache.client.errors import InvalidArgumentError
+from ngramcache.client.kernel.errors import InvalidArgumentError
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -1,4 +1,4 @@
-"""Build inputs: sizes, vocabulary checks and what counts as an input (client/corpus.py)."""
+"""Build inputs: sizes, vocabulary checks and what counts as an input (client/kernel/corpus.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from ngramcache.client import InvalidArgumentError
-from ngramcache.client.corpus import Skipped, collect_inputs, first_out_of_vocabulary, parse_size, read_texts
+from ngramcache.client.kernel.corpus import Skipped, collect_inputs, first_out_of_vocabulary, parse_size, read_texts
 
 
 @pytest.mark.parametrize(("text", "n"), [

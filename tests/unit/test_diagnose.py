@@ -18,11 +18,11 @@ import numpy as np
 import pytest
 from helpers.tls import Issued, Pki
 
-from ngramcache.client.admin import AdminClient
-from ngramcache.client.diagnose import CLI_NAMES, diagnose
-from ngramcache.client.errors import BackendUnavailableError, ConnectTimeoutError, ServiceUnreachableError
-from ngramcache.client.remote import RemoteDrafter
+from ngramcache.client.kernel.errors import BackendUnavailableError, ConnectTimeoutError, ServiceUnreachableError
+from ngramcache.client.sync.admin import AdminClient
 from ngramcache.client.sync.client import NgramClient
+from ngramcache.client.sync.remote import RemoteDrafter
+from ngramcache.client.wire.diagnose import CLI_NAMES, diagnose
 
 
 def _closed_port() -> int:
@@ -291,7 +291,7 @@ def test_a_tls_client_of_a_plaintext_service_prints_its_error_and_nothing_of_grp
     # A fresh interpreter, as a user's: gRPC's C core reads GRPC_VERBOSITY once, at its first import.
     # grpcio 1.85 left to itself prints four "ssl_transport_security.cc:2563] Handshake failed" lines first.
     code = ("from ngramcache.client.sync.client import NgramClient\n"
-            "from ngramcache.client.tokenizer import load_tokenizer\n"
+            "from ngramcache.client.kernel.tokenizer import load_tokenizer\n"
             "try:\n"
             f"    NgramClient({plain_server!r}, 'default', load_tokenizer('tiktoken:cl100k_base'), tls_ca={str(pki[0].ca.cert)!r})\n"
             "except Exception as e:\n"
@@ -353,7 +353,7 @@ def test_the_connect_timeout_error_names_the_settings_as_its_caller_does(tmp_pat
 
 def test_sglang_sync_with_the_service_down_names_its_flags() -> None:
     address = f"127.0.0.1:{_closed_port()}"
-    done = subprocess.run([sys.executable, "-m", "ngramcache.client.cli", "sglang-sync", "--namespace", "ns",
+    done = subprocess.run([sys.executable, "-m", "ngramcache.client.tools.cli", "sglang-sync", "--namespace", "ns",
                            "--tokenizer", "tiktoken:cl100k_base", "--sglang", "http://127.0.0.1:9", "--server", address,
                            "--timeout", "1"], capture_output=True, text=True, timeout=60)
     assert done.returncode == 2, done.stderr

@@ -119,7 +119,7 @@ def test_real_streams_match_reference(with_static, with_dynamic):
 @pytest.mark.parametrize("with_static", [False, True])
 def test_real_tokenizer_streams_match_reference(with_static):
     """The same text tokenized with Qwen's tokenizer (vocabulary 151,851), as a worker sees it."""
-    from ngramcache.client.tokenizer import load_tokenizer
+    from ngramcache.client.kernel.tokenizer import load_tokenizer
 
     tok = load_tokenizer("tiktoken:qwen")
     texts = [bytes(s).decode() for s in real_streams()]

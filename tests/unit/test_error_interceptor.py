@@ -8,7 +8,7 @@ import asyncio
 import grpc
 
 from ngramcache.cache_service.interceptors.errors import _wrap_stream
-from ngramcache.client.errors import InvalidArgumentError
+from ngramcache.client.kernel.errors import InvalidArgumentError
 
 
 class Context:

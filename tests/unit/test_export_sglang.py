@@ -12,17 +12,17 @@ import numpy as np
 import pytest
 
 from ngramcache import UNTAGGED, StaticCache, build_static_from_tokens
-from ngramcache.client import cli
-from ngramcache.client.errors import InvalidArgumentError
-from ngramcache.client.sglang_corpus import corpus_documents, export_sglang
-from ngramcache.client.tokenizer import load_tokenizer
+from ngramcache.client.kernel.errors import InvalidArgumentError
+from ngramcache.client.kernel.sglang_corpus import corpus_documents, export_sglang
+from ngramcache.client.kernel.tokenizer import load_tokenizer
+from ngramcache.client.tools import cli
 
 TOKENIZER = "tiktoken:qwen"
 MODULES = ["bisect.py", "heapq.py", "textwrap.py"]
 
 
 def run(*args: object, ok: bool = True) -> subprocess.CompletedProcess[str]:
-    result = subprocess.run([sys.executable, "-m", "ngramcache.client.cli", *map(str, args)], capture_output=True,
+    result = subprocess.run([sys.executable, "-m", "ngramcache.client.tools.cli", *map(str, args)], capture_output=True,
                             text=True, check=False)
     if ok:
         assert result.returncode == 0, result.stderr
@@ -138,7 +138,7 @@ def test_ctrl_c_leaves_no_partial_file(generation, tmp_path, capsys, monkeypatch
                 raise KeyboardInterrupt
             return self.inner.decode(ids)
 
-    from ngramcache.client.cli import commands
+    from ngramcache.client.tools.cli import commands
 
     real = commands.load_tokenizer_spec
     monkeypatch.setattr(commands, "load_tokenizer_spec", lambda spec: Interrupting(real(spec)))
@@ -164,7 +164,7 @@ def test_a_corrupt_corpus_is_refused(generation, tmp_path, capsys):
 
 def test_streams_split_on_separators_across_reads(tmp_path, monkeypatch):
     """Documents longer than one read of the mapped section, and empty ones, come out whole and in order."""
-    from ngramcache.client import sglang_corpus
+    from ngramcache.client.kernel import sglang_corpus
 
     monkeypatch.setattr(sglang_corpus, "_CHUNK", 7)
     rng = np.random.default_rng(3)

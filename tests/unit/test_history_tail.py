@@ -11,7 +11,7 @@ import pytest
 
 from ngramcache import InvalidArgumentError, NamespaceNotFoundError
 from ngramcache.cache_service.counts.history import HistoryAppend, HistoryBatch, HistoryPage, HistoryRecord
-from ngramcache.cache_service.counts.namespace import NamespaceInfo
+from ngramcache.cache_service.counts.namespace import NamespaceRecord
 from ngramcache.cache_service.history_tail import HistoryTails, TailOptions, record_bytes
 from ngramcache.cache_service.metrics import Metrics
 from ngramcache.cache_service.store_runner import StoreRunner
@@ -33,10 +33,10 @@ class FakeStore:
         self.append_delay = 0.0  # seconds an append takes (so pushes pile up behind it)
         self.calls: list[int] = []  # batches per store call of the push path
 
-    def namespace_info(self, namespace: str) -> NamespaceInfo:
+    def namespace_info(self, namespace: str) -> NamespaceRecord:
         if not self.exists:
             raise NamespaceNotFoundError(namespace)
-        return NamespaceInfo(namespace, FP.hex(), 1000, 1, 1, "i")
+        return NamespaceRecord(namespace, FP.hex(), 1000, 1, 1, "i")
 
     def append_history(self, namespace: str, client_id: str, batch_seq: int, records: list[HistoryRecord],
                        *, fingerprint: bytes | None = None) -> HistoryAppend:

@@ -7,7 +7,7 @@ import asyncio
 import json
 from collections.abc import Awaitable, Callable
 
-from ngramcache.client.http_proxy import HttpProxy, Upstream
+from ngramcache.client.tools.http_proxy import HttpProxy, Upstream
 
 
 async def upstream_server(name: str) -> tuple[asyncio.Server, int, list[bytes]]:

@@ -434,7 +434,7 @@ def test_replay_in_the_match_mode_counts_linear_and_tree_drafts(tmp_path):
 
 
 def cli(capsys, *args):
-    from ngramcache.client import cli as cli_module
+    from ngramcache.client.tools import cli as cli_module
 
     rc = cli_module.main([str(a) for a in args])
     out, err = capsys.readouterr()

@@ -29,7 +29,7 @@ from ngramcache.cache_service.metrics import (
 from ngramcache.cache_service.status import REASON_KEY, ServiceError
 from ngramcache.cache_service.store_runner import StoreRunner
 from ngramcache.client._proto.v1 import admin_pb2, counts_pb2, drafting_pb2, static_files_pb2
-from ngramcache.client.errors import (
+from ngramcache.client.kernel.errors import (
     BackendUnavailableError,
     InvalidArgumentError,
     NamespaceNotFoundError,

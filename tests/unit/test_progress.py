@@ -1,4 +1,4 @@
-"""The progress line (client/progress.py): shown on a terminal only, always erased at the end."""
+"""The progress line (client/kernel/progress.py): shown on a terminal only, always erased at the end."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import io
 
 import pytest
 
-from ngramcache.client.progress import Progress
+from ngramcache.client.kernel.progress import Progress
 
 
 class FakeTerminal(io.StringIO):

@@ -17,7 +17,6 @@ import pytest
 from google.protobuf import descriptor_pb2, message_factory
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 
-from ngramcache.client._proto import codec
 from ngramcache.client._proto.v1 import (
     admin_pb2,
     admin_pb2_grpc,
@@ -28,8 +27,9 @@ from ngramcache.client._proto.v1 import (
     static_files_pb2,
     static_files_pb2_grpc,
 )
-from ngramcache.client.errors import InvalidArgumentError
-from ngramcache.client.rows import ROW_WIDTH, validate_deltas
+from ngramcache.client.kernel.errors import InvalidArgumentError
+from ngramcache.client.kernel.rows import ROW_WIDTH, validate_deltas
+from ngramcache.client.wire import codec
 
 ROOT = Path(__file__).resolve().parents[2]
 FP = bytes(range(32))

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 import ngramcache
-from ngramcache.client import errors
+from ngramcache.client.kernel import errors
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = sorted([ROOT / "README.md", ROOT / "deploy" / "README.md", *(ROOT / "docs").glob("*.md")])

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from ngramcache.client import _core
-from ngramcache.client.errors import InvalidArgumentError
-from ngramcache.client.rows import (
+from ngramcache.client.kernel.errors import InvalidArgumentError
+from ngramcache.client.kernel.rows import (
     COUNT,
     COUNTS_DTYPE,
     DELTA_DTYPE,

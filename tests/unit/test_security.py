@@ -30,7 +30,7 @@ from ngramcache.cache_service.security import (
 from ngramcache.cache_service.status import ServiceError
 from ngramcache.cache_service.toml_files import tomllib
 from ngramcache.client._proto.v1 import admin_pb2, counts_pb2, drafting_pb2, static_files_pb2
-from ngramcache.client.errors import InvalidArgumentError
+from ngramcache.client.kernel.errors import InvalidArgumentError
 
 SECRET = "ngc_this-is-a-secret-token-nobody-may-see"
 SHA = token_sha256(SECRET)

@@ -20,7 +20,7 @@ from ngramcache.cache_service.sessions import (
     Sessions,
 )
 from ngramcache.client import Drafter
-from ngramcache.client.errors import InvalidArgumentError
+from ngramcache.client.kernel.errors import InvalidArgumentError
 
 T = TypeVar("T")
 FP = bytes(range(32))

@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 from helpers.sglang_fake import ADD_FIELDS, FakeSglang
 
-from ngramcache.client.sglang_corpus import SGLANG_DEFAULT_MAX_TOKENS
+from ngramcache.client.kernel.sglang_corpus import SGLANG_DEFAULT_MAX_TOKENS
 
 VERSION = "0.5.23"
 WHEELS = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "ngramcache" / "engines" / "wheels"

@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 
 from ngramcache import StaticCache, build_static_from_tokens
-from ngramcache.client.cli.sglang import _Printer
-from ngramcache.client.errors import InvalidArgumentError
-from ngramcache.client.sglang_http import SglangTarget
-from ngramcache.client.sglang_sync import SglangSync, prepare_corpus
-from ngramcache.client.tokenizer import load_tokenizer
+from ngramcache.client.kernel.errors import InvalidArgumentError
+from ngramcache.client.kernel.tokenizer import load_tokenizer
+from ngramcache.client.tools.cli.sglang import _Printer
+from ngramcache.client.tools.sglang_http import SglangTarget
+from ngramcache.client.tools.sglang_sync import SglangSync, prepare_corpus
 
 TOKENIZER = load_tokenizer("tiktoken:qwen")
 

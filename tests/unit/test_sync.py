@@ -19,7 +19,7 @@ from ngramcache import (
     TokenizerMismatchError,
     build_static_from_tokens,
 )
-from ngramcache.client.static_files import GenerationFiles, sha256_of_file
+from ngramcache.client.kernel.static_files import GenerationFiles, sha256_of_file
 from ngramcache.client.sync import Backoff, ClientConfig, aggregate_rows, error_from_rpc
 from ngramcache.client.sync.pusher import Pusher
 from ngramcache.client.sync.state import SyncState

@@ -8,8 +8,8 @@ import time
 import grpc
 import pytest
 
+from ngramcache.client.kernel.tasks import cancel_until_done
 from ngramcache.client.sync.attempt import Attempts
-from ngramcache.client.tasks import cancel_until_done
 
 
 def rpc_error(code: grpc.StatusCode) -> grpc.aio.AioRpcError:

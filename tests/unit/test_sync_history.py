@@ -11,13 +11,13 @@ import numpy as np
 import pytest
 
 from ngramcache import BackendUnavailableError, InvalidArgumentError
-from ngramcache.client._proto.codec import tokens_to_bytes
 from ngramcache.client._proto.v1 import counts_pb2
+from ngramcache.client.kernel.history_sources import SourceIds
 from ngramcache.client.sync import ClientConfig
 from ngramcache.client.sync.history import HistoryBuffer, HistoryPublisher, HistoryStats, PendingRecord, prompt_group
 from ngramcache.client.sync.history_mirror import HistoryMirror, LagWindow
-from ngramcache.client.sync.history_sources import SourceIds
 from ngramcache.client.sync.state import SyncState
+from ngramcache.client.wire.codec import tokens_to_bytes
 
 FP = b"\x07" * 32
 

@@ -12,12 +12,12 @@ from typing import Any
 import numpy as np
 
 from ngramcache import InvalidArgumentError
-from ngramcache.client._proto.codec import tokens_to_bytes
 from ngramcache.client._proto.v1 import counts_pb2
 from ngramcache.client.sync import ClientConfig
 from ngramcache.client.sync.history import HistoryStats, LiveGroups
 from ngramcache.client.sync.history_mirror import HistoryMirror
 from ngramcache.client.sync.state import SyncState
+from ngramcache.client.wire.codec import tokens_to_bytes
 
 FP = b"\x07" * 32
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ngramcache.client.sync.history_sources import MirroredRuns, Prompts, SourceIds, prompt_group
+from ngramcache.client.kernel.history_sources import MirroredRuns, Prompts, SourceIds, prompt_group
 
 
 def seq_tokens(start: int, stop: int) -> np.ndarray:

@@ -12,9 +12,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ngramcache.client import tokenizer as tokmod
-from ngramcache.client.errors import InvalidArgumentError
-from ngramcache.client.tokenizer import Tokenizer, load_tokenizer, tiktoken_encoding_names
+from ngramcache.client.kernel import tokenizer as tokmod
+from ngramcache.client.kernel.errors import InvalidArgumentError
+from ngramcache.client.kernel.tokenizer import Tokenizer, load_tokenizer, tiktoken_encoding_names
 
 # Pinned so that a change to the canonical serialization (which would orphan every cache
 # built so far) cannot go unnoticed.

@@ -10,7 +10,7 @@ from grpc import aio
 
 from ngramcache.cache_service.interceptors.errors import ErrorInterceptor
 from ngramcache.cache_service.status import SESSION_EVICTED, ServiceError, limit_exceeded, status_of
-from ngramcache.client.errors import (
+from ngramcache.client.kernel.errors import (
     BackendUnavailableError,
     ChecksumMismatchError,
     GenerationConflictError,
@@ -23,8 +23,8 @@ from ngramcache.client.errors import (
     ResyncRequiredError,
     StoreAuthenticationError,
 )
-from ngramcache.client.transport import error_from_rpc
-from ngramcache.client.wire_errors import WIRE_ERRORS, error_class_for
+from ngramcache.client.wire.rpc_errors import WIRE_ERRORS, error_class_for
+from ngramcache.client.wire.transport import error_from_rpc
 
 RAISES: list[BaseException] = []
 

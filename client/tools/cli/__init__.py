@@ -14,11 +14,17 @@ nothing and never destroys an input; a user error is one line on stderr (exit st
 Ctrl-C one line (exit status 130), and neither leaves a partial output behind.
 """
 
-from ngramcache.client.cli.arguments import int_in, load_tokenizer_spec, seconds_in, tokenizer_options, vocab_and_fingerprint
-from ngramcache.client.cli.demo import demo_inputs, demo_workdir, run_local_demo, sigint_ignored
-from ngramcache.client.cli.guards import check_input_file, check_output, check_outputs_against_inputs, describe_os_error
-from ngramcache.client.cli.parser import CommandHook, build_parser, json_option, package_version
-from ngramcache.client.cli.run import EXIT_ERROR, EXIT_INTERRUPTED, EXIT_UNEXPECTED, main
+from ngramcache.client.tools.cli.arguments import (
+           int_in,
+           load_tokenizer_spec,
+           seconds_in,
+           tokenizer_options,
+           vocab_and_fingerprint,
+)
+from ngramcache.client.tools.cli.demo import demo_inputs, demo_workdir, run_local_demo, sigint_ignored
+from ngramcache.client.tools.cli.guards import check_input_file, check_output, check_outputs_against_inputs, describe_os_error
+from ngramcache.client.tools.cli.parser import CommandHook, build_parser, json_option, package_version
+from ngramcache.client.tools.cli.run import EXIT_ERROR, EXIT_INTERRUPTED, EXIT_UNEXPECTED, main
 
 __all__ = ["EXIT_ERROR", "EXIT_INTERRUPTED", "EXIT_UNEXPECTED", "CommandHook", "build_parser", "check_input_file",
            "check_output", "check_outputs_against_inputs", "demo_inputs", "demo_workdir", "describe_os_error",

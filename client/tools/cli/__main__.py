@@ -1,7 +1,7 @@
-"""`python -m ngramcache.client.cli`: the client's commands alone (the console script adds the service's)."""
+"""`python -m ngramcache.client.tools.cli`: the client's commands alone (the console script adds the service's)."""
 
 import sys
 
-from ngramcache.client.cli.run import main
+from ngramcache.client.tools.cli.run import main
 
 sys.exit(main())

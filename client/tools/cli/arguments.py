@@ -8,16 +8,12 @@ import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from ngramcache.client import (
-    MAX_VOCAB,
-    UNTAGGED,
-    InvalidArgumentError,
-    TokenizerMismatchError,
-    corpus,
-)
+from ngramcache.client._core import MAX_VOCAB, UNTAGGED
+from ngramcache.client.kernel import corpus
+from ngramcache.client.kernel.errors import InvalidArgumentError, TokenizerMismatchError
 
 if TYPE_CHECKING:
-    from ngramcache.client.tokenizer import Tokenizer
+    from ngramcache.client.kernel.tokenizer import Tokenizer
 
 
 MIN_BUDGET = 16 << 20          # the builder refuses a smaller memory budget
@@ -32,7 +28,6 @@ def _physical_memory() -> int | None:
 
 def _gib(n: float) -> str:
     return f"{n / (1 << 30):.1f} GiB"
-
 
 
 def int_in(lo: int, hi: int | None = None) -> Callable[[str], int]:
@@ -79,7 +74,7 @@ def memory_budget(text: str) -> int:
 def load_tokenizer_spec(spec: str | None) -> Tokenizer | None:
     if spec is None:
         return None
-    from ngramcache.client.tokenizer import load_tokenizer
+    from ngramcache.client.kernel.tokenizer import load_tokenizer
 
     return load_tokenizer(spec)
 

@@ -12,39 +12,33 @@ import warnings
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, nullcontext, suppress
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ngramcache.client import (
+from ngramcache.client._core import (
     MAX_VOCAB,
     UNTAGGED,
-    CacheFormatError,
     CountTable,
-    InvalidArgumentError,
     StaticBuilder,
     StaticCache,
-    TokenizerMismatchError,
-    corpus,
     export_llama,
     import_llama,
     load_llama_counts,
     replay,
 )
-from ngramcache.client.build import IndexBudgetWarning, build_static, out_of_vocabulary, with_path
-from ngramcache.client.cli.arguments import load_tokenizer_spec, show_fingerprint, vocab_and_fingerprint
-from ngramcache.client.cli.guards import (
+from ngramcache.client.kernel import corpus
+from ngramcache.client.kernel.build import IndexBudgetWarning, build_static, out_of_vocabulary, with_path
+from ngramcache.client.kernel.errors import CacheFormatError, InvalidArgumentError, TokenizerMismatchError
+from ngramcache.client.kernel.files import write_lines_atomic
+from ngramcache.client.kernel.progress import Progress
+from ngramcache.client.tools.cli.arguments import load_tokenizer_spec, show_fingerprint, vocab_and_fingerprint
+from ngramcache.client.tools.cli.guards import (
     check_folder,
     check_input_file,
     check_output,
     open_static,
     reading_static,
 )
-from ngramcache.client.files import write_lines_atomic
-from ngramcache.client.progress import Progress
-
-if TYPE_CHECKING:
-    pass
 
 STATIC_MAGIC = b"NGCSTAT\0"
 
@@ -332,10 +326,8 @@ def cmd_export_llama(args: argparse.Namespace) -> int:
     return 0
 
 
-
-
 def cmd_export_sglang(args: argparse.Namespace) -> int:
-    from ngramcache.client.sglang_corpus import SGLANG_DEFAULT_MAX_TOKENS, export_sglang
+    from ngramcache.client.kernel.sglang_corpus import SGLANG_DEFAULT_MAX_TOKENS, export_sglang
 
     check_input_file(args.input, "input")
     check_output(args.output, [args.input])

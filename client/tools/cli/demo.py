@@ -12,22 +12,12 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ngramcache.client import (
-    UNTAGGED,
-    CountTable,
-    InvalidArgumentError,
-    StaticCache,
-    build_static_from_tokens,
-    replay,
-)
-
-if TYPE_CHECKING:
-    pass
-
+from ngramcache.client._core import UNTAGGED, CountTable, StaticCache, replay
+from ngramcache.client.kernel.build import build_static_from_tokens
+from ngramcache.client.kernel.errors import InvalidArgumentError
 
 
 def _byte_tokens(path: Path) -> np.ndarray:

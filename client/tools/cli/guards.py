@@ -9,20 +9,10 @@ import os
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-from ngramcache.client import (
-    CacheFormatError,
-    InvalidArgumentError,
-    StaticCache,
-)
-from ngramcache.client.build import with_path
-
-if TYPE_CHECKING:
-    pass
-
-
-
+from ngramcache.client._core import StaticCache
+from ngramcache.client.kernel.build import with_path
+from ngramcache.client.kernel.errors import CacheFormatError, InvalidArgumentError
 
 
 def _identity(path: str | Path) -> tuple[int, int] | None:

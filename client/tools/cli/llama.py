@@ -1,4 +1,4 @@
-"""`ngramcache llama-follow`: llama-server behind a proxy, moved to each new generation of a namespace (arguments and printing; the work is ngramcache.client.llama_follow's)."""
+"""`ngramcache llama-follow`: llama-server behind a proxy, moved to each new generation of a namespace (arguments and printing; the work is ngramcache.client.tools.llama_follow's)."""
 
 from __future__ import annotations
 
@@ -12,9 +12,8 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ngramcache.client import MAX_VOCAB
-from ngramcache.client.cli.arguments import _fingerprint_from_hex, int_in, load_tokenizer_spec, seconds_in
-from ngramcache.client.errors import (
+from ngramcache.client._core import MAX_VOCAB
+from ngramcache.client.kernel.errors import (
     BackendUnavailableError,
     ConnectTimeoutError,
     InvalidArgumentError,
@@ -23,6 +22,7 @@ from ngramcache.client.errors import (
     ServiceUnreachableError,
     TokenizerMismatchError,
 )
+from ngramcache.client.tools.cli.arguments import _fingerprint_from_hex, int_in, load_tokenizer_spec, seconds_in
 
 if TYPE_CHECKING:
     SubParsers = argparse._SubParsersAction[argparse.ArgumentParser]
@@ -136,8 +136,8 @@ def _check_lcs(path: str) -> Path:
 
 
 def cmd_llama_follow(args: argparse.Namespace) -> int:
-    from ngramcache.client.address import check_address
-    from ngramcache.client.llama_follow import FollowConfig, check_server_command
+    from ngramcache.client.tools.llama_follow import FollowConfig, check_server_command
+    from ngramcache.client.wire.address import check_address
 
     command = list(args.server_command)
     if command and command[0] == "--":
@@ -172,7 +172,7 @@ def _cli_error(e: NgramCacheError, args: argparse.Namespace, addresses: list[str
     """``e`` worded for the command line: the flag to change, not the library's arguments or gRPC metadata."""
     import grpc
 
-    from ngramcache.client.diagnose import CLI_NAMES
+    from ngramcache.client.wire.diagnose import CLI_NAMES
 
     if isinstance(e, ServiceUnreachableError):
         return NgramCacheError(e.diagnosis.message(CLI_NAMES))
@@ -194,7 +194,7 @@ def _cli_error(e: NgramCacheError, args: argparse.Namespace, addresses: list[str
 
 
 async def _follow(args: argparse.Namespace, config: Any, addresses: list[str], identity: tuple[bytes, int]) -> int:
-    from ngramcache.client.llama_follow import ClientGenerations, LlamaFollower
+    from ngramcache.client.tools.llama_follow import ClientGenerations, LlamaFollower
 
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()

@@ -5,13 +5,9 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING
 
-from ngramcache.client import (
-    MAX_DRAFT,
-    NGRAM_MAX,
-)
-from ngramcache.client.cli.arguments import (
+from ngramcache.client._core import MAX_DRAFT, NGRAM_MAX
+from ngramcache.client.tools.cli.arguments import (
     MAX_GENERATION,
     budget_option,
     file_filter_options,
@@ -19,7 +15,7 @@ from ngramcache.client.cli.arguments import (
     quiet_option,
     tokenizer_options,
 )
-from ngramcache.client.cli.commands import (
+from ngramcache.client.tools.cli.commands import (
     cmd_build,
     cmd_export_llama,
     cmd_export_sglang,
@@ -28,15 +24,10 @@ from ngramcache.client.cli.commands import (
     cmd_merge,
     cmd_stats,
 )
-from ngramcache.client.cli.demo import cmd_demo
-from ngramcache.client.cli.llama_follow import add_llama_follow
-from ngramcache.client.cli.sglang import add_sglang_commands
-from ngramcache.client.cli.tokens import add_token_commands
-
-if TYPE_CHECKING:
-    pass
-
-
+from ngramcache.client.tools.cli.demo import cmd_demo
+from ngramcache.client.tools.cli.llama import add_llama_follow
+from ngramcache.client.tools.cli.sglang import add_sglang_commands
+from ngramcache.client.tools.cli.tokens import add_token_commands
 
 # A hook that adds subcommands: the service side adds `serve` (ngramcache.cache_service.cli)
 # without the client importing it.

@@ -8,16 +8,10 @@ import sys
 import traceback
 from collections.abc import Callable, Iterable
 from contextlib import suppress
-from typing import TYPE_CHECKING
 
-from ngramcache.client import (
-    NgramCacheError,
-)
-from ngramcache.client.cli.guards import OutputGuard, check_outputs_against_inputs, describe_os_error, outputs_of
-from ngramcache.client.cli.parser import CommandHook, build_parser
-
-if TYPE_CHECKING:
-    pass
+from ngramcache.client.kernel.errors import NgramCacheError
+from ngramcache.client.tools.cli.guards import OutputGuard, check_outputs_against_inputs, describe_os_error, outputs_of
+from ngramcache.client.tools.cli.parser import CommandHook, build_parser
 
 EXIT_ERROR = 2                 # a user error (argparse uses 2 as well)
 EXIT_UNEXPECTED = 1            # an error nobody anticipated: a bug to report

@@ -10,8 +10,8 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any
 
-from ngramcache.client.cli.arguments import int_in, load_tokenizer_spec, quiet_option, seconds_in
-from ngramcache.client.errors import ConnectTimeoutError, InvalidArgumentError, NgramCacheError, ServiceUnreachableError
+from ngramcache.client.kernel.errors import ConnectTimeoutError, InvalidArgumentError, NgramCacheError, ServiceUnreachableError
+from ngramcache.client.tools.cli.arguments import int_in, load_tokenizer_spec, quiet_option, seconds_in
 
 if TYPE_CHECKING:
     SubParsers = argparse._SubParsersAction[argparse.ArgumentParser]
@@ -20,7 +20,7 @@ DEFAULT_SERVER = "127.0.0.1:50051"  # where `ngramcache serve` listens with no o
 
 
 def add_sglang_commands(sub: SubParsers) -> None:
-    from ngramcache.client.sglang_corpus import SGLANG_DEFAULT_MAX_TOKENS
+    from ngramcache.client.kernel.sglang_corpus import SGLANG_DEFAULT_MAX_TOKENS
 
     p = sub.add_parser(
         "sglang-sync",
@@ -93,9 +93,9 @@ def _headers(values: list[str]) -> dict[str, str]:
 
 
 def cmd_sglang_sync(args: argparse.Namespace) -> int:
-    from ngramcache.client.diagnose import CLI_NAMES
-    from ngramcache.client.sglang_http import SglangTarget
-    from ngramcache.client.sglang_sync import SglangSync
+    from ngramcache.client.tools.sglang_http import SglangTarget
+    from ngramcache.client.tools.sglang_sync import SglangSync
+    from ngramcache.client.wire.diagnose import CLI_NAMES
 
     if (args.tls_cert is None) != (args.tls_key is None) or (args.tls_cert is not None and args.tls_ca is None):
         raise InvalidArgumentError("--tls-cert and --tls-key go together, and with --tls-ca")

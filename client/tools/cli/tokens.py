@@ -7,8 +7,8 @@ import json
 import sys
 from typing import TYPE_CHECKING
 
-from ngramcache.client.cli.arguments import file_filter_options, load_tokenizer_spec, quiet_option
-from ngramcache.client.progress import Progress
+from ngramcache.client.kernel.progress import Progress
+from ngramcache.client.tools.cli.arguments import file_filter_options, load_tokenizer_spec, quiet_option
 
 if TYPE_CHECKING:
     SubParsers = argparse._SubParsersAction[argparse.ArgumentParser]
@@ -32,8 +32,8 @@ def cmd_tokenizer_info(args: argparse.Namespace) -> int:
 
 
 def cmd_tokenize(args: argparse.Namespace) -> int:
-    from ngramcache.client import corpus
-    from ngramcache.client.token_files import tokenize_to_npy
+    from ngramcache.client.kernel import corpus
+    from ngramcache.client.kernel.token_files import tokenize_to_npy
 
     tokenizer = load_tokenizer_spec(args.tokenizer)
     assert tokenizer is not None  # --tokenizer is required
