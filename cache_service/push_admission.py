@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 
-from ngramcache.client.errors import OverloadedError
+from ngramcache.client.kernel.errors import OverloadedError
 
 __all__ = ["PushAdmission", "StoreThroughput"]
 

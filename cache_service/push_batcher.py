@@ -31,7 +31,7 @@ import dataclasses
 import math
 from typing import TYPE_CHECKING
 
-from ngramcache.client.errors import BackendUnavailableError, OverloadedError
+from ngramcache.client.kernel.errors import BackendUnavailableError, OverloadedError
 
 from .counts.values import ApplyResult, GroupItem
 from .push_admission import DEADLINE, PushAdmission
@@ -50,7 +50,7 @@ class _Waiting:
     item: GroupItem
     rows: int
     arrived: float  # loop time
-    future: asyncio.Future[tuple[ApplyResult, int]]
+    future: asyncio.Future[ApplyResult]
     deadline: float | None = None  # loop time its caller gives up at (None: never)
 
 
@@ -81,8 +81,8 @@ class PushBatcher:
             how long one store call (one Lua script per shard, on Redis) runs.
         groups_in_flight: store calls of one namespace at once. 1 is strict group commit (the
             biggest groups); 2, the default, lets the service sum and encode the next group
-            while Redis runs the current one (as `CountsStore.apply_many` keeps two round
-            trips in flight), which measured faster on the benchmark (docs/counts-store.md).
+            while Redis runs the current one, which measured faster on the benchmark
+            (docs/counts-store.md).
         max_queue_rows: most rows waiting in one namespace's queue; a push over it is shed
             (`OverloadedError`), unless the queue is empty.
         metrics: where to count shed pushes (None: nowhere).
@@ -107,11 +107,8 @@ class PushBatcher:
         self.pushes = 0  # pushes those calls carried
         self.shed: dict[str, int] = {}  # pushes shed, by reason (tests, benchmarks)
         self._last_end = 0.0  # loop time the last successful store call ended
-        # namespace -> (loop time its last version read began, the version): see _version
-        self._versions: dict[str, tuple[float, int]] = {}
-        self._epoch = float(self._store.config.epoch_seconds)
 
-    async def push(self, namespace: str, item: GroupItem, timeout: float | None = None) -> tuple[ApplyResult, int]:
+    async def push(self, namespace: str, item: GroupItem, timeout: float | None = None) -> ApplyResult:
         """Apply one pushed batch with whatever else is pushed to ``namespace`` meanwhile.
 
         Args:
@@ -120,7 +117,7 @@ class PushBatcher:
             timeout: seconds until its caller gives up (the call's deadline; None: never).
 
         Returns:
-            (its result, the namespace's version: see `_version`).
+            its result.
 
         Raises:
             the item's own error (InvalidArgumentError, TokenizerMismatchError,
@@ -194,26 +191,6 @@ class PushBatcher:
             except asyncio.TimeoutError:
                 pass
 
-    async def _version(self, namespace: str) -> int:
-        """The namespace's version for a push's answer (monitoring only: a mirror resumes from its Pull's version).
-
-        The store hands out a new version at most once per epoch (``epoch_seconds``), and a version read costs a
-        round on every shard (a Redis Cluster namespace: one script per shard, 64 by default), so a read that began
-        less than an epoch ago answers for every group until then: one read per epoch and namespace instead of one
-        per group (about 30 a second a replica under load). The answer may then be the version before the
-        latest, never a version the namespace did not reach. With ``epoch_seconds`` 0 every group reads.
-        """
-        loop = asyncio.get_running_loop()
-        began = loop.time()
-        last = self._versions.get(namespace)
-        if last is not None and began - last[0] < self._epoch:
-            return last[1]
-        version: int = await self._runner.call(self._store.version, namespace)
-        last = self._versions.get(namespace)
-        if last is None or last[0] <= began:
-            self._versions[namespace] = (began, version)
-        return version
-
     def _take(self, namespace: str, lane: _Lane) -> list[_Waiting]:
         """The next group: waiting pushes in arrival order up to max_group_rows rows (at least one),
         less those whose caller would give up before the group's store call ends (shed)."""
@@ -251,8 +228,6 @@ class PushBatcher:
             ended = loop.time()
             self.admission.throughput.observe(rows, ended - max(started, self._last_end))
             self._last_end = ended
-            accepted = any(isinstance(o, ApplyResult) for o in outcomes)
-            version = await self._version(namespace) if accepted else 0
         except asyncio.CancelledError:
             for waiting in group:
                 waiting.future.cancel()
@@ -268,6 +243,6 @@ class PushBatcher:
             if waiting.future.done():
                 continue
             if isinstance(outcome, ApplyResult):
-                waiting.future.set_result((outcome, version))
+                waiting.future.set_result(outcome)
             else:
                 waiting.future.set_exception(outcome)

@@ -36,7 +36,7 @@ class StoreRunner:
         loop = asyncio.get_running_loop()
         if self._metrics is None:
             return await loop.run_in_executor(self._pool, functools.partial(fn, *args, **kwargs))
-        with self._metrics.time_store(fn):  # observability (issue 8): store latency and errors per op
+        with self._metrics.time_store(fn):  # store latency and errors per op
             return await loop.run_in_executor(self._pool, functools.partial(fn, *args, **kwargs))
 
     def close(self) -> None:

@@ -3,7 +3,8 @@
 Modules, one concept each:
 
 * `store`: the `CountsStore` interface and the logic every backend shares (argument
-  checks, namespace creation, batches and groups).
+  checks, namespace creation, groups and their one redo loop, the lease methods).
+* `group`: a group of batches checked against its namespace and queued as units, wave after wave.
 * `values`: what its calls take and answer (batch identity, group items, results, change sets).
 * `history`: the fleet history's records, budgets, pages, cursors and near-duplicate rule
   (`CountsStore.append_history` / `read_history`; Redis: `redis_history`).
@@ -16,17 +17,17 @@ Modules, one concept each:
 * `layout`: bucket hash, field codec, batches encoded by (shard, bucket).
 * `embedded`: the in-process backend (optional snapshot file).
 * `redis_backend`: `RedisCountsStore`, standalone Redis, Redis Cluster or Sentinel, built from
-  `redis_connection` (client, retries, error translation), `redis_replicas` (writes
-  acknowledged once replicas hold them: WAIT), `redis_scripts` (one Lua script per atomic unit), `redis_handles` (namespace records and key names),
-  `redis_writes`, `redis_reads` and `redis_leases`.
+  `redis_connection` (client, retries, error translation, writes acknowledged once
+  replicas hold them: WAIT), `redis_scripts` (one Lua script per atomic unit), `redis_handles` (namespace records and key names),
+  `redis_writes` (a unit as an APPLY call), `redis_reads` and `redis_leases`.
 * `schema`: the Redis key names.
 * `factory`: `open_counts_store`, the only module that imports the backends.
 
-The delta rows it takes are defined in `ngramcache.client.rows`; its errors in
-`ngramcache.client.errors`.
+The delta rows it takes are defined in `ngramcache.client.kernel.rows`; its errors in
+`ngramcache.client.kernel.errors`.
 """
 
-from ngramcache.client.errors import (
+from ngramcache.client.kernel.errors import (
     BatchTooOldError,
     NamespaceNotFoundError,
     SnapshotFormatError,
@@ -38,7 +39,7 @@ from .embedded import EmbeddedCountsStore
 from .factory import open_counts_store
 from .history import MAX_BATCH_RECORDS, MAX_RECORD_TOKENS, HistoryAppend, HistoryBudget, HistoryPage, HistoryRecord
 from .layout import HASH_SEED, EncodedBatch, decode_fields, encode_batch, ngram_bucket
-from .namespace import NamespaceInfo, normalize_fingerprint, token_width
+from .namespace import NamespaceRecord, normalize_fingerprint, token_width
 from .redis_backend import RedisCountsStore
 from .store import ApplyResult, ChangeSet, CountsStore, GroupItem, ItemOutcome, validate_client_id, validate_seq
 
@@ -59,8 +60,8 @@ __all__ = [
     "HistoryPage",
     "HistoryRecord",
     "ItemOutcome",
-    "NamespaceInfo",
     "NamespaceNotFoundError",
+    "NamespaceRecord",
     "RedisCountsStore",
     "SnapshotFormatError",
     "StoreAddress",

@@ -27,7 +27,7 @@ import urllib.parse
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
-from ngramcache.client.errors import InvalidArgumentError
+from ngramcache.client.kernel.errors import InvalidArgumentError
 
 from .history import HistoryBudget, validate_partitions
 
@@ -157,7 +157,7 @@ class CountsStoreConfig:
     Attributes:
         url: backend URL (see the module docstring); never printed with its password.
         prefix: first component of every Redis key.
-        max_batch_rows: largest batch `apply` accepts (a Lua unit blocks Redis ~1.5 us a row).
+        max_batch_rows: largest batch `apply_group` accepts in an item (a Lua unit blocks Redis ~1.5 us a row).
         dedup_window: a client may have at most this many batches unacknowledged; a seq
             this far behind the newest seq applied is refused with `BatchTooOldError`.
         dedup_ttl_seconds: dedup records of a silent client expire after this long.

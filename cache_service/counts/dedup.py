@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 
-from ngramcache.client.errors import BatchTooOldError
+from ngramcache.client.kernel.errors import BatchTooOldError
 
 __all__ = ["DedupWindow", "batch_too_old"]
 

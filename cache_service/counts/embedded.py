@@ -37,8 +37,8 @@ import numpy as np
 import pyroaring
 
 from ngramcache.client._core import write_file_atomic
-from ngramcache.client.errors import BatchTooOldError, InvalidArgumentError, SnapshotFormatError
-from ngramcache.client.rows import (
+from ngramcache.client.kernel.errors import BatchTooOldError, InvalidArgumentError, NgramCacheError, SnapshotFormatError
+from ngramcache.client.kernel.rows import (
     COUNT,
     DELTA_DTYPE,
     KEY_WIDTH,
@@ -53,15 +53,14 @@ from .history import HistoryAppend, HistoryPage, HistoryRecord
 from .layout import (
     EncodedBatch,
     decode_fields,
-    encode_batch,
-    encode_group,
     fields_and_buckets,
     ngram_bucket,
     ngram_key,
 )
-from .leases import CommittedGeneration, Lease, LeaseTable
+from .leases import LeaseTable
 from .namespace import (
-    NamespaceInfo,
+    NamespaceRecord,
+    StaleNamespace,
     namespace_changed,
     no_such_namespace,
     normalize_fingerprint,
@@ -70,7 +69,7 @@ from .namespace import (
     validate_vocab_size,
 )
 from .store import CountsStore
-from .values import ApplyResult, ChangeSet, GroupItem, ItemOutcome, validate_client_id
+from .values import ChangeSet, Seen, Unit, UnitAnswer, validate_client_id
 from .versions import EpochClock, check_version, now_ms
 
 __all__ = ["EmbeddedCountsStore"]
@@ -87,7 +86,7 @@ _EXPIRE_EVERY: Final = 4096  # applies between sweeps of expired dedup records
 class _Namespace:
     """One namespace's counts and change history; guarded by the store's lock."""
 
-    def __init__(self, info: NamespaceInfo, start: int, dedup_ttl_ms: int) -> None:
+    def __init__(self, info: NamespaceRecord, start: int, dedup_ttl_ms: int) -> None:
         self.info = info
         self.history = NamespaceHistory(dedup_ttl_ms)  # in memory only: not in the snapshot
         self.buckets: dict[int, dict[bytes, int]] = {}
@@ -98,7 +97,7 @@ class _Namespace:
 
 
 class EmbeddedCountsStore(CountsStore):
-    """Counts in this process, optionally snapshotted to a file. Thread-safe (one lock).
+    """Counts in this process, optionally snapshotted to a file. Thread-safe (one lock): a unit is a whole namespace.
 
     Args:
         config: a `CountsStoreConfig` whose url is None/"" (memory only) or
@@ -108,6 +107,9 @@ class EmbeddedCountsStore(CountsStore):
         InvalidArgumentError: the config names another backend.
         SnapshotFormatError: the snapshot file exists but is not a valid snapshot.
     """
+
+    _unit_per_shard = False
+    _leases: LeaseTable  # kept in the snapshot
 
     def __init__(self, config: CountsStoreConfig | None = None) -> None:
         self.config = config or CountsStoreConfig()
@@ -139,7 +141,7 @@ class EmbeddedCountsStore(CountsStore):
             raise no_such_namespace(namespace)
         return ns
 
-    def _find_namespace(self, namespace: str) -> NamespaceInfo | None:
+    def _find_namespace(self, namespace: str) -> NamespaceRecord | None:
         with self._lock:
             ns = self._namespaces.get(namespace)
             return None if ns is None else ns.info
@@ -148,7 +150,7 @@ class EmbeddedCountsStore(CountsStore):
         with self._lock:
             return list(self._namespaces)
 
-    def _insert_namespace(self, info: NamespaceInfo) -> NamespaceInfo | None:
+    def _insert_namespace(self, info: NamespaceRecord) -> NamespaceRecord | None:
         with self._lock:
             existing = self._namespaces.get(info.name)
             if existing is not None:
@@ -156,7 +158,7 @@ class EmbeddedCountsStore(CountsStore):
             self._namespaces[info.name] = _Namespace(info, now_ms(), self.config.dedup_ttl_ms)
             return None
 
-    def namespace_info(self, namespace: str) -> NamespaceInfo:
+    def namespace_info(self, namespace: str) -> NamespaceRecord:
         with self._lock:
             return self._ns(namespace).info
 
@@ -166,50 +168,38 @@ class EmbeddedCountsStore(CountsStore):
             self._leases.forget_base(namespace)  # its files go with it
             return self._namespaces.pop(namespace, None) is not None
 
-    # ----------------------------------------------------------------- rebuild leases
-
-    def acquire_lease(self, namespace: str, holder: str, ttl_ms: int) -> Lease:
-        return self._leases.acquire(namespace, holder, ttl_ms)
-
-    def renew_lease(self, lease: Lease, ttl_ms: int) -> bool:
-        return self._leases.renew(lease, ttl_ms)
-
-    def release_lease(self, lease: Lease) -> bool:
-        return self._leases.release(lease)
-
-    def commit_generation(self, lease: Lease, generation: int, location: str, kind: str = "rebuild", *,
-                          keep_base: bool = True) -> None:
-        self._leases.commit(lease, generation, location, kind, keep_base=keep_base)
-
-    def committed_generation(self, namespace: str) -> CommittedGeneration:
-        return self._leases.committed(namespace)
-
     # ----------------------------------------------------------------- writes
 
-    def _apply_batches(self, namespace: str, client_id: str, batches: list[tuple[int, np.ndarray]],
-                       fingerprint: bytes | str | None) -> list[ApplyResult]:
-        with self._lock:
-            info = self._ns(namespace).info
-        self._check_batches(info, fingerprint, batches)
-        return [self._apply_one(info, client_id, seq, deltas) for seq, deltas in batches]
+    def _record(self, namespace: str, stale: NamespaceRecord | None = None) -> NamespaceRecord:
+        with self._lock:  # always the current record: nothing is cached
+            return self._ns(namespace).info
 
-    def _apply_one(self, info: NamespaceInfo, client_id: str, seq: int, deltas: np.ndarray) -> ApplyResult:
-        if len(deltas) == 0:
-            return ApplyResult(0, 0, 0, 0)
-        enc = encode_batch(deltas, info)  # outside the lock: the expensive part
-        fields = enc.field_list()
+    def _write_units(self, info: NamespaceRecord, units: list[Unit]) -> list[UnitAnswer]:
+        fields = [unit.batch.field_list() for unit in units]  # outside the lock: the expensive part
         with self._lock:
             ns = self._ns(info.name)
             if ns.info.instance != info.instance:
-                raise namespace_changed(info.name, "apply")
+                raise StaleNamespace
+            return [self._write_unit(ns, unit, unit_fields) for unit, unit_fields in zip(units, fields)]
+
+    def _write_unit(self, ns: _Namespace, unit: Unit, fields: list[bytes]) -> UnitAnswer:
+        """One unit, all or nothing (the caller holds the lock): written with its dedup records if no pair was seen."""
+        seen: list[Seen | NgramCacheError] = []
+        for client_id, seq in unit.pairs:
+            dedup = ns.dedup.get(client_id)
+            try:
+                seen.append(Seen.APPLIED if dedup is not None and dedup.seen(seq) else Seen.NEW)
+            except BatchTooOldError as exc:
+                seen.append(exc)
+        if any(s is not Seen.NEW for s in seen):
+            return seen
+        self._write(ns, unit.batch, fields)
+        for client_id, seq in unit.pairs:
             dedup = ns.dedup.get(client_id)
             if dedup is None:
                 dedup = ns.dedup[client_id] = DedupWindow(self.config.dedup_window)
-            if dedup.seen(seq):
-                return ApplyResult(1, 0, 1, enc.entries)
-            self._write(ns, enc, fields)
             dedup.record(seq)
-            return ApplyResult(1, 1, 0, enc.entries)
+        return None
 
     def _write(self, ns: _Namespace, enc: EncodedBatch, fields: list[bytes]) -> None:
         """Add an encoded batch's increments (``fields``: its `field_list`) and mark its buckets changed; the caller holds the lock."""
@@ -223,56 +213,6 @@ class EmbeddedCountsStore(CountsStore):
         self._applies += 1
         if self._applies % _EXPIRE_EVERY == 0:
             self._expire_dedup()
-
-    def _apply_group(self, namespace: str, items: list[GroupItem]) -> list[ItemOutcome]:
-        with self._lock:
-            info = self._ns(namespace).info
-        outcomes, parts = self._check_group(info, items)
-        for part in parts:
-            for i, outcome in zip(part, self._apply_part(info, [items[i] for i in part])):
-                outcomes[i] = outcome
-        return self._complete(outcomes)
-
-    def _apply_part(self, info: NamespaceInfo, items: list[GroupItem]) -> list[ItemOutcome]:
-        """Apply checked items as one unit: all the new ones together, none twice (see `CountsStore.apply_group`)."""
-        outcomes: list[ItemOutcome | None] = [None] * len(items)
-        alive = list(range(len(items)))
-        while alive:
-            try:
-                group = encode_group([items[i].deltas for i in alive], info)  # outside the lock
-            except InvalidArgumentError as exc:  # one item whose own sum overflows (parts bound the rest)
-                for i in alive:
-                    outcomes[i] = exc
-                break
-            entries = group.item_entries.tolist()
-            fields = group.batch.field_list()
-            fresh: list[int] = []
-            with self._lock:
-                ns = self._ns(info.name)
-                if ns.info.instance != info.instance:
-                    raise namespace_changed(info.name, "apply")
-                for j, i in enumerate(alive):
-                    dedup = ns.dedup.get(items[i].client_id)
-                    try:
-                        if dedup is not None and dedup.seen(items[i].seq):
-                            outcomes[i] = ApplyResult(1, 0, 1, entries[j])
-                            continue
-                    except BatchTooOldError as exc:
-                        outcomes[i] = exc
-                        continue
-                    fresh.append(i)
-                if len(fresh) == len(alive):  # none applied before: write them all, with their dedup records
-                    self._write(ns, group.batch, fields)
-                    for j, i in enumerate(alive):
-                        client_id = items[i].client_id
-                        dedup = ns.dedup.get(client_id)
-                        if dedup is None:
-                            dedup = ns.dedup[client_id] = DedupWindow(self.config.dedup_window)
-                        dedup.record(items[i].seq)
-                        outcomes[i] = ApplyResult(1, 1, 0, entries[j])
-                    break
-            alive = fresh  # redo without the duplicates and the too old (their sums are gone)
-        return self._complete(outcomes)
 
     # ----------------------------------------------------------------- the fleet history (`embedded_history`)
 
@@ -411,7 +351,7 @@ class EmbeddedCountsStore(CountsStore):
                 pos += k * KEY_WIDTH * _KEY_DTYPE.itemsize
                 counts = np.frombuffer(body, dtype=_COUNT_DTYPE, count=k, offset=pos)
                 pos += k * _COUNT_DTYPE.itemsize
-                info = NamespaceInfo(validate_namespace(entry["name"]), normalize_fingerprint(entry["fingerprint"]),
+                info = NamespaceRecord(validate_namespace(entry["name"]), normalize_fingerprint(entry["fingerprint"]),
                                      validate_vocab_size(entry["vocab_size"]),
                                      *validate_layout(entry["buckets"], entry["shards"]), str(entry["instance"]))
                 # The keys checked as delta rows of count 1 (the counts are int64, checked apart).

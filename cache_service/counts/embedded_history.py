@@ -12,7 +12,7 @@ import collections
 import secrets
 from typing import Final
 
-from ngramcache.client.errors import InvalidArgumentError
+from ngramcache.client.kernel.errors import InvalidArgumentError
 
 from .history import (
     BYTES_PER_TOKEN,

@@ -30,9 +30,9 @@ from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
-from ngramcache.client.rows import empty_counts
+from ngramcache.client.kernel.rows import empty_counts
 
-from .namespace import NamespaceInfo, check_tokenizer, namespace_changed
+from .namespace import NamespaceRecord, check_tokenizer, namespace_changed
 from .store import CountsStore
 
 __all__ = ["CountsExporter", "PullChunk", "StoreCaller", "split_rows"]
@@ -71,7 +71,7 @@ class CountsExporter:
     def __init__(self, runner: StoreCaller) -> None:
         self._runner = runner
 
-    async def namespace(self, namespace: str, fingerprint: bytes | str | None) -> NamespaceInfo:
+    async def namespace(self, namespace: str, fingerprint: bytes | str | None) -> NamespaceRecord:
         """The namespace's record, once its tokenizer is checked against ``fingerprint``.
 
         Raises:
@@ -92,7 +92,7 @@ class CountsExporter:
         for rows, complete in split_rows(change.rows, chunk_rows):
             yield PullChunk(rows, change.version, complete)
 
-    async def export(self, info: NamespaceInfo, chunk_rows: int) -> AsyncGenerator[PullChunk, None]:
+    async def export(self, info: NamespaceRecord, chunk_rows: int) -> AsyncGenerator[PullChunk, None]:
         """Every count of the namespace ``info`` describes, as of the version the chunks carry (see the module docstring).
 
         Close it (``contextlib.aclosing``) when not reading it to the end: that lets the

@@ -10,7 +10,7 @@ from typing import Final
 
 import numpy as np
 
-from ngramcache.client.errors import InvalidArgumentError
+from ngramcache.client.kernel.errors import InvalidArgumentError
 
 from .values import validate_client_id, validate_seq
 

@@ -4,7 +4,7 @@
   ``mmh3.hash(ngram_bytes, HASH_SEED, signed=False) & (buckets - 1)``, so all followers of
   an n-gram share a bucket and `lookup` reads one bucket.
 * A namespace has ``shards`` shards; bucket ``b`` belongs to shard ``b % shards`` and has
-  local id ``b // shards`` inside it. A shard is the unit of atomicity of `apply`.
+  local id ``b // shards`` inside it. A shard is the unit of atomicity of `apply_group`.
 * An entry's field is its n-gram tokens followed by its follower, each token written as
   ``token_width`` little-endian bytes (``token_width`` is the fewest bytes that hold
   ``vocab_size - 1``). So ``n = len(field) // token_width - 1`` and the n-gram bytes are
@@ -22,8 +22,8 @@ from typing import Final
 import mmh3
 import numpy as np
 
-from ngramcache.client.errors import InvalidArgumentError
-from ngramcache.client.rows import (
+from ngramcache.client.kernel.errors import InvalidArgumentError
+from ngramcache.client.kernel.rows import (
     COUNT,
     FOLLOWER,
     KEY_WIDTH,
@@ -33,7 +33,7 @@ from ngramcache.client.rows import (
     empty_counts,
 )
 
-from .namespace import NamespaceInfo
+from .namespace import NamespaceRecord
 
 __all__ = [
     "FIELD_TOKENS",
@@ -105,7 +105,7 @@ def murmur3_32(keys: np.ndarray, seed: int = 0) -> np.ndarray:
     return h
 
 
-def ngram_bucket(ngram: Sequence[int], info: NamespaceInfo) -> int:
+def ngram_bucket(ngram: Sequence[int], info: NamespaceRecord) -> int:
     """The bucket of one n-gram (validated against the namespace's vocabulary)."""
     tokens = [int(t) for t in ngram]
     if not 1 <= len(tokens) <= NGRAM_MAX:
@@ -117,7 +117,7 @@ def ngram_bucket(ngram: Sequence[int], info: NamespaceInfo) -> int:
     return bucket
 
 
-def ngram_key(ngram: Sequence[int], info: NamespaceInfo) -> bytes:
+def ngram_key(ngram: Sequence[int], info: NamespaceRecord) -> bytes:
     """The field prefix of an n-gram: its tokens, ``token_width`` bytes each (not validated)."""
     return _token_bytes(np.array([[int(t) for t in ngram]], dtype=np.int64), info.token_width).tobytes()
 
@@ -152,7 +152,7 @@ class EncodedBatch:
         return fields
 
 
-def fields_and_buckets(rows: np.ndarray, info: NamespaceInfo) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def fields_and_buckets(rows: np.ndarray, info: NamespaceRecord) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Field matrix, field lengths and bucket of each validated row (n, t0..t3, follower, ...), in row order.
 
     Returns:
@@ -176,7 +176,7 @@ def fields_and_buckets(rows: np.ndarray, info: NamespaceInfo) -> tuple[np.ndarra
     return matrix, (n + 1) * w, buckets
 
 
-def _sort_rows(deltas: np.ndarray, info: NamespaceInfo,
+def _sort_rows(deltas: np.ndarray, info: NamespaceRecord,
                item: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Fields of validated rows and their order by (shard, bucket, key[, item]).
 
@@ -200,7 +200,7 @@ def _sort_rows(deltas: np.ndarray, info: NamespaceInfo,
     return order, new, matrix, lengths, buckets, shard
 
 
-def _summed(deltas: np.ndarray, info: NamespaceInfo, order: np.ndarray, new: np.ndarray, matrix: np.ndarray,
+def _summed(deltas: np.ndarray, info: NamespaceRecord, order: np.ndarray, new: np.ndarray, matrix: np.ndarray,
             lengths: np.ndarray, buckets: np.ndarray, shard: np.ndarray) -> EncodedBatch:
     """The entries of sorted rows with their repeats summed (see `_sort_rows`)."""
     m = deltas.shape[0]
@@ -213,7 +213,7 @@ def _summed(deltas: np.ndarray, info: NamespaceInfo, order: np.ndarray, new: np.
     return EncodedBatch(buckets[pick], counts, lengths[pick], matrix[pick], shard_bounds)
 
 
-def encode_batch(deltas: np.ndarray, info: NamespaceInfo) -> EncodedBatch:
+def encode_batch(deltas: np.ndarray, info: NamespaceRecord) -> EncodedBatch:
     """Sum repeated keys of a validated batch and lay it out by (shard, bucket, field).
 
     Raises:
@@ -238,7 +238,7 @@ class EncodedGroup:
     item_shards: np.ndarray  # bool (k, shards)
 
 
-def encode_group(batches: Sequence[np.ndarray], info: NamespaceInfo) -> EncodedGroup:
+def encode_group(batches: Sequence[np.ndarray], info: NamespaceRecord) -> EncodedGroup:
     """Sum repeated keys within and across validated batches and lay them out by (shard, bucket, field).
 
     Raises:

@@ -6,7 +6,8 @@ committed only by the current lease's holder and token, and only above the commi
 in one atomic step: a paused or partitioned old leader (its lease expired) can never
 commit, and no generation number is committed twice. These records do not belong to one
 namespace incarnation: generation numbers keep growing across a drop. The embedded store
-keeps them in a `LeaseTable`; the Redis backend in Lua scripts with the same rules.
+keeps them in a `LeaseTable`; the Redis backend in Lua scripts with the same rules
+(`redis_leases`). Both are `Leases`, which `CountsStore` calls for its lease methods.
 """
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
+from typing import Protocol
 
-from ngramcache.client.errors import GenerationNotNewerError, InvalidArgumentError, LeaseHeldError, LeaseLostError
+from ngramcache.client.kernel.errors import GenerationNotNewerError, InvalidArgumentError, LeaseHeldError, LeaseLostError
 
 from .namespace import validate_namespace
 
@@ -23,6 +25,7 @@ __all__ = [
     "CommittedGeneration",
     "Lease",
     "LeaseTable",
+    "Leases",
     "check_lease_args",
     "check_ttl",
     "lease_held",
@@ -97,6 +100,23 @@ def lease_lost(lease: Lease) -> LeaseLostError:
 def not_newer(namespace: str, generation: int, committed: int) -> GenerationNotNewerError:
     return GenerationNotNewerError(f"generation {generation} of {namespace!r} is not above the committed "
                                    f"generation {committed}")
+
+
+class Leases(Protocol):
+    """A backend's rebuild leases and committed generations (the rules above); `CountsStore`'s lease methods call it."""
+
+    def acquire(self, namespace: str, holder: str, ttl_ms: int) -> Lease: ...
+
+    def renew(self, lease: Lease, ttl_ms: int) -> bool: ...
+
+    def release(self, lease: Lease) -> bool: ...
+
+    def commit(self, lease: Lease, generation: int, location: str, kind: str = "rebuild", *,
+               keep_base: bool = True) -> None: ...
+
+    def committed(self, namespace: str) -> CommittedGeneration: ...
+
+    def forget_base(self, namespace: str) -> None: ...
 
 
 class LeaseTable:

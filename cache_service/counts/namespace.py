@@ -1,28 +1,31 @@
-"""A counts namespace: its immutable record (`NamespaceInfo`), the checks of its name, tokenizer, vocabulary and layout, and its not-found errors."""
+"""A counts namespace: its immutable record (`NamespaceRecord`), the checks of its name, tokenizer, vocabulary and layout, its not-found errors, and the one rule for a record gone stale (`rerun_if_stale`)."""
 
 from __future__ import annotations
 
 import dataclasses
 import re
 import secrets
-from typing import Final
+from collections.abc import Callable
+from typing import Final, TypeVar
 
 import numpy as np
 
 from ngramcache.client import _core
-from ngramcache.client.errors import InvalidArgumentError, NamespaceNotFoundError, TokenizerMismatchError
-from ngramcache.client.rows import MAX_VOCAB
+from ngramcache.client.kernel.errors import InvalidArgumentError, NamespaceNotFoundError, TokenizerMismatchError
+from ngramcache.client.kernel.rows import MAX_VOCAB
 
 __all__ = [
     "FINGERPRINT_SIZE",
     "MAX_BUCKETS",
     "MAX_SHARDS",
-    "NamespaceInfo",
+    "NamespaceRecord",
+    "StaleNamespace",
     "check_tokenizer",
     "namespace_changed",
     "new_instance_id",
     "no_such_namespace",
     "normalize_fingerprint",
+    "rerun_if_stale",
     "token_width",
     "validate_layout",
     "validate_namespace",
@@ -38,12 +41,15 @@ MAX_BUCKETS: Final = 2**30
 MAX_SHARDS: Final = 16384
 """Most shards a namespace may have: Redis Cluster's slot count, so each shard can own a slot."""
 
+_R = TypeVar("_R")
+_T = TypeVar("_T")
+
 _NAMESPACE_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 _FINGERPRINT_HEX_RE = re.compile(f"[0-9a-fA-F]{{{2 * FINGERPRINT_SIZE}}}")
 
 
 @dataclasses.dataclass(frozen=True)
-class NamespaceInfo:
+class NamespaceRecord:
     """The immutable record of a namespace, fixed at creation.
 
     Attributes:
@@ -111,7 +117,7 @@ def validate_layout(buckets: int, shards: int) -> tuple[int, int]:
     return buckets, shards
 
 
-def check_tokenizer(info: NamespaceInfo, fingerprint: bytes | str | None, vocab_size: int | None = None) -> None:
+def check_tokenizer(info: NamespaceRecord, fingerprint: bytes | str | None, vocab_size: int | None = None) -> None:
     """Raise TokenizerMismatchError when ``fingerprint``/``vocab_size`` differ from the namespace's."""
     if fingerprint is not None and normalize_fingerprint(fingerprint) != info.fingerprint:
         raise TokenizerMismatchError(
@@ -129,6 +135,38 @@ def no_such_namespace(namespace: str) -> NamespaceNotFoundError:
 def namespace_changed(namespace: str, during: str) -> NamespaceNotFoundError:
     """The namespace was dropped or recreated while ``during`` (an operation) ran."""
     return NamespaceNotFoundError(f"namespace {namespace!r} was dropped or recreated during {during}; retry")
+
+
+class StaleNamespace(Exception):
+    """A backend's script or lock found another instance of the namespace than the record it was given.
+
+    The namespace was dropped or recreated since the record was read; `rerun_if_stale` reads it
+    again and runs the operation once more. Never leaves the counts store.
+    """
+
+
+def rerun_if_stale(namespace: str, record: Callable[[_R | None], _R], action: Callable[[_R], _T]) -> _T:
+    """``action(record(None))``; when it raises `StaleNamespace`, ``action(record(stale))`` once more.
+
+    Args:
+        namespace: the namespace's name (for the error).
+        record: the namespace's record (or a backend's handle of it): ``record(None)`` may come from a
+            cache, ``record(stale)`` is read again, and raises NamespaceNotFoundError when the
+            namespace is gone (or, on Redis, still the stale instance whose shard state is lost).
+        action: the operation; it checks whatever it takes against the record it is given.
+
+    Raises:
+        NamespaceNotFoundError: the namespace changed again during the second run.
+    """
+    first = record(None)
+    try:
+        return action(first)
+    except StaleNamespace:
+        fresh = record(first)
+        try:
+            return action(fresh)
+        except StaleNamespace:
+            raise namespace_changed(namespace, "the call") from None
 
 
 def token_width(vocab_size: int) -> int:

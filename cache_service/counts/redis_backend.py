@@ -4,12 +4,12 @@ Every write is a Lua script over keys of one shard (see `schema` and `redis_scri
 it runs atomically on the shard's node. This module holds the namespaces (create, list,
 drop) and wires the parts, one concept each:
 
-* `redis_connection`: the client, its bounded retries, error translation, pipelined scripts.
-* `redis_replicas`: writes acknowledged only once replicas hold them (WAIT): generation
-  numbers, leases, fencing tokens and namespace records always; counts, history and the
-  version clock with ``min_replicas``.
+* `redis_connection`: the client, its bounded retries, error translation, pipelined scripts,
+  and writes acknowledged only once replicas hold them (WAIT): generation numbers, leases,
+  fencing tokens and namespace records always; counts, history and the version clock with
+  ``min_replicas``.
 * `redis_handles`: a namespace's record and key names, reloaded when its instance changed.
-* `redis_writes`: batches and groups as APPLY units, exactly once per (client_id, seq).
+* `redis_writes`: a unit of a group as one APPLY call, exactly once per (client_id, seq), and its reply.
 * `redis_reads`: lookups, versions, changes since a version, exports.
 * `redis_leases`: rebuild leases and committed generations.
 * `redis_history`: the fleet history, one stream per namespace.
@@ -23,7 +23,7 @@ from typing import Final
 
 import numpy as np
 
-from ngramcache.client.errors import InvalidArgumentError, NamespaceNotFoundError, NgramCacheError, TokenizerMismatchError
+from ngramcache.client.kernel.errors import InvalidArgumentError, NamespaceNotFoundError, NgramCacheError, TokenizerMismatchError
 
 from . import schema
 from .config import CountsStoreConfig
@@ -35,18 +35,16 @@ from .history import (
     HistoryRecord,
     validate_batch_seq,
 )
-from .leases import CommittedGeneration, Lease
-from .namespace import NamespaceInfo, validate_namespace
+from .namespace import NamespaceRecord, validate_namespace
 from .redis_connection import RedisConnection
 from .redis_handles import Handle, HandleCache
 from .redis_history import RedisHistory
 from .redis_leases import RedisLeases
 from .redis_reads import RedisReader
-from .redis_replicas import ReplicaAcks
 from .redis_scripts import CREATE
-from .redis_writes import RedisWriter
+from .redis_writes import apply_call, unit_answer
 from .store import CountsStore
-from .values import ApplyResult, ChangeSet, GroupItem, ItemOutcome, validate_client_id
+from .values import ChangeSet, Unit, UnitAnswer, validate_client_id
 
 __all__ = ["RedisCountsStore"]
 
@@ -67,15 +65,15 @@ class RedisCountsStore(CountsStore):
         StoreAuthenticationError: Redis refused the credentials.
     """
 
+    _unit_per_shard = True  # a unit is one Lua script, on the node of its shard's slot
+
     def __init__(self, config: CountsStoreConfig) -> None:
         self.config = config
         self._conn = RedisConnection(config)
-        self._acks = acks = ReplicaAcks(self._conn, config)
         self._handles = HandleCache(self._conn, config.prefix)
-        self._writer = RedisWriter(self._conn, config, acks)
-        self._reader = RedisReader(self._conn, config, acks)
-        self._leases = RedisLeases(self._conn, config.prefix, acks)
-        self._history = RedisHistory(self._conn, config, acks)
+        self._reader = RedisReader(self._conn, config)
+        self._leases = RedisLeases(self._conn, config.prefix)
+        self._history = RedisHistory(self._conn, config)
 
     def __repr__(self) -> str:
         return f"RedisCountsStore({self._conn.where!r}, cluster={self._conn.cluster})"
@@ -94,7 +92,7 @@ class RedisCountsStore(CountsStore):
             return self.config.history_partitions
         return CLUSTER_HISTORY_PARTITIONS if self._conn.cluster else 1
 
-    def _find_namespace(self, namespace: str) -> NamespaceInfo | None:
+    def _find_namespace(self, namespace: str) -> NamespaceRecord | None:
         try:
             return self._handles.get(namespace, refresh=True).info
         except NamespaceNotFoundError:
@@ -111,7 +109,7 @@ class RedisCountsStore(CountsStore):
                         names.append(name)
         return names
 
-    def _insert_namespace(self, info: NamespaceInfo) -> NamespaceInfo | None:
+    def _insert_namespace(self, info: NamespaceRecord) -> NamespaceRecord | None:
         handle = Handle(self.config.prefix, info)
         client = self._conn.client
         # Shard state first: the namespace becomes visible (meta) only once every shard can take writes.
@@ -124,8 +122,8 @@ class RedisCountsStore(CountsStore):
             pipe.execute()
         # A record acknowledged is never lost with a master that dies: the shard state on every replica first (a
         # Cluster: on each shard's master), then the record (its master's replicas hold the shard state there too).
-        self._acks.settle([sk.state for sk in handle.shards] + [hk.stat for hk in handle.history[1:]])
-        existing = self._acks.for_leases([(CREATE, [handle.meta, handle.clock, handle.epochs],
+        self._conn.settle([sk.state for sk in handle.shards] + [hk.stat for hk in handle.history[1:]])
+        existing = self._conn.for_leases([(CREATE, [handle.meta, handle.clock, handle.epochs],
                                            [info.instance, info.fingerprint, info.vocab_size, info.buckets, info.shards,
                                             schema.SCHEMA_VERSION, info.history_partitions])])[0]
         if existing:  # lost a creation race: forget our shard state, bind to the winner
@@ -142,7 +140,7 @@ class RedisCountsStore(CountsStore):
                   info.buckets, info.shards, info.history_partitions)
         return None
 
-    def namespace_info(self, namespace: str) -> NamespaceInfo:
+    def namespace_info(self, namespace: str) -> NamespaceRecord:
         return self._handles.get(namespace, refresh=True).info
 
     def drop_namespace(self, namespace: str) -> bool:
@@ -180,25 +178,14 @@ class RedisCountsStore(CountsStore):
 
     # ----------------------------------------------------------------- writes
 
-    def _apply_batches(self, namespace: str, client_id: str, batches: list[tuple[int, np.ndarray]],
-                       fingerprint: bytes | str | None) -> list[ApplyResult]:
-        """Apply batches pipelined: encoding the next round trip overlaps the current one."""
+    def _record(self, namespace: str, stale: NamespaceRecord | None = None) -> NamespaceRecord:
+        return (self._handles.get(namespace) if stale is None else self._handles.renew(namespace, stale)).info
 
-        def run(handle: Handle) -> list[ApplyResult]:
-            self._check_batches(handle.info, fingerprint, batches)
-            return self._writer.apply_batches(handle, client_id, batches)
-
-        return self._handles.run(namespace, run)
-
-    def _apply_group(self, namespace: str, items: list[GroupItem]) -> list[ItemOutcome]:
-        def run(handle: Handle) -> list[ItemOutcome]:
-            outcomes, parts = self._check_group(handle.info, items)
-            for part in parts:
-                for i, outcome in zip(part, self._writer.apply_part(handle, [items[i] for i in part])):
-                    outcomes[i] = outcome
-            return self._complete(outcomes)
-
-        return self._handles.run(namespace, run)
+    def _write_units(self, info: NamespaceRecord, units: list[Unit]) -> list[UnitAnswer]:
+        """One APPLY call per unit, pipelined per master (`redis_writes`), acknowledged by ``min_replicas`` replicas."""
+        handle = self._handles.of(info)
+        replies = self._conn.for_counts([apply_call(handle, unit, self.config) for unit in units])
+        return [unit_answer(reply, unit, self.config.dedup_window) for unit, reply in zip(units, replies)]
 
     # ----------------------------------------------------------------- the fleet history (`redis_history`)
 
@@ -253,24 +240,5 @@ class RedisCountsStore(CountsStore):
         handle = self._handles.get(namespace, refresh=True)
         yield from self._reader.export(handle, chunk_rows=chunk_rows)
 
-    # ----------------------------------------------------------------- rebuild leases
-
-    def acquire_lease(self, namespace: str, holder: str, ttl_ms: int) -> Lease:
-        return self._leases.acquire(namespace, holder, ttl_ms)
-
-    def renew_lease(self, lease: Lease, ttl_ms: int) -> bool:
-        return self._leases.renew(lease, ttl_ms)
-
-    def release_lease(self, lease: Lease) -> bool:
-        return self._leases.release(lease)
-
-    def commit_generation(self, lease: Lease, generation: int, location: str, kind: str = "rebuild", *,
-                          keep_base: bool = True) -> None:
-        self._leases.commit(lease, generation, location, kind, keep_base=keep_base)
-
-    def committed_generation(self, namespace: str) -> CommittedGeneration:
-        return self._leases.committed(namespace)
-
     def close(self) -> None:
-        self._writer.close()
         self._conn.close()

@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from ngramcache.client.errors import InvalidArgumentError
+from ngramcache.client.kernel.errors import InvalidArgumentError
 
 from .config import CountsStoreConfig
 from .history import (
@@ -43,9 +43,9 @@ from .history import (
     partition_of,
     partitions_of_groups,
 )
+from .namespace import StaleNamespace
 from .redis_connection import RedisConnection
-from .redis_handles import Handle, StaleHandle
-from .redis_replicas import ReplicaAcks
+from .redis_handles import Handle
 from .redis_scripts import HAPPEND, HREAD, Call
 
 __all__ = ["RedisHistory"]
@@ -82,10 +82,9 @@ def _record(entry_id: str, fields: dict[str, Any], cursor: str) -> HistoryRecord
 class RedisHistory:
     """Appends and reads of the fleet history for `RedisCountsStore`. Thread-safe (no state of its own)."""
 
-    def __init__(self, conn: RedisConnection, config: CountsStoreConfig, acks: ReplicaAcks) -> None:
+    def __init__(self, conn: RedisConnection, config: CountsStoreConfig) -> None:
         self._conn = conn
         self._config = config
-        self._acks = acks  # appends are acknowledged by config.min_replicas replicas
 
     def _max_tokens(self, handle: Handle) -> int:
         """Tokens one partition keeps: the namespace's byte budget split evenly."""
@@ -98,7 +97,7 @@ class RedisHistory:
     def append_many(self, handle: Handle, batches: Sequence[tuple[str, int, Sequence[HistoryRecord]]]
                     ) -> list[HistoryAppend]:
         """Run HAPPEND for checked batches: one call per partition for the parts of every batch there (pipelined over
-        the partitions); raises StaleHandle when the namespace changed instance.
+        the partitions); raises StaleNamespace when the namespace changed instance.
 
         An empty batch takes its batch_seq in partition 0. A batch's ``stored`` is False only when every part was
         stored before (a retry); otherwise its counts are those of the parts stored now.
@@ -127,9 +126,9 @@ class RedisHistory:
                     args += [record.seq, record.group, record.offset, record.tokens.tobytes(),
                              duplicate_key(record) or b""]
             calls.append((HAPPEND, [keys.guard, keys.stream, keys.stat, keys.seq, keys.seen, keys.dup], args))
-        replies = [[int(x) for x in reply] for reply in self._acks.for_counts(calls)]
+        replies = [[int(x) for x in reply] for reply in self._conn.for_counts(calls)]
         if any(reply[0] < 0 for reply in replies):
-            raise StaleHandle
+            raise StaleNamespace
         totals = [[0, 0, 0, 0, 0] for _ in batches]  # parts stored now, records, tokens, skipped, their tokens
         for p, reply in zip(order, replies):
             for k, (i, _recs) in enumerate(parts[p]):
@@ -159,7 +158,7 @@ class RedisHistory:
                                    [incarnation, "" if since is None else f"{since[0]}-{since[1]}", limit,
                                     self._max_tokens(handle), budget.max_age_ms])
         if int(reply[0]) < 0:
-            raise StaleHandle
+            raise StaleNamespace
         trimmed_text = _text(reply[1])
         trimmed = _stream_id(trimmed_text, trimmed_text) if trimmed_text else (0, 0)
         records = []
@@ -214,7 +213,7 @@ class RedisHistory:
                            budget.max_age_ms]))
         replies = self._conn.run(calls)
         if any(int(reply[0]) < 0 for reply in replies):
-            raise StaleHandle
+            raise StaleNamespace
         given = ["" if s is None else f"{s[0]}-{s[1]}" for s in since]
         positions = list(given)
         gap = foreign

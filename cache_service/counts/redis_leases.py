@@ -8,7 +8,6 @@ from . import schema
 from .leases import CommittedGeneration, Lease, check_lease_args, check_ttl, lease_held, lease_lost, not_newer
 from .namespace import validate_namespace
 from .redis_connection import RedisConnection
-from .redis_replicas import ReplicaAcks
 from .redis_scripts import ACQUIRE, COMMIT, FORGET_BASE, RELEASE, RENEW, Script
 
 __all__ = ["RedisLeases"]
@@ -21,22 +20,20 @@ class RedisLeases:
     the namespace's fence key, so it grows with every acquisition, across drops too.
 
     Every step is answered only once every replica the master has connected holds it
-    (`ReplicaAcks.for_leases`): a replica promoted after a failover never hands out a
+    (`RedisConnection.for_leases`): a replica promoted after a failover never hands out a
     fencing token or a generation number again, nor forgets a lease it acknowledged.
 
     Args:
-        conn: the store's connection.
+        conn: the store's connection (it runs the scripts acknowledged by the connected replicas).
         prefix: the store's key prefix.
-        acks: runs the scripts, acknowledged by the connected replicas.
     """
 
-    def __init__(self, conn: RedisConnection, prefix: str, acks: ReplicaAcks) -> None:
+    def __init__(self, conn: RedisConnection, prefix: str) -> None:
         self._conn = conn
         self._prefix = prefix
-        self._acks = acks
 
     def _run(self, script: Script, keys: list[str], args: list[Any]) -> Any:
-        return self._acks.for_leases([(script, keys, args)])[0]
+        return self._conn.for_leases([(script, keys, args)])[0]
 
     def acquire(self, namespace: str, holder: str, ttl_ms: int) -> Lease:
         check_lease_args(namespace, holder, ttl_ms)

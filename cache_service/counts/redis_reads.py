@@ -22,15 +22,14 @@ from typing import Any, Final
 import numpy as np
 import pyroaring
 
-from ngramcache.client.rows import COUNT, FOLLOWER, TOKENS, N, empty_counts
+from ngramcache.client.kernel.rows import COUNT, FOLLOWER, TOKENS, N, empty_counts
 
 from . import schema
 from .config import CountsStoreConfig
 from .layout import FIELD_TOKENS, ngram_bucket, ngram_key, rows_from_matrix
-from .namespace import namespace_changed
+from .namespace import StaleNamespace, namespace_changed
 from .redis_connection import RedisConnection
-from .redis_handles import Handle, StaleHandle
-from .redis_replicas import ReplicaAcks
+from .redis_handles import Handle
 from .redis_scripts import READ, ROLL, SEAL, TICK, Call
 from .values import ChangeSet
 from .versions import check_version, history_lost
@@ -43,20 +42,18 @@ _READ_KEYS_PER_CALL: Final = 512  # buckets per READ call: bounds how long one c
 class RedisReader:
     """Reads a namespace's counts and versions through its handle. Thread-safe.
 
-    Every method raises `StaleHandle` when a script saw another instance of the namespace
+    Every method raises `StaleNamespace` when a script saw another instance of the namespace
     (the caller reloads the handle and tries again), except `export`, which raises
     NamespaceNotFoundError: its rows would mix two incarnations.
 
     Args:
-        conn: the store's connection.
+        conn: the store's connection (it runs TICK acknowledged by ``config.min_replicas`` replicas).
         config: the store's options (prefix, epoch length, history kept).
-        acks: runs TICK, acknowledged by ``config.min_replicas`` replicas.
     """
 
-    def __init__(self, conn: RedisConnection, config: CountsStoreConfig, acks: ReplicaAcks) -> None:
+    def __init__(self, conn: RedisConnection, config: CountsStoreConfig) -> None:
         self._conn = conn
         self._config = config
-        self._acks = acks
 
     def lookup(self, handle: Handle, ngram: Sequence[int]) -> dict[int, int]:
         """Followers of one n-gram and their counts (one bucket read)."""
@@ -85,15 +82,15 @@ class RedisReader:
         parts = []
         for reply in self._conn.run(calls):
             if int(reply[0]) == -1:
-                raise StaleHandle()
+                raise StaleNamespace()
             parts.append(_rows_from_read(reply, info.token_width))
         return np.concatenate(parts) if parts else empty_counts()
 
     def _tick(self, handle: Handle) -> tuple[int, int]:
-        reply = self._acks.for_counts([(TICK, [handle.clock, handle.epochs],
+        reply = self._conn.for_counts([(TICK, [handle.clock, handle.epochs],
                                         [handle.info.instance, self._config.epoch_ms, self._config.history_epochs])])[0]
         if int(reply[0]) == -1:
-            raise StaleHandle()
+            raise StaleNamespace()
         return int(reply[0]), int(reply[1])
 
     def _roll(self, handle: Handle, cur: int, floor: int, since: int | None) -> list[Any]:
@@ -103,7 +100,7 @@ class RedisReader:
         replies = self._conn.run(calls)
         for reply in replies:
             if int(reply[0]) == -1:
-                raise StaleHandle()
+                raise StaleNamespace()
         return replies
 
     def version(self, handle: Handle) -> int:
@@ -193,7 +190,7 @@ class RedisReader:
     def _read_export(self, handle: Handle, buckets: list[int]) -> np.ndarray:
         try:
             return self._read_buckets(handle, buckets)
-        except StaleHandle:
+        except StaleNamespace:
             raise namespace_changed(handle.info.name, "export") from None
 
 

@@ -52,7 +52,7 @@ Cluster that owns contiguous, equal slot ranges, as ``redis-cli --cluster create
     P:{T}:<b>       HASH    bucket b (global id, decimal): field = n-gram tokens then the
                             follower, token_width little-endian bytes each; value = count
 
-Any tag T a write acknowledged by replicas used (`redis_replicas`: the coordinator's, a shard's,
+Any tag T a write acknowledged by replicas used (`redis_connection`: the coordinator's, a shard's,
 a history partition's) also holds::
 
     P:{T}:ack       STRING  a counter INCR'd right before WAIT, so WAIT covers every earlier
@@ -73,7 +73,7 @@ from typing import Final
 
 from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
 
-from ngramcache.client.errors import InvalidArgumentError
+from ngramcache.client.kernel.errors import InvalidArgumentError
 
 from .namespace import validate_namespace
 

@@ -8,18 +8,20 @@ live in this package, so both backends give the same answers and the same errors
   the seqs of one client applied within ``dedup_window`` of its highest and refuses a seq
   that far behind with `BatchTooOldError`. (The Redis backend runs the same rule inside
   its APPLY Lua script, atomically with the writes.)
-* **Groups.** `apply_group` applies the batches of several clients as one unit per
+* **Groups.** `apply_group` applies the batches of one or several clients as one unit per
   shard: each (client_id, seq) is checked against its dedup record, the batches are summed
   (an entry pushed by ten clients is one increment) and applied with every dedup record,
   atomically; a unit that holds an already-applied batch writes nothing and is redone
-  without it, so a group never applies a batch twice or half.
+  without it, so a group never applies a batch twice or half. The checks and the redo loop
+  are here, written once; a backend writes units (`_write_units`) and never calls back.
 * **Versions.** `versions.EpochClock` hands out versions and keeps a bounded history;
   `versions.check_version` answers a version outside it with `ResyncRequiredError`
   instead of a silently wrong mirror.
-* **Leases.** One rebuild per namespace at a time, under a fenced lease (`leases`).
+* **Leases.** One rebuild per namespace at a time, under a fenced lease: the backend's
+  `leases.Leases`, which the lease methods here call.
 
-The values the calls take and answer are in `values`. The names this module re-exports
-from those modules stay importable from here, as they were before the split.
+The values the calls take and answer are in `values`; callers also import the ones they
+use with `CountsStore` from here.
 
 This module never imports a backend; `open_counts_store` (factory.py) does.
 """
@@ -28,16 +30,16 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import functools
 from collections.abc import Collection, Iterable, Iterator, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
 
-from ngramcache.client.errors import InvalidArgumentError, NgramCacheError, TokenizerMismatchError
-from ngramcache.client.rows import COUNT, validate_deltas
+from ngramcache.client.kernel.errors import InvalidArgumentError, NgramCacheError, TokenizerMismatchError
 
 from .config import CountsStoreConfig
-from .dedup import DedupWindow, batch_too_old
+from .group import plan_group
 from .history import (
     HistoryAppend,
     HistoryBatch,
@@ -47,48 +49,31 @@ from .history import (
     validate_limit,
     validate_records,
 )
-from .layout import MAX_AGGREGATED_COUNT
-from .leases import CommittedGeneration, Lease, LeaseTable, check_lease_args, check_ttl, lease_held, lease_lost, not_newer
+from .layout import EncodedBatch, encode_group
+from .leases import CommittedGeneration, Lease, Leases
 from .namespace import (
-    NamespaceInfo,
+    NamespaceRecord,
     check_tokenizer,
-    namespace_changed,
     new_instance_id,
-    no_such_namespace,
     normalize_fingerprint,
+    rerun_if_stale,
     validate_layout,
     validate_namespace,
     validate_vocab_size,
 )
-from .values import MAX_SEQ, ApplyResult, ChangeSet, GroupItem, ItemOutcome, validate_client_id, validate_seq
-from .versions import EpochClock, check_version, history_lost, now_ms
+from .values import ApplyResult, ChangeSet, GroupItem, ItemOutcome, Seen, Unit, UnitAnswer, validate_client_id, validate_seq
 
 if TYPE_CHECKING:
     from typing_extensions import Self  # typing.Self from Python 3.11
 
 __all__ = [
-    "MAX_SEQ",
     "ApplyResult",
     "ChangeSet",
     "CommittedGeneration",
     "CountsStore",
-    "DedupWindow",
-    "EpochClock",
     "GroupItem",
     "ItemOutcome",
     "Lease",
-    "LeaseTable",
-    "batch_too_old",
-    "check_lease_args",
-    "check_ttl",
-    "check_version",
-    "history_lost",
-    "lease_held",
-    "lease_lost",
-    "namespace_changed",
-    "no_such_namespace",
-    "not_newer",
-    "now_ms",
     "validate_client_id",
     "validate_seq",
 ]
@@ -98,14 +83,17 @@ class CountsStore(abc.ABC):
     """Dynamic n-gram counts for many namespaces, each bound to one tokenizer.
 
     Every implementation is safe to share between threads. Use it as a context manager or
-    call `close()`. A backend implements the abstract methods; argument checks and
-    namespace creation are done here.
+    call `close()`. A backend implements the abstract methods (storage primitives) and sets
+    ``config`` and ``_leases``; argument checks, namespace creation, groups and the lease
+    methods are done here.
     """
 
     config: CountsStoreConfig
+    _leases: Leases  # the backend's rebuild leases (in process: a `LeaseTable`)
+    _unit_per_shard: ClassVar[bool]  # a unit is one shard's entries (Redis), or the namespace's (embedded: one lock)
 
     def create_namespace(self, namespace: str, fingerprint: bytes | str, vocab_size: int, *,
-                         buckets: int | None = None, shards: int | None = None) -> NamespaceInfo:
+                         buckets: int | None = None, shards: int | None = None) -> NamespaceRecord:
         """Create a namespace bound to a tokenizer, or return it if it already exists with that tokenizer.
 
         Args:
@@ -123,7 +111,7 @@ class CountsStore(abc.ABC):
         return self.ensure_namespace(namespace, fingerprint, vocab_size, buckets=buckets, shards=shards)[0]
 
     def ensure_namespace(self, namespace: str, fingerprint: bytes | str, vocab_size: int, *,
-                         buckets: int | None = None, shards: int | None = None) -> tuple[NamespaceInfo, bool]:
+                         buckets: int | None = None, shards: int | None = None) -> tuple[NamespaceRecord, bool]:
         """`create_namespace`, also saying whether this call created the namespace.
 
         Returns:
@@ -140,7 +128,7 @@ class CountsStore(abc.ABC):
         if existing is None:
             nbuckets, nshards = validate_layout(buckets or self.config.default_buckets,
                                                 shards or self.config.default_shards or self._default_shards())
-            info = NamespaceInfo(namespace, fp, vocab, nbuckets, nshards, new_instance_id(),
+            info = NamespaceRecord(namespace, fp, vocab, nbuckets, nshards, new_instance_id(),
                                  self._default_history_partitions())
             existing = self._insert_namespace(info)
             if existing is None:
@@ -148,7 +136,7 @@ class CountsStore(abc.ABC):
         check_tokenizer(existing, fp, vocab)
         return existing, False
 
-    def list_namespaces(self, *, after: str = "", limit: int | None = None) -> list[NamespaceInfo]:
+    def list_namespaces(self, *, after: str = "", limit: int | None = None) -> list[NamespaceRecord]:
         """The namespaces named after ``after``, in name order, at most ``limit`` of them (a page).
 
         Args:
@@ -163,7 +151,7 @@ class CountsStore(abc.ABC):
             validate_namespace(after)
         if limit is not None and limit < 1:
             raise InvalidArgumentError(f"limit must be >= 1, got {limit}")
-        page: list[NamespaceInfo] = []
+        page: list[NamespaceRecord] = []
         for name in sorted(name for name in set(self._namespace_names()) if name > after):
             if limit is not None and len(page) >= limit:
                 break
@@ -173,63 +161,26 @@ class CountsStore(abc.ABC):
         return page
 
     @abc.abstractmethod
-    def namespace_info(self, namespace: str) -> NamespaceInfo:
+    def namespace_info(self, namespace: str) -> NamespaceRecord:
         """The namespace's record. Raises NamespaceNotFoundError."""
 
     @abc.abstractmethod
     def drop_namespace(self, namespace: str) -> bool:
         """Delete a namespace and all its counts; return whether it existed."""
 
-    def apply(self, namespace: str, client_id: str, seq: int, deltas: np.ndarray, *,
-              fingerprint: bytes | str | None = None) -> ApplyResult:
-        """Add a batch of deltas, exactly once per (client_id, seq).
-
-        Repeated keys in the batch are summed. The batch is validated whole before anything
-        is written: a bad batch raises and changes nothing. Each unit of the batch (the whole
-        batch on standalone Redis and embedded, the part in one shard on a Cluster) is
-        applied atomically together with its dedup record, so retrying a batch after a lost
-        reply, a timeout, a reconnect or a server restart never counts a unit twice.
-
-        A sender MUST use a client_id of its own (e.g. a UUID per process), increasing seqs,
-        and keep at most ``config.dedup_window`` batches unacknowledged.
-
-        Args:
-            namespace: an existing namespace.
-            client_id: the sender, 1..128 characters of [A-Za-z0-9_.:@/-].
-            seq: the batch number of this sender, in [0, 2**53).
-            deltas: int32 delta rows, see `ngramcache.client.rows.validate_deltas`.
-            fingerprint: when given, must match the namespace's tokenizer.
-
-        Raises:
-            InvalidArgumentError: a bad batch (nothing applied).
-            TokenizerMismatchError: ``fingerprint`` differs from the namespace's.
-            NamespaceNotFoundError: no such namespace.
-            BatchTooOldError: ``seq`` is older than the dedup window.
-            BackendUnavailableError: retriable; retry the same (client_id, seq, deltas).
-        """
-        return self.apply_many(namespace, client_id, [(seq, deltas)], fingerprint=fingerprint)[0]
-
-    def apply_many(self, namespace: str, client_id: str, batches: Iterable[tuple[int, np.ndarray]], *,
-                   fingerprint: bytes | str | None = None) -> list[ApplyResult]:
-        """Apply several (seq, deltas) batches; backends may pipeline them. Same guarantees as `apply`.
-
-        Every batch is validated before any is written; on an error, batches already
-        written may be applied, and retrying the whole call is safe.
-        """
-        validate_client_id(client_id)
-        checked = [(validate_seq(seq), deltas) for seq, deltas in batches]
-        return self._apply_batches(namespace, client_id, checked, fingerprint)
-
     def apply_group(self, namespace: str, items: Sequence[GroupItem]) -> list[ItemOutcome]:
-        """Apply the batches of several senders together, exactly once per (client_id, seq) each.
+        """Apply the batches of one or several senders, exactly once per (client_id, seq) each.
 
         The batches are summed (an entry in ten batches costs one increment) and written as one
         unit per shard (one unit on standalone Redis and embedded): the unit first checks
         every batch's (client_id, seq) against its dedup record and, if none was applied
         before, writes the summed increments and every dedup record atomically. If some were
-        applied before, the unit writes nothing and is redone without them. So, as with
-        `apply`, a retry after a lost reply, a timeout or a restart never counts a batch (a
-        unit of it, on a Cluster) twice, and a crash never leaves half a unit.
+        applied before, the unit writes nothing and is redone without them. So a retry after a
+        lost reply, a timeout, a reconnect or a restart never counts a batch (a unit of it, on
+        a Cluster) twice, and a crash never leaves half a unit.
+
+        A sender MUST use a client_id of its own (e.g. a UUID per process), increasing seqs,
+        and keep at most ``config.dedup_window`` batches unacknowledged.
 
         Each item is checked on its own (client_id, seq, tokenizer, rows, dedup window): a bad
         item gets its error in its place in the answer and nothing of it is written, without
@@ -238,14 +189,15 @@ class CountsStore(abc.ABC):
 
         Args:
             namespace: an existing namespace.
-            items: the batches; any senders, any number per sender.
+            items: the batches (int32 delta rows, see `ngramcache.client.kernel.rows.validate_deltas`);
+                any senders, any number per sender.
 
         Returns:
             One outcome per item, in order: its `ApplyResult` (``duplicate`` when it had been
             applied before), or the error that refused it (InvalidArgumentError,
             TokenizerMismatchError: nothing of it written; BatchTooOldError: too old in a
-            shard, so not applied there; on a Cluster, as with `apply`, its units in shards
-            where it is within the window may be applied).
+            shard, so not applied there; on a Cluster its units in shards where it is within
+            the window may be applied).
 
         Raises:
             NamespaceNotFoundError: no such namespace.
@@ -262,19 +214,13 @@ class CountsStore(abc.ABC):
                                                  seq=validate_seq(item.seq))
             except InvalidArgumentError as exc:
                 outcomes[i] = exc
-        pending = list(checked)
-        while pending:  # a pair repeated in the group goes in a later round, like a retry
-            first: list[int] = []
-            later: list[int] = []
-            seen: set[tuple[str, int]] = set()
-            for i in pending:
-                key = (checked[i].client_id, checked[i].seq)
-                (later if key in seen else first).append(i)
-                seen.add(key)
-            for i, outcome in zip(first, self._apply_group(namespace, [checked[i] for i in first])):
+        if checked:  # checked against the record the backend holds, again against a fresh one if it was stale
+            done = rerun_if_stale(namespace, functools.partial(self._record, namespace),
+                                  functools.partial(self._apply_checked, checked))
+            for i, outcome in done.items():
                 outcomes[i] = outcome
-            pending = later
-        return self._complete(outcomes)
+        assert all(o is not None for o in outcomes), "an item of the group got no outcome"
+        return [o for o in outcomes if o is not None]
 
     @abc.abstractmethod
     def lookup(self, namespace: str, ngram: Sequence[int]) -> dict[int, int]:
@@ -310,7 +256,7 @@ class CountsStore(abc.ABC):
         A sender sends one batch at a time with increasing batch_seqs, so a batch_seq at or
         below the highest this client_id had stored in this namespace is a duplicate (a
         retry): nothing is stored and the answer's ``stored`` is False. On a partitioned
-        history (`NamespaceInfo.history_partitions` > 1) the rule holds per partition, for the
+        history (`NamespaceRecord.history_partitions` > 1) the rule holds per partition, for the
         batch's records there: a retry after a try that stored some parts stores the others,
         and its counts are theirs. The records are checked whole
         first; a bad one raises and nothing is stored (the batch_seq is not consumed). Each
@@ -376,7 +322,7 @@ class CountsStore(abc.ABC):
                      groups: Collection[str] = ()) -> HistoryPage:
         """Records stored after cursor ``after``, oldest first, at most ``limit`` of them.
 
-        A partitioned history (`NamespaceInfo.history_partitions` > 1, a Cluster) is read in
+        A partitioned history (`NamespaceRecord.history_partitions` > 1, a Cluster) is read in
         every partition at once and merged by store time (fair: the oldest first, whichever
         partition holds them), so a page is oldest first per partition and nearly so across
         them; its cursors are composite (`history.parse_cursor`).
@@ -413,23 +359,22 @@ class CountsStore(abc.ABC):
 
     # ----------------------------------------------------------------- rebuild leases (rules in `leases`)
 
-    @abc.abstractmethod
     def acquire_lease(self, namespace: str, holder: str, ttl_ms: int) -> Lease:
         """Take the rebuild lease of ``namespace`` for ``ttl_ms`` ms (``holder``: who asks, for messages).
 
         Raises:
             LeaseHeldError: another holder has it; its holder and the ms it has left are in the message.
         """
+        return self._leases.acquire(namespace, holder, ttl_ms)
 
-    @abc.abstractmethod
     def renew_lease(self, lease: Lease, ttl_ms: int) -> bool:
         """Extend ``lease`` to ``ttl_ms`` ms from now; False when it was lost (expired, taken)."""
+        return self._leases.renew(lease, ttl_ms)
 
-    @abc.abstractmethod
     def release_lease(self, lease: Lease) -> bool:
         """Give ``lease`` up; False when it was already lost."""
+        return self._leases.release(lease)
 
-    @abc.abstractmethod
     def commit_generation(self, lease: Lease, generation: int, location: str, kind: str = "rebuild", *,
                           keep_base: bool = True) -> None:
         """Record ``generation`` (made by ``kind`` at ``location``) as the namespace's newest, under ``lease``.
@@ -442,10 +387,11 @@ class CountsStore(abc.ABC):
             LeaseLostError: ``lease`` is no longer the namespace's current lease.
             GenerationNotNewerError: ``generation`` is not above the committed one.
         """
+        self._leases.commit(lease, generation, location, kind, keep_base=keep_base)
 
-    @abc.abstractmethod
     def committed_generation(self, namespace: str) -> CommittedGeneration:
         """The newest committed generation of ``namespace`` (generation 0: none) and its corpus base."""
+        return self._leases.committed(namespace)
 
     def close(self) -> None:  # noqa: B027 - a hook with a no-op default, not an abstract method
         """Release connections (and, embedded, write a last snapshot)."""
@@ -467,7 +413,7 @@ class CountsStore(abc.ABC):
         return 1
 
     @abc.abstractmethod
-    def _find_namespace(self, namespace: str) -> NamespaceInfo | None:
+    def _find_namespace(self, namespace: str) -> NamespaceRecord | None:
         """The stored record of a (validated) namespace name, or None."""
 
     @abc.abstractmethod
@@ -475,20 +421,28 @@ class CountsStore(abc.ABC):
         """The names of every namespace, in any order (a name may repeat)."""
 
     @abc.abstractmethod
-    def _insert_namespace(self, info: NamespaceInfo) -> NamespaceInfo | None:
+    def _insert_namespace(self, info: NamespaceRecord) -> NamespaceRecord | None:
         """Store a new namespace unless one of that name exists: return None, or the existing record."""
 
     @abc.abstractmethod
-    def _apply_batches(self, namespace: str, client_id: str, batches: list[tuple[int, np.ndarray]],
-                       fingerprint: bytes | str | None) -> list[ApplyResult]:
-        """Apply batches whose client_id and seqs are valid; check them with `_check_batches` first."""
+    def _record(self, namespace: str, stale: NamespaceRecord | None = None) -> NamespaceRecord:
+        """The record a write is checked against: the one the backend holds (``stale`` None), else read again.
+
+        Raises:
+            NamespaceNotFoundError: no such namespace (with ``stale``: also when the store still
+                holds that instance but lost its data).
+            InvalidArgumentError: a malformed name.
+        """
 
     @abc.abstractmethod
-    def _apply_group(self, namespace: str, items: list[GroupItem]) -> list[ItemOutcome]:
-        """`apply_group` for items with valid client_ids and seqs, no two with the same pair.
+    def _write_units(self, info: NamespaceRecord, units: list[Unit]) -> list[UnitAnswer]:
+        """Write each unit atomically with its pairs' dedup records, unless one of them was applied before or is
+        too old: then nothing of it. Answer per unit (`values.UnitAnswer`); the units of one call are
+        independent (on Redis they run pipelined, on their shards' nodes).
 
-        Check the namespace (raise when it is missing) and each item with `_check_group`
-        before writing anything.
+        Raises:
+            StaleNamespace: the namespace is no longer the instance of ``info`` (nothing written).
+            NamespaceNotFoundError, BackendUnavailableError.
         """
 
     def _append_history(self, namespace: str, client_id: str, batch_seq: int, records: Sequence[HistoryRecord],
@@ -504,54 +458,48 @@ class CountsStore(abc.ABC):
         raise NgramCacheError(f"{type(self).__name__} keeps no fleet history")
 
     @staticmethod
-    def _check_history(info: NamespaceInfo, fingerprint: bytes | None, client_id: str,
+    def _check_history(info: NamespaceRecord, fingerprint: bytes | None, client_id: str,
                        records: Sequence[HistoryRecord]) -> list[HistoryRecord]:
         """Check the tokenizer and every record against a namespace before anything is stored."""
         check_tokenizer(info, fingerprint)
         return validate_records(records, client_id, info.vocab_size)
 
-    def _check_group(self, info: NamespaceInfo, items: Sequence[GroupItem]) -> tuple[list[ItemOutcome | None],
-                                                                                      list[list[int]]]:
-        """Check every item of a group against a namespace.
+    def _apply_checked(self, items: dict[int, GroupItem], info: NamespaceRecord) -> dict[int, ItemOutcome]:
+        """`apply_group` of the items whose client_ids and seqs are valid, against the namespace's record.
 
-        Returns:
-            (outcomes, parts): per item its error, an empty result (no rows: nothing to
-            apply, the seq is not consumed) or None (to apply); and the indexes of the items
-            to apply, in parts whose counts sum to at most MAX_AGGREGATED_COUNT, so no entry
-            of a part overflows what a unit can add exactly (an item over it alone is a part
-            of its own, which `encode_group` refuses).
+        The one redo loop of every backend. Each unit key (a shard, or the namespace) has a queue
+        of units, one per wave (`group.plan_group`); a round writes the head of every queue
+        (`_write_units`). A unit written is done; one that found some pairs applied before (or
+        too old) wrote nothing and goes again without them: their increments leave its sum, so
+        nothing counts twice and nothing is lost. A redo drops a pair, so this ends; it happens
+        only after retries.
         """
-        outcomes: list[ItemOutcome | None] = [None] * len(items)
-        parts: list[list[int]] = [[]]
-        total = 0
-        for i, item in enumerate(items):
-            try:
-                check_tokenizer(info, item.fingerprint)
-                validate_deltas(item.deltas, info.vocab_size, self.config.max_batch_rows)
-            except NgramCacheError as exc:
-                outcomes[i] = exc
-                continue
-            if len(item.deltas) == 0:
-                outcomes[i] = ApplyResult(0, 0, 0, 0)
-                continue
-            weight = int(item.deltas[:, COUNT].sum(dtype=np.int64))
-            if parts[-1] and total + weight > MAX_AGGREGATED_COUNT:
-                parts.append([])
-                total = 0
-            parts[-1].append(i)
-            total += weight
-        return outcomes, [p for p in parts if p]
-
-    @staticmethod
-    def _complete(outcomes: Sequence[ItemOutcome | None]) -> list[ItemOutcome]:
-        """The outcomes of a group once every item has one."""
-        done = [o for o in outcomes if o is not None]
-        assert len(done) == len(outcomes), "an item of the group got no outcome"
+        plan = plan_group(info, items, self.config.max_batch_rows, self._unit_per_shard)
+        done, tally, queues = plan.done, plan.tally, plan.queues
+        sums: dict[tuple[int, ...], EncodedBatch] = {}  # the items of a redone unit, summed once
+        while queues:
+            heads = [(key, *queue[0]) for key, queue in queues.items()]
+            answers = self._write_units(info, [Unit(key, batch, [(items[i].client_id, items[i].seq) for i in alive])
+                                               for key, alive, batch in heads])
+            for (key, alive, _), answer in zip(heads, answers):
+                queue = queues[key]
+                queue.popleft()
+                if answer is None:
+                    for i in alive:
+                        tally[i][1] += 1
+                else:
+                    for i, seen in zip(alive, answer):
+                        if seen is Seen.APPLIED:
+                            tally[i][2] += 1
+                        elif isinstance(seen, NgramCacheError):
+                            done[i] = seen  # too old in this shard: not applied there
+                    fresh = tuple(i for i, seen in zip(alive, answer) if seen is Seen.NEW)
+                    if fresh:
+                        if fresh not in sums:
+                            sums[fresh] = encode_group([items[i].deltas for i in fresh], info).batch
+                        queue.appendleft((fresh, sums[fresh]))
+                if not queue:
+                    del queues[key]
+        for i, (units, applied, duplicates, entries) in tally.items():
+            done.setdefault(i, ApplyResult(units, applied, duplicates, entries))
         return done
-
-    def _check_batches(self, info: NamespaceInfo, fingerprint: bytes | str | None,
-                       batches: Iterable[tuple[int, np.ndarray]]) -> None:
-        """Check the tokenizer and every batch against a namespace before anything is written."""
-        check_tokenizer(info, fingerprint)
-        for _, deltas in batches:
-            validate_deltas(deltas, info.vocab_size, self.config.max_batch_rows)

@@ -1,14 +1,18 @@
-"""What the counts store's calls take and answer: a sender's batch identity (client id, seq), group items, apply results, change sets."""
+"""What the counts store's calls take and answer: a sender's batch identity (client id, seq), group items, apply results, change sets; and the units a backend writes."""
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 import re
-from typing import Final, TypeAlias
+from typing import TYPE_CHECKING, Final, TypeAlias
 
 import numpy as np
 
-from ngramcache.client.errors import InvalidArgumentError, NgramCacheError
+from ngramcache.client.kernel.errors import InvalidArgumentError, NgramCacheError
+
+if TYPE_CHECKING:
+    from .layout import EncodedBatch
 
 __all__ = [
     "MAX_SEQ",
@@ -16,6 +20,9 @@ __all__ = [
     "ChangeSet",
     "GroupItem",
     "ItemOutcome",
+    "Seen",
+    "Unit",
+    "UnitAnswer",
     "validate_client_id",
     "validate_seq",
 ]
@@ -28,7 +35,7 @@ _CLIENT_ID_RE = re.compile(r"^[A-Za-z0-9_.:@/-]{1,128}$")
 
 @dataclasses.dataclass(frozen=True)
 class ApplyResult:
-    """What `CountsStore.apply` did with a batch.
+    """What `CountsStore.apply_group` did with one batch.
 
     Attributes:
         units: units the batch touched (1 on standalone Redis and embedded; up to
@@ -51,12 +58,12 @@ class ApplyResult:
 
 @dataclasses.dataclass(frozen=True, eq=False)  # eq=False: no elementwise comparison of the arrays
 class GroupItem:
-    """One batch of a group given to `CountsStore.apply_group`: what one `apply` call would take.
+    """One batch of a group given to `CountsStore.apply_group`: a sender's batch and its identity.
 
     Attributes:
         client_id: the sender, 1..128 characters of [A-Za-z0-9_.:@/-].
         seq: the batch number of this sender, in [0, 2**53).
-        deltas: int32 delta rows, see `ngramcache.client.rows.validate_deltas`.
+        deltas: int32 delta rows, see `ngramcache.client.kernel.rows.validate_deltas`.
         fingerprint: when not None, must match the namespace's tokenizer.
     """
 
@@ -68,6 +75,35 @@ class GroupItem:
 
 ItemOutcome: TypeAlias = ApplyResult | NgramCacheError
 """What `CountsStore.apply_group` did with one item: its result, or the error that refused it."""
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Unit:
+    """What a backend writes atomically (`CountsStore._write_units`): checked batches summed, with their dedup records.
+
+    Attributes:
+        shard: the shard whose entries of ``batch`` it holds (None: all of them; the embedded store
+            writes a namespace under one lock).
+        batch: the batches' entries summed (`layout.encode_group`).
+        pairs: the (client_id, seq) of every batch summed in it, each checked against its client's
+            dedup record and recorded with the writes.
+    """
+
+    shard: int | None
+    batch: EncodedBatch
+    pairs: list[tuple[str, int]]
+
+
+class Seen(enum.Enum):
+    """What a unit that wrote nothing found for one of its pairs (another pair was applied before or too old)."""
+
+    NEW = "new"  # not applied before: it goes again, in a unit without the others
+    APPLIED = "applied"  # applied before: a duplicate here
+
+
+UnitAnswer: TypeAlias = "list[Seen | NgramCacheError] | None"
+"""A backend's answer for one `Unit`: None when it was written with every dedup record; else, per pair,
+`Seen` or the BatchTooOldError that refused it, and nothing of the unit was written."""
 
 
 @dataclasses.dataclass(frozen=True)

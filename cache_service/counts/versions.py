@@ -13,7 +13,7 @@ from __future__ import annotations
 import collections
 import time
 
-from ngramcache.client.errors import ResyncRequiredError
+from ngramcache.client.kernel.errors import ResyncRequiredError
 
 __all__ = ["EpochClock", "check_version", "history_lost", "now_ms"]
 

@@ -10,7 +10,9 @@ from collections.abc import AsyncIterator
 import numpy as np
 from grpc import aio
 
-from ngramcache.client._proto.codec import (
+from ngramcache.client._proto.v1 import counts_pb2, counts_pb2_grpc
+from ngramcache.client.kernel.errors import BackendUnavailableError, InvalidArgumentError
+from ngramcache.client.wire.codec import (
     DELTA_ROW_BYTES,
     TOKEN_BYTES,
     bytes_to_delta_rows,
@@ -18,8 +20,6 @@ from ngramcache.client._proto.codec import (
     count_rows_to_bytes,
     tokens_to_bytes,
 )
-from ngramcache.client._proto.v1 import counts_pb2, counts_pb2_grpc
-from ngramcache.client.errors import BackendUnavailableError, InvalidArgumentError
 
 from ..counts.export import CountsExporter, split_rows
 from ..counts.history import MAX_BATCH_RECORDS, MAX_RECORD_TOKENS, HistoryRecord
@@ -78,7 +78,7 @@ class CountsServicer(counts_pb2_grpc.CountsServicer):
                                    max_group_rows=push_group_rows or store.config.max_batch_rows,
                                    max_queue_rows=push_queue_rows, metrics=metrics)
         self.exporter = CountsExporter(runner)
-        self._metrics = metrics  # observability (issue 8)
+        self._metrics = metrics
         self._registry = registry
         self.history = history
         # Each record's wire form, made once: a replica's tail serves the same ring records to every
@@ -94,12 +94,12 @@ class CountsServicer(counts_pb2_grpc.CountsServicer):
         # anything, and applies it together with the pushes that arrive meanwhile (PushBatcher),
         # once per (client_id, seq); the answer comes after that store call returned. The
         # caller's deadline goes along: a push that cannot be applied before it is shed (OVERLOADED).
-        result, version = await self.batcher.push(request.namespace, GroupItem(
+        result = await self.batcher.push(request.namespace, GroupItem(
             request.client_id, request.seq, deltas, request.tokenizer_fingerprint), context.time_remaining())
         if self._metrics is not None:
             self._metrics.pushed(rows, duplicate=result.duplicate)
         return counts_pb2.PushResponse(duplicate=result.duplicate, units=result.units, applied_units=result.applied,
-                                       duplicate_units=result.duplicates, entries=result.entries, version=version)
+                                       duplicate_units=result.duplicates, entries=result.entries)  # version: deprecated, 0
 
     async def Pull(self, request: counts_pb2.PullRequest,
                    context: aio.ServicerContext) -> AsyncIterator[counts_pb2.PullResponse]:

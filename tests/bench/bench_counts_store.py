@@ -6,13 +6,15 @@
 It starts its own redis-server on 127.0.0.1 (no persistence) and prints, as medians of the
 repetitions:
 
-* raw delta rows/s ingested from one process with `apply_many` (exactly-once Lua units,
-  pipelined), against pipelined plain HINCRBYs (no dedup, no change tracking: the strongest
-  fair baseline, the headline ratio) and, as context only, one HINCRBY round trip per entry
-  (a naive client). The baselines get their keys, fields and summed counts precomputed
-  outside the clock (`encode_batch` sums repeated keys: about 1.1 raw rows an entry), so
-  they pay for nothing but Redis; every row of the table is rated in raw delta rows (an
-  entry's count is the number of count-1 rows it stands for), never in entries;
+* raw delta rows/s ingested from one process with `apply_group`, the store's one write path
+  (exactly-once Lua units; groups of 4 batches of 16,384 rows from 4 senders, the largest
+  group the service forms), against pipelined plain HINCRBYs (no dedup, no change
+  tracking: the strongest fair baseline, the headline ratio) and, as context only, one
+  HINCRBY round trip per entry (a naive client). The baselines get their keys, fields and
+  summed counts precomputed outside the clock (`encode_group` sums repeated keys of a group
+  as `apply_group` does), so they pay for nothing but Redis; every row of the table is
+  rated in raw delta rows (an entry's count is the number of count-1 rows it stands for),
+  never in entries;
 * bytes of Redis memory per stored (n-gram, follower) entry after a large load
   (``used_memory`` from INFO memory, before and after);
 * milliseconds of `changes_since` for a version behind which exactly 1000 buckets changed.
@@ -33,13 +35,15 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from helpers.redis_servers import RedisServer
 
 from ngramcache.cache_service.counts.factory import open_counts_store
-from ngramcache.cache_service.counts.layout import encode_batch
+from ngramcache.cache_service.counts.layout import encode_batch, encode_group
 from ngramcache.cache_service.counts.redis_backend import RedisCountsStore
+from ngramcache.cache_service.counts.values import ApplyResult, GroupItem, ItemOutcome
 from ngramcache.client.kernel.rows import COUNT, DELTA_DTYPE, FOLLOWER, NGRAM_MAX, ROW_WIDTH, TOKENS, N
 
 VOCAB = 128_256  # Llama 3: 3-byte tokens
 FP = bytes(range(32))
 BATCH = 16_384
+GROUP = 4  # batches a group: 65,536 rows, the service's largest group (push_group_rows' default)
 
 
 def make_deltas(rng: np.random.Generator, m: int, zipf: float = 1.2) -> np.ndarray:
@@ -58,13 +62,20 @@ def raw_deltas_per_second(counts: np.ndarray | list[int], seconds: float) -> flo
     """Raw delta rows per second for (n-gram, follower) entries or rows with these counts applied in `seconds`.
 
     The benchmark's rows all have count 1 (make_deltas), so a row or an entry that `encode_batch`
-    summed from k repeated rows counts k: `apply_many` (fed rows) and the baselines (fed summed
+    summed from k repeated rows counts k: `apply_group` (fed rows) and the baselines (fed summed
     entries) are rated in the same unit."""
     return float(np.sum(counts, dtype=np.int64)) / seconds
 
 
-def batches_of(deltas: np.ndarray) -> list[tuple[int, np.ndarray]]:
-    return [(seq, np.ascontiguousarray(deltas[i:i + BATCH])) for seq, i in enumerate(range(0, len(deltas), BATCH))]
+def groups_of(deltas: np.ndarray, sender: str) -> list[list[GroupItem]]:
+    """The rows in batches of BATCH rows, GROUP batches a group, each batch from one of GROUP senders."""
+    items = [GroupItem(f"{sender}-{k % GROUP}", k // GROUP, np.ascontiguousarray(deltas[i:i + BATCH]))
+             for k, i in enumerate(range(0, len(deltas), BATCH))]
+    return [items[g:g + GROUP] for g in range(0, len(items), GROUP)]
+
+
+def apply_groups(store: RedisCountsStore, ns: str, groups: list[list[GroupItem]]) -> list[ItemOutcome]:
+    return [outcome for group in groups for outcome in store.apply_group(ns, group)]
 
 
 def used_memory(server: RedisServer) -> int:
@@ -80,25 +91,26 @@ def bench_ingest(store: RedisCountsStore, server: RedisServer, rep: int, deltas:
                  naive_entries: int = 15_000) -> dict[str, float]:
     ns = f"ingest-{rep}"
     store.create_namespace(ns, FP, VOCAB, buckets=16_384)
-    batches = batches_of(deltas)
-    store.apply_many(ns, "warm-up", batches[:2])  # loads scripts, warms connections and caches
+    groups = groups_of(deltas, f"bench-{rep}")
+    warm_up = deltas[:2 * BATCH]
+    apply_groups(store, ns, groups_of(warm_up, "warm-up"))  # loads scripts, warms connections and caches
     start = time.perf_counter()
-    results = store.apply_many(ns, f"bench-{rep}", batches)
-    pipelined = raw_deltas_per_second(deltas[:, COUNT], time.perf_counter() - start)
-    assert all(r.applied == r.units for r in results)
+    results = apply_groups(store, ns, groups)
+    grouped = raw_deltas_per_second(deltas[:, COUNT], time.perf_counter() - start)
+    assert all(isinstance(r, ApplyResult) and r.applied == r.units for r in results)
     total = sum(int(chunk[:, COUNT].sum()) for chunk in store.export(ns))
-    expected = int(deltas[:, COUNT].sum()) + sum(int(b[:, COUNT].sum()) for _, b in batches[:2])
+    expected = int(deltas[:, COUNT].sum()) + int(warm_up[:, COUNT].sum())
     assert total == expected, (total, expected)
 
-    # Baselines over the same batches, each summed by encode_batch as apply_many sums it (about 1.1 raw rows
-    # an entry): keys, fields and counts precomputed outside the clock, so they pay for nothing but Redis.
+    # Baselines over the same groups, each summed by encode_group as apply_group sums it: keys, fields and
+    # counts precomputed outside the clock, so they pay for nothing but Redis.
     info = store.namespace_info(ns)
     handle = store._handle(ns)
     keys: list[str] = []
     fields: list[bytes] = []
     counts: list[int] = []
-    for _, batch in batches:
-        enc = encode_batch(batch, info)
+    for group in groups:
+        enc = encode_group([item.deltas for item in group], info).batch
         keys += [handle.shards[b % info.shards].bucket(b) for b in enc.buckets.tolist()]
         fields += enc.field_list()
         counts += enc.counts.tolist()
@@ -121,7 +133,7 @@ def bench_ingest(store: RedisCountsStore, server: RedisServer, rep: int, deltas:
     flush = server.client()
     flush.flushall()
     flush.close()
-    return {"pipelined": pipelined, "naive": naive, "plain_pipelined": plain, "checksum": total,
+    return {"grouped": grouped, "naive": naive, "plain_pipelined": plain, "checksum": total,
             "rows_per_entry": len(deltas) / len(keys), "naive_entries": naive_n}
 
 
@@ -131,7 +143,7 @@ def bench_memory(store: RedisCountsStore, server: RedisServer, entries_target: i
     before = used_memory(server)
     store.create_namespace(ns, FP, VOCAB, buckets=65_536)
     deltas = make_deltas(rng, int(entries_target * 1.3), zipf=1.05)  # flatter: mostly distinct entries
-    store.apply_many(ns, "loader", batches_of(deltas))
+    apply_groups(store, ns, groups_of(deltas, "loader"))
     entries = sum(len(chunk) for chunk in store.export(ns))
     after = used_memory(server)
     client = server.client()
@@ -146,7 +158,7 @@ def bench_changes(store: RedisCountsStore, seed: int, loaded: int = 2_000_000) -
     ns = f"changes-{seed}"
     info = store.create_namespace(ns, FP, VOCAB, buckets=65_536)
     rng = np.random.default_rng(seed)
-    store.apply_many(ns, "loader", batches_of(make_deltas(rng, loaded, zipf=1.05)))
+    apply_groups(store, ns, groups_of(make_deltas(rng, loaded, zipf=1.05), "loader"))
     # A batch that touches exactly 1000 buckets: one new 1-gram row per bucket.
     candidates = make_deltas(rng, 200_000, zipf=1.05)
     candidates = candidates[candidates[:, N] == 1]
@@ -162,7 +174,7 @@ def bench_changes(store: RedisCountsStore, seed: int, loaded: int = 2_000_000) -
     store.changes_since(ns, store.version(ns))  # load the scripts
     time.sleep(0.01)
     version = store.version(ns)
-    store.apply(ns, "changer", 0, np.array(rows, dtype=np.int32))
+    store.apply_group(ns, [GroupItem("changer", 0, np.array(rows, dtype=np.int32))])
     start = time.perf_counter()
     change = store.changes_since(ns, version)
     elapsed = time.perf_counter() - start
@@ -171,16 +183,16 @@ def bench_changes(store: RedisCountsStore, seed: int, loaded: int = 2_000_000) -
     return {"ms": elapsed * 1000, "rows": len(change.rows)}
 
 
-def ingest_lines(pipelined: float, plain: float, naive: float, n_deltas: int, rows_per_entry: float) -> list[str]:
+def ingest_lines(grouped: float, plain: float, naive: float, n_deltas: int, rows_per_entry: float) -> list[str]:
     """The ingest rows of the report, all in raw delta rows/s; the headline ratio is against pipelined plain
     HINCRBY (the strongest fair baseline), the one-round-trip-per-entry client only context."""
     rows = [
-        ("apply_many (exactly-once, pipelined)", pipelined,
-         f"({n_deltas:,} deltas in batches of {BATCH:,})"),
+        ("apply_group (exactly-once, groups summed)", grouped,
+         f"({n_deltas:,} deltas in groups of {GROUP} batches of {BATCH:,})"),
         ("baseline: plain HINCRBY pipelined (no dedup, no change tracking)", plain,
-         f"apply_many {pipelined / plain:.2f}x"),
+         f"apply_group {grouped / plain:.2f}x"),
         ("context only: one HINCRBY round trip per entry (a naive client)", naive,
-         f"apply_many {pipelined / naive:.1f}x"),
+         f"apply_group {grouped / naive:.1f}x"),
     ]
     return [f"  ingest, every row rated in raw delta rows/s (the baselines send summed entries, "
             f"{rows_per_entry:.3f} raw rows an entry):"] + [
@@ -209,7 +221,7 @@ def main() -> None:
             ingest.append(bench_ingest(store, server, rep, deltas, naive_entries))
             memory.append(bench_memory(store, server, args.entries, seed=rep))
             changes.append(bench_changes(store, seed=100 + rep, loaded=changes_loaded))
-            print(f"rep {rep}: {ingest[-1]['pipelined']:,.0f} deltas/s apply_many, "
+            print(f"rep {rep}: {ingest[-1]['grouped']:,.0f} deltas/s apply_group, "
                   f"{ingest[-1]['plain_pipelined']:,.0f} plain pipelined, {ingest[-1]['naive']:,.0f} naive, "
                   f"{memory[-1]['bytes_per_entry']:.1f} B/entry, changes_since {changes[-1]['ms']:.1f} ms", flush=True)
         store.close()
@@ -217,7 +229,7 @@ def main() -> None:
     print()
     print(f"redis-server {server.server_bin}, {args.reps} repetitions, medians"
           + (" (--quick: figures meaningless)" if args.quick else "") + ":")
-    for line in ingest_lines(med(r["pipelined"] for r in ingest), med(r["plain_pipelined"] for r in ingest),
+    for line in ingest_lines(med(r["grouped"] for r in ingest), med(r["plain_pipelined"] for r in ingest),
                              med(r["naive"] for r in ingest), len(deltas), med(r["rows_per_entry"] for r in ingest)):
         print(line)
     print(f"  memory: {med(r['bytes_per_entry'] for r in memory):.1f} bytes per stored entry "

@@ -1,4 +1,4 @@
-"""Benchmark of the gRPC service (issue 8): session steps against a bare echo server, pushes
+"""Benchmark of the gRPC service: session steps against a bare echo server, pushes
 against the counts store called directly, memory per session, 1 vs 2 workers, and the PSS of a
 generation mapped by 2 workers.
 
@@ -14,9 +14,9 @@ logic, inline below) answering each message with one of the same size as a draft
    local redis-server (client id + seq, exactly once), by one client with 8 pushes in
    flight and by --clients clients with 2 each (their batches overlap: the service sums
    the batches of the pushes it groups). Each against the direct call doing the same work
-   from one process: one client against `CountsStore.apply` (one batch a store unit), the
-   aggregated clients against `CountsStore.apply_group` (the same batches summed, one per
-   client a call).
+   from one process: one client against `CountsStore.apply_group` with one batch a call (one
+   batch a store unit: "direct single"), the aggregated clients against
+   `CountsStore.apply_group` with the same batches summed, one per client a call.
 3. Memory: the service's RSS before and after opening 1000 idle sessions, and after 1000
    sessions of 1k tokens each; per session.
 4. Workers: session steps (64 sessions over 8 separate connections: SO_REUSEPORT spreads
@@ -270,25 +270,26 @@ def total_count(store: CountsStore, namespace: str) -> int:
 
 def push_lines(med: dict[str, float], k: int, runs: Callable[[str], str] = lambda name: "") -> list[str]:
     """The Push figures, each against the direct call doing the same work: one client's pushes (one batch a
-    store unit) against `CountsStore.apply`, the aggregated pushes of k clients (the service sums the batches
-    it groups) against `CountsStore.apply_group` (the same summing, from one process)."""
+    store unit) against `CountsStore.apply_group` of one batch a call ("direct single"), the aggregated pushes
+    of k clients (the service sums the batches it groups) against `CountsStore.apply_group` of k batches a call
+    (the same summing, from one process)."""
     return [
-        f"direct CountsStore.apply, one process, one batch a call: {med['direct']:,.0f} rows/s (runs: {runs('direct')})",
+        f"direct CountsStore.apply_group, one batch a call (single): {med['direct']:,.0f} rows/s (runs: {runs('direct')})",
         f"direct CountsStore.apply_group, {k} batches a call:        {med['direct_group']:,.0f} rows/s "
-        f"(runs: {runs('direct_group')})   {med['direct_group'] / med['direct']:.2f}x direct apply",
+        f"(runs: {runs('direct_group')})   {med['direct_group'] / med['direct']:.2f}x direct single",
         f"service, 1 client, 8 pushes in flight:                  {med['one']:,.0f} rows/s (runs: {runs('one')})   "
-        f"{med['one'] / med['direct']:.2f}x direct apply (target >= 0.8x)",
+        f"{med['one'] / med['direct']:.2f}x direct single (target >= 0.8x)",
         f"service, {k} clients, 2 pushes in flight each:            {med['many']:,.0f} rows/s (runs: {runs('many')})   "
         f"{med['many'] / med['direct_group']:.2f}x direct apply_group (target > 1x: aggregation, against the same "
-        f"summing done directly; {med['many'] / med['direct']:.2f}x direct apply)",
+        f"summing done directly; {med['many'] / med['direct']:.2f}x direct single)",
     ]
 
 
 def bench_push(args: argparse.Namespace, service_port: int, redis_url: str, streams: list[np.ndarray],
                pids: dict[str, int]) -> None:
     """One client with 8 pushes in flight, then `--clients` clients with 2 each (their batches overlap: the
-    same language, other files), through the service and applied directly with `CountsStore.apply` from one
-    process (and, for reference, with `CountsStore.apply_group`, one batch per client a call)."""
+    same language, other files), through the service and applied directly with `CountsStore.apply_group` from
+    one process: one batch a call, and one batch per client a call."""
     batches = delta_batches(streams, args.batch)
     n_rows = sum(len(b) for b in batches)
     k = args.clients
@@ -305,7 +306,7 @@ def bench_push(args: argparse.Namespace, service_port: int, redis_url: str, stre
         ns = f"push{rep}"
         # Direct, one process, one batch a call: the baseline of both service figures.
         store.create_namespace(ns + "w", FP, VOCAB)
-        store.apply(ns + "w", "warm-up", 0, batches[0][:100])  # loads the scripts, opens the connections
+        store.apply_group(ns + "w", [GroupItem("warm-up", 0, batches[0][:100])])  # loads the scripts, opens connections
         store.drop_namespace(ns + "w")
         store.create_namespace(ns + "d", FP, VOCAB)
         meter = CpuMeter(pids)
@@ -313,7 +314,7 @@ def bench_push(args: argparse.Namespace, service_port: int, redis_url: str, stre
         for i in range(len(per_client[0])):
             for c in range(k):
                 if i < len(per_client[c]):
-                    store.apply(ns + "d", f"bench-{c}", i, per_client[c][i])
+                    store.apply_group(ns + "d", [GroupItem(f"bench-{c}", i, per_client[c][i])])
         figures["direct"].append(n_rows / (time.perf_counter() - t0))
         cpu["direct"].append(meter.per_row(n_rows))
         # Direct apply_group: the same batches, one batch per client a call.

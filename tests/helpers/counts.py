@@ -1,4 +1,4 @@
-"""Delta batches and export helpers shared by the counts store tests (unit, integration) and benchmarks."""
+"""Delta batches, one-batch writes and export helpers shared by the counts store tests (unit, integration) and benchmarks."""
 
 from __future__ import annotations
 
@@ -7,9 +7,10 @@ from collections import Counter
 import numpy as np
 
 from ngramcache.cache_service.counts.store import CountsStore
-from ngramcache.client.rows import COUNT, DELTA_DTYPE, FOLLOWER, KEY_WIDTH, NGRAM_MAX, ROW_WIDTH, TOKENS, N
+from ngramcache.cache_service.counts.values import ApplyResult, GroupItem
+from ngramcache.client.kernel.rows import COUNT, DELTA_DTYPE, FOLLOWER, KEY_WIDTH, NGRAM_MAX, ROW_WIDTH, TOKENS, N
 
-__all__ = ["FP", "OTHER_FP", "VOCAB", "as_counter", "batch", "exported", "random_batch", "row"]
+__all__ = ["FP", "OTHER_FP", "VOCAB", "apply", "as_counter", "batch", "exported", "random_batch", "row"]
 
 FP = bytes(range(32))
 OTHER_FP = bytes(range(1, 33))
@@ -40,6 +41,15 @@ def random_batch(rng: np.random.Generator, m: int, vocab: int = VOCAB, hot: int 
     out[:, FOLLOWER] = rng.integers(0, hot, m)
     out[:, COUNT] = rng.integers(1, 5, m)
     return out
+
+
+def apply(store: CountsStore, namespace: str, client_id: str, seq: int, deltas: np.ndarray, *,
+          fingerprint: bytes | str | None = None) -> ApplyResult:
+    """One sender's batch through the store's one write path, `apply_group` with one item; a refused item raises its error."""
+    outcome, = store.apply_group(namespace, [GroupItem(client_id, seq, deltas, fingerprint)])
+    if not isinstance(outcome, ApplyResult):
+        raise outcome
+    return outcome
 
 
 def as_counter(rows: np.ndarray) -> Counter[tuple[int, ...]]:

@@ -26,8 +26,8 @@ from ngramcache.cache_service.counts.history import (
     HistoryRecord,
 )
 from ngramcache.cache_service.counts.store import CountsStore
-from ngramcache.client.errors import InvalidArgumentError, NamespaceNotFoundError, TokenizerMismatchError
-from ngramcache.client.sync.history_sources import prompt_group
+from ngramcache.client.kernel.errors import InvalidArgumentError, NamespaceNotFoundError, TokenizerMismatchError
+from ngramcache.client.kernel.history_sources import prompt_group
 
 pytestmark = pytest.mark.integration
 

@@ -9,12 +9,12 @@ from collections.abc import Callable
 
 import numpy as np
 import pytest
-from helpers.counts import FP, OTHER_FP, VOCAB, as_counter, batch, exported, random_batch, row
+from helpers.counts import FP, OTHER_FP, VOCAB, apply, as_counter, batch, exported, random_batch, row
 
 from ngramcache.cache_service.counts.layout import fields_and_buckets
 from ngramcache.cache_service.counts.store import CountsStore
 from ngramcache.cache_service.counts.values import ApplyResult, GroupItem, ItemOutcome
-from ngramcache.client.errors import (
+from ngramcache.client.kernel.errors import (
     BatchTooOldError,
     GenerationNotNewerError,
     InvalidArgumentError,
@@ -22,15 +22,13 @@ from ngramcache.client.errors import (
     ResyncRequiredError,
     TokenizerMismatchError,
 )
-from ngramcache.client.rows import MAX_VOCAB
+from ngramcache.client.kernel.rows import MAX_VOCAB
 
 pytestmark = pytest.mark.integration
 
-
-@pytest.fixture(params=("embedded", "standalone", "cluster", "sentinel"))
-def backend(request: pytest.FixtureRequest) -> str:
-    """conftest's backends and Sentinel: the contract holds through redis+sentinel:// too."""
-    return request.param
+# conftest's backends and Sentinel: the contract holds through redis+sentinel:// too (conftest's
+# pytest_generate_tests reads this).
+BACKENDS = ("embedded", "standalone", "cluster", "sentinel")
 
 
 # --------------------------------------------------------------------------- namespaces
@@ -47,7 +45,7 @@ def test_create_namespace_is_idempotent_and_bound_to_its_tokenizer(store: Counts
     with pytest.raises(TokenizerMismatchError):
         store.create_namespace(namespace, FP, VOCAB + 1)
     with pytest.raises(TokenizerMismatchError):
-        store.apply(namespace, "c", 1, batch([row([1], 2)]), fingerprint=OTHER_FP)
+        apply(store, namespace, "c", 1, batch([row([1], 2)]), fingerprint=OTHER_FP)
     assert exported(store, namespace) == Counter()
 
 
@@ -92,7 +90,7 @@ def test_unknown_namespace_and_bad_names(store: CountsStore, namespace: str) -> 
     with pytest.raises(NamespaceNotFoundError):
         store.namespace_info(namespace)
     with pytest.raises(NamespaceNotFoundError):
-        store.apply(namespace, "c", 1, batch([row([1], 2)]))
+        apply(store, namespace, "c", 1, batch([row([1], 2)]))
     with pytest.raises(NamespaceNotFoundError):
         store.lookup(namespace, [1])
     for bad in ("", "a b", "x{y}", "a/b", "*", "n" * 65):
@@ -113,15 +111,15 @@ def test_vocab_size_is_limited_to_the_core_limit(store: CountsStore, namespace: 
         store.namespace_info(namespace)
     info = store.create_namespace(namespace, FP, MAX_VOCAB)
     assert info.token_width == 3
-    store.apply(namespace, "c", 1, batch([row([MAX_VOCAB - 1], MAX_VOCAB - 1, 2)]))
+    apply(store, namespace, "c", 1, batch([row([MAX_VOCAB - 1], MAX_VOCAB - 1, 2)]))
     assert store.lookup(namespace, [MAX_VOCAB - 1]) == {MAX_VOCAB - 1: 2}
     with pytest.raises(InvalidArgumentError):
-        store.apply(namespace, "c", 2, batch([row([MAX_VOCAB], 1)]))
+        apply(store, namespace, "c", 2, batch([row([MAX_VOCAB], 1)]))
 
 
 def test_drop_and_recreate_starts_empty_and_invalidates_versions(store: CountsStore, namespace: str) -> None:
     store.create_namespace(namespace, FP, VOCAB)
-    store.apply(namespace, "c", 1, batch([row([1, 2], 3, 5)]))
+    apply(store, namespace, "c", 1, batch([row([1, 2], 3, 5)]))
     version = store.version(namespace)
     assert store.drop_namespace(namespace) is True
     assert store.drop_namespace(namespace) is False
@@ -134,7 +132,7 @@ def test_drop_and_recreate_starts_empty_and_invalidates_versions(store: CountsSt
     with pytest.raises(ResyncRequiredError):
         store.changes_since(namespace, version)
     # (client, seq) of the old incarnation is new to this one
-    assert store.apply(namespace, "c", 1, batch([row([1, 2], 3, 5)])).applied == 1
+    assert apply(store, namespace, "c", 1, batch([row([1, 2], 3, 5)])).applied == 1
 
 
 # --------------------------------------------------------------------------- apply / lookup
@@ -142,7 +140,7 @@ def test_drop_and_recreate_starts_empty_and_invalidates_versions(store: CountsSt
 
 def test_apply_sums_repeats_and_lookup_reads_followers(store: CountsStore, namespace: str) -> None:
     store.create_namespace(namespace, FP, VOCAB)
-    result = store.apply(namespace, "c", 1, batch([
+    result = apply(store, namespace, "c", 1, batch([
         row([5, 7], 9, 3), row([5, 7], 9, 2), row([5, 7], 11), row([5], 8),
         row([1, 2, 3, 4], 5, 10), row([VOCAB - 1], VOCAB - 1, 7), row([5, 7, 1], 9),
     ]))
@@ -153,7 +151,7 @@ def test_apply_sums_repeats_and_lookup_reads_followers(store: CountsStore, names
     assert store.lookup(namespace, [1, 2, 3, 4]) == {5: 10}
     assert store.lookup(namespace, [VOCAB - 1]) == {VOCAB - 1: 7}
     assert store.lookup(namespace, [7]) == {}
-    store.apply(namespace, "c", 2, batch([row([5, 7], 9, 1)]))
+    apply(store, namespace, "c", 2, batch([row([5, 7], 9, 1)]))
     assert store.lookup(namespace, [5, 7]) == {9: 6, 11: 1}
     for bad in ([], [1, 2, 3, 4, 5], [VOCAB], [-1]):
         with pytest.raises(InvalidArgumentError):
@@ -167,7 +165,7 @@ def test_export_equals_the_sum_of_random_batches(store: CountsStore, namespace: 
     for seq in range(12):
         deltas = random_batch(rng, 400)
         expected.update(as_counter(deltas))
-        store.apply(namespace, "writer", seq, deltas)
+        apply(store, namespace, "writer", seq, deltas)
     assert exported(store, namespace) == expected
     assert exported(store, namespace, chunk_rows=50) == expected
     chunks = list(store.export(namespace, chunk_rows=50))
@@ -181,11 +179,11 @@ def test_export_equals_the_sum_of_random_batches(store: CountsStore, namespace: 
 def test_same_batch_twice_counts_once(store: CountsStore, namespace: str) -> None:
     store.create_namespace(namespace, FP, VOCAB)
     deltas = random_batch(np.random.default_rng(1), 500)
-    first = store.apply(namespace, "c", 42, deltas)
-    again = store.apply(namespace, "c", 42, deltas)
+    first = apply(store, namespace, "c", 42, deltas)
+    again = apply(store, namespace, "c", 42, deltas)
     assert first.applied == first.units >= 1 and first.duplicates == 0
     assert again.duplicate and again.applied == 0
-    assert store.apply(namespace, "other-client", 42, deltas).applied == first.units
+    assert apply(store, namespace, "other-client", 42, deltas).applied == first.units
     expected = as_counter(deltas)
     assert exported(store, namespace) == Counter({k: 2 * v for k, v in expected.items()})
 
@@ -196,21 +194,21 @@ def test_out_of_order_seqs_within_the_window_and_too_old(make_store: Callable[..
     store.create_namespace(namespace, FP, VOCAB)
     one = batch([row([1], 2)])
     for seq in (5, 3, 9, 4):
-        assert store.apply(namespace, "c", seq, one).applied == 1
-    assert store.apply(namespace, "c", 3, one).duplicate
-    assert store.apply(namespace, "c", 2, one).applied == 1  # 2 > 9 - 8
+        assert apply(store, namespace, "c", seq, one).applied == 1
+    assert apply(store, namespace, "c", 3, one).duplicate
+    assert apply(store, namespace, "c", 2, one).applied == 1  # 2 > 9 - 8
     with pytest.raises(BatchTooOldError):
-        store.apply(namespace, "c", 1, one)  # 1 <= 9 - 8: cannot tell, refused
+        apply(store, namespace, "c", 1, one)  # 1 <= 9 - 8: cannot tell, refused
     assert store.lookup(namespace, [1]) == {2: 5}
-    assert store.apply(namespace, "c", 20, one).applied == 1
+    assert apply(store, namespace, "c", 20, one).applied == 1
     with pytest.raises(BatchTooOldError):
-        store.apply(namespace, "c", 9, one)
+        apply(store, namespace, "c", 9, one)
     assert store.lookup(namespace, [1]) == {2: 6}
 
 
 def test_empty_batch_is_a_no_op(store: CountsStore, namespace: str) -> None:
     store.create_namespace(namespace, FP, VOCAB)
-    result = store.apply(namespace, "c", 1, batch([]))
+    result = apply(store, namespace, "c", 1, batch([]))
     assert (result.units, result.applied, result.entries) == (0, 0, 0)
     assert exported(store, namespace) == Counter()
 
@@ -232,17 +230,17 @@ BAD_BATCHES = {
 def test_a_bad_batch_is_refused_whole_and_changes_nothing(store: CountsStore, namespace: str, bad: str) -> None:
     store.create_namespace(namespace, FP, VOCAB)
     good = random_batch(np.random.default_rng(3), 300)
-    store.apply(namespace, "c", 1, good)
+    apply(store, namespace, "c", 1, good)
     before = exported(store, namespace)
     version = store.version(namespace)
     changes_before = store.changes_since(namespace, version).buckets.tolist()
     mixed = np.concatenate([random_batch(np.random.default_rng(4), 300), batch([BAD_BATCHES[bad]])])
     with pytest.raises(InvalidArgumentError, match="row 300"):
-        store.apply(namespace, "c", 2, mixed)
+        apply(store, namespace, "c", 2, mixed)
     assert exported(store, namespace) == before
     assert store.changes_since(namespace, version).buckets.tolist() == changes_before
     # the refused seq was not consumed: a good batch with it applies
-    assert store.apply(namespace, "c", 2, good).applied >= 1
+    assert apply(store, namespace, "c", 2, good).applied >= 1
 
 
 def test_malformed_arrays_and_arguments_are_refused(make_store: Callable[..., CountsStore], namespace: str) -> None:
@@ -252,12 +250,12 @@ def test_malformed_arrays_and_arguments_are_refused(make_store: Callable[..., Co
     for deltas in (ok.astype(np.int64), ok[:, :6].copy(), ok.tolist(), np.asfortranarray(np.repeat(ok, 3, 0)),
                    np.repeat(ok, 11, axis=0), ok.reshape(-1)):
         with pytest.raises(InvalidArgumentError):
-            store.apply(namespace, "c", 1, deltas)  # type: ignore[arg-type]
+            apply(store, namespace, "c", 1, deltas)  # type: ignore[arg-type]
     for client_id, seq in (("", 1), ("has space", 1), ("c", -1), ("c", 2**53), ("c", 1.5), ("c", True)):
         with pytest.raises(InvalidArgumentError):
-            store.apply(namespace, client_id, seq, ok)  # type: ignore[arg-type]
+            apply(store, namespace, client_id, seq, ok)  # type: ignore[arg-type]
     assert exported(store, namespace) == Counter()
-    assert store.apply(namespace, "c", 1, ok).applied == 1
+    assert apply(store, namespace, "c", 1, ok).applied == 1
 
 
 # --------------------------------------------------------------------------- changes_since
@@ -268,12 +266,12 @@ def test_changes_since_mirror_applied_to_an_older_copy_equals_a_full_export(stor
     store.create_namespace(namespace, FP, VOCAB, buckets=1024)
     rng = np.random.default_rng(11)
     for seq in range(5):
-        store.apply(namespace, "a", seq, random_batch(rng, 300, hot=200))
+        apply(store, namespace, "a", seq, random_batch(rng, 300, hot=200))
     version = store.version(namespace)  # version first, then export: the resync procedure
     mirror = exported(store, namespace)
     for round_ in range(4):
         for seq in range(3):
-            store.apply(namespace, f"w{round_}", seq, random_batch(rng, 50, hot=200))
+            apply(store, namespace, f"w{round_}", seq, random_batch(rng, 50, hot=200))
         if round_ % 2:
             time.sleep(0.002)  # let the epoch advance between some rounds
         change = store.changes_since(namespace, version)
@@ -294,9 +292,9 @@ def test_changes_since_mirror_applied_to_an_older_copy_equals_a_full_export(stor
 def test_changes_since_only_returns_changed_buckets(store: CountsStore, namespace: str) -> None:
     store.create_namespace(namespace, FP, VOCAB, buckets=4096)
     rng = np.random.default_rng(5)
-    store.apply(namespace, "a", 1, random_batch(rng, 2000, hot=3000))
+    apply(store, namespace, "a", 1, random_batch(rng, 2000, hot=3000))
     version = store.version(namespace)
-    store.apply(namespace, "a", 2, batch([row([1, 2], 3), row([4], 5)]))
+    apply(store, namespace, "a", 2, batch([row([1, 2], 3), row([4], 5)]))
     change = store.changes_since(namespace, version)
     assert 1 <= len(change.buckets) <= 2
     keys = {tuple(r[:6]) for r in change.rows.tolist()}
@@ -310,7 +308,7 @@ def test_changes_since_too_old_or_from_the_future_asks_for_resync(make_store: Ca
     old = store.version(namespace)
     for seq in range(6):
         time.sleep(0.002)
-        store.apply(namespace, "c", seq, batch([row([seq], 1)]))
+        apply(store, namespace, "c", seq, batch([row([seq], 1)]))
         latest = store.changes_since(namespace, store.version(namespace)).version
     with pytest.raises(ResyncRequiredError):
         store.changes_since(namespace, old)
@@ -323,7 +321,7 @@ def test_versions_advance_at_most_once_per_epoch(make_store: Callable[..., Count
     store = make_store(epoch_seconds=3600)
     store.create_namespace(namespace, FP, VOCAB)
     first = store.version(namespace)
-    store.apply(namespace, "c", 1, batch([row([1], 2)]))
+    apply(store, namespace, "c", 1, batch([row([1], 2)]))
     assert store.version(namespace) == first
     change = store.changes_since(namespace, first)  # the open epoch is included
     assert change.version == first and len(change.rows) == 1
@@ -390,13 +388,13 @@ def test_apply_group_and_apply_see_each_others_batches(store: CountsStore, names
     store.create_namespace(namespace, FP, VOCAB)
     rng = np.random.default_rng(23)
     a1, a2, b1 = random_batch(rng, 150), random_batch(rng, 150), random_batch(rng, 150)
-    store.apply(namespace, "a", 1, a1)
+    apply(store, namespace, "a", 1, a1)
     outcomes = results(store.apply_group(namespace, [GroupItem("a", 1, a1), GroupItem("a", 2, a2),
                                                      GroupItem("b", 1, b1)]))
     assert [r.duplicate for r in outcomes] == [True, False, False]
     assert outcomes[1].applied == outcomes[1].units and outcomes[2].applied == outcomes[2].units
-    assert store.apply(namespace, "b", 1, b1).duplicate
-    assert store.apply_many(namespace, "a", [(2, a2), (3, a1)])[0].duplicate
+    assert apply(store, namespace, "b", 1, b1).duplicate
+    assert results(store.apply_group(namespace, [GroupItem("a", 2, a2), GroupItem("a", 3, a1)]))[0].duplicate
     assert exported(store, namespace) == as_counter(a1) + as_counter(a2) + as_counter(b1) + as_counter(a1)
 
 
@@ -405,7 +403,7 @@ def test_apply_group_refuses_bad_items_alone(make_store: Callable[..., CountsSto
     store.create_namespace(namespace, FP, VOCAB)
     rng = np.random.default_rng(24)
     good = [random_batch(rng, 100) for _ in range(3)]
-    store.apply(namespace, "old", 10, good[0])
+    apply(store, namespace, "old", 10, good[0])
     with_bad_row = np.concatenate([good[1], batch([BAD_BATCHES["token >= vocab"]])])
     items = [
         GroupItem("g0", 1, good[0], FP),
@@ -429,8 +427,8 @@ def test_apply_group_refuses_bad_items_alone(make_store: Callable[..., CountsSto
     assert outcomes[9] == ApplyResult(0, 0, 0, 0)
     assert exported(store, namespace) == as_counter(good[0]) + as_counter(good[0]) + as_counter(good[2])
     # Nothing of a refused item was recorded: its (client_id, seq) with a good batch applies.
-    assert not store.apply(namespace, "bad-row", 1, good[1]).duplicate
-    assert not store.apply(namespace, "other-tokenizer", 1, good[1], fingerprint=FP).duplicate
+    assert not apply(store, namespace, "bad-row", 1, good[1]).duplicate
+    assert not apply(store, namespace, "other-tokenizer", 1, good[1], fingerprint=FP).duplicate
 
 
 def test_apply_group_of_unknown_namespace_raises(store: CountsStore, namespace: str) -> None:
@@ -462,7 +460,7 @@ def test_apply_group_applies_exactly_the_units_an_interrupted_attempt_missed(sto
     _, _, buckets = fields_and_buckets(full, info)
     shard = buckets % info.shards
     part = np.ascontiguousarray(full[shard == shard[0]])  # all of it on one shard
-    assert store.apply(namespace, "a", 1, part).applied == 1
+    assert apply(store, namespace, "a", 1, part).applied == 1
     a, b = results(store.apply_group(namespace, [GroupItem("a", 1, full), GroupItem("b", 1, full.copy())]))
     assert a.units == len(set(shard.tolist())) and a.duplicates == 1 and a.applied == a.units - 1
     assert b.applied == b.units == a.units
@@ -473,7 +471,7 @@ def test_apply_group_applies_exactly_the_units_an_interrupted_attempt_missed(sto
 
 
 def test_one_lease_holder_at_a_time_with_growing_fencing_tokens(store: CountsStore, namespace: str) -> None:
-    from ngramcache.client.errors import LeaseHeldError
+    from ngramcache.client.kernel.errors import LeaseHeldError
 
     a = store.acquire_lease(namespace, "replica-a", 10_000)
     with pytest.raises(LeaseHeldError, match="replica-a"):
@@ -489,7 +487,7 @@ def test_one_lease_holder_at_a_time_with_growing_fencing_tokens(store: CountsSto
 
 
 def test_an_expired_lease_cannot_commit_and_generations_only_grow(store: CountsStore, namespace: str) -> None:
-    from ngramcache.client.errors import LeaseLostError
+    from ngramcache.client.kernel.errors import LeaseLostError
 
     assert store.committed_generation(namespace).generation == 0
     old = store.acquire_lease(namespace, "paused-leader", 150)

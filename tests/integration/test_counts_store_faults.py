@@ -12,14 +12,14 @@ from collections.abc import Callable
 
 import numpy as np
 import pytest
-from helpers.counts import FP, VOCAB, as_counter, batch, exported, random_batch, row
+from helpers.counts import FP, VOCAB, apply, as_counter, batch, exported, random_batch, row
 from helpers.redis_servers import RedisClusterProcesses, RedisServer
 
 from ngramcache.cache_service.counts.config import CountsStoreConfig
 from ngramcache.cache_service.counts.factory import open_counts_store
 from ngramcache.cache_service.counts.store import CountsStore
 from ngramcache.cache_service.counts.values import ApplyResult, GroupItem
-from ngramcache.client.errors import BackendUnavailableError, StoreAuthenticationError, TokenizerMismatchError
+from ngramcache.client.kernel.errors import BackendUnavailableError, StoreAuthenticationError, TokenizerMismatchError
 
 pytestmark = pytest.mark.integration
 
@@ -32,7 +32,7 @@ def apply_until_acknowledged(store: CountsStore, namespace: str, client_id: str,
     failures = 0
     while True:
         try:
-            store.apply(namespace, client_id, seq, deltas)
+            apply(store, namespace, client_id, seq, deltas)
             return failures
         except BackendUnavailableError:
             failures += 1
@@ -109,19 +109,19 @@ def test_retry_after_a_timeout_counts_once(tmp_path: object) -> None:
         ns = "faults"
         store.create_namespace(ns, FP, VOCAB)
         warm_up = batch([row([1], 1)])
-        store.apply(ns, "c", 6, warm_up)  # loads the script: the next call really runs it
+        apply(store, ns, "c", 6, warm_up)  # loads the script: the next call really runs it
         deltas = random_batch(np.random.default_rng(2), 2000)
         server.signal(signal.SIGSTOP)
         try:
             with pytest.raises(BackendUnavailableError) as caught:
-                store.apply(ns, "c", 7, deltas)
+                apply(store, ns, "c", 7, deltas)
             assert caught.value.retriable
         finally:
             server.signal(signal.SIGCONT)
         deadline = time.monotonic() + 10
         while True:  # the server now runs the script it had buffered; our retry must not add it again
             try:
-                again = store.apply(ns, "c", 7, deltas)
+                again = apply(store, ns, "c", 7, deltas)
                 break
             except BackendUnavailableError:
                 assert time.monotonic() < deadline
@@ -137,7 +137,7 @@ def test_a_group_retried_after_a_timeout_counts_once() -> None:
         store = open_counts_store(server.url, socket_timeout=0.3, retries=0)
         ns = "faults"
         store.create_namespace(ns, FP, VOCAB)
-        store.apply(ns, "c0", 6, batch([row([1], 1)]))  # loads the script: the next call really runs it
+        apply(store, ns, "c0", 6, batch([row([1], 1)]))  # loads the script: the next call really runs it
         rng = np.random.default_rng(3)
         items = [GroupItem(f"c{c}", 7, random_batch(rng, 1000, hot=30)) for c in range(4)]
         server.signal(signal.SIGSTOP)
@@ -201,7 +201,7 @@ def test_scripts_flushed_from_the_server_are_reloaded(redis_standalone: RedisSer
         admin = redis_standalone.client()
         admin.script_flush()
         admin.close()
-        store.apply(ns, "c", 1, batch([row([1, 2], 3, 4)]))
+        apply(store, ns, "c", 1, batch([row([1, 2], 3, 4)]))
         assert store.lookup(ns, [1, 2]) == {3: 4}
         assert store.changes_since(ns, store.version(ns)).version > 0
     finally:
@@ -228,9 +228,9 @@ def test_eight_concurrent_writers_with_overlapping_keys_give_exact_totals(
             store = stores[w % 2]
             barrier.wait()
             for seq, deltas in enumerate(data[w]):
-                store.apply(namespace, f"writer-{w}", seq, deltas)
+                apply(store, namespace, f"writer-{w}", seq, deltas)
                 if seq % 4 == 0:  # and a retry now and then, which must not count
-                    assert store.apply(namespace, f"writer-{w}", seq, deltas).duplicate
+                    assert apply(store, namespace, f"writer-{w}", seq, deltas).duplicate
         except BaseException as exc:
             errors.append(exc)
 
@@ -301,7 +301,7 @@ def test_concurrent_readers_and_writers_keep_mirrors_exact(make_store: Callable[
         try:
             rng = np.random.default_rng(w)
             for seq in range(12):
-                store.apply(namespace, f"w{w}", seq, random_batch(rng, 200, hot=100))
+                apply(store, namespace, f"w{w}", seq, random_batch(rng, 200, hot=100))
         except BaseException as exc:
             errors.append(exc)
 
@@ -324,17 +324,17 @@ def test_concurrent_readers_and_writers_keep_mirrors_exact(make_store: Callable[
 
 # Shared stores only: an embedded store is one per process, so nothing else can recreate a
 # namespace underneath it.
-@pytest.mark.parametrize("backend", ["standalone", "cluster"], indirect=True)
+@pytest.mark.parametrize("backend", ["standalone", "cluster"])
 def test_namespace_recreated_under_a_cached_handle(make_store: Callable[..., CountsStore], namespace: str,
                                                    backend: str) -> None:
     a, b = make_store(), make_store()
     a.create_namespace(namespace, FP, VOCAB)
-    a.apply(namespace, "c", 1, batch([row([1], 2)]))
+    apply(a, namespace, "c", 1, batch([row([1], 2)]))
     b.drop_namespace(namespace)
     b.create_namespace(namespace, bytes(32), 1000)
     with pytest.raises(TokenizerMismatchError):
-        a.apply(namespace, "c", 2, batch([row([1], 2)]), fingerprint=FP)
-    a.apply(namespace, "c", 3, batch([row([1], 2)]))  # valid for the new vocabulary too
+        apply(a, namespace, "c", 2, batch([row([1], 2)]), fingerprint=FP)
+    apply(a, namespace, "c", 3, batch([row([1], 2)]))  # valid for the new vocabulary too
     assert b.lookup(namespace, [1]) == {2: 1}
     assert a.namespace_info(namespace).vocab_size == 1000
 
@@ -353,7 +353,7 @@ def test_credentials_never_appear_in_errors_reprs_or_logs(caplog: pytest.LogCapt
 
         store = open_counts_store(good_url)
         store.create_namespace("auth", FP, VOCAB)
-        store.apply("auth", "c", 1, batch([row([1], 2)]))
+        apply(store, "auth", "c", 1, batch([row([1], 2)]))
         assert store.lookup("auth", [1]) == {2: 1}
         seen += [repr(store), str(store), repr(store.config), str(CountsStoreConfig.from_url(good_url))]
         store.close()

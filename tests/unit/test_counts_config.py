@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from ngramcache.cache_service.counts.config import CountsStoreConfig, parse_url, redact_url
-from ngramcache.client.errors import InvalidArgumentError
+from ngramcache.client.kernel.errors import InvalidArgumentError
 
 
 def test_config_from_url_and_env() -> None:

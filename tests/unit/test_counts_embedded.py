@@ -8,12 +8,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers.counts import FP, batch, exported
+from helpers.counts import FP, apply, batch, exported
 
 from ngramcache.cache_service.counts.config import CountsStoreConfig
 from ngramcache.cache_service.counts.embedded import EmbeddedCountsStore
 from ngramcache.cache_service.counts.factory import open_counts_store
-from ngramcache.client.errors import CacheFormatError, InvalidArgumentError, ResyncRequiredError, SnapshotFormatError
+from ngramcache.cache_service.counts.values import ApplyResult, GroupItem
+from ngramcache.client.kernel.errors import CacheFormatError, InvalidArgumentError, ResyncRequiredError, SnapshotFormatError
 
 
 def deltas(*r: list[int]) -> np.ndarray:
@@ -30,8 +31,8 @@ def test_snapshot_and_reload_keep_counts_dedup_and_refuse_old_versions(tmp_path:
     assert isinstance(store, EmbeddedCountsStore) and store.path == f"{tmp_path}/counts.snap"
     store.create_namespace("a", FP, 1000, buckets=64)
     store.create_namespace("b", FP, 300)
-    store.apply("a", "c", 1, deltas([2, 1, 2, -1, -1, 3, 4], [4, 1, 2, 3, 4, 999, 1]))
-    store.apply("b", "c", 1, deltas([1, 299, -1, -1, -1, 0, 2]))
+    apply(store, "a", "c", 1, deltas([2, 1, 2, -1, -1, 3, 4], [4, 1, 2, 3, 4, 999, 1]))
+    apply(store, "b", "c", 1, deltas([1, 299, -1, -1, -1, 0, 2]))
     version = store.version("a")
     store.close()
     assert not [p for p in os.listdir(tmp_path) if ".tmp." in p]
@@ -41,7 +42,7 @@ def test_snapshot_and_reload_keep_counts_dedup_and_refuse_old_versions(tmp_path:
     assert again.namespace_info("a") == store.namespace_info("a")
     assert export(again, "a") == {(2, 1, 2, -1, -1, 3): 4, (4, 1, 2, 3, 4, 999): 1}
     assert again.lookup("b", [299]) == {0: 2}
-    assert again.apply("a", "c", 1, deltas([2, 1, 2, -1, -1, 3, 4])).duplicate  # dedup survived
+    assert apply(again, "a", "c", 1, deltas([2, 1, 2, -1, -1, 3, 4])).duplicate  # dedup survived
     with pytest.raises(ResyncRequiredError):  # counts behind old versions may be lost
         again.changes_since("a", version)
     again.close()
@@ -51,13 +52,13 @@ def test_a_crash_loses_at_most_the_writes_since_the_last_snapshot(tmp_path: Path
     path = tmp_path / "counts.snap"
     store = EmbeddedCountsStore(open_counts_store(f"embedded://{path}", snapshot_seconds=0).config)
     store.create_namespace("a", FP, 1000)
-    store.apply("a", "c", 1, deltas([1, 1, -1, -1, -1, 2, 1]))
+    apply(store, "a", "c", 1, deltas([1, 1, -1, -1, -1, 2, 1]))
     store.snapshot()
-    store.apply("a", "c", 2, deltas([1, 1, -1, -1, -1, 2, 1]))  # after the snapshot: lost in a crash
+    apply(store, "a", "c", 2, deltas([1, 1, -1, -1, -1, 2, 1]))  # after the snapshot: lost in a crash
     # a crash: no close(), no final snapshot
     reloaded = EmbeddedCountsStore(store.config)
     assert reloaded.lookup("a", [1]) == {2: 1}
-    assert reloaded.apply("a", "c", 2, deltas([1, 1, -1, -1, -1, 2, 1])).applied == 1  # resent, counted once
+    assert apply(reloaded, "a", "c", 2, deltas([1, 1, -1, -1, -1, 2, 1])).applied == 1  # resent, counted once
     assert reloaded.lookup("a", [1]) == {2: 2}
 
 
@@ -65,7 +66,7 @@ def test_background_snapshots(tmp_path: Path) -> None:
     path = tmp_path / "counts.snap"
     store = open_counts_store(f"embedded://{path}", snapshot_seconds=0.05)
     store.create_namespace("a", FP, 1000)
-    store.apply("a", "c", 1, deltas([1, 1, -1, -1, -1, 2, 5]))
+    apply(store, "a", "c", 1, deltas([1, 1, -1, -1, -1, 2, 5]))
     deadline = time.monotonic() + 5
     while not path.exists() and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -80,7 +81,7 @@ def test_hostile_snapshots_are_refused(tmp_path: Path, damage: str) -> None:
     path = tmp_path / "counts.snap"
     store = open_counts_store(f"embedded://{path}", snapshot_seconds=0)
     store.create_namespace("a", FP, 1000)
-    store.apply("a", "c", 1, deltas([3, 1, 2, 3, -1, 4, 7]))
+    apply(store, "a", "c", 1, deltas([3, 1, 2, 3, -1, 4, 7]))
     store.close()
     data = bytearray(path.read_bytes())
     if damage == "truncate":
@@ -112,12 +113,12 @@ def test_only_embedded_urls_open_an_embedded_store() -> None:
         EmbeddedCountsStore(CountsStoreConfig.from_url("redis://127.0.0.1:1"))
 
 
-def test_apply_many_validates_every_batch_before_applying_any() -> None:
+def test_a_bad_batch_of_a_group_is_refused_whole_and_alone() -> None:
     store = open_counts_store(None)
     store.create_namespace("a", FP, 1000)
-    good, bad = deltas([1, 1, -1, -1, -1, 2, 1]), deltas([1, 1, -1, -1, -1, 1000, 1])
-    with pytest.raises(InvalidArgumentError):
-        store.apply_many("a", "c", [(1, good), (2, bad)])
-    assert export(store, "a") == {}
-    assert [r.applied for r in store.apply_many("a", "c", [(1, good), (2, good)])] == [1, 1]
-    assert export(store, "a") == {(1, 1, -1, -1, -1, 2): 2}
+    good, bad = deltas([1, 1, -1, -1, -1, 2, 1]), deltas([1, 1, -1, -1, -1, 2, 1], [1, 1, -1, -1, -1, 1000, 1])
+    ok, refused = store.apply_group("a", [GroupItem("c", 1, good), GroupItem("c", 2, bad)])
+    assert isinstance(ok, ApplyResult) and ok.applied == 1 and isinstance(refused, InvalidArgumentError)
+    assert export(store, "a") == {(1, 1, -1, -1, -1, 2): 1}  # nothing of the bad batch, not even its good row
+    assert [apply(store, "a", "c", seq, good).applied for seq in (2, 3)] == [1, 1]  # its seq was not consumed
+    assert export(store, "a") == {(1, 1, -1, -1, -1, 2): 3}

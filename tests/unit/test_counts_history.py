@@ -23,8 +23,8 @@ from ngramcache.cache_service.counts.history import (
     validate_partitions,
     validate_records,
 )
-from ngramcache.client.errors import InvalidArgumentError
-from ngramcache.client.sync.history_sources import prompt_group
+from ngramcache.client.kernel.errors import InvalidArgumentError
+from ngramcache.client.kernel.history_sources import prompt_group
 
 VOCAB = 1000
 

@@ -18,11 +18,11 @@ from ngramcache.cache_service.counts.layout import (
     murmur3_32,
     ngram_bucket,
 )
-from ngramcache.cache_service.counts.namespace import NamespaceInfo
-from ngramcache.client.errors import InvalidArgumentError
-from ngramcache.client.rows import ROW_WIDTH
+from ngramcache.cache_service.counts.namespace import NamespaceRecord
+from ngramcache.client.kernel.errors import InvalidArgumentError
+from ngramcache.client.kernel.rows import ROW_WIDTH
 
-INFO = NamespaceInfo("ns", "ab" * 32, 70_000, 1024, 4, "0123abcd")
+INFO = NamespaceRecord("ns", "ab" * 32, 70_000, 1024, 4, "0123abcd")
 GOLDEN = [54, 39, 149, 672, 391]  # buckets of the n-grams in test_bucket_hash_is_pinned
 
 

@@ -1,4 +1,4 @@
-"""Unit tests of counts.namespace: fingerprints, the vocabulary limit, token widths and layouts."""
+"""Unit tests of counts.namespace: fingerprints, the vocabulary limit, token widths, layouts and stale records."""
 
 from __future__ import annotations
 
@@ -6,13 +6,15 @@ import pytest
 
 from ngramcache.cache_service.counts.factory import open_counts_store
 from ngramcache.cache_service.counts.namespace import (
+    StaleNamespace,
     normalize_fingerprint,
+    rerun_if_stale,
     token_width,
     validate_layout,
     validate_vocab_size,
 )
-from ngramcache.client.errors import InvalidArgumentError
-from ngramcache.client.rows import MAX_VOCAB
+from ngramcache.client.kernel.errors import InvalidArgumentError, NamespaceNotFoundError
+from ngramcache.client.kernel.rows import MAX_VOCAB
 
 
 def test_token_width() -> None:
@@ -48,3 +50,24 @@ def test_layouts() -> None:
     for buckets, shards in ((1000, 1), (1024, 3), (4, 8), (0, 1), (2**31, 1), (2**20, 2**15)):
         with pytest.raises(InvalidArgumentError):
             validate_layout(buckets, shards)
+
+
+def test_a_stale_record_is_read_again_and_the_action_rerun_once() -> None:
+    asked: list[str | None] = []
+
+    def record(stale: str | None) -> str:
+        asked.append(stale)
+        return "cached" if stale is None else "fresh"
+
+    def action(current: str) -> str:
+        if current == "cached":
+            raise StaleNamespace
+        return current
+
+    assert rerun_if_stale("ns", record, action) == "fresh" and asked == [None, "cached"]
+
+    def always_stale(current: str) -> str:
+        raise StaleNamespace
+
+    with pytest.raises(NamespaceNotFoundError, match="dropped or recreated"):  # changed again: no third run
+        rerun_if_stale("ns", record, always_stale)

@@ -12,7 +12,7 @@ from typing import Any
 import grpc
 import numpy as np
 import pytest
-from helpers.counts import FP, OTHER_FP, VOCAB, as_counter, batch, exported, random_batch, row
+from helpers.counts import FP, OTHER_FP, VOCAB, apply, as_counter, batch, exported, random_batch, row
 
 from ngramcache.cache_service.counts import EmbeddedCountsStore
 from ngramcache.cache_service.counts.config import CountsStoreConfig
@@ -21,7 +21,7 @@ from ngramcache.cache_service.push_admission import PushAdmission
 from ngramcache.cache_service.push_batcher import PushBatcher
 from ngramcache.cache_service.status import status_of
 from ngramcache.cache_service.store_runner import StoreRunner
-from ngramcache.client.errors import (
+from ngramcache.client.kernel.errors import (
     BackendUnavailableError,
     BatchTooOldError,
     InvalidArgumentError,
@@ -90,7 +90,7 @@ def run(store: EmbeddedCountsStore, test: Callable[[PushBatcher], Awaitable[None
     return batcher
 
 
-async def hold_the_store(batcher: PushBatcher, gate: GatedStore, item: GroupItem) -> asyncio.Task[tuple[ApplyResult, int]]:
+async def hold_the_store(batcher: PushBatcher, gate: GatedStore, item: GroupItem) -> asyncio.Task[ApplyResult]:
     """Push ``item`` and wait until its group is inside the (held) store call."""
     gate.hold = True
     task = asyncio.create_task(batcher.push(NS, item))
@@ -99,7 +99,7 @@ async def hold_the_store(batcher: PushBatcher, gate: GatedStore, item: GroupItem
     return task
 
 
-async def queue(batcher: PushBatcher, items: list[GroupItem], namespace: str = NS) -> list[asyncio.Task[tuple[ApplyResult, int]]]:
+async def queue(batcher: PushBatcher, items: list[GroupItem], namespace: str = NS) -> list[asyncio.Task[ApplyResult]]:
     tasks = [asyncio.create_task(batcher.push(namespace, item)) for item in items]
     await asyncio.sleep(0.01)  # they are all waiting now
     return tasks
@@ -116,8 +116,8 @@ def test_a_lone_push_goes_straight_through(store: EmbeddedCountsStore, gate: Gat
     async def test(batcher: PushBatcher) -> None:
         # No window (the default, 0): nothing holds a lone push. A deadline far past a loaded machine's pauses; a push
         # held for company would never end (no other push comes).
-        result, version = await asyncio.wait_for(batcher.push(NS, GroupItem("a", 1, deltas, FP)), 30)
-        assert result.applied == result.units == 1 and version > 0
+        result = await asyncio.wait_for(batcher.push(NS, GroupItem("a", 1, deltas, FP)), 30)
+        assert result.applied == result.units == 1
 
     batcher = run(store, test)
     assert gate.clients() == [["a:1"]] and (batcher.groups, batcher.pushes) == (1, 1)
@@ -135,10 +135,9 @@ def test_pushes_arriving_while_a_group_is_in_the_store_go_together(store: Embedd
         gate.hold = False
         gate.release.set()
         results = [await t for t in [first, *rest]]
-        for result, _ in results:
+        for result in results:
             assert result.applied == result.units == 1 and not result.duplicate
-        assert [r.entries for r, _ in results] == [len(as_counter(d)) for d in data]
-        assert results[1][1] == results[4][1] >= results[0][1] > 0  # one version read per group
+        assert [r.entries for r in results] == [len(as_counter(d)) for d in data]
 
     run(store, test)
     assert gate.clients() == [["a:1"], ["c1:1", "c2:1", "c3:1", "c4:1"]]
@@ -148,10 +147,11 @@ def test_pushes_arriving_while_a_group_is_in_the_store_go_together(store: Embedd
     assert exported(store, NS) == expected
 
 
-def test_each_push_of_a_group_gets_its_own_result(store: EmbeddedCountsStore, gate: GatedStore) -> None:
+def test_each_push_of_a_group_gets_its_own_result(store: EmbeddedCountsStore, monkeypatch: pytest.MonkeyPatch) -> None:
     good = batches(3, 4)
-    store.apply(NS, "old", 20, good[0])
-    store.apply(NS, "retry", 1, good[1])
+    apply(store, NS, "old", 20, good[0])
+    apply(store, NS, "retry", 1, good[1])
+    gate = GatedStore(store, monkeypatch)  # from here on: the two batches above are not the gate's calls
     with_bad_row = np.concatenate([good[2], batch([[1, 1, -1, -1, -1, VOCAB, 1]])])
 
     async def test(batcher: PushBatcher) -> None:
@@ -173,7 +173,7 @@ def test_each_push_of_a_group_gets_its_own_result(store: EmbeddedCountsStore, ga
         outcomes: list[object] = []
         for t in tasks:
             try:
-                outcomes.append((await t)[0])
+                outcomes.append(await t)
             except Exception as exc:
                 outcomes.append(exc)
         new, retry, bad, other, old, space, twice, twice_again, empty = outcomes
@@ -193,7 +193,7 @@ def test_each_push_of_a_group_gets_its_own_result(store: EmbeddedCountsStore, ga
     assert len(gate.calls) == 2 and len(gate.calls[1]) == 9  # the bad ones did not break the group
     expected = as_counter(good[0]) + as_counter(good[0]) + as_counter(good[1]) + as_counter(good[2]) + as_counter(good[3])
     assert exported(store, NS) == expected
-    assert not store.apply(NS, "bad-row", 1, good[2]).duplicate  # nothing of a refused push was recorded
+    assert not apply(store, NS, "bad-row", 1, good[2]).duplicate  # nothing of a refused push was recorded
 
 
 def test_a_store_error_fails_every_push_of_its_group_and_acknowledges_none(store: EmbeddedCountsStore,
@@ -215,7 +215,7 @@ def test_a_store_error_fails_every_push_of_its_group_and_acknowledges_none(store
         assert exported(store, NS) == as_counter(data[0])  # none of them applied
         # What their senders do: push the same batches again; they count once.
         again = await asyncio.gather(*(batcher.push(NS, item) for item in [*items, GroupItem("a", 1, data[0])]))
-        assert [r.duplicate for r, _ in again] == [False, False, False, True]
+        assert [r.duplicate for r in again] == [False, False, False, True]
 
     run(store, test)
     expected: Counter[tuple[int, ...]] = Counter()
@@ -238,7 +238,7 @@ def test_a_namespace_error_fails_only_that_namespaces_pushes(store: EmbeddedCoun
         for t in missing:
             with pytest.raises(NamespaceNotFoundError):
                 await t
-        assert (await other[0])[0].applied == 1
+        assert (await other[0]).applied == 1
 
     run(store, test)
     assert sorted(len(c) for c in gate.calls) == [1, 1, 2]  # one group per namespace
@@ -254,7 +254,7 @@ def test_a_group_holds_at_most_max_group_rows(store: EmbeddedCountsStore, gate: 
         gate.hold = False
         gate.release.set()
         for t in [first, *tasks]:
-            assert (await t)[0].applied == 1
+            assert (await t).applied == 1
 
     run(store, test, max_group_rows=250)
     assert gate.clients() == [["a:0"], ["a:1", "a:2"], ["a:3", "a:4"], ["a:5"]]
@@ -296,7 +296,7 @@ def test_a_push_cancelled_before_its_group_formed_is_left_out(store: EmbeddedCou
         gate.hold = False
         gate.release.set()
         await first
-        assert (await kept)[0].applied == 1
+        assert (await kept).applied == 1
         with pytest.raises(asyncio.CancelledError):
             await dropped
 
@@ -318,7 +318,7 @@ def test_two_groups_in_flight_and_the_rest_waits(store: EmbeddedCountsStore, gat
         gate.hold = False
         gate.release.set()
         for t in [first, second, *rest]:
-            assert (await t)[0].applied == 1
+            assert (await t).applied == 1
 
     run(store, test, groups_in_flight=2)
     assert sorted(gate.clients()) == [["a:1"], ["b:1"], ["c:1", "d:1"]]
@@ -341,35 +341,19 @@ def test_a_pushed_batch_is_visible_to_lookups(store: EmbeddedCountsStore) -> Non
     assert store.lookup(NS, [5, 6]) == {7: 3}
 
 
-@pytest.mark.parametrize("epoch_seconds", [0.0, 60.0])
-def test_the_answers_version_is_read_once_per_epoch_not_once_per_group(epoch_seconds: float,
-                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    """A version read is a round on every shard: groups inside one store epoch share one (epoch 0: one per group)."""
-    store = EmbeddedCountsStore(CountsStoreConfig(url=None, epoch_seconds=epoch_seconds))
-    store.create_namespace(NS, FP, VOCAB)
-    store.create_namespace("other", FP, VOCAB)
-    reads: list[str] = []
-    version = store.version
+def test_a_push_reads_no_version(store: EmbeddedCountsStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    """PushResponse.version is deprecated (always 0): a group is one store call, `apply_group`, and nothing else."""
+    def no_version(namespace: str) -> int:
+        raise AssertionError("a push read the namespace's version")
 
-    def counted(namespace: str) -> int:
-        reads.append(namespace)
-        return version(namespace)
-
-    monkeypatch.setattr(store, "version", counted)
-    answers: list[int] = []
+    monkeypatch.setattr(store, "version", no_version)
+    answers: list[ApplyResult] = []
 
     async def test(batcher: PushBatcher) -> None:
-        for seq, deltas in enumerate(batches(5, 6)):
-            answers.append((await batcher.push(NS, GroupItem("a", seq, deltas, FP)))[1])
-        answers.append((await batcher.push("other", GroupItem("a", 0, batches(6, 1)[0], FP)))[1])
+        for seq, deltas in enumerate(batches(5, 3)):
+            answers.append(await batcher.push(NS, GroupItem("a", seq, deltas, FP)))
 
-    try:
-        batcher = run(store, test)
-    finally:
-        store.close()
-    assert batcher.groups == 7 and min(answers) > 0
-    assert reads == ([NS] * 6 if epoch_seconds == 0 else [NS]) + ["other"]  # each namespace reads its own
-    assert answers[:6] == sorted(answers[:6])  # never a version older than one answered before
+    assert run(store, test).groups == 3 and all(r.applied == 1 for r in answers)
 
 
 # Shedding: a bounded queue per namespace, and no push applied after its caller's deadline.
@@ -391,9 +375,9 @@ def test_a_full_queue_sheds_the_push_at_once_with_a_retry_after(store: EmbeddedC
         gate.hold = False
         gate.release.set()
         for t in [first, *kept]:
-            assert (await t)[0].applied == 1
+            assert (await t).applied == 1
         # Its sender sends the same batch again once the queue has room: it counts once.
-        assert (await batcher.push(NS, GroupItem("d", 1, data[3], FP)))[0].applied == 1
+        assert (await batcher.push(NS, GroupItem("d", 1, data[3], FP))).applied == 1
 
     batcher = run(store, test, max_queue_rows=250)
     assert batcher.shed == {"queue_full": 1}
@@ -405,7 +389,7 @@ def test_a_push_into_an_empty_queue_is_never_shed_however_big(store: EmbeddedCou
     deltas = batches(12, 1, m=500)[0]
 
     async def test(batcher: PushBatcher) -> None:
-        assert (await batcher.push(NS, GroupItem("a", 1, deltas, FP), timeout=30.0))[0].applied == 1
+        assert (await batcher.push(NS, GroupItem("a", 1, deltas, FP), timeout=30.0)).applied == 1
 
     assert run(store, test, max_queue_rows=10).shed == {}
 
@@ -427,7 +411,7 @@ def test_a_push_that_cannot_reach_the_store_before_its_deadline_is_shed_on_arriv
         gate.hold = False
         gate.release.set()
         await first
-        assert (await late)[0].applied == 1
+        assert (await late).applied == 1
 
     batcher = run(store, test)
     assert batcher.shed == {"deadline": 2}
@@ -449,7 +433,7 @@ def test_a_group_leaves_out_the_pushes_whose_deadline_its_store_call_would_pass(
         gate.hold = False
         gate.release.set()
         await first
-        assert (await oldest)[0].applied == 1  # the oldest of a group always goes (the estimate keeps learning)
+        assert (await oldest).applied == 1  # the oldest of a group always goes (the estimate keeps learning)
         with pytest.raises(OverloadedError):
             await hurried
 

@@ -32,7 +32,7 @@ class CountsStub:
 
     A count row is (n, t0, t1, t2, t3, follower, count): an n-gram of n tokens t0..t(n-1)
     (1 <= n <= 4; unused token slots are -1), the token that followed it, and a count > 0
-    (ngramcache.client.rows). Pushed rows are deltas (int32, 28 bytes a row); pulled rows
+    (ngramcache.client.kernel.rows). Pushed rows are deltas (int32, 28 bytes a row); pulled rows
     are absolute counts (int64, 56 bytes a row, since a count can pass 2^31).
 
     Roles (docs/security.md): Push and PushHistory the push role; Pull, PullHistory and
@@ -78,7 +78,7 @@ class CountsServicer:
 
     A count row is (n, t0, t1, t2, t3, follower, count): an n-gram of n tokens t0..t(n-1)
     (1 <= n <= 4; unused token slots are -1), the token that followed it, and a count > 0
-    (ngramcache.client.rows). Pushed rows are deltas (int32, 28 bytes a row); pulled rows
+    (ngramcache.client.kernel.rows). Pushed rows are deltas (int32, 28 bytes a row); pulled rows
     are absolute counts (int64, 56 bytes a row, since a count can pass 2^31).
 
     Roles (docs/security.md): Push and PushHistory the push role; Pull, PullHistory and
@@ -260,7 +260,7 @@ class Counts:
 
     A count row is (n, t0, t1, t2, t3, follower, count): an n-gram of n tokens t0..t(n-1)
     (1 <= n <= 4; unused token slots are -1), the token that followed it, and a count > 0
-    (ngramcache.client.rows). Pushed rows are deltas (int32, 28 bytes a row); pulled rows
+    (ngramcache.client.kernel.rows). Pushed rows are deltas (int32, 28 bytes a row); pulled rows
     are absolute counts (int64, 56 bytes a row, since a count can pass 2^31).
 
     Roles (docs/security.md): Push and PushHistory the push role; Pull, PullHistory and
