@@ -168,6 +168,20 @@ class CountsStore(abc.ABC):
     def drop_namespace(self, namespace: str) -> bool:
         """Delete a namespace and all its counts; return whether it existed."""
 
+    def apply(self, namespace: str, client_id: str, seq: int, deltas: np.ndarray, *,
+              fingerprint: bytes | str | None = None) -> ApplyResult:
+        """One sender's one batch, exactly once per (client_id, seq): `apply_group` with one item.
+
+        Raises:
+            NgramCacheError: the item's error (nothing of it written): InvalidArgumentError,
+                TokenizerMismatchError, NamespaceNotFoundError, BatchTooOldError, or a retriable
+                BackendUnavailableError (retry the same client_id, seq and deltas).
+        """
+        outcome, = self.apply_group(namespace, [GroupItem(client_id, seq, deltas, fingerprint)])
+        if not isinstance(outcome, ApplyResult):
+            raise outcome
+        return outcome
+
     def apply_group(self, namespace: str, items: Sequence[GroupItem]) -> list[ItemOutcome]:
         """Apply the batches of one or several senders, exactly once per (client_id, seq) each.
 

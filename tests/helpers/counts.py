@@ -7,7 +7,7 @@ from collections import Counter
 import numpy as np
 
 from ngramcache.cache_service.counts.store import CountsStore
-from ngramcache.cache_service.counts.values import ApplyResult, GroupItem
+from ngramcache.cache_service.counts.values import ApplyResult
 from ngramcache.client.kernel.rows import COUNT, DELTA_DTYPE, FOLLOWER, KEY_WIDTH, NGRAM_MAX, ROW_WIDTH, TOKENS, N
 
 __all__ = ["FP", "OTHER_FP", "VOCAB", "apply", "as_counter", "batch", "exported", "random_batch", "row"]
@@ -45,11 +45,8 @@ def random_batch(rng: np.random.Generator, m: int, vocab: int = VOCAB, hot: int 
 
 def apply(store: CountsStore, namespace: str, client_id: str, seq: int, deltas: np.ndarray, *,
           fingerprint: bytes | str | None = None) -> ApplyResult:
-    """One sender's batch through the store's one write path, `apply_group` with one item; a refused item raises its error."""
-    outcome, = store.apply_group(namespace, [GroupItem(client_id, seq, deltas, fingerprint)])
-    if not isinstance(outcome, ApplyResult):
-        raise outcome
-    return outcome
+    """`CountsStore.apply`: one sender's batch through the store's one write path (`apply_group` with one item)."""
+    return store.apply(namespace, client_id, seq, deltas, fingerprint=fingerprint)
 
 
 def as_counter(rows: np.ndarray) -> Counter[tuple[int, ...]]:
