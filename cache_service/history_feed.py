@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 
 from ngramcache.client._core import Drafter
 from ngramcache.client.kernel.errors import NgramCacheError
 from ngramcache.client.kernel.history_buffer import HistoryBuffer
 from ngramcache.client.kernel.history_sources import HELD_IDLE_SECONDS, SourceIds
+from ngramcache.client.kernel.retry import Backoff, retry
 
 from .counts.history import HistoryRecord
 from .history_tail import HistoryTails
@@ -17,6 +19,13 @@ from .history_tail import HistoryTails
 __all__ = ["ReplicaHistory"]
 
 log = logging.getLogger("ngramcache.service")
+
+_PUSH_BACKOFF = Backoff(base=0.1, cap=0.8, jitter=0.0)  # 0.1, 0.2, 0.4, 0.8 s between the 5 tries of a batch
+
+
+def _retriable(e: NgramCacheError, attempt: int) -> float | None:
+    """The wait before a batch's next try: a retriable failure backs off, any other drops the batch."""
+    return _PUSH_BACKOFF.delay(attempt) if e.retriable else None
 
 
 class ReplicaHistory:
@@ -82,17 +91,12 @@ class ReplicaHistory:
             while buffer.pending:
                 batch = buffer.take()
                 records = [HistoryRecord(self.client_id, r.seq, r.group, r.offset, r.tokens) for r in batch]
-                for attempt in range(5):  # the same seq: stored once, whatever is retried
-                    try:
-                        await self.tails.push(namespace, self.client_id, seq, records, fingerprint)
-                        break
-                    except NgramCacheError as e:
-                        if not e.retriable or attempt == 4:
-                            self.dropped_tokens += sum(len(r.tokens) for r in records)
-                            log.warning("fleet history of %s: a batch of this replica's sessions was dropped: %s",
-                                        namespace, e)
-                            break
-                        await asyncio.sleep(0.1 * 2 ** attempt)
+                try:  # the same seq: stored once, whatever is retried
+                    await retry(functools.partial(self.tails.push, namespace, self.client_id, seq, records, fingerprint),
+                                _retriable, errors=NgramCacheError, attempts=5)
+                except NgramCacheError as e:
+                    self.dropped_tokens += sum(len(r.tokens) for r in records)
+                    log.warning("fleet history of %s: a batch of this replica's sessions was dropped: %s", namespace, e)
                 seq += 1
 
     async def close(self) -> None:

@@ -24,6 +24,7 @@ from collections import deque
 from collections.abc import AsyncGenerator, Callable, Collection, Iterable
 
 from ngramcache.client.kernel.errors import NamespaceNotFoundError, NgramCacheError
+from ngramcache.client.kernel.retry import Backoff, retry
 from ngramcache.client.kernel.tasks import cancel_until_done
 
 from .counts.history import HistoryAppend, HistoryBatch, HistoryPage, HistoryRecord
@@ -189,22 +190,32 @@ class HistoryTail:
 
     async def _poll(self) -> None:
         store = self.runner.store
-        failures = 0
-        while self.pinned or time.monotonic() - self.last_used < self.options.idle_after:
+        poll = self.options.poll_interval
+        backoff = Backoff(base=2 * poll, cap=min(2.0, 64 * poll), jitter=0.0)  # 2, 4, ... 64 polls, at most 2 s
+
+        def wanted() -> bool:
+            return self.pinned or time.monotonic() - self.last_used < self.options.idle_after
+
+        async def read() -> HistoryPage:
             self._wake.clear()
+            return await self.runner.call(store.read_history, self.namespace, after=self.last or "", limit=_POLL_RECORDS)
+
+        def failed(e: NgramCacheError, attempt: int) -> float | None:
+            if isinstance(e, NamespaceNotFoundError) or not wanted():
+                return None
+            failures = attempt + 1
+            if failures == 1 or failures % 100 == 0:
+                log.warning("fleet history of %s: tail poll failed (%d in a row): %s", self.namespace, failures, e)
+            return backoff.delay(attempt)
+
+        while wanted():
             try:
-                page = await self.runner.call(store.read_history, self.namespace, after=self.last or "",
-                                              limit=_POLL_RECORDS)
-                failures = 0
+                page = await retry(read, failed, errors=NgramCacheError)
             except NamespaceNotFoundError:
                 self.forget()
                 return
-            except NgramCacheError as e:
-                failures += 1
-                if failures == 1 or failures % 100 == 0:
-                    log.warning("fleet history of %s: tail poll failed (%d in a row): %s", self.namespace, failures, e)
-                await asyncio.sleep(min(2.0, self.options.poll_interval * 2 ** min(failures, 6)))
-                continue
+            except NgramCacheError:
+                return  # failing when no reader wants the tail any more
             self.polls += 1
             self._append(page)
             for listener in self.listeners:

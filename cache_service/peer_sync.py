@@ -23,6 +23,7 @@ from grpc import aio
 
 from ngramcache.client._proto.v1 import static_files_pb2, static_files_pb2_grpc
 from ngramcache.client.kernel.errors import BackendUnavailableError, NgramCacheError
+from ngramcache.client.kernel.retry import retry
 from ngramcache.client.wire.transport import auth_metadata, channel_credentials
 
 from .counts import CountsStore, NamespaceRecord
@@ -65,19 +66,24 @@ class PeerSync:
         committed = await self._runner.call(self._store.committed_generation, info.name)
         if committed.generation <= have or not committed.location or committed.location == self.location:
             return have
-        for attempt in range(1, self._attempts + 1):
-            try:
-                await self._fetch(info, committed.generation, committed.location)
-                self.fetched += 1
-                await self._static.retain(info.name, self._keep, protect=committed.base)
-                log.info("namespace %s: generation %d fetched from %s", info.name, committed.generation,
-                         committed.location)
-                return committed.generation
-            except NgramCacheError as e:
-                self.refused += 1
-                log.warning("namespace %s: fetching generation %d from %s failed (attempt %d of %d): %s", info.name,
-                            committed.generation, committed.location, attempt, self._attempts, e)
-        return have
+
+        async def install() -> None:
+            await self._fetch(info, committed.generation, committed.location)
+            self.fetched += 1
+            await self._static.retain(info.name, self._keep, protect=committed.base)
+
+        def failed(e: NgramCacheError, attempt: int) -> float:  # a broken transfer starts again from byte 0, at once
+            self.refused += 1
+            log.warning("namespace %s: fetching generation %d from %s failed (attempt %d of %d): %s", info.name,
+                        committed.generation, committed.location, attempt + 1, self._attempts, e)
+            return 0.0
+
+        try:
+            await retry(install, failed, errors=NgramCacheError, attempts=self._attempts)
+        except NgramCacheError:
+            return have  # tried again at the next check
+        log.info("namespace %s: generation %d fetched from %s", info.name, committed.generation, committed.location)
+        return committed.generation
 
     async def fetch_base(self, info: NamespaceRecord, generation: int, addresses: list[str]) -> str:
         """Install ``generation`` (the corpus base, below the latest) from the first of ``addresses`` that has it.

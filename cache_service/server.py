@@ -12,6 +12,7 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import errno
+import functools
 import logging
 import os
 import secrets
@@ -36,6 +37,7 @@ from ngramcache.client._proto.v1 import (
     static_files_pb2_grpc,
 )
 from ngramcache.client.kernel.errors import BackendUnavailableError, LeaseHeldError, NamespaceNotFoundError, NgramCacheError
+from ngramcache.client.kernel.retry import Backoff, retry
 
 from .config import ServiceConfig
 from .confinement import parse_roots
@@ -439,16 +441,17 @@ async def _open_store(config: ServiceConfig) -> tuple[CountsStore, ServiceConfig
     await interim.start()
     if config.port == 0:
         config = dataclasses.replace(config, port=port)
-    delay = 0.5
+    backoff = Backoff(base=0.5, cap=10.0, jitter=0.0)  # 0.5, 1, 2, 4, 8, then every 10 s
+
+    def unreachable(e: BackendUnavailableError, attempt: int) -> float:
+        delay = backoff.delay(attempt + 1)
+        log.warning("counts store still unreachable (%s); retrying in %.1f s", e, delay)
+        return delay
+
     try:
-        while True:
-            await asyncio.sleep(delay)
-            delay = min(2 * delay, 10.0)
-            try:
-                store = await asyncio.to_thread(open_counts_store, config.counts_url)
-                break
-            except BackendUnavailableError as e:
-                log.warning("counts store still unreachable (%s); retrying in %.1f s", e, delay)
+        await asyncio.sleep(backoff.delay(0))
+        store = await retry(functools.partial(asyncio.to_thread, open_counts_store, config.counts_url), unreachable,
+                            errors=BackendUnavailableError)
     finally:
         await interim.stop(0)
     log.info("counts store %s reachable", redact_url(config.counts_url))

@@ -6,7 +6,7 @@ import dataclasses
 from typing import Any, Protocol
 
 from ngramcache.client.kernel.errors import InvalidArgumentError
-from ngramcache.client.wire.transport import Backoff
+from ngramcache.client.kernel.retry import Backoff
 
 __all__ = ["ClientConfig", "HasTokenizer"]
 

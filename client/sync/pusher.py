@@ -23,7 +23,6 @@ import random
 import time
 from collections import deque
 
-import grpc
 import numpy as np
 from numpy.typing import NDArray
 
@@ -33,8 +32,7 @@ from ngramcache.client.kernel.rows import COUNT, DELTA_DTYPE, KEY_WIDTH, ROW_WID
 from ngramcache.client.sync.attempt import Attempts
 from ngramcache.client.sync.state import SyncState
 from ngramcache.client.wire.codec import delta_rows_to_bytes
-from ngramcache.client.wire.rpc_errors import retry_after_of
-from ngramcache.client.wire.transport import Channel, error_from_rpc
+from ngramcache.client.wire.transport import Channel
 
 __all__ = ["DROP_LOG_INTERVAL", "PushRate", "Pusher", "aggregate_rows"]
 
@@ -109,9 +107,9 @@ class Pusher:
     """Pushes what the drafter accepts (a task of the background loop; `pending_rows` readable from any thread).
 
     Args:
-        state: the shared sync state.
-        max_unacked: most batches in flight (the server's dedup window caps it: `limit`).
-        max_batch_rows: most rows a batch (the server's limit caps it: `limit`).
+        state: the shared sync state; its config's ``max_unacked`` (most batches in flight) and
+            ``max_batch_rows`` (most rows a batch) are the ceilings, which the server's limits may
+            lower (`limit`).
     """
 
     def __init__(self, state: SyncState) -> None:
@@ -227,29 +225,17 @@ class Pusher:
         attempts = Attempts()
 
         async def call(chan: Channel) -> counts_pb2.PushResponse:
-            try:
-                resp: counts_pb2.PushResponse = await attempts.call(lambda: chan.counts.Push(
-                    request, timeout=self.state.config.rpc_timeout, metadata=self.state.metadata))
-            except grpc.RpcError as e:
-                err = error_from_rpc(e)
-                if isinstance(err, OverloadedError):  # handled here, with its hint, not as a failure
-                    trailing = e.trailing_metadata() if hasattr(e, "trailing_metadata") else None
-                    err.retry_after = retry_after_of(trailing)
-                    raise err from None
-                raise
+            resp: counts_pb2.PushResponse = await attempts.call(lambda: chan.counts.Push(
+                request, timeout=self.state.config.rpc_timeout, metadata=self.state.metadata))
             chan.stored()
             return resp
 
+        def shed(e: OverloadedError) -> float | None:
+            wait = self.overloaded(e)
+            return None if until is not None and time.monotonic() + wait >= until else wait
+
         try:
-            while True:
-                try:
-                    resp = await self.state.retrying(f"Push seq {seq}", call, until)
-                    break
-                except OverloadedError as e:
-                    wait = self.overloaded(e)
-                    if until is not None and time.monotonic() + wait >= until:
-                        raise
-                    await asyncio.sleep(wait)
+            resp = await self.state.retrying(f"Push seq {seq}", call, until, overloaded=shed)
         except NgramCacheError as e:
             self.count_given_up(rows, attempts.given_up())
             log.warning("ngramcache client: push of %d rows (seq %d) %s: %s", len(rows), seq, attempts.outcome("applied"), e)
@@ -271,7 +257,11 @@ class Pusher:
             self.state.stats.duplicate_batches += int(resp.duplicate)
 
     def overloaded(self, e: OverloadedError) -> float:
-        """Slow down after a shed push; return how long to wait before sending it again (the hint, jittered)."""
+        """Slow down after a shed push; return how long to wait before sending it again (the hint, jittered).
+
+        The retry of `send` (`SyncState.retrying`) calls it for each shed attempt: the same batch
+        is then sent again on the same channel, with no other backoff.
+        """
         hint = e.retry_after if e.retry_after is not None else self.state.config.backoff.delay(4)
         wait = hint * random.uniform(1.0, 1.5)  # jitter: the clients shed together do not come back together
         decreased = self.rate.overloaded(time.monotonic(), max(0.05, hint))

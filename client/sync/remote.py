@@ -21,6 +21,7 @@ from numpy.typing import NDArray
 from ngramcache.client._core import MAX_DRAFT
 from ngramcache.client._proto.v1 import drafting_pb2, drafting_pb2_grpc
 from ngramcache.client.kernel.errors import InvalidArgumentError
+from ngramcache.client.kernel.retry import retry_sync
 from ngramcache.client.sync.config import HasTokenizer
 from ngramcache.client.wire.address import check_address
 from ngramcache.client.wire.codec import bytes_to_tokens, tokens_to_bytes
@@ -35,6 +36,12 @@ from ngramcache.client.wire.transport import (
 
 _CLOSE = object()
 _MODES = {"compatible": drafting_pb2.DRAFT_MODE_COMPATIBLE, "match": drafting_pb2.DRAFT_MODE_MATCH}
+
+
+def _reopen(e: BaseException, attempt: int) -> float | None:
+    """A session evicted (ABORTED) or a stream that ended without a status is reopened at once with the whole sequence."""
+    evicted = isinstance(e, grpc.RpcError) and e.code() == grpc.StatusCode.ABORTED
+    return 0.0 if evicted or isinstance(e, StopIteration) else None
 
 
 class _Reply(NamedTuple):
@@ -166,28 +173,26 @@ class RemoteDrafter:
 
     def _step(self, seq: int, tokens: NDArray[np.int32], n_draft: int, tree_budget: int) -> _Reply:
         tokens = np.ascontiguousarray(tokens, dtype=np.int32)
+
+        def attempt() -> _Reply:
+            session = self._sessions.get(seq)
+            if session is None or len(tokens) < session.sent:
+                if session is not None:  # the sequence was rewound: start it again
+                    session.close()
+                session = self._sessions[seq] = self._open(n_draft)
+            try:
+                reply = session.step(tokens[session.sent:], n_draft, tree_budget)
+            except (grpc.RpcError, StopIteration):
+                del self._sessions[seq]
+                raise
+            session.sent = len(tokens)
+            return _Reply(bytes_to_tokens(reply.tokens).copy(), reply.parents)
+
         with self._seq_lock(seq):
-            for attempt in range(2):
-                session = self._sessions.get(seq)
-                if session is None or len(tokens) < session.sent:
-                    if session is not None:  # the sequence was rewound: start it again
-                        session.close()
-                    session = self._sessions[seq] = self._open(n_draft)
-                try:
-                    reply = session.step(tokens[session.sent:], n_draft, tree_budget)
-                    session.sent = len(tokens)
-                    return _Reply(bytes_to_tokens(reply.tokens).copy(), reply.parents)
-                except grpc.RpcError as e:
-                    del self._sessions[seq]
-                    if e.code() == grpc.StatusCode.ABORTED and attempt == 0:
-                        continue  # evicted: reopen with the whole sequence
-                    raise error_from_rpc(e) from None
-                except StopIteration:  # the stream ended without a status: reopen once
-                    del self._sessions[seq]
-                    if attempt == 0:
-                        continue
-                    raise
-        raise AssertionError("unreachable")
+            try:
+                return retry_sync(attempt, _reopen, errors=(grpc.RpcError, StopIteration), attempts=2)
+            except grpc.RpcError as e:
+                raise error_from_rpc(e) from None
 
     def accept(self, seq: int, tokens: NDArray[np.int32]) -> None:
         """Nothing to do locally: the next `draft` sends the tokens the service lacks."""

@@ -1,9 +1,10 @@
-"""What the sync tasks share: the config, the drafter, the failover channel, the counters under one lock, and how a task runs forever."""
+"""What the sync tasks share: the config, the drafter, the failover channel, the counters under one lock, and how a task is retried."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import threading
 import uuid
@@ -11,7 +12,8 @@ from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 from ngramcache.client._core import Drafter
-from ngramcache.client.kernel.errors import NgramCacheError
+from ngramcache.client.kernel.errors import NgramCacheError, OverloadedError
+from ngramcache.client.kernel.retry import retry
 from ngramcache.client.sync.config import ClientConfig
 from ngramcache.client.wire.transport import Channel, FailoverChannel, auth_metadata, channel_credentials
 
@@ -88,42 +90,29 @@ class SyncState:
             return True
         return self.closing is not None and self.closing.is_set() and cancelling is None
 
-    async def retrying(self, what: str, call: Callable[[Channel], Awaitable[T]], until: float | None = None) -> T:
+    async def retrying(self, what: str, call: Callable[[Channel], Awaitable[T]], until: float | None = None,
+                       overloaded: Callable[[OverloadedError], float | None] | None = None) -> T:
         """`FailoverChannel.retrying` with this client's notion of its own cancellation."""
-        return await self.channels.retrying(what, call, until, self.cancelled_by_us)
-
-    async def forever(self, what: str, body: Callable[[], Awaitable[None]]) -> None:
-        """Run ``body`` again and again; errors are logged and retried after a backoff (never fatal)."""
-        attempt = 0
-        while True:
-            try:
-                await body()
-                attempt = 0
-            except asyncio.CancelledError:
-                if self.cancelled_by_us():
-                    raise
-                log.debug("ngramcache client: %s cancelled by a channel switch; again", what)  # not fatal
-                await asyncio.sleep(0.05)
-            except NgramCacheError as e:
-                log.warning("ngramcache client: %s failed: %s", what, e)
-                attempt += 1
-                await asyncio.sleep(self.config.backoff.delay(attempt) + (0.0 if e.retriable else 1.0))
-            except Exception:
-                log.exception("ngramcache client: %s failed", what)
-                attempt += 1
-                await asyncio.sleep(1.0 + self.config.backoff.delay(attempt))
+        return await self.channels.retrying(what, call, until, self.cancelled_by_us, overloaded)
 
     async def once(self, what: str, body: Callable[[], Awaitable[None]]) -> None:
-        """Run ``body`` once; on an error log it and back off (the caller loops)."""
-        try:
-            await body()
-        except asyncio.CancelledError:
+        """Run ``body`` until it completes once; every failure is logged and retried after a backoff (never fatal)."""
+        await retry(body, functools.partial(self._failed, what), errors=(Exception, asyncio.CancelledError))
+
+    async def forever(self, what: str, body: Callable[[], Awaitable[None]]) -> None:
+        """Run ``body`` again and again, each time as `once` does (the backoff starts again after a success)."""
+        while True:
+            await self.once(what, body)
+
+    def _failed(self, what: str, e: BaseException, attempt: int) -> float | None:
+        """The wait after ``body`` failed: a longer one for an error retrying cannot cure, None for our own cancellation."""
+        if isinstance(e, asyncio.CancelledError):
             if self.cancelled_by_us():
-                raise
-            await asyncio.sleep(0.05)  # a call cancelled by a channel switch: again
-        except NgramCacheError as e:
+                return None
+            log.debug("ngramcache client: %s cancelled by a channel switch; again", what)  # not fatal
+            return 0.05
+        if isinstance(e, NgramCacheError):
             log.warning("ngramcache client: %s failed: %s", what, e)
-            await asyncio.sleep(self.config.backoff.delay(3) + (0.0 if e.retriable else 1.0))
-        except Exception:  # e.g. OSError: the node's cache folder is full or unwritable; never fatal
-            log.exception("ngramcache client: %s failed", what)
-            await asyncio.sleep(1.0 + self.config.backoff.delay(3))
+            return self.config.backoff.delay(attempt + 1) + (0.0 if e.retriable else 1.0)
+        log.error("ngramcache client: %s failed", what, exc_info=e)  # e.g. OSError: the node's cache folder is full
+        return 1.0 + self.config.backoff.delay(attempt + 1)

@@ -11,6 +11,7 @@ import grpc
 from ngramcache.client._core import StaticCache
 from ngramcache.client._proto.v1 import static_files_pb2
 from ngramcache.client.kernel.errors import CacheFormatError, NgramCacheError, TokenizerMismatchError
+from ngramcache.client.kernel.retry import retry
 from ngramcache.client.kernel.static_files import GenerationFiles
 from ngramcache.client.sync.state import SyncState
 from ngramcache.client.wire.transport import Channel, error_from_rpc
@@ -64,8 +65,7 @@ class StaticSync:
                     await state.channels.switch(chan.epoch)
                 raise err from None
 
-        while not self.ready.is_set():
-            await state.once("static generations", initial)
+        await state.once("static generations", initial)
         await state.forever("watch", watch)
 
     async def adopt(self, gen: static_files_pb2.Generation) -> None:
@@ -95,44 +95,47 @@ class StaticSync:
         """Fetch ``gen`` into its .part file (resuming from its size), verify it whole and install it."""
         state, config = self.state, self.state.config
         number, part = gen.generation, self.files.part_path(gen.generation)
-        for _ in range(3):  # a verified mismatch restarts from 0 a bounded number of times
-            async def fetch(chan: Channel) -> None:
-                offset = part.stat().st_size if part.exists() else 0
-                if offset > gen.size:
-                    part.unlink()
-                    offset = 0
-                stream = chan.files.Fetch(static_files_pb2.FetchRequest(
-                    namespace=config.namespace, generation=number, offset=offset, expected_sha256=gen.sha256),
-                    metadata=state.metadata)
-                with open(part, "ab") as f:
-                    try:
-                        async for msg in stream:
-                            if msg.WhichOneof("kind") != "chunk":
-                                continue
-                            if msg.chunk.offset != f.tell():
-                                raise CacheFormatError(f"Fetch sent offset {msg.chunk.offset}, expected {f.tell()}")
-                            f.write(msg.chunk.data)
-                            with state.lock:
-                                state.stats.downloaded_bytes += len(msg.chunk.data)
-                    finally:
-                        f.flush()
-                        os.fsync(f.fileno())
 
+        async def fetch(chan: Channel) -> None:
+            offset = part.stat().st_size if part.exists() else 0
+            if offset > gen.size:
+                part.unlink()
+                offset = 0
+            stream = chan.files.Fetch(static_files_pb2.FetchRequest(
+                namespace=config.namespace, generation=number, offset=offset, expected_sha256=gen.sha256),
+                metadata=state.metadata)
+            with open(part, "ab") as f:
+                try:
+                    async for msg in stream:
+                        if msg.WhichOneof("kind") != "chunk":
+                            continue
+                        if msg.chunk.offset != f.tell():
+                            raise CacheFormatError(f"Fetch sent offset {msg.chunk.offset}, expected {f.tell()}")
+                        f.write(msg.chunk.data)
+                        with state.lock:
+                            state.stats.downloaded_bytes += len(msg.chunk.data)
+                finally:
+                    f.flush()
+                    os.fsync(f.fileno())
+
+        async def fetch_and_verify() -> None:
             try:
                 await state.retrying(f"Fetch {number}", fetch)
             except NgramCacheError as e:
                 if getattr(e, "code", None) in (grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.FAILED_PRECONDITION):
                     part.unlink(missing_ok=True)  # not the same file any more: start again
                 raise
-            try:
-                await asyncio.to_thread(self.files.verify_part, number, gen.sha256, config.fingerprint,
-                                        config.vocab_size)
-            except CacheFormatError as e:
-                log.warning("ngramcache client: downloaded generation %d is corrupt (%s); fetching it again", number, e)
-                part.unlink(missing_ok=True)
-                continue
-            self.files.install(number, gen.sha256)
-            with state.lock:
-                state.stats.downloads += 1
-            return
-        raise CacheFormatError(f"generation {number} failed verification 3 times")
+            await asyncio.to_thread(self.files.verify_part, number, gen.sha256, config.fingerprint, config.vocab_size)
+
+        def corrupt(e: CacheFormatError, attempt: int) -> float:  # a bad offset, or a whole file that fails its check
+            log.warning("ngramcache client: downloaded generation %d is corrupt (%s); fetching it again", number, e)
+            part.unlink(missing_ok=True)
+            return 0.0
+
+        try:  # a corrupt download starts again from byte 0, a bounded number of times
+            await retry(fetch_and_verify, corrupt, errors=CacheFormatError, attempts=3)
+        except CacheFormatError as e:
+            raise CacheFormatError(f"generation {number} failed verification 3 times (the last: {e})") from None
+        self.files.install(number, gen.sha256)
+        with state.lock:
+            state.stats.downloads += 1

@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import logging
 import os
 import signal
@@ -39,6 +40,7 @@ from typing import Any, Protocol
 
 from ngramcache.client._core import StaticCache, export_llama
 from ngramcache.client.kernel.errors import InvalidArgumentError, NgramCacheError
+from ngramcache.client.kernel.retry import Schedule, retry
 from ngramcache.client.tools.http_proxy import HttpProxy, Upstream
 
 __all__ = ["GENERATION_HEADER", "SWITCH_MODES", "FollowConfig", "GenerationSource", "LlamaFollower", "check_server_command"]
@@ -50,8 +52,12 @@ SWITCH_MODES = ("overlap", "restart")
 RESERVED = ("--host", "--port", "-lcs", "--lookup-cache-static", "--reuse-port")
 GENERATION_HEADER = "X-Ngramcache-Generation"  # on every answer: the generation of the server that gave it
 STOP_SECONDS = 20.0  # SIGTERM, then SIGKILL after this long
-RESTART_BACKOFF = (1.0, 2.0, 5.0, 10.0, 30.0)
-STOPPED = "was stopped before it was ready"  # wait_ready's answer when the follower is asked to stop  # seconds before restarting a server that keeps exiting
+RESTART_BACKOFF = Schedule((1.0, 2.0, 5.0, 10.0, 30.0))  # seconds before restarting a server that keeps exiting
+STOPPED = "was stopped before it was ready"  # wait_ready's answer when the follower is asked to stop
+
+
+class _NotReady(Exception):
+    """A llama-server that did not become ready; the message says why (exited, timed out, stopped)."""
 
 
 class GenerationSource(Protocol):
@@ -279,25 +285,14 @@ class LlamaFollower:
             await self._shutdown()
 
     async def _follow(self, stop: asyncio.Event) -> None:
-        failures = 0
         while not stop.is_set():
             server = self.server
             assert server is not None
             if server.proc.returncode is not None:
                 self.proxy.switch(None)  # requests are held while it starts again
-                delay = RESTART_BACKOFF[min(failures, len(RESTART_BACKOFF) - 1)]
-                self.config.say(f"llama-server (generation {server.generation}) exited with status "
-                                f"{server.proc.returncode}: starting it again in {delay:g} s")
-                if await self._wait(stop, delay):
-                    return
-                started = await self._start(self.stats.written)
-                if started is None and stop.is_set():
-                    return
+                started = await self._restart(server, stop)
                 if started is None:
-                    failures += 1
-                    self.config.say(f"llama-server {self._why}")
-                    continue  # self.server is still the exited one: started again after a longer pause
-                failures = 0
+                    return
                 self.stats.restarts += 1
                 self._serve(started)
                 continue
@@ -308,6 +303,27 @@ class LlamaFollower:
                 continue
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(asyncio.shield(server.proc.wait()), self.config.poll_interval)
+
+    async def _restart(self, exited: ServerProcess, stop: asyncio.Event) -> ServerProcess | None:
+        """A server started again after ``exited`` exited on its own, each try after the next delay of
+        RESTART_BACKOFF; None once ``stop`` is set."""
+        def again(delay: float) -> float:
+            self.config.say(f"llama-server (generation {exited.generation}) exited with status "
+                            f"{exited.proc.returncode}: starting it again in {delay:g} s")
+            return delay
+
+        async def start() -> ServerProcess | None:
+            started = None if stop.is_set() else await self._start(self.stats.written)
+            if started is None and not stop.is_set():
+                raise _NotReady(self._why)
+            return started
+
+        def failed(e: _NotReady, attempt: int) -> float:
+            self.config.say(f"llama-server {e}")
+            return again(RESTART_BACKOFF.delay(attempt + 1))
+
+        await self._wait(stop, again(RESTART_BACKOFF.delay(0)))
+        return await retry(start, failed, errors=_NotReady, sleep=functools.partial(self._wait, stop))
 
     async def _wait(self, stop: asyncio.Event, seconds: float) -> bool:
         """Sleep ``seconds`` or until ``stop``; True when stopped."""
@@ -322,21 +338,31 @@ class LlamaFollower:
         self.proxy.switch(server.upstream)
 
     async def _start(self, generation: int) -> ServerProcess | None:
-        """A ready server reading the -lcs file (none before the first generation), or None (`_why` says why)."""
+        """A ready server reading the -lcs file (none before the first generation), or None (`_why` says why).
+
+        A server that exits before it is ready is tried once more, on a fresh port: the free port found may be
+        taken before the server binds. Not one that timed out (trying again would take as long), nor on a stop.
+        """
         lcs = self.config.lcs if generation else None
-        for _ in range(2):  # a second try on a fresh port: the free port found may be taken before the server binds
+
+        async def start() -> ServerProcess:
             server = await ServerProcess.start(self.config.command, lcs, generation)
             why = await server.wait_ready(self.config.start_timeout, self._stop)
-            if why is None:
-                self.config.say(f"llama-server on 127.0.0.1:{server.port} ready in {server.ready_seconds:.2f} s "
-                                f"({f'generation {generation}' if generation else 'no generation yet, no -lcs file'})")
-                return server
-            await server.stop()
-            self.stats.failed_starts += 1
-            self._why = why
-            if "exited" not in why:
-                break  # it timed out (trying again would take as long), or the follower stops
-        return None
+            if why is not None:
+                await server.stop()
+                self.stats.failed_starts += 1
+                self._why = why
+                raise _NotReady(why)
+            return server
+
+        try:
+            server = await retry(start, lambda e, attempt: 0.0 if "exited" in str(e) else None, errors=_NotReady,
+                                 attempts=2)
+        except _NotReady:
+            return None
+        self.config.say(f"llama-server on 127.0.0.1:{server.port} ready in {server.ready_seconds:.2f} s "
+                        f"({f'generation {generation}' if generation else 'no generation yet, no -lcs file'})")
+        return server
 
     async def _write_lcs(self, generation: int) -> bool:
         """Export ``generation`` to the -lcs file (temporary file beside it, then rename); False on failure."""

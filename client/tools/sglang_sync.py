@@ -35,7 +35,6 @@ import functools
 import json
 import logging
 import os
-import random
 import re
 import threading
 import time
@@ -45,6 +44,7 @@ from typing import TYPE_CHECKING, Any
 
 from ngramcache.client._core import UNTAGGED, CountTable, Drafter, StaticCache
 from ngramcache.client.kernel.errors import InvalidArgumentError, NgramCacheError, TokenizerMismatchError
+from ngramcache.client.kernel.retry import Backoff, retry
 from ngramcache.client.kernel.sglang_corpus import SGLANG_DEFAULT_MAX_TOKENS, corpus_documents
 from ngramcache.client.kernel.static_files import default_cache_dir, prepare_cache_dir
 from ngramcache.client.kernel.tasks import cancel_until_done
@@ -334,33 +334,36 @@ class SglangSync:
 
     async def _serve(self, server: _Server) -> None:
         """One server's rounds, forever: never waits on another server."""
-        attempt = 0
-        while True:
+        backoff = Backoff(base=0.5, cap=self.interval, jitter=0.5)  # 0.5 s, 1 s, 2 s, ... up to the interval
+
+        async def one_round() -> None:
             server.wake.clear()
-            try:
-                await self._round(server, self.current)
-            except SglangError as e:
-                attempt += 1
-                cap = min(self.interval, 0.25 * 2 ** min(attempt, 16))
-                delay = cap / 2 + random.uniform(0, cap / 2) if e.retriable else self.interval
-                if e.message != server.error:  # said once (a refused generation's message names it)
-                    fields = {"server": server.http.target.url, "message": e.message, "status": e.status,
-                              "retry_seconds": round(delay, 2)}
-                    refused = server.refused
-                    if refused is not None and refused.message == e.message:  # the add waits longer than the list
-                        fields.update(generation=refused.generation, refused=True, retry_seconds=self._refused_retry)
-                    self._on_event("error", fields)
-                with self._lock:
-                    server.error = e.message
-            else:
-                if server.error:
-                    self._on_event("recovered", {"server": server.http.target.url})
-                attempt = 0
-                delay = self.interval
-                with self._lock:
-                    server.error = ""
+            await self._round(server, self.current)
+
+        def failed(e: SglangError, attempt: int) -> float:
+            delay = backoff.delay(attempt) if e.retriable else self.interval
+            if e.message != server.error:  # said once (a refused generation's message names it)
+                fields = {"server": server.http.target.url, "message": e.message, "status": e.status,
+                          "retry_seconds": round(delay, 2)}
+                refused = server.refused
+                if refused is not None and refused.message == e.message:  # the add waits longer than the list
+                    fields.update(generation=refused.generation, refused=True, retry_seconds=self._refused_retry)
+                self._on_event("error", fields)
+            with self._lock:
+                server.error = e.message
+            return delay
+
+        async def wait(seconds: float) -> None:  # a new corpus wakes the server's rounds early
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(server.wake.wait(), delay)
+                await asyncio.wait_for(server.wake.wait(), seconds)
+
+        while True:
+            await retry(one_round, failed, errors=SglangError, sleep=wait)
+            if server.error:
+                self._on_event("recovered", {"server": server.http.target.url})
+            with self._lock:
+                server.error = ""
+            await wait(self.interval)
 
     async def _round(self, server: _Server, corpus: SglangCorpus | None) -> None:
         http, url = server.http, server.http.target.url

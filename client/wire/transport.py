@@ -1,4 +1,4 @@
-"""Talking to the service: backoff, TLS credentials, bearer metadata, the wire error mapping and a failover channel.
+"""Talking to the service: TLS credentials, bearer metadata, the wire error mapping and a failover channel.
 
 Every client of the service (`NgramClient`'s background loop, `RemoteDrafter`, the
 `ngramcache rebuild` command, the demo) builds its channels, credentials and metadata here,
@@ -9,13 +9,11 @@ mapping from gRPC statuses.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
-import random
 import threading
 import time
-from collections.abc import Awaitable, Callable, Sequence
-from typing import TypeVar
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from typing import Any, TypeVar
 
 import grpc
 from grpc import aio
@@ -25,11 +23,14 @@ from ngramcache.client.kernel.errors import (
     BackendUnavailableError,
     InvalidArgumentError,
     NgramCacheError,
+    OverloadedError,
     ServiceUnreachableError,
 )
+from ngramcache.client.kernel.retry import Backoff, retry
 from ngramcache.client.wire.diagnose import diagnose
-from ngramcache.client.wire.rpc_errors import REASON_KEY, error_class_for
+from ngramcache.client.wire.rpc_errors import REASON_KEY, error_class_for, retry_after_of
 
+# Backoff is kernel.retry's, named here too: it was first defined here (ClientConfig.backoff is one).
 __all__ = ["REASON_KEY", "Backoff", "Channel", "FailoverChannel", "auth_metadata", "channel_credentials",
            "error_from_rpc", "open_channel", "read_pem", "unreachable_error", "wait_ready"]
 
@@ -43,8 +44,7 @@ Metadata = tuple[tuple[str, str], ...]
 # errors
 
 
-def _reason(err: grpc.RpcError) -> str | None:
-    trailing = err.trailing_metadata() if hasattr(err, "trailing_metadata") else None
+def _reason(trailing: Iterable[tuple[str, Any]] | None) -> str | None:
     for key, value in trailing or ():
         if key == REASON_KEY:
             return str(value)
@@ -59,11 +59,12 @@ def error_from_rpc(err: grpc.RpcError) -> NgramCacheError:
     DEADLINE_EXCEEDED, CANCELLED and ABORTED are otherwise `BackendUnavailableError`
     (retriable); RESOURCE_EXHAUSTED (a server limit) and the other codes a caller can fix
     `InvalidArgumentError`; anything else a non-retriable `NgramCacheError`. The error carries
-    the call's ``code`` and ``reason``.
+    the call's ``code`` and ``reason``; an `OverloadedError` its ``retry_after`` hint too.
     """
     code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
     details = err.details() if hasattr(err, "details") else str(err)
-    reason = _reason(err)
+    trailing = err.trailing_metadata() if hasattr(err, "trailing_metadata") else None
+    reason = _reason(trailing)
     message = f"{code.name}: {details}" if code is not None else str(details)
     if code in _AUTH_HINTS:
         message += _AUTH_HINTS[code]
@@ -71,6 +72,8 @@ def error_from_rpc(err: grpc.RpcError) -> NgramCacheError:
     out.code = code  # type: ignore[attr-defined]
     out.reason = reason  # type: ignore[attr-defined]
     out.details = details  # type: ignore[attr-defined]  # the service's words alone (the CLI words its own hint)
+    if isinstance(out, OverloadedError):
+        out.retry_after = retry_after_of(trailing)
     return out
 
 
@@ -79,20 +82,6 @@ _AUTH_HINTS = {
     grpc.StatusCode.UNAUTHENTICATED: " (the service requires a bearer token it knows: pass token=... to the client)",
     grpc.StatusCode.PERMISSION_DENIED: " (the token lacks that role on that namespace: pass token=... with it)",
 }
-
-
-# retry policy
-
-
-@dataclasses.dataclass(frozen=True)
-class Backoff:
-    """Exponential backoff with full jitter: attempt k waits uniform(0, min(cap, base * 2**k)) seconds."""
-
-    base: float = 0.05
-    cap: float = 2.0
-
-    def delay(self, attempt: int) -> float:
-        return random.uniform(0.0, min(self.cap, self.base * (2 ** min(attempt, 30))))
 
 
 # credentials and metadata
@@ -268,41 +257,54 @@ class FailoverChannel:
         await old.channel.close(grace=0.2)
 
     async def retrying(self, what: str, call: Callable[[Channel], Awaitable[T]], until: float | None,
-                       cancelled_by_us: Callable[[], bool]) -> T:
-        """Run ``call`` until it succeeds; retriable failures back off, and UNAVAILABLE or
-        DEADLINE_EXCEEDED also move to the next address.
+                       cancelled_by_us: Callable[[], bool],
+                       overloaded: Callable[[OverloadedError], float | None] | None = None) -> T:
+        """Run ``call`` until it succeeds (`retry`): a retriable failed RPC backs off, and UNAVAILABLE,
+        or DEADLINE_EXCEEDED with another address to try, also moves to the next address.
 
         A CancelledError that is not the caller's own (``cancelled_by_us()`` false) means another
-        task switched the channel under this call: the same call runs again on the new one.
+        task switched the channel under this call: the same call runs again on the new one. An
+        error ``call`` raises itself (not a failed RPC) ends the retry.
+
+        Args:
+            overloaded: the wait after a shed call (`OverloadedError`, with the service's hint), or
+                None to give up; without it a shed call backs off as any retriable failure does.
 
         Raises:
             NgramCacheError: a non-retriable failure, or a retriable one past ``until`` (monotonic).
         """
-        attempt = 0
-        while True:
+        rpc_error: NgramCacheError | None = None  # the last failed RPC's error, told apart from the call's own
+
+        async def call_current() -> T:
+            nonlocal rpc_error
             chan = self.current()
             try:
                 return await call(chan)
-            except asyncio.CancelledError:
-                if cancelled_by_us():
-                    raise
-                log.debug("%s cancelled by a channel switch; retrying", what)
             except grpc.RpcError as e:
-                err = error_from_rpc(e)
-                if not err.retriable:
-                    raise err from None
-                code = getattr(err, "code", None)
-                if code == grpc.StatusCode.UNAVAILABLE or (code == grpc.StatusCode.DEADLINE_EXCEEDED
-                                                          and len(self._addresses) > 1):
+                rpc_error = error_from_rpc(e)
+                code = getattr(rpc_error, "code", None)
+                if rpc_error.retriable and (code == grpc.StatusCode.UNAVAILABLE or (
+                        code == grpc.StatusCode.DEADLINE_EXCEEDED and len(self._addresses) > 1)):
                     await self.switch(chan.epoch)  # down, or not answering in time: the next replica
-                if until is not None and time.monotonic() >= until:
-                    raise err from None
-                log.debug("%s failed (%s); retrying", what, err)
+                raise rpc_error from None
+
+        def after(e: BaseException, attempt: int) -> float | None:
+            if isinstance(e, asyncio.CancelledError):
+                if cancelled_by_us():
+                    return None
+                log.debug("%s cancelled by a channel switch; retrying", what)
+            elif not isinstance(e, NgramCacheError) or e is not rpc_error or not e.retriable:
+                return None
+            elif overloaded is not None and isinstance(e, OverloadedError):
+                return overloaded(e)
+            elif until is not None and time.monotonic() >= until:
+                return None
+            else:
+                log.debug("%s failed (%s); retrying", what, e)
             delay = self._backoff.delay(attempt)
-            attempt += 1
-            if until is not None:
-                delay = min(delay, max(0.0, until - time.monotonic()))
-            await asyncio.sleep(delay)
+            return delay if until is None else min(delay, max(0.0, until - time.monotonic()))
+
+        return await retry(call_current, after, errors=(NgramCacheError, asyncio.CancelledError))
 
     async def close(self) -> None:
         if self._chan is not None:

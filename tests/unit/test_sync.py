@@ -1,8 +1,12 @@
-"""Client sync pieces with no server: the gRPC error mapping, row aggregation, backoff, the push buffer, generation files."""
+"""Client sync pieces with no server: the gRPC error mapping, the failover channel's retries, row aggregation, backoff, the push buffer, generation files."""
 
 from __future__ import annotations
 
+import asyncio
+import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import grpc
 import numpy as np
@@ -15,6 +19,7 @@ from ngramcache import (
     InvalidArgumentError,
     NamespaceNotFoundError,
     NgramCacheError,
+    OverloadedError,
     ResyncRequiredError,
     TokenizerMismatchError,
     build_static_from_tokens,
@@ -23,13 +28,15 @@ from ngramcache.client.kernel.static_files import GenerationFiles, sha256_of_fil
 from ngramcache.client.sync import Backoff, ClientConfig, aggregate_rows, error_from_rpc
 from ngramcache.client.sync.pusher import Pusher
 from ngramcache.client.sync.state import SyncState
+from ngramcache.client.wire import transport
+from ngramcache.client.wire.transport import FailoverChannel
 
 FP = b"\x07" * 32
 
 
 class FakeRpcError(grpc.RpcError):
-    def __init__(self, code: grpc.StatusCode, reason: str | None = None) -> None:
-        self._code, self._reason = code, reason
+    def __init__(self, code: grpc.StatusCode, reason: str | None = None, *trailing: tuple[str, str]) -> None:
+        self._code, self._reason, self._trailing = code, reason, trailing
 
     def code(self) -> grpc.StatusCode:
         return self._code
@@ -38,7 +45,7 @@ class FakeRpcError(grpc.RpcError):
         return "details"
 
     def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
-        return (("ngc-error-reason", self._reason),) if self._reason else ()
+        return ((("ngc-error-reason", self._reason),) if self._reason else ()) + self._trailing
 
 
 @pytest.mark.parametrize(("code", "reason", "cls", "retriable"), [
@@ -69,6 +76,130 @@ def test_aggregate_sums_identical_rows() -> None:
     got = aggregate_rows(rows((1, 2, 3), (4, 5, 1), (1, 2, 4)))
     assert sorted(map(tuple, got.tolist())) == [(1, 1, -1, -1, -1, 2, 7), (1, 4, -1, -1, -1, 5, 1)]
     assert got.dtype == np.int32
+
+
+class Calls:
+    """A call for `FailoverChannel.retrying` that raises ``errors`` in turn, then answers the address it was sent to."""
+
+    def __init__(self, *errors: BaseException) -> None:
+        self.errors = list(errors)
+        self.addresses: list[str] = []
+
+    async def __call__(self, chan: FakeChannel) -> str:
+        self.addresses.append(chan.address)
+        if self.errors:
+            raise self.errors.pop(0)
+        return chan.address
+
+
+class FakeChannel:
+    """A `Channel` with no grpc behind it: its address, its epoch, and a close that does nothing."""
+
+    def __init__(self, address: str, epoch: int, credentials: object = None) -> None:
+        self.address, self.epoch, self.channel = address, epoch, self
+
+    async def close(self, grace: float | None = None) -> None:
+        pass
+
+
+Failover = Callable[..., tuple[str, list[str]]]
+
+
+@pytest.fixture
+def failover(monkeypatch: pytest.MonkeyPatch) -> Failover:
+    """Runs a `Calls` through a FailoverChannel (fake channels, a 1 ms backoff): (its answer, the switches)."""
+    monkeypatch.setattr(transport, "Channel", FakeChannel)
+
+    def run(call: Calls, addresses: tuple[str, ...] = ("127.0.0.1:1", "127.0.0.1:2"), until: float | None = None,
+            **options: Any) -> tuple[str, list[str]]:
+        switched: list[str] = []
+
+        async def body() -> str:
+            channels = FailoverChannel(addresses, None, Backoff(base=0.001, cap=0.001),
+                                       lambda address, reconnect: switched.append(address) if reconnect else None)
+            try:
+                return await channels.retrying("Test", call, until, lambda: False, **options)
+            finally:
+                await channels.close()
+
+        return asyncio.run(body()), switched
+
+    return run
+
+
+@pytest.fixture
+def mapped(monkeypatch: pytest.MonkeyPatch) -> list[grpc.RpcError]:
+    """The errors error_from_rpc translates inside the failover channel."""
+    seen: list[grpc.RpcError] = []
+
+    def counting(e: grpc.RpcError) -> NgramCacheError:
+        seen.append(e)
+        return error_from_rpc(e)
+
+    monkeypatch.setattr(transport, "error_from_rpc", counting)
+    return seen
+
+
+def test_failover_retries_an_unavailable_call_on_the_next_address(failover: Failover, mapped: list[grpc.RpcError]) -> None:
+    call = Calls(FakeRpcError(grpc.StatusCode.UNAVAILABLE), FakeRpcError(grpc.StatusCode.UNAVAILABLE))
+    got, switched = failover(call)
+    assert call.addresses == ["127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:1"] and got == "127.0.0.1:1"
+    assert switched == ["127.0.0.1:2", "127.0.0.1:1"]
+    assert len(mapped) == 2  # each failure translated once
+
+
+def test_failover_gives_up_at_once_on_an_error_retrying_cannot_help(failover: Failover,
+                                                                   mapped: list[grpc.RpcError]) -> None:
+    call = Calls(FakeRpcError(grpc.StatusCode.NOT_FOUND, "NAMESPACE_NOT_FOUND"))
+    with pytest.raises(NamespaceNotFoundError):
+        failover(call)
+    assert len(call.addresses) == 1 and len(mapped) == 1
+
+
+def test_failover_leaves_the_calls_own_errors_to_its_caller(failover: Failover) -> None:
+    call = Calls(BackendUnavailableError("Pull ended before its last chunk"))
+    with pytest.raises(BackendUnavailableError, match="last chunk"):
+        failover(call)
+    assert len(call.addresses) == 1
+
+
+def test_failover_gives_up_past_until(failover: Failover) -> None:
+    call = Calls(*[FakeRpcError(grpc.StatusCode.DEADLINE_EXCEEDED) for _ in range(10**4)])
+    started = time.monotonic()
+    with pytest.raises(BackendUnavailableError):
+        failover(call, ("127.0.0.1:1",), until=started + 0.05)
+    assert 0.05 <= time.monotonic() - started < 5.0 and len(call.addresses) > 1
+
+
+def test_failover_waits_a_shed_call_as_its_caller_says(failover: Failover, mapped: list[grpc.RpcError]) -> None:
+    shed = FakeRpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, "OVERLOADED", ("ngc-retry-after-ms", "30"))
+    hints: list[float | None] = []
+
+    def overloaded(e: OverloadedError) -> float | None:
+        hints.append(e.retry_after)
+        return 0.0 if len(hints) == 1 else None
+
+    call = Calls(shed, shed, shed)
+    with pytest.raises(OverloadedError):
+        failover(call, overloaded=overloaded)
+    assert hints == [0.03, 0.03] and len(call.addresses) == 2 and len(mapped) == 2  # no switch: the same address
+    assert call.addresses[0] == call.addresses[1]
+
+
+def test_a_sync_task_waits_longer_after_what_retrying_cannot_cure(tmp_path: Path,
+                                                                   caplog: pytest.LogCaptureFixture) -> None:
+    pusher, _ = core(tmp_path, backoff=Backoff(base=0.01, cap=0.01))
+    state = pusher.state
+    assert 0.0 <= state._failed("mirror", BackendUnavailableError("down"), 0) <= 0.01
+    assert 1.0 <= state._failed("mirror", InvalidArgumentError("refused"), 0) <= 1.01
+    with caplog.at_level("DEBUG", logger="ngramcache.client.sync"):
+        assert 1.0 <= state._failed("mirror", OSError("disk full"), 3) <= 1.01
+    assert "mirror failed" in caplog.text and "OSError: disk full" in caplog.text  # with its traceback
+
+    async def switched() -> float | None:  # a call a channel switch cancelled (not this task): again soon
+        return state._failed("mirror", asyncio.CancelledError(), 0)
+
+    assert asyncio.run(switched()) == 0.05
 
 
 def test_backoff_is_bounded_and_jittered() -> None:
@@ -140,28 +271,3 @@ def test_generation_files_lock_verify_install_prune(tmp_path: Path) -> None:
     assert files.generations() == [3, 4]
 
 
-def test_a_bad_cache_dir_is_an_invalid_argument_naming_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from ngramcache import NgramClient
-
-    (tmp_path / "file").write_text("x")
-    cases = [
-        (tmp_path / "missing" / "cache", f"cache_dir {tmp_path / 'missing' / 'cache'}: its parent folder "
-                                         f"{tmp_path / 'missing'} does not exist: create it, or give another cache_dir"),
-        (tmp_path / "file", f"cache_dir {tmp_path / 'file'} exists and is not a folder"),
-        (tmp_path / "file" / "cache", f"cache_dir {tmp_path / 'file' / 'cache'}: its parent folder"),
-        ("", "cache_dir is empty"),
-    ]
-    for cache_dir, message in cases:
-        with pytest.raises(InvalidArgumentError) as err:
-            NgramClient("127.0.0.1:9", "ns", (FP, 100), cache_dir=cache_dir, connect_timeout=0.2)
-        assert str(err.value).startswith(message), err.value
-    assert not (tmp_path / "missing").exists()
-    # A cache_dir whose parent exists is created (and the client goes on to connect: nothing listens there).
-    with pytest.raises(BackendUnavailableError):
-        NgramClient("127.0.0.1:9", "ns", (FP, 100), cache_dir=tmp_path / "new", connect_timeout=0.2, ready_timeout=0.5)
-    assert (tmp_path / "new").is_dir()
-    # The default one is created with its parents.
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "home" / ".cache"))
-    with pytest.raises(BackendUnavailableError):
-        NgramClient("127.0.0.1:9", "ns", (FP, 100), connect_timeout=0.2, ready_timeout=0.5)
-    assert (tmp_path / "home" / ".cache" / "ngramcache" / "ns").is_dir()
