@@ -101,8 +101,8 @@ class NamespaceReading(Protocol):
     def generation(self) -> int: ...
 
 
-class RebuildStatusReading(Protocol):
-    """What the metrics read of one namespace's rebuild status (`rebuild.RebuildStatus`)."""
+class RebuildJobReading(Protocol):
+    """What the metrics read of one namespace's rebuild (`rebuild.RebuildJob`)."""
 
     @property
     def namespace(self) -> str: ...
@@ -126,7 +126,7 @@ class RebuildReading(Protocol):
     @property
     def failed(self) -> int: ...
 
-    def statuses(self) -> Iterable[RebuildStatusReading]: ...
+    def jobs(self) -> Iterable[RebuildJobReading]: ...
 
 
 class PeerFetchReading(Protocol):
@@ -370,10 +370,10 @@ class _RebuildCollector(Collector):
         done, failed, running, seconds, fetched, refused = families = self._families()
         done.add_metric([], self._rebuilder.completed)
         failed.add_metric([], self._rebuilder.failed)
-        for status in self._rebuilder.statuses():
-            running.add_metric([status.namespace], 1.0 if status.state == "running" else 0.0)
-            if status.finished_unix_ms:
-                seconds.add_metric([status.namespace], (status.finished_unix_ms - status.started_unix_ms) / 1000)
+        for job in self._rebuilder.jobs():
+            running.add_metric([job.namespace], 1.0 if job.state == "running" else 0.0)
+            if job.finished_unix_ms:
+                seconds.add_metric([job.namespace], (job.finished_unix_ms - job.started_unix_ms) / 1000)
         if self._peers is not None:
             fetched.add_metric([], self._peers.fetched)
             refused.add_metric([], self._peers.refused)
@@ -436,5 +436,5 @@ def start_metrics_http_server(metrics: Metrics, host: str = "127.0.0.1", port: i
 
 
 __all__ = ["RPC_BUCKETS", "Metrics", "MetricsHttpServer", "MirrorReading", "NamespaceReading", "PeerFetchReading",
-           "RebuildReading", "RebuildStatusReading", "StoreTimer", "TableReading", "is_store_failure",
+           "RebuildJobReading", "RebuildReading", "StoreTimer", "TableReading", "is_store_failure",
            "start_metrics_http_server", "store_op"]

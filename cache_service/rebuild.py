@@ -111,8 +111,9 @@ class RebuildOptions:
 
 
 @dataclasses.dataclass
-class RebuildStatus:
-    """The last (or running) rebuild of a namespace on this replica."""
+class RebuildJob:
+    """A rebuild of a namespace on this replica, the running or the last one: its state, phase and counters
+    (what GetRebuildStatus answers, as `admin_pb2.RebuildStatus`)."""
 
     namespace: str
     state: str = "idle"  # idle, running, done, failed
@@ -158,8 +159,8 @@ class Rebuilder:
         self.holder = holder
         self.location = location
         self._ttl_ms = max(1000, int(lease_ttl * 1000))
-        self._status: dict[str, RebuildStatus] = {}
-        self._tasks: dict[str, asyncio.Task[RebuildStatus]] = {}
+        self._jobs: dict[str, RebuildJob] = {}
+        self._tasks: dict[str, asyncio.Task[RebuildJob]] = {}
         self.completed = 0  # rebuilds published by this replica (metrics)
         self.failed = 0
 
@@ -187,15 +188,16 @@ class Rebuilder:
             with contextlib.suppress(Exception):
                 await self._runner.call(self._store.release_lease, lease)
 
-    def statuses(self) -> list[RebuildStatus]:
-        """A copy of the status of every namespace this replica rebuilt (for metrics)."""
-        return [dataclasses.replace(s) for s in list(self._status.values())]
+    def jobs(self) -> list[RebuildJob]:
+        """A copy of the last (or running) job of every namespace this replica rebuilt (for metrics)."""
+        return [dataclasses.replace(job) for job in list(self._jobs.values())]
 
-    def status(self, namespace: str) -> RebuildStatus:
-        return dataclasses.replace(self._status.get(namespace) or RebuildStatus(namespace))
+    def job(self, namespace: str) -> RebuildJob:
+        """A copy of the namespace's running or last job on this replica (state idle: none ran here)."""
+        return dataclasses.replace(self._jobs.get(namespace) or RebuildJob(namespace))
 
-    async def start(self, namespace: str, options: RebuildOptions) -> asyncio.Task[RebuildStatus]:
-        """Take the lease and start the rebuild; the task's result is the final status.
+    async def start(self, namespace: str, options: RebuildOptions) -> asyncio.Task[RebuildJob]:
+        """Take the lease and start the rebuild; the task's result is the finished job (a copy).
 
         Raises:
             LeaseHeldError: another replica (or this one) is rebuilding the namespace.
@@ -204,18 +206,18 @@ class Rebuilder:
         running = self._tasks.get(namespace)
         if running is not None and not running.done():
             raise LeaseHeldError(f"a rebuild of {namespace!r} is running on this replica ({self.holder}), "
-                                 f"phase {self._status[namespace].phase}")
+                                 f"phase {self._jobs[namespace].phase}")
         info = await self._runner.call(self._store.namespace_info, namespace)
         options = dataclasses.replace(options, corpus=confine_corpus(options.corpus, self.corpus_roots))
         lease = await self._runner.call(self._store.acquire_lease, namespace, self.holder, self._ttl_ms)
-        status = RebuildStatus(namespace, state="running", phase="starting", lease_token=lease.token,
-                               started_unix_ms=int(time.time() * 1000))
-        self._status[namespace] = status
-        task = asyncio.create_task(self._run(info, lease, options, status), name=f"rebuild:{namespace}")
+        job = RebuildJob(namespace, state="running", phase="starting", lease_token=lease.token,
+                         started_unix_ms=int(time.time() * 1000))
+        self._jobs[namespace] = job
+        task = asyncio.create_task(self._run(info, lease, options, job), name=f"rebuild:{namespace}")
         self._tasks[namespace] = task
         return task
 
-    async def _run(self, info: Any, lease: Lease, options: RebuildOptions, status: RebuildStatus) -> RebuildStatus:
+    async def _run(self, info: Any, lease: Lease, options: RebuildOptions, job: RebuildJob) -> RebuildJob:
         renewer = asyncio.create_task(self._renew(lease))
         tmp: Path | None = None
         # The state a poll sees stays "running" until the lease is released and the finish time set.
@@ -225,12 +227,12 @@ class Rebuilder:
                 await self.peer_sync.sync(info)
             latest = self._static.latest(info.name)
             committed = await self._runner.call(self._store.committed_generation, info.name)
-            status.generation = max(latest.generation if latest else 0, committed.generation) + 1
+            job.generation = max(latest.generation if latest else 0, committed.generation) + 1
             ns_dir = self._static.namespace_dir(info.name)
             ns_dir.mkdir(parents=True, exist_ok=True)
-            tmp = ns_dir / f"rebuild-{status.generation}-{secrets.token_hex(6)}.tmp"
+            tmp = ns_dir / f"rebuild-{job.generation}-{secrets.token_hex(6)}.tmp"
             base = await self._open_base(info, committed) if options.base and committed.base else None
-            status.base_generation = base.generation if base is not None else 0
+            job.base_generation = base.generation if base is not None else 0
             ngram_size = options.ngram_size or (latest.ngram_size if latest else 2)
             if base is not None and base.ngram_size != ngram_size:
                 raise InvalidArgumentError(
@@ -240,46 +242,46 @@ class Rebuilder:
             history = options.history and (await self._runner.call(self._store.history_stats, info.name))["records"] > 0
             base_index = base is not None and base.index_depth > 0 and base.n_indexed > 0
             builder = StaticBuilder(tmp, info.vocab_size, ngram_size, fingerprint=bytes.fromhex(info.fingerprint),
-                                    generation=status.generation, memory_budget=options.memory_budget,
+                                    generation=job.generation, memory_budget=options.memory_budget,
                                     scratch_dir=ns_dir, corpus_index=history or base_index,
                                     index_depth=base.index_depth if base_index and base is not None else 32)
             if base is not None:
-                status.phase = "base"
-                await asyncio.to_thread(self._add_base, builder, base, options.decay, status)
-            status.phase = "dynamic"
-            await self._add_dynamic(builder, info.name, ngram_size, options.min_count, status, renewer)
+                job.phase = "base"
+                await asyncio.to_thread(self._add_base, builder, base, options.decay, job)
+            job.phase = "dynamic"
+            await self._add_dynamic(builder, info.name, ngram_size, options.min_count, job, renewer)
             if options.corpus:
-                status.phase = "corpus"
-                await asyncio.to_thread(self._add_corpus, builder, options.corpus, status, self.corpus_roots)
+                job.phase = "corpus"
+                await asyncio.to_thread(self._add_corpus, builder, options.corpus, job, self.corpus_roots)
             if history:
-                status.phase = "history"
-                await self._add_history(builder, info.name, status, renewer)
-            if not (status.dynamic_rows or status.previous_rows or status.corpus_tokens):
+                job.phase = "history"
+                await self._add_history(builder, info.name, job, renewer)
+            if not (job.dynamic_rows or job.previous_rows or job.corpus_tokens):
                 raise InvalidArgumentError(
                     f"nothing to fold into a generation of {info.name!r}: no dynamic counts of {ngram_size}-grams "
                     f"with a count >= {options.min_count}, no corpus, no corpus base (the latest stays)")
-            status.phase = "writing"
+            job.phase = "writing"
             await asyncio.to_thread(builder.finish)
             cache = StaticCache.open(tmp)
-            status.n_keys, status.n_followers, status.file_bytes = cache.n_keys, cache.n_followers, cache.file_size
+            job.n_keys, job.n_followers, job.file_bytes = cache.n_keys, cache.n_followers, cache.file_size
             del cache
             if renewer.done():
                 renewer.result()  # raises LeaseLostError
-            status.phase = "committing"
-            await self._runner.call(self._store.commit_generation, lease, status.generation, self.location,
+            job.phase = "committing"
+            await self._runner.call(self._store.commit_generation, lease, job.generation, self.location,
                                     keep_base=options.base)
-            status.phase = "publishing"
+            job.phase = "publishing"
             await self._static.publish(info.name, tmp, fingerprint=info.fingerprint, vocab_size=info.vocab_size,
-                                       generation=status.generation)
+                                       generation=job.generation)
             tmp = None  # the store owns it now
             await self._static.retain(info.name, options.keep, protect=committed.base if options.base else 0)
-            status.phase = ""
+            job.phase = ""
             final_state, final_error = "done", ""
             self.completed += 1
             log.info("namespace %s: rebuilt generation %d (%d keys, %d followers, %d bytes; base generation %d: %d rows, "
-                     "%d dynamic rows, %d corpus tokens, %d history tokens indexed)", info.name, status.generation,
-                     status.n_keys, status.n_followers, status.file_bytes, status.base_generation,
-                     status.previous_rows, status.dynamic_rows, status.corpus_tokens, status.history_tokens)
+                     "%d dynamic rows, %d corpus tokens, %d history tokens indexed)", info.name, job.generation,
+                     job.n_keys, job.n_followers, job.file_bytes, job.base_generation,
+                     job.previous_rows, job.dynamic_rows, job.corpus_tokens, job.history_tokens)
         except asyncio.CancelledError:
             final_error = "cancelled (the service is stopping)"
             self.failed += 1
@@ -287,7 +289,7 @@ class Rebuilder:
         except Exception as e:
             final_error = f"{type(e).__name__}: {e}"
             self.failed += 1
-            log.error("namespace %s: rebuild of generation %d failed: %s", info.name, status.generation, final_error)
+            log.error("namespace %s: rebuild of generation %d failed: %s", info.name, job.generation, final_error)
         finally:
             renewer.cancel()
             with contextlib.suppress(BaseException):
@@ -296,10 +298,10 @@ class Rebuilder:
                 tmp.unlink(missing_ok=True)
             with contextlib.suppress(Exception):
                 await self._runner.call(self._store.release_lease, lease)
-            status.finished_unix_ms = max(int(time.time() * 1000), status.started_unix_ms)
-            status.error = final_error
-            status.state = final_state  # last: a poll that sees it done or failed sees the rest too
-        return dataclasses.replace(status)
+            job.finished_unix_ms = max(int(time.time() * 1000), job.started_unix_ms)
+            job.error = final_error
+            job.state = final_state  # last: a poll that sees it done or failed sees the rest too
+        return dataclasses.replace(job)
 
     async def _renew(self, lease: Lease) -> None:
         """Renew the lease every third of its ttl; raise LeaseLostError when it is gone."""
@@ -341,11 +343,11 @@ class Rebuilder:
             "generation again")
 
     @staticmethod
-    def _add_base(builder: StaticBuilder, base: StaticCache, decay: float, status: RebuildStatus) -> None:
+    def _add_base(builder: StaticBuilder, base: StaticCache, decay: float, job: RebuildJob) -> None:
         """The base's counts (times ``decay``) and its corpus index (the match mode drafts from it)."""
         if decay >= 1.0:
             builder.add_static(base)
-            status.previous_rows = base.n_followers
+            job.previous_rows = base.n_followers
         else:
             rows = base.to_rows()
             counts = np.floor(rows[:, COUNT].astype(np.float64) * decay).astype(np.int64)
@@ -353,13 +355,13 @@ class Rebuilder:
             rows = np.ascontiguousarray(rows[keep])
             rows[:, COUNT] = counts[keep].astype(np.int32)
             builder.add_rows(rows)
-            status.previous_rows = len(rows)
+            job.previous_rows = len(rows)
         if base.index_depth > 0 and base.n_indexed > 0:
             for document in corpus_documents(base):  # verifies the base's checksums first
                 builder.add_index_tokens(np.ascontiguousarray(document, dtype=np.int32))
 
     async def _add_dynamic(self, builder: StaticBuilder, namespace: str, ngram_size: int, min_count: int,
-                           status: RebuildStatus, renewer: asyncio.Task[None]) -> None:
+                           job: RebuildJob, renewer: asyncio.Task[None]) -> None:
         parts = await self._runner.call(self._store.export, namespace)
         try:
             while (part := await self._runner.call(next, parts, None)) is not None:
@@ -370,14 +372,14 @@ class Rebuilder:
                     out = rows.astype(np.int32)
                     out[:, COUNT] = np.minimum(rows[:, COUNT], _INT32_MAX).astype(np.int32)
                     await asyncio.to_thread(builder.add_rows, np.ascontiguousarray(out))
-                    status.dynamic_rows += len(rows)
+                    job.dynamic_rows += len(rows)
         finally:
             close = getattr(parts, "close", None)
             if close is not None:
                 with contextlib.suppress(Exception):
                     await self._runner.call(close)
 
-    async def _add_history(self, builder: StaticBuilder, namespace: str, status: RebuildStatus,
+    async def _add_history(self, builder: StaticBuilder, namespace: str, job: RebuildJob,
                            renewer: asyncio.Task[None]) -> None:
         """Every sequence the history keeps as one index text: its records in offset order, a gap
         (a record trimmed or never published) starting a new text."""
@@ -401,7 +403,7 @@ class Rebuilder:
                 for offset, tokens in [*parts, (-1, np.empty(0, np.int32))]:  # a sentinel flushes the last run
                     if run and offset != end:
                         builder.add_index_tokens(np.ascontiguousarray(np.concatenate(run), dtype=np.int32))
-                        status.history_tokens += sum(len(t) for t in run)
+                        job.history_tokens += sum(len(t) for t in run)
                         run = []
                     if len(tokens):
                         run.append(tokens)
@@ -410,7 +412,7 @@ class Rebuilder:
         await asyncio.to_thread(add)
 
     @staticmethod
-    def _add_corpus(builder: StaticBuilder, corpus: tuple[str, ...], status: RebuildStatus,
+    def _add_corpus(builder: StaticBuilder, corpus: tuple[str, ...], job: RebuildJob,
                     roots: tuple[str, ...]) -> None:
         for item in collect_inputs(list(corpus)):
             check_under_roots(str(item.path), roots)  # a file in a named folder may link out of the roots
@@ -421,7 +423,7 @@ class Rebuilder:
                 builder.begin_stream()
                 for chunk in stream:
                     builder.add_tokens(np.ascontiguousarray(chunk, dtype=np.int32))
-                    status.corpus_tokens += len(chunk)
+                    job.corpus_tokens += len(chunk)
 
     async def close(self) -> None:
         for task in list(self._tasks.values()):

@@ -16,7 +16,7 @@ from ngramcache.client.kernel.errors import InvalidArgumentError, NamespaceNotFo
 from ngramcache.client.kernel.version import __version__
 
 from ..counts.namespace import NamespaceRecord, validate_namespace
-from ..rebuild import Rebuilder, RebuildOptions, RebuildStatus
+from ..rebuild import Rebuilder, RebuildJob, RebuildOptions
 from ..store_runner import StoreRunner
 
 PROTOCOL: Final = admin_pb2.DESCRIPTOR.package
@@ -166,15 +166,15 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
                                  corpus=tuple(request.corpus), memory_budget=request.memory_budget or (1 << 30),
                                  keep=request.keep or rebuilder.default_keep, history=not request.skip_history)
         task = await rebuilder.start(request.namespace, options)
-        status = await asyncio.shield(task) if request.wait else rebuilder.status(request.namespace)
-        return self._status_message(status, rebuilder.holder)
+        job = await asyncio.shield(task) if request.wait else rebuilder.job(request.namespace)
+        return self._status_message(job, rebuilder.holder)
 
     async def GetRebuildStatus(self, request: admin_pb2.GetRebuildStatusRequest,
                                context: aio.ServicerContext) -> admin_pb2.RebuildStatus:
         validate_namespace(request.namespace)
         rebuilder = self._need_rebuilder()
         await self._runner.call(self._store.namespace_info, request.namespace)  # NOT_FOUND for an unknown one
-        return self._status_message(rebuilder.status(request.namespace), rebuilder.holder)
+        return self._status_message(rebuilder.job(request.namespace), rebuilder.holder)
 
     def _need_rebuilder(self) -> Rebuilder:
         if self._rebuilder is None:
@@ -182,7 +182,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         return self._rebuilder
 
     @staticmethod
-    def _status_message(s: RebuildStatus, holder: str) -> admin_pb2.RebuildStatus:
+    def _status_message(s: RebuildJob, holder: str) -> admin_pb2.RebuildStatus:
         return admin_pb2.RebuildStatus(
             namespace=s.namespace, state=s.state, phase=s.phase, generation=s.generation, lease_token=s.lease_token,
             started_unix_ms=s.started_unix_ms, finished_unix_ms=s.finished_unix_ms, previous_rows=s.previous_rows,

@@ -13,7 +13,7 @@ from ngramcache.client._core import Drafter
 from ngramcache.client.adapters.draft_length import DraftLengthPolicy
 from ngramcache.client.kernel.errors import InvalidArgumentError
 
-__all__ = ["DEAR_MAX_DRAFT", "UNCAPPED_MAX_COST", "DraftStats", "DrafterLike", "SequenceFeed"]
+__all__ = ["CAPPED_AUTO_DRAFT", "UNCAPPED_MAX_COST", "DraftStats", "DrafterLike", "SequenceFeed"]
 
 # The most c(n_draft) at which an "auto" feed drafts long, cost-aware: on an H200 c(64) =
 # 1.10-1.15; on 2 CPU cores c(8) is already ~2, and uncapped drafts made the default 14% slower there.
@@ -23,7 +23,7 @@ UNCAPPED_MAX_COST = 1.5
 # they are measured, it sends them as a fixed n_draft does, the drafter's own draft whole: costs
 # learned beside other jobs are noisy (a burst of load between two steps reads as a dear draft,
 # or a cheap one), and a cut by them was worse than none (0.59x the tokens/s of n_draft 8).
-DEAR_MAX_DRAFT = 16
+CAPPED_AUTO_DRAFT = 16
 
 
 class DrafterLike(Protocol):
@@ -93,9 +93,9 @@ class SequenceFeed:
             is not cut by its length or its probability) and the policy sends the prefix its odds
             and the costs make worth it. Where long drafts are dear (a CPU): with costs learned
             from the steps (`StepCosts`), and until they are measured, each step sends the
-            drafter's own draft of at most `DEAR_MAX_DRAFT` tokens, whole, as a fixed n_draft
+            drafter's own draft of at most `CAPPED_AUTO_DRAFT` tokens, whole, as a fixed n_draft
             does (a step they ask to time undrafted sends none); with given costs, drafts are
-            at most `DEAR_MAX_DRAFT` tokens and the policy cuts them.
+            at most `CAPPED_AUTO_DRAFT` tokens and the policy cuts them.
 
     Raises:
         InvalidArgumentError: a policy with a drafter that has no `draft_scored` (and no `unscored_odds`).
@@ -190,7 +190,7 @@ class SequenceFeed:
             if self._step_costs.needs_baseline():  # they ask for a plain step to time
                 drafted = np.empty(0, dtype=np.int32)
             else:
-                m = min(n, DEAR_MAX_DRAFT)
+                m = min(n, CAPPED_AUTO_DRAFT)
                 drafted = np.asarray(self.drafter.draft(self.seq_id, tokens, m), dtype=np.int32)[:m]
         elif self.policy is None:
             drafted = np.asarray(self.drafter.draft(self.seq_id, tokens, n), dtype=np.int32)[:n]
@@ -200,7 +200,7 @@ class SequenceFeed:
                     full, odds = self.drafter.draft_scored(self.seq_id, tokens, n, uncapped=True)  # type: ignore[attr-defined]
                 else:
                     if self._uncapped:  # given costs that say long drafts are dear: the policy cuts
-                        n = min(n, DEAR_MAX_DRAFT)
+                        n = min(n, CAPPED_AUTO_DRAFT)
                     full, odds = self.drafter.draft_scored(self.seq_id, tokens, n)  # type: ignore[attr-defined]
                 self._full = np.asarray(full, dtype=np.int32)[:n]
                 self._full_odds = np.asarray(odds, dtype=np.float32)[: len(self._full)]

@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from ngramcache.client._core import MAX_DRAFT
 from ngramcache.client.adapters.draft_length import VerifyCost
 from ngramcache.client.kernel.errors import InvalidArgumentError
 
@@ -27,7 +28,6 @@ MAX_AUTO_DRAFT = 64  # the longest draft n_draft="auto" sends (a forward over 65
 # The odds n_draft="auto" gives each token of a drafter without draft_scored (RemoteDrafter): a
 # neutral guess that the policy's calibration (agreed / predicted tokens) scales to the sequence's.
 UNSCORED_ODDS = 0.6
-_MAX_DRAFT = 256  # the native drafter's limit
 
 
 def draft_length_setting(n_draft: int | str) -> tuple[int, bool]:
@@ -38,8 +38,8 @@ def draft_length_setting(n_draft: int | str) -> tuple[int, bool]:
     """
     if n_draft == AUTO:
         return MAX_AUTO_DRAFT, True
-    if isinstance(n_draft, bool) or not isinstance(n_draft, (int, np.integer)) or not 1 <= n_draft <= _MAX_DRAFT:
-        raise InvalidArgumentError(f"n_draft must be 'auto' or a whole number in 1..{_MAX_DRAFT}, got {n_draft!r}")
+    if isinstance(n_draft, bool) or not isinstance(n_draft, (int, np.integer)) or not 1 <= n_draft <= MAX_DRAFT:
+        raise InvalidArgumentError(f"n_draft must be 'auto' or a whole number in 1..{MAX_DRAFT}, got {n_draft!r}")
     return int(n_draft), False
 
 

@@ -38,9 +38,10 @@ from typing import Any, TypeVar
 import numpy as np
 from numpy.typing import NDArray
 
+from ngramcache.client._core import MAX_DRAFT
 from ngramcache.client.adapters.batch_rows import BatchRows
 from ngramcache.client.adapters.draft_length import best_length
-from ngramcache.client.adapters.sequence_feed import DEAR_MAX_DRAFT, UNCAPPED_MAX_COST, DrafterLike, DraftStats
+from ngramcache.client.adapters.sequence_feed import CAPPED_AUTO_DRAFT, UNCAPPED_MAX_COST, DrafterLike, DraftStats
 from ngramcache.client.adapters.step_costs import AUTO, UNSCORED_ODDS, StepCosts
 from ngramcache.client.kernel.errors import InvalidArgumentError
 
@@ -50,7 +51,6 @@ log = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
 _MODES = ("compatible", "match")
-_MAX_DRAFT = 256  # the core's kMaxDraft
 # speculator_options keys (vLLM 0.34+): the fields of ProposerConfig but the token, which vLLM would log with its config.
 _OPTIONS = ("static", "service", "namespace", "remote", "tokenizer", "tls_ca", "tls_cert", "tls_key", "cache_dir", "mode",
             "n_draft", "max_parked")
@@ -117,8 +117,8 @@ class ProposerConfig:
             raise InvalidArgumentError(f"NGC_VLLM_MODE must be 'compatible' or 'match', got {self.mode!r}")
         if isinstance(self.n_draft, str) and self.n_draft != AUTO:
             raise InvalidArgumentError(f"NGC_VLLM_N_DRAFT must be 'auto' or a whole number, got {self.n_draft!r}")
-        if isinstance(self.n_draft, int) and not 1 <= self.n_draft <= _MAX_DRAFT:
-            raise InvalidArgumentError(f"NGC_VLLM_N_DRAFT must be in 1..{_MAX_DRAFT}, got {self.n_draft}")
+        if isinstance(self.n_draft, int) and not 1 <= self.n_draft <= MAX_DRAFT:
+            raise InvalidArgumentError(f"NGC_VLLM_N_DRAFT must be in 1..{MAX_DRAFT}, got {self.n_draft}")
         if self.max_parked is not None and self.max_parked < 0:
             raise InvalidArgumentError(f"NGC_VLLM_MAX_PARKED must be >= 0, got {self.max_parked}")
         if self.static and self.service:
@@ -339,7 +339,7 @@ class NgramCacheProposer:
         spec_tokens = _spec_tokens(vllm_config)
         fixed = self.config.n_draft if isinstance(self.config.n_draft, int) else None
         # A longer draft than num_speculative_tokens would not fit vLLM's verification buffers.
-        self.n_draft = min(spec_tokens, fixed or spec_tokens, _MAX_DRAFT)
+        self.n_draft = min(spec_tokens, fixed or spec_tokens, MAX_DRAFT)
         # n_draft "auto": each step's drafts cut by verify costs learned from the time between two
         # calls (one engine step, which verified the drafts of the first).
         self.step_costs: StepCosts | None = StepCosts(self.n_draft) if self.config.n_draft == AUTO else None
@@ -435,8 +435,8 @@ class NgramCacheProposer:
                 n = limits[k]
                 if not (costs.measured and costs(n) <= UNCAPPED_MAX_COST):
                     # Long drafts dear (a CPU) or their cost not known yet: as a fixed n_draft of
-                    # DEAR_MAX_DRAFT does, the drafter's own draft, whole (sequence_feed says why).
-                    m = min(n, DEAR_MAX_DRAFT)
+                    # CAPPED_AUTO_DRAFT does, the drafter's own draft, whole (sequence_feed says why).
+                    m = min(n, CAPPED_AUTO_DRAFT)
                     chosen = np.asarray(self.drafter.draft(seqs[k].seq_id, tokens[k], m), dtype=np.int32)[:m].tolist()
                     sent += len(chosen)
                     self.stats.drafted += len(chosen)

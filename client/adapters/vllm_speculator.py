@@ -49,6 +49,7 @@ except ImportError as e:
     raise ImportError("ngramcache.client.adapters.vllm_speculator needs vLLM 0.34 or later (its V2 model runner's "
                       "BaseSpeculator); vLLM 0.22-0.33 use ngramcache.client.adapters.vllm.NgramCacheProposer") from e
 
+from ngramcache.client._core import MAX_DRAFT
 from ngramcache.client.adapters.batch_rows import RowSequence
 from ngramcache.client.adapters.sequence_feed import DrafterLike, DraftStats
 from ngramcache.client.adapters.step_costs import UNSCORED_ODDS
@@ -60,7 +61,6 @@ __all__ = ["NgramCacheSpeculator"]
 log = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
-_MAX_DRAFT = 256  # the core's kMaxDraft
 
 
 def is_warmup_request(req_id: str) -> bool:
@@ -97,7 +97,7 @@ class NgramCacheSpeculator(BaseSpeculator):
         self.req_states = req_states
         self.num_speculative_steps = int(spec.num_speculative_tokens)
         fixed = self.config.n_draft if isinstance(self.config.n_draft, int) else None
-        self.n_draft = min(self.num_speculative_steps, fixed or self.num_speculative_steps, _MAX_DRAFT)
+        self.n_draft = min(self.num_speculative_steps, fixed or self.num_speculative_steps, MAX_DRAFT)
         tp = int(getattr(getattr(vllm_config, "parallel_config", None), "tensor_parallel_size", 1) or 1)
         if tp > 1 and self.config.service:
             raise InvalidArgumentError(f"NGC_VLLM_SERVICE with tensor_parallel_size {tp}: each rank drafts on its own "

@@ -97,10 +97,13 @@ def _namespace(ns: admin_pb2.Namespace, created: bool = False) -> NamespaceInfo:
                          ns.counts_version, created)
 
 
-def _rebuild(s: admin_pb2.RebuildStatus) -> RebuildStatus:
-    return RebuildStatus(s.namespace, s.state, s.phase, s.generation, s.holder, s.lease_token, s.started_unix_ms,
-                         s.finished_unix_ms, s.previous_rows, s.dynamic_rows, s.corpus_tokens, s.n_keys, s.n_followers,
-                         s.file_bytes, s.error, s.history_tokens, s.base_generation)
+def _rebuild_status(s: admin_pb2.RebuildStatus) -> RebuildStatus:
+    return RebuildStatus(
+        namespace=s.namespace, state=s.state, phase=s.phase, generation=s.generation, holder=s.holder,
+        lease_token=s.lease_token, started_unix_ms=s.started_unix_ms, finished_unix_ms=s.finished_unix_ms,
+        previous_rows=s.previous_rows, dynamic_rows=s.dynamic_rows, corpus_tokens=s.corpus_tokens, n_keys=s.n_keys,
+        n_followers=s.n_followers, file_bytes=s.file_bytes, error=s.error, history_tokens=s.history_tokens,
+        base_generation=s.base_generation)
 
 
 class AdminClient:
@@ -227,12 +230,12 @@ class AdminClient:
         if include_previous:
             warnings.warn("include_previous is ignored: every rebuild folds the corpus base now (base=False drops it)",
                           DeprecationWarning, stacklevel=2)
-        return _rebuild(self._call(self._admin.StartRebuild, admin_pb2.StartRebuildRequest(
+        return _rebuild_status(self._call(self._admin.StartRebuild, admin_pb2.StartRebuildRequest(
             namespace=namespace, min_count=min_count, ngram_size=ngram_size, skip_base=not base,
             decay=decay, corpus=list(corpus), memory_budget=memory_budget, keep=keep, skip_history=not history)))
 
     def rebuild_status(self, namespace: str) -> RebuildStatus:
-        return _rebuild(self._call(self._admin.GetRebuildStatus, admin_pb2.GetRebuildStatusRequest(namespace=namespace)))
+        return _rebuild_status(self._call(self._admin.GetRebuildStatus, admin_pb2.GetRebuildStatusRequest(namespace=namespace)))
 
     def wait_rebuild(self, status: RebuildStatus, *, poll: float = 0.5,
                      progress: Callable[[RebuildStatus], None] | None = None) -> RebuildStatus:

@@ -211,7 +211,7 @@ class SyncLoop:
             "history_restored_tokens": h.restored_tokens,
             "history_lag_ms_p50": lag.quantile(0.5), "history_lag_ms_p99": lag.quantile(0.99),
             # Entries of the drafter's match history (what match_params history_tokens bounds): its tokens plus a
-            # separator before each text piece, so not a token count; history_size is its old name.
+            # separator before each text piece, so not a token count; history_size: an alias, the same value.
             "history_entries": entries, "history_size": entries,
         }
 
@@ -298,7 +298,7 @@ class NgramClient:
         history: dict[str, Any] = {"track_history": True} if self.config.history else {}
         self._drafter = Drafter(dynamic=table, fingerprint=self.config.fingerprint, vocab_size=self.config.vocab_size,
                                 track_deltas=True, mode=self.config.mode, **history, **self.config.drafter_options)
-        self._core = SyncLoop(self.config, self._drafter, table)
+        self._sync = SyncLoop(self.config, self._drafter, table)
         self._loop = asyncio.new_event_loop()
         self._started = threading.Event()
         self._start_error: BaseException | None = None
@@ -320,7 +320,7 @@ class NgramClient:
         asyncio.set_event_loop(self._loop)
         self._loop.set_exception_handler(_quiet_grpc_poller)
         try:
-            self._loop.run_until_complete(self._core.run(started))
+            self._loop.run_until_complete(self._sync.run(started))
         except BaseException as e:  # a bug: never leave the constructor waiting
             log.exception("ngramcache client: background loop failed")
             started(e)
@@ -345,7 +345,7 @@ class NgramClient:
         """
         if not self.config.history:
             raise InvalidArgumentError("set_group needs the fleet history (mode='match', history on)")
-        self._core.publisher.buffer.set_group(seq, group)
+        self._sync.publisher.buffer.set_group(seq, group)
 
     def stats(self) -> dict[str, Any]:
         """A snapshot: generation, mirror version/rows/bytes/lag, pulled rows/bytes, pushed/acked/dropped/unconfirmed rows,
@@ -353,14 +353,14 @@ class NgramClient:
         the fleet history's ``history_*`` keys (drained, pushed, dropped, pulled records/tokens/bytes by the tail and
         ``history_group_*`` by the live groups' pulls, tokens appended and tokens received again, gaps, the lag from a
         record's store time to this client in ms, p50 and p99 over the last 1000 records)."""
-        return self._core.snapshot()
+        return self._sync.snapshot()
 
     def close(self) -> None:
         """Flush pending pushes (within ``close_timeout``), stop the background thread, release the files."""
         if self._closed:
             return
         self._closed = True
-        closing = self._core.state.closing
+        closing = self._sync.state.closing
         if closing is not None and not self._loop.is_closed():
             self._loop.call_soon_threadsafe(closing.set)
         self._thread.join(self.config.close_timeout + 10)

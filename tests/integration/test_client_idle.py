@@ -1,7 +1,7 @@
 """What an idle NgramClient costs the service: its calls per second, against the real service on loopback.
 
-A fleet's fixed cost is its idle clients' calls times the clients (issue 32: at 64 clients on
-two cores most of the CPU went to them); changes must still reach a waiting client at once.
+A fleet's fixed cost is its idle clients' calls times the clients (at 64 clients on
+two cores they can take most of the CPU); changes must still reach a waiting client at once.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """What a replica spends per client on the fleet history: the tail's records are put in wire form once, whatever the
-number of clients that pull them (every client of a fleet pulls every record; issue 32)."""
+number of clients that pull them (every client of a fleet pulls every record)."""
 
 from __future__ import annotations
 

@@ -178,7 +178,7 @@ def test_store_down_at_start_serves_not_serving_until_it_comes(tmp_path):
 @pytest.mark.parametrize("workers", [1, 2])
 def test_a_signal_while_the_store_is_down_stops_at_once(tmp_path, sig, code, workers):
     """The start waits for an unreachable store as long as it takes; SIGTERM or Ctrl-C meanwhile stops it in one
-    line each, at once (it used to wait on until the 30 s of a SIGKILL)."""
+    line each, at once (not after the 30 s grace period that ends in a SIGKILL)."""
     from helpers.redis_servers import free_port
 
     proc = subprocess.Popen([*CLI, "serve", "--workers", str(workers), "--port", "0", "--data-dir", str(tmp_path / "d"),
@@ -258,7 +258,7 @@ def test_published_generations_are_mapped_after_a_restart_without_a_client(tmp_p
         service = svc.service
         assert service is not None
 
-        def mapped() -> bool:  # in the background, once health says SERVING (issue 32)
+        def mapped() -> bool:  # in the background, once health says SERVING
             live = service.registry.live()
             return "g" in live and live["g"].generation == 3
 
@@ -364,7 +364,7 @@ def test_a_start_cancelled_after_the_bind_stops_the_grpc_server(tmp_path, monkey
         warnings.simplefilter("always")
         runs = threading.Thread(target=asyncio.run, args=(main(),), daemon=True)
         runs.start()
-        runs.join(60)  # a server left running keeps asyncio.run from returning (the old code hung here)
+        runs.join(60)  # a server left running would keep asyncio.run from returning
         assert not runs.is_alive(), "the cancelled start left something running"
         gc.collect()
     assert not [w for w in caught if "never awaited" in str(w.message)], [str(w.message) for w in caught]
@@ -372,7 +372,7 @@ def test_a_start_cancelled_after_the_bind_stops_the_grpc_server(tmp_path, monkey
         assert s.connect_ex(("127.0.0.1", ports[0])) != 0
 
 
-# --- --log-level, --log-json and NGC_* typos (issue 29) --------------------------------------
+# --- --log-level, --log-json and NGC_* typos -------------------------------------------------
 
 ISO_UTC = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z")
 

@@ -10,7 +10,7 @@ import pytest
 from ngramcache import UNTAGGED, Drafter, InvalidArgumentError
 from ngramcache.client.adapters import sequence_feed
 from ngramcache.client.adapters.draft_length import DraftLengthPolicy, VerifyCost
-from ngramcache.client.adapters.sequence_feed import DEAR_MAX_DRAFT, SequenceFeed
+from ngramcache.client.adapters.sequence_feed import CAPPED_AUTO_DRAFT, SequenceFeed
 from ngramcache.client.adapters.step_costs import MAX_AUTO_DRAFT, StepCosts, draft_length_setting
 
 ODDS = np.full(64, 0.99, dtype=np.float32)  # a long, likely copy (the match mode gives 0.99)
@@ -171,19 +171,19 @@ def test_auto_feeds_draft_uncapped_where_measured_costs_are_flat():
     own = Drafter(vocab_size=64, fingerprint=UNTAGGED, mode="match")  # the same sequences, for the expected draft
     for seq in (1, 2, 3):
         own.accept(seq, tokens)
-    assert steep.draft(tokens).tolist() == own.draft(3, tokens, DEAR_MAX_DRAFT).tolist() == [7, 8, 9, 5, 6]
+    assert steep.draft(tokens).tolist() == own.draft(3, tokens, CAPPED_AUTO_DRAFT).tolist() == [7, 8, 9, 5, 6]
 
 
 def test_auto_drafts_as_a_fixed_length_until_its_costs_are_measured():
     """Before a StepCosts has measured anything its costs are the flat prior, a GPU's: trusting them sent 64-token
     drafts to a CPU's first ~100 steps, and noisy costs learned beside other jobs cut drafts worse than no cut
     (0.59x the tokens/s of n_draft 8 beside other jobs). Until measured, "auto" sends the drafter's own draft of at most
-    DEAR_MAX_DRAFT tokens, whole."""
+    CAPPED_AUTO_DRAFT tokens, whole."""
     wide = Drafter(vocab_size=500, fingerprint=UNTAGGED, mode="match")
     unmeasured = StepCosts()
     feed = SequenceFeed(wide, 1, MAX_AUTO_DRAFT, policy=DraftLengthPolicy(unmeasured), uncapped=True)
     assert not unmeasured.measured
-    assert len(feed.draft(repetitive())) == DEAR_MAX_DRAFT  # before: 64, the flat prior trusted
+    assert len(feed.draft(repetitive())) == CAPPED_AUTO_DRAFT  # not the 64 the flat prior would send
 
 
 def test_uncapped_only_where_a_full_draft_is_cheap():
@@ -199,10 +199,10 @@ def test_uncapped_only_where_a_full_draft_is_cheap():
 
     assert sent(1.2, 1) == 64
     assert sent(1.6, 2) < 8
-    # Dear long drafts: at most DEAR_MAX_DRAFT tokens a step, even of a long, likely copy.
+    # Dear long drafts: at most CAPPED_AUTO_DRAFT tokens a step, even of a long, likely copy.
     dear = VerifyCost([1.0] + [1.6] * MAX_AUTO_DRAFT, MAX_AUTO_DRAFT)
     wide = Drafter(vocab_size=500, fingerprint=UNTAGGED, mode="match")
     long_copy = SequenceFeed(wide, 3, MAX_AUTO_DRAFT, policy=DraftLengthPolicy(dear), uncapped=True)
-    assert len(long_copy.draft(repetitive())) == DEAR_MAX_DRAFT
+    assert len(long_copy.draft(repetitive())) == CAPPED_AUTO_DRAFT
     cheap = SequenceFeed(wide, 4, MAX_AUTO_DRAFT, policy=DraftLengthPolicy(dear))  # not "auto": no bound
     assert len(cheap.draft(repetitive())) == 64
