@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -24,6 +25,15 @@ UNCAPPED_MAX_COST = 1.5
 # learned beside other jobs are noisy (a burst of load between two steps reads as a dear draft,
 # or a cheap one), and a cut by them was worse than none (0.59x the tokens/s of n_draft 8).
 CAPPED_AUTO_DRAFT = 16
+
+
+def __getattr__(name: str) -> int:
+    """``DEAR_MAX_DRAFT``, this constant's old name (deprecated): `CAPPED_AUTO_DRAFT`, with a DeprecationWarning."""
+    if name == "DEAR_MAX_DRAFT":
+        warnings.warn("sequence_feed.DEAR_MAX_DRAFT is CAPPED_AUTO_DRAFT; the old name goes in a later major version",
+                      DeprecationWarning, stacklevel=2)
+        return CAPPED_AUTO_DRAFT
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class DrafterLike(Protocol):

@@ -44,3 +44,13 @@ def test_every_old_path_is_listed_in_the_docs() -> None:
         leaf = old.rpartition(".")[2]
         assert f".{leaf}" in section or f"ngramcache.client.{old}" in section, old
         assert new.split(".")[0] in section, new
+
+
+def test_a_renamed_constant_reads_under_its_old_name_with_a_warning() -> None:
+    from ngramcache.client.adapters import sequence_feed
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert sequence_feed.DEAR_MAX_DRAFT == sequence_feed.CAPPED_AUTO_DRAFT
+    assert [w.category for w in caught] == [DeprecationWarning]
+    with pytest.raises(AttributeError):
+        sequence_feed.NO_SUCH_NAME  # noqa: B018
