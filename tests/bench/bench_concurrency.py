@@ -1,11 +1,11 @@
-"""Benchmark of the drafter's concurrency (issue 7): parallel drafting and drafting under mirror writes.
+"""Benchmark of the drafter's concurrency: parallel drafting and drafting under mirror writes.
 
 Data: CPython's standard library (the running interpreter's), byte tokens or, with
 --tokenizer, a real tokenizer's; 90% of the files build a static cache, the held-out 10%
 are the sequences drafted. A Drafter holds one context table per held-out file (its first
 half accepted) over the static cache and a dynamic table.
 
-1. Throughput of the core: tests/bench/drafter_threads.cc drafts from 1 and 2 native threads
+1. Throughput of the core: tests/bench/lib/drafter_threads.cc drafts from 1 and 2 native threads
    on disjoint sequences of one ngc::Drafter (the same data and positions), no Python; and
    the baseline in the same run: the same drafts with thread-private tables and no locks
    (what this machine's two cores allow).
@@ -127,7 +127,7 @@ def wheel_core() -> Path | None:
 
 
 def build_native_bench(quick: bool = False) -> Path:
-    """Compiles the core (Release, as the wheel) and tests/bench/drafter_threads.cc.
+    """Compiles the core (Release, as the wheel) and tests/bench/lib/drafter_threads.cc.
 
     With `quick`, links the wheel's own build of the core when there is one (compiling the core
     again takes about a minute on 2 cores)."""
@@ -138,7 +138,7 @@ def build_native_bench(quick: bool = False) -> Path:
         build.mkdir(parents=True, exist_ok=True)
         exe = build / "drafter_threads.quick"
         subprocess.run(["g++", "-O2", "-std=c++20", f"-I{ROOT / 'native' / 'include'}",
-                        str(ROOT / "tests/bench/drafter_threads.cc"), str(core), "-lpthread", "-o", str(exe)], check=True)
+                        str(ROOT / "tests/bench/lib/drafter_threads.cc"), str(core), "-lpthread", "-o", str(exe)], check=True)
         return exe
     bindir = Path(sys.executable).parent
     cmake = shutil.which("cmake", path=str(bindir)) or "cmake"
@@ -148,7 +148,7 @@ def build_native_bench(quick: bool = False) -> Path:
                    check=True, capture_output=True)
     subprocess.run([cmake, "--build", str(build), "--target", "ngc"], check=True, capture_output=True)
     exe = build / "drafter_threads"
-    subprocess.run(["g++", "-O2", "-std=c++20", f"-I{ROOT / 'native' / 'include'}", str(ROOT / "tests/bench/drafter_threads.cc"),
+    subprocess.run(["g++", "-O2", "-std=c++20", f"-I{ROOT / 'native' / 'include'}", str(ROOT / "tests/bench/lib/drafter_threads.cc"),
                     str(build / "src" / "libngc.a"), "-lpthread", "-o", str(exe)], check=True)
     return exe
 

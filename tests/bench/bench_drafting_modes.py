@@ -1,6 +1,6 @@
 """Every drafting method side by side on the same test tokens: ngramcache's two modes and three peers.
 
-Protocol: llama-lookup-stats' replay (native/src/replay.cc; tests/bench/peer_drafters.py does
+Protocol: llama-lookup-stats' replay (native/src/replay.cc; tests/bench/lib/peer_drafters.py does
 the same for the peers). The test set (.bench-data/tokens/test.npy, replayed whole) is cut
 into chunks of n_ctx = 4096 tokens; in each chunk the output starts as its first token and,
 until it holds n_ctx tokens, one step drafts (n_draft = 8; a tree: at most its budget of
@@ -29,7 +29,7 @@ Rows:
 - transformers-pld: transformers' prompt lookup (max_matching_ngram_size 2, 8 tokens; the rule
   of 4.38 through 5.24.0, re-implemented);
 - suffix: SuffixDecoding, arctic-inference 0.3.0's suffix trees and `SuffixDecodingCache`
-  (built by tests/bench/build_suffix_decoding.py), driven as vLLM's "suffix" method drives it,
+  (built by tests/bench/engines/build_suffix_decoding.py), driven as vLLM's "suffix" method drives it,
   vLLM's defaults (max_tree_depth 24, max_spec_factor 1, min_token_prob 0.1); linear drafts:
   not fed (vLLM's setting: only earlier requests), fed (the corpus's streams put in its global
   tree first, as earlier responses), fed with max_spec_factor 4; trees (use_tree_spec, budget
@@ -43,7 +43,7 @@ sizes (the corpus structure, sections TEXT + SUFFIXES + BUCKETS, as a multiple o
 4 bytes a token), their open time (median of 20 opens) and build times.
 
     python tests/bench/prepare_corpus.py              # once: the data
-    python tests/bench/build_suffix_decoding.py       # once: SuffixDecoding for its rows
+    python tests/bench/engines/build_suffix_decoding.py       # once: SuffixDecoding for its rows
     python tests/bench/bench_drafting_modes.py --quick    # 8 chunks, 200 corpus streams, no fed SuffixDecoding (< 1 min)
     python tests/bench/bench_drafting_modes.py [--json PATH] [--repeats 3] [--no-peers]
 
@@ -88,7 +88,7 @@ def progress(msg: str) -> None:
 
 
 def load_peer_drafters() -> Any:
-    spec = importlib.util.spec_from_file_location("peer_drafters", Path(__file__).with_name("peer_drafters.py"))
+    spec = importlib.util.spec_from_file_location("peer_drafters", Path(__file__).parent / "lib" / "peer_drafters.py")
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod
@@ -307,7 +307,7 @@ def run_peers(args: argparse.Namespace, test: np.ndarray, streams: list[np.ndarr
         return lambda: pd.SuffixDecodingPeer(max_spec_factor=factor, use_tree_spec=budget is not None,
                                              max_spec_tokens=budget, lib_dir=lib)
 
-    build = "python tests/bench/build_suffix_decoding.py" + (
+    build = "python tests/bench/engines/build_suffix_decoding.py" + (
         "" if args.data_dir == ROOT / ".bench-data" else f" --dest {args.data_dir / 'peers'}")
     try:
         pd.load_suffix_decoding_cache(lib)

@@ -1,4 +1,4 @@
-"""Benchmark of Redis failover and WAIT (issue 41): what ``--counts-min-replicas 1`` costs in ingest, and one
+"""Benchmark of Redis failover and WAIT: what ``--counts-min-replicas 1`` costs in ingest, and one
 failover under load.
 
 Everything runs on this machine over loopback: a primary and one replica under three Sentinels
@@ -52,8 +52,7 @@ import numpy as np
 from grpc import aio
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the redis and serve helpers
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_overload's batches
-from bench_overload import VOCAB, random_batches
+from bench.bench_overload import VOCAB, random_batches
 from helpers.redis_servers import RedisSentinelGroup
 from helpers.service import SERVE_CLI
 

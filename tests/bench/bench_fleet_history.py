@@ -14,7 +14,7 @@ moment; the fleet's tokens become visible elsewhere `--lag-ms` after they were a
 Setups (fleet_setups.py), side by side, linear drafts of 8 tokens for all:
 - prompt lookup: the match mode with no history (each request alone);
 - SuffixDecoding siloed: vLLM's `suffix` method, one cache per replica (the real
-  arctic-inference build, tests/bench/build_suffix_decoding.py);
+  arctic-inference build, tests/bench/engines/build_suffix_decoding.py);
 - SuffixDecoding ideal: one cache that sees every request at zero lag;
 - ngramcache local only: one match-mode Drafter per replica, its own history;
 - ngramcache local, own counts: the same with each replica's own counts mirrored back to its
@@ -29,8 +29,9 @@ Setups (fleet_setups.py), side by side, linear drafts of 8 tokens for all:
 
 Figures: tokens per step (all output tokens / steps), accept % (accepted / drafted), drafted
 tokens per step, and for the fleet the bytes each client pulls (4 bytes a token of others'
-records); medians over `--seeds` arrival orders. Then the issue's targets, and a cold start: a
-replica joining late, with and without the history window handed to it.
+records); medians over `--seeds` arrival orders. Then the fleet's tokens per step over the ideal,
+siloed and local setups, and a cold start: a replica joining late, with and without the history
+window handed to it.
 
     python tests/bench/bench_fleet_history.py --quick     # a smoke run (seconds)
     python tests/bench/bench_fleet_history.py             # the full run (a few minutes)
@@ -51,10 +52,10 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the benchmarks' library (bench.lib) and helpers
 
-from fleet_setups import MatchFleet, MatchLocal, MatchShared, MatchSiloed, PromptLookup, SuffixTrees  # noqa: E402
-from fleet_sim import Request, Result, Schedule, Setup, load_recording, simulate  # noqa: E402
+from bench.lib.fleet_setups import MatchFleet, MatchLocal, MatchShared, MatchSiloed, PromptLookup, SuffixTrees  # noqa: E402
+from bench.lib.fleet_sim import Request, Result, Schedule, Setup, load_recording, simulate  # noqa: E402
 
 DEFAULT_DATA = ROOT / "tests" / "bench" / "data" / "fleet_workloads.npz"
 SETUP_KEYS = ("pl", "sd_silo", "sd_ideal", "local", "local_counts", "fleet", "fleet_lag0", "fleet_pieces", "ngc_shared")

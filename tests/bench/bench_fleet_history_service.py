@@ -45,11 +45,10 @@ from typing import Any
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(ROOT / "tests"))
 
-from fleet_setups import MatchFleet, MatchLocal  # noqa: E402
-from fleet_sim import Request, Result, Schedule, Setup, load_recording, simulate  # noqa: E402
+from bench.lib.fleet_setups import MatchFleet, MatchLocal  # noqa: E402
+from bench.lib.fleet_sim import Request, Result, Schedule, Setup, load_recording, simulate  # noqa: E402
 from helpers.service import start_serve, stop_serve  # noqa: E402
 
 from ngramcache import UNTAGGED, AdminClient, NgramClient  # noqa: E402
@@ -85,7 +84,7 @@ class ServiceFleet(Setup):
             # mirrors into its dynamic table) no longer reach the drafts.
             for d in self.drafters:
                 d.set_dynamic(None)
-        ids = [c._core.state.client_id for c in self.clients]
+        ids = [c._sync.state.client_id for c in self.clients]
         self.replica_of = {cid: i for i, cid in enumerate(ids)}
         self.lock = threading.Lock()
         # (replica, seq) -> lengths of the sequence after each accept, and their wall times
@@ -100,7 +99,7 @@ class ServiceFleet(Setup):
 
     def _time_mirror(self, client: NgramClient) -> None:
         """Wraps the client's mirror so each record it appends is timed against its accept on the source replica."""
-        mirror = client._core.history_mirror
+        mirror = client._sync.history_mirror
         apply = mirror.apply
 
         def timed(records: list[Any]) -> int:

@@ -1,4 +1,4 @@
-"""Load test of the whole fleet path (issue 32): a Redis Cluster, service replicas and many clients, ramped to the knee.
+"""Load test of the whole fleet path: a Redis Cluster, service replicas and many clients, ramped to the knee.
 
 Everything runs on this machine over loopback: a Redis Cluster of MASTERS redis-server
 processes (AOF on, ``--fsync`` policy, default everysec as the deploy files), REPLICAS
@@ -20,7 +20,7 @@ knee is the highest accepted rate of the ramp; one more step then runs at 80% of
 clients have pushed what the overloaded step left buffered and a step's time at that rate has
 passed unmeasured (else it measures the recovery). Beside
 it, the service-level knee: the highest accepted rate of a step whose push-to-draftable p50 and
-p99 are within ``--slo-p50`` and ``--slo-p99`` (250 ms and 1 s, issue 32's targets).
+p99 are within ``--slo-p50`` and ``--slo-p99`` (250 ms and 1 s by default).
 
 Per step: offered, fed (accepted into the drafters) and accepted tokens/s (acknowledged by
 the store, counts and history both: the lower of the two), counts rows/s and history

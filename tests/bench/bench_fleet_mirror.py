@@ -1,4 +1,4 @@
-"""Fleet-scale mirror benchmark (issue 9): what one client pulls and holds when 10, 100 or 1,000
+"""Fleet-scale mirror benchmark: what one client pulls and holds when 10, 100 or 1,000
 clients push, with the service's draft view (the default) vs a full mirror of the store.
 
 Clients are simulated in this one process; the parts that decide the figures are the real
@@ -8,8 +8,8 @@ each client's traffic is what a Pull would carry.
 
 Workload: CPython's standard library tokenized with cl100k (tiktoken); 95% of the files are
 the fleet's text, 5% held out. Each simulated client reads the fleet text from its own
-random offset, `--tokens` tokens a second (1,000 tokens = ~4,000 n-gram deltas of sizes 1-4,
-the issue's ~4k deltas/s per worker), for `--seconds` seconds. Every second:
+random offset, `--tokens` tokens a second (1,000 tokens = ~4,000 n-gram deltas of sizes 1-4:
+~4k deltas/s per worker), for `--seconds` seconds. Every second:
   - the store applies the second's deltas of all clients (summed);
   - a full-mirror client pulls every (n-gram, follower) row whose count changed: at least
     that many rows (the store's changes_since answers whole buckets, so more);

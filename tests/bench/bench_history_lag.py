@@ -1,4 +1,4 @@
-"""Fleet history lag (issue 20): from a token accepted on one client to it being draftable on another, through a real service.
+"""Fleet history lag: from a token accepted on one client to it being draftable on another, through a real service.
 
 Starts `ngramcache serve` as its own process on loopback (embedded counts store; with
 ``--redis``, a redis-server of its own behind it) and two match-mode `NgramClient`s with the

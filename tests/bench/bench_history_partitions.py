@@ -18,8 +18,8 @@ before and after; a run's figure is tokens appended per second of Redis CPU (tok
 Redis core). The layouts alternate within each repeat, and the medians of ``--repeats`` are
 compared. The spread is each master's share of the namespace's records (XLEN of the
 partitions it holds) and of the Redis CPU, against the mean.
-Target (issue 32): H = 3 within +-20% of the mean on every master, at >= 0.9x the tokens per
-busy Redis core of the single stream as it was (``1d``, the baseline).
+Target: H = 3 within +-20% of the mean on every master, at >= 0.9x the tokens per busy Redis
+core of a single stream per namespace (``1d``, the baseline).
 """
 
 from __future__ import annotations

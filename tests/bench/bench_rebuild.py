@@ -1,4 +1,4 @@
-"""What each rebuild option does to drafts (issue 10): file size and acceptance of a replay per option.
+"""What each rebuild option does to drafts: file size and acceptance of a replay per option.
 
 A real `ngramcache serve` process (embedded counts store, loopback). CPython's standard library
 tokenized with cl100k: 5% of the files are held out; of the rest, the first part is the

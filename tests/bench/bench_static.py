@@ -1,4 +1,4 @@
-"""Benchmark of the static cache tooling and the drafting core on a real corpus (issue 3).
+"""Benchmark of the static cache tooling and the drafting core on a real corpus.
 
 Corpus: Debian's linux-source-6.1 C sources tokenized with Qwen's tokenizer, nested sets of
 about 25, 100 and 300 MB, and a disjoint 2 MB test set (tests/bench/prepare_corpus.py makes

@@ -16,7 +16,7 @@ one untimed warm-up generation per setup:
   (``measure_verify_cost``, before the timed requests);
 - auto, compatible-auto: the adapter's default, ``n_draft="auto"`` (up to 64 tokens, the costs
   learned from the model's own steps, from the first timed request on: nothing measured first);
-- auto-gpu-costs: auto with the costs given, c(0) = 1 and c(1..64) = 1.12 (an H200's, issue 30):
+- auto-gpu-costs: auto with the costs given, c(0) = 1 and c(1..64) = 1.12 (an H200's):
   on a CPU, the drafts (and tokens per forward pass) the default sends on that GPU.
 
 Reported per setup: tokens/s (all tokens over all generate time), x plain, tokens per forward
@@ -47,8 +47,8 @@ from typing import Any
 
 os.environ.setdefault("TQDM_DISABLE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for helpers
+from bench.lib.real_model_workload import build_workload
 from helpers.model import smollm2_gguf  # sets HF_HUB_OFFLINE before transformers is imported
-from real_model_workload import build_workload
 
 from ngramcache import UNTAGGED, CountTable, Drafter
 

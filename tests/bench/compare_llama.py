@@ -56,8 +56,8 @@ def sh(cmd: list[str], **kw) -> subprocess.CompletedProcess:
 
 def built_tools() -> Path | None:
     """The folder of the lookup tools build_llama_server.py caches (the test command builds them), if built."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from build_llama_server import DEFAULT_CACHE, SERVER_CMAKE_ARGS, server_dir
+    sys.path.insert(0, str(ROOT / "tests"))
+    from bench.engines.build_llama_server import DEFAULT_CACHE, SERVER_CMAKE_ARGS, server_dir
 
     folder = server_dir(DEFAULT_CACHE, SERVER_CMAKE_ARGS)
     return folder if all((folder / t).is_file() for t in TOOLS) else None
@@ -154,7 +154,7 @@ def main() -> int:
             args.data_dir = str(ROOT / ".bench-data" / "quick")
         missing = [] if built_tools() else [t for t in TOOLS if not (cache / "build" / "bin" / t).exists()]
         if missing:
-            print(f"--quick: {', '.join(missing)} not built (tests/bench/build_llama_server.py builds them, about "
+            print(f"--quick: {', '.join(missing)} not built (tests/bench/engines/build_llama_server.py builds them, about "
                   "10 minutes; the test command runs it)", file=sys.stderr)
             return 3
 

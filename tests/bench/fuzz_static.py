@@ -1,4 +1,4 @@
-"""Coverage-guided fuzzing of the static cache reader and the llama.cpp reader (issue 7).
+"""Coverage-guided fuzzing of the static cache reader and the llama.cpp reader.
 
 Builds the libFuzzer targets of native/fuzz/ (clang, ASan + UBSan) into build/fuzz, writes
 their seed corpora with the core's own writers, then runs each target, one at a time on one
@@ -11,7 +11,7 @@ corpus a run grows is kept in build/fuzz/corpus/<target> and seeds the next run.
     python tests/bench/fuzz_static.py --runs 200000 --target fuzz_llama_reader
 
 Exits 1 when a target crashed; native/fuzz/README.md says how to reproduce and keep it.
-tests/unit/test_fuzz.py runs the same targets for a few seconds each.
+tests/native/test_fuzz.py runs the same targets for a few seconds each.
 """
 
 from __future__ import annotations

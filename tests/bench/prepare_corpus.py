@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Prepares the benchmark corpora of issue 3 (Linux 6.1 C sources, Qwen tokens) and caches them.
+"""Prepares the benchmark corpora (Linux 6.1 C sources, Qwen tokens) and caches them.
 
 Usage: python tests/bench/prepare_corpus.py [--data-dir DIR] [--tokenizer SPEC]
        python tests/bench/prepare_corpus.py --quick [--data-dir DIR]

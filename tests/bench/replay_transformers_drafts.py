@@ -39,7 +39,7 @@ import numpy as np
 from ngramcache import UNTAGGED, CountTable, Drafter
 from ngramcache.client.adapters.step_costs import StepCosts
 
-GPU_COSTS = [1.0] + [1.12] * 64  # an H200's c(0..64) (issue 30): what "auto" drafts on such a GPU
+GPU_COSTS = [1.0] + [1.12] * 64  # an H200's c(0..64): what "auto" drafts on such a GPU
 # The clock of --machine: a plain step takes STEP_S, one verifying k drafted tokens STEP_S x c(k),
 # c(k) = 1 + slope x k (2 CPU cores and SmolLM2: ~0.13; an H200: ~0.002); "loaded" multiplies
 # each step by a load factor that jumps among 1, 1.6, 2.5 and 4 (on 8% of steps) and a

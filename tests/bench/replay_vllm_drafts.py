@@ -3,7 +3,7 @@
 vLLM's greedy outputs do not depend on the drafter, so a request's engine steps with a drafter
 follow from the plain output alone: each step accepts the longest prefix of the draft that the
 output continues with, plus one token. This script runs plain decoding once in a real vLLM
-(tests/bench/vllm_replica.py, as bench_vllm.py does), then replays the outputs offline in the
+(tests/bench/lib/vllm_replica.py, as bench_vllm.py does), then replays the outputs offline in the
 vLLM Python with:
 
 - ``ngram``: vLLM's own prompt-lookup function (``prompt_lookup_min`` 1, ``_max`` 4);
@@ -33,7 +33,6 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 # (prompt_lookup_min, prompt_lookup_max) of the vLLM lookups the oracle chooses among.
 ORACLE_LOOKUPS = ((1, 4), (2, 2), (3, 3), (4, 4), (5, 5), (6, 6), (8, 8))
@@ -42,7 +41,7 @@ ORACLE_LOOKUPS = ((1, 4), (2, 2), (3, 3), (4, 4), (5, 5), (6, 6), (8, 8))
 def steps_of(propose: Callable[[Any], list[list[int]]], prompt: list[int], output: list[int]) -> int:
     """Engine steps to produce `output` after `prompt` when each step verifies the best of `propose`'s drafts."""
     import numpy as np
-    from bench_real_model import common_prefix
+    from bench.bench_real_model import common_prefix
 
     full = np.asarray(prompt + output, dtype=np.int32)
     pos, steps = len(prompt) + 1, 1  # the prefill samples the first token
@@ -93,7 +92,7 @@ def replay(plain: dict[str, Any], ks: list[int]) -> dict[str, dict[str, list[int
 
 
 def run_plain(args: argparse.Namespace, work: Path) -> dict[str, Any]:
-    from bench_vllm import VLLM_PYTHON, make_workloads, run_replica
+    from bench.bench_vllm import VLLM_PYTHON, make_workloads, run_replica
     from helpers.model import vllm_model_folder
 
     from ngramcache.client.kernel.tokenizer import load_tokenizer
@@ -135,10 +134,10 @@ def main() -> int:
 
     import subprocess
 
-    from bench_vllm import VLLM_PYTHON
+    from bench.bench_vllm import VLLM_PYTHON
 
     if not VLLM_PYTHON.is_file():
-        print(f"error: {VLLM_PYTHON} is missing: run python tests/bench/build_vllm_env.py first", file=sys.stderr)
+        print(f"error: {VLLM_PYTHON} is missing: run python tests/bench/engines/build_vllm_env.py first", file=sys.stderr)
         return 1
     try:
         with tempfile.TemporaryDirectory(prefix="ngc-replay-vllm-") as tmp:

@@ -1,4 +1,4 @@
-"""Soak (issue 10): a fleet runs for --minutes (default 30) and its resources are sampled over time.
+"""Soak: a fleet runs for --minutes (default 30) and its resources are sampled over time.
 
 Three `ngramcache serve` replicas over a real redis-server (AOF), four `NgramClient` workers
 drafting and pushing real text (CPython's standard library, byte tokens) in their own process,

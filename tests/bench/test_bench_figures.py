@@ -34,7 +34,7 @@ def service_bench() -> ModuleType:
     return bench_module("bench_service")
 
 
-def test_apply_many_and_its_baselines_are_rated_in_raw_delta_rows(counts_bench: ModuleType) -> None:
+def test_apply_group_and_its_baselines_are_rated_in_raw_delta_rows(counts_bench: ModuleType) -> None:
     """The baselines send entries that encode_batch summed from repeated rows: each counts the rows it stands for."""
     from ngramcache.cache_service.counts.layout import encode_batch
     from ngramcache.cache_service.counts.namespace import NamespaceRecord
@@ -50,11 +50,11 @@ def test_apply_many_and_its_baselines_are_rated_in_raw_delta_rows(counts_bench: 
 
 
 def test_the_ingest_headline_is_against_pipelined_hincrby(counts_bench: ModuleType) -> None:
-    lines = counts_bench.ingest_lines(pipelined=400_000, plain=125_000, naive=8_000, n_deltas=1 << 20, rows_per_entry=1.09)
+    lines = counts_bench.ingest_lines(grouped=400_000, plain=125_000, naive=8_000, n_deltas=1 << 20, rows_per_entry=1.09)
     text = "\n".join(lines)
     assert "every row rated in raw delta rows/s" in lines[0] and "1.090 raw rows an entry" in lines[0]
-    assert re.search(r"baseline: plain HINCRBY pipelined .* 125,000 deltas/s +apply_many 3\.20x", text), text
-    assert re.search(r"context only: one HINCRBY round trip per entry .* 8,000 deltas/s +apply_many 50\.0x", text), text
+    assert re.search(r"baseline: plain HINCRBY pipelined .* 125,000 deltas/s +apply_group 3\.20x", text), text
+    assert re.search(r"context only: one HINCRBY round trip per entry .* 8,000 deltas/s +apply_group 50\.0x", text), text
 
 
 def test_the_aggregation_target_is_against_apply_group(service_bench: ModuleType) -> None:
@@ -62,6 +62,6 @@ def test_the_aggregation_target_is_against_apply_group(service_bench: ModuleType
     lines = service_bench.push_lines(med, 8)
     one = next(line for line in lines if line.startswith("service, 1 client"))
     many = next(line for line in lines if line.startswith("service, 8 clients"))
-    assert "1.20x direct apply (target >= 0.8x)" in one
+    assert "1.20x direct single (target >= 0.8x)" in one
     assert re.search(r"1\.10x direct apply_group \(target > 1x", many), many
-    assert "1.38x direct apply)" in many  # the one-batch-a-call figure stays, as context
+    assert "1.38x direct single)" in many  # the one-batch-a-call figure stays, as context

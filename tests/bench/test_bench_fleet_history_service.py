@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import fleet_sim as fs
 import numpy as np
 import pytest
-from bench_fleet_history_service import ServiceFleet
-from fleet_setups import MatchLocal
+from bench.bench_fleet_history_service import ServiceFleet
+from bench.lib import fleet_sim as fs
+from bench.lib.fleet_setups import MatchLocal
 from helpers.service import ServiceThread
 
 from ngramcache import UNTAGGED, AdminClient

@@ -41,25 +41,25 @@ def _llama_tools() -> str | None:
     from compare_llama import built_tools
 
     if built_tools() is None:
-        return "llama.cpp's lookup tools are not built (tests/bench/build_llama_server.py, which the test command runs)"
+        return "llama.cpp's lookup tools are not built (tests/bench/engines/build_llama_server.py, which the test command runs)"
     return None
 
 
 def _llama_server() -> str | None:
-    from build_llama_server import DEFAULT_CACHE, SERVER_CMAKE_ARGS, TARGET, server_dir
+    from bench.engines.build_llama_server import DEFAULT_CACHE, SERVER_CMAKE_ARGS, TARGET, server_dir
 
     binary = server_dir(DEFAULT_CACHE, SERVER_CMAKE_ARGS) / TARGET
-    return None if binary.exists() else f"{binary} is not built (tests/bench/build_llama_server.py, minutes)"
+    return None if binary.exists() else f"{binary} is not built (tests/bench/engines/build_llama_server.py, minutes)"
 
 
 def _vllm_env() -> str | None:
-    from bench_vllm import VLLM_PYTHON
+    from bench.bench_vllm import VLLM_PYTHON
 
-    return None if VLLM_PYTHON.is_file() else f"no vLLM virtualenv at {VLLM_PYTHON} (tests/bench/build_vllm_env.py)"
+    return None if VLLM_PYTHON.is_file() else f"no vLLM virtualenv at {VLLM_PYTHON} (tests/bench/engines/build_vllm_env.py)"
 
 
 def _portable_wheel() -> str | None:
-    from build_llama_cpp import DEFAULT_CACHE, PORTABLE_CMAKE_ARGS, cached_wheel
+    from bench.engines.build_llama_cpp import DEFAULT_CACHE, PORTABLE_CMAKE_ARGS, cached_wheel
 
     if cached_wheel(DEFAULT_CACHE, PORTABLE_CMAKE_ARGS) is None:
         return "the portable llama-cpp-python wheel is not cached (the test command builds it: build_llama_cpp.py --install)"
@@ -84,7 +84,7 @@ QUICK: dict[str, Quick] = {
     "bench_concurrency": Quick(("--quick",), (r"ratio 2/1", r"p99 during the apply: [\d.]+ us"), seconds=8),
     "bench_counts_store": Quick(("--quick",), (r"changes_since with 1000 changed buckets", r"checksum \(sum of counts"),
                                 extra=(r"every row rated in raw delta rows/s",
-                                       r"baseline: plain HINCRBY pipelined.*apply_many [\d.]+x",
+                                       r"baseline: plain HINCRBY pipelined.*apply_group [\d.]+x",
                                        r"context only: one HINCRBY round trip per entry")),
     "bench_draft_path": Quick(("--quick",), (r"transformers +auto", r"target: the drafting path <= 100 us per step")),
     "bench_transformers_device": Quick(("--device", "cpu", "--requests", "1", "--max-new-tokens", "16", "--setups",
@@ -155,24 +155,24 @@ QUICK: dict[str, Quick] = {
 
 # Scripts the docs name that are not benchmarks of their own, and what keeps them from rotting.
 NOT_BENCHMARKS = {
-    "build_llama_cpp": "the test command runs it (its llama-cpp-python build); tests/unit/test_portability.py checks the result",
-    "build_suffix_decoding": "the test command runs it; tests/unit/test_portability.py checks the result",
-    "build_vllm_env": "the test command runs it (.venv-vllm); tests/integration/test_vllm_engine.py uses the result",
-    "vllm_replica": "one engine replica of bench_vllm and tests/integration/test_vllm_engine.py, which run it",
-    "build_llama_server": "the test command runs it (llama-server and the lookup tools); tests/unit/test_llama_server.py",
-    "peer_drafters": "a module of bench_drafting_modes; tests/unit/test_peer_drafters.py",
-    "fleet_counts": "a module of bench_fleet_history; tests/unit/test_fleet_sim.py",
-    "fleet_sim": "a module of bench_fleet_history; tests/unit/test_fleet_sim.py",
+    "engines/build_llama_cpp": "the test command runs it (its llama-cpp-python build); tests/native/test_portability.py checks the result",
+    "engines/build_suffix_decoding": "the test command runs it; tests/native/test_portability.py checks the result",
+    "engines/build_vllm_env": "the test command runs it (.venv-vllm); tests/integration/test_vllm_engine.py uses the result",
+    "lib/vllm_replica": "one engine replica of bench_vllm and tests/integration/test_vllm_engine.py, which run it",
+    "engines/build_llama_server": "the test command runs it (llama-server and the lookup tools); tests/bench/test_llama_server.py",
+    "lib/peer_drafters": "a module of bench_drafting_modes; tests/bench/test_peer_drafters.py",
+    "lib/fleet_counts": "a module of bench_fleet_history; tests/bench/test_fleet_sim.py",
+    "lib/fleet_sim": "a module of bench_fleet_history; tests/bench/test_fleet_sim.py",
     "record_workloads": "records (once, with the model) the workloads the fleet benchmarks replay; its output is committed",
 }
 
 
 def quoted_scripts() -> set[str]:
-    """The tests/bench scripts README.md and docs/*.md name."""
+    """The tests/bench scripts README.md and docs/*.md name (their tests aside)."""
     names: set[str] = set()
     for doc in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
-        names |= set(re.findall(r"tests/bench/(\w+)\.py", doc.read_text(encoding="utf-8")))
-    return names
+        names |= set(re.findall(r"tests/bench/((?:\w+/)?\w+)\.py", doc.read_text(encoding="utf-8")))
+    return {n for n in names if not n.startswith("test_")}  # the benchmarks' own tests are no scripts
 
 
 def test_every_benchmark_the_docs_quote_has_a_quick_run() -> None:

@@ -1,4 +1,4 @@
-"""tests/bench/fleet_sim.py and fleet_setups.py: the replay's accounting (steps, drafted, accepted,
+"""tests/bench/lib/fleet_sim.py and fleet_setups.py: the replay's accounting (steps, drafted, accepted,
 tokens), the schedules (concurrent and sequential siblings, routing, a late replica) and the
 fleet's lag, on small synthetic requests. No model, no SuffixDecoding; seconds."""
 
@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import fleet_sim as fs
 import numpy as np
 import pytest
-from fleet_setups import MatchFleet, MatchLocal, MatchSiloed, PromptLookup
+from bench.lib import fleet_sim as fs
+from bench.lib.fleet_setups import MatchFleet, MatchLocal, MatchSiloed, PromptLookup
 
 VOCAB = 1000
 
@@ -212,7 +212,7 @@ def test_sharing_helps_a_repeated_output_and_prompt_lookup_does_not_share():
 ])
 def test_the_benchmark_refuses_names_it_has_not(args, message, capsys):
     """A misspelt workload, setup or schedule is a usage error naming the choices, not a traceback or an empty run."""
-    import bench_fleet_history
+    from bench import bench_fleet_history
 
     with pytest.raises(SystemExit) as e:
         bench_fleet_history.main(args)

@@ -1,29 +1,17 @@
-"""tests/bench/llama_server.py and build_llama_server.py: the timings of a /completion response, the build's cache key
+"""tests/bench/lib/llama_server.py and build_llama_server.py: the timings of a /completion response, the build's cache key
 and flags, and a server that dies at start. No llama-server build needed."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
+from bench.engines import build_llama_server as bls
+from bench.lib import llama_server as ls
+
 ROOT = Path(__file__).resolve().parents[2]
 
-
-def load(name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(name, ROOT / "tests" / "bench" / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-ls = load("llama_server")
-bls = load("build_llama_server")
 
 # A response of this llama-server with drafting (the fields its server_slot_stats::to_json writes).
 DRAFTED = {"content": "x", "timings": {"cache_n": 12, "prompt_n": 300, "prompt_ms": 150.5, "prompt_per_token_ms": 0.5,

@@ -1,10 +1,9 @@
-"""tests/bench/peer_drafters.py: the vLLM and transformers lookup rules on hand examples and
+"""tests/bench/lib/peer_drafters.py: the vLLM and transformers lookup rules on hand examples and
 against a plain reference, and the replay's counting with fake drafters. Needs neither
 SuffixDecoding built nor vLLM/transformers installed (one test uses SuffixDecoding if built)."""
 
 from __future__ import annotations
 
-import importlib.util
 import random
 import sys
 import time
@@ -13,13 +12,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("peer_drafters", ROOT / "tests" / "bench" / "peer_drafters.py")
-assert _spec is not None and _spec.loader is not None
-pd = importlib.util.module_from_spec(_spec)
-sys.modules[_spec.name] = pd
-_spec.loader.exec_module(pd)
+from bench.lib import peer_drafters as pd
 
+ROOT = Path(__file__).resolve().parents[2]
 
 # --- the lookup rules -------------------------------------------------------------------------
 

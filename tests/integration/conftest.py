@@ -46,9 +46,12 @@ def backend_url(request: pytest.FixtureRequest, backend: str) -> str | None:
     return request.getfixturevalue("redis_cluster").url
 
 
-@pytest.fixture(params=BACKENDS)
-def backend(request: pytest.FixtureRequest) -> str:
-    return request.param
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """A test that uses `backend` (itself, or through `make_store` / `store`) runs on each of the
+    module's ``BACKENDS``, else on this file's."""
+    chosen = any("backend" in str(mark.args[0]) for mark in metafunc.definition.iter_markers("parametrize"))
+    if "backend" in metafunc.fixturenames and not chosen:  # a test may name its own backends
+        metafunc.parametrize("backend", getattr(metafunc.module, "BACKENDS", BACKENDS))
 
 
 @pytest.fixture

@@ -214,7 +214,7 @@ def test_llama_round_trip_and_hostile_file(tmp_path):
     assert not (tmp_path / "x.ngc").exists()
 
 
-# --- The CLI never loses data and never shows a traceback (issue 7, section 5) ----------------
+# --- The CLI never loses data and never shows a traceback -------------------------------------
 # Most of these run main(argv) in this process (fast, and lets a test stand in for the builder);
 # Ctrl-C is also tested on a real subprocess.
 
@@ -702,7 +702,7 @@ def test_a_write_that_fails_midway_names_the_file(files, tmp_path):
     assert list(out.parent.iterdir()) == []
 
 
-# --- The command line's surface: --version and --json (issue 29) ----------------------------
+# --- The command line's surface: --version and --json -----------------------------------------
 
 
 def test_version_prints_the_installed_version_and_exits_0(capsys):

@@ -2,7 +2,7 @@
 
 Most tests run a stand-in for llama-server (tests/helpers/llama_stand_in.py: llama-server's
 flags and routes, no model; every answer names the -lcs file it read), so the switching runs
-on every CI run; the last one runs the real llama-server when tests/bench/build_llama_server.py
+on every CI run; the last one runs the real llama-server when tests/bench/engines/build_llama_server.py
 has built it, and is skipped, saying so, when it has not.
 """
 
@@ -355,12 +355,12 @@ def test_server_is_repeatable_for_failover(fleet, live_first):
 
 
 def built_llama_server() -> Path:
-    """The llama-server tests/bench/build_llama_server.py caches, or a skip saying how to build it."""
-    from build_llama_server import DEFAULT_CACHE, SERVER_CMAKE_ARGS, TARGET, server_dir
+    """The llama-server tests/bench/engines/build_llama_server.py caches, or a skip saying how to build it."""
+    from bench.engines.build_llama_server import DEFAULT_CACHE, SERVER_CMAKE_ARGS, TARGET, server_dir
 
     binary = server_dir(DEFAULT_CACHE, SERVER_CMAKE_ARGS) / TARGET
     if not binary.is_file():
-        pytest.skip(f"{binary} is not built: python tests/bench/build_llama_server.py (6-8 min on 2 cores)")
+        pytest.skip(f"{binary} is not built: python tests/bench/engines/build_llama_server.py (6-8 min on 2 cores)")
     return binary
 
 

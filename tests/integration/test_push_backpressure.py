@@ -13,11 +13,11 @@ from grpc import aio
 from helpers.service import ServerThread
 
 from ngramcache.client._proto.v1 import counts_pb2, counts_pb2_grpc
-from ngramcache.client.errors import OverloadedError
+from ngramcache.client.kernel.errors import OverloadedError
 from ngramcache.client.sync import ClientConfig
 from ngramcache.client.sync.pusher import Pusher, PushRate
 from ngramcache.client.sync.state import SyncState
-from ngramcache.client.transport import error_from_rpc
+from ngramcache.client.wire.transport import error_from_rpc
 
 FP = b"\x07" * 32
 

@@ -190,7 +190,7 @@ def test_rebuild_takes_the_token_files_tokenize_makes_from_text(tmp_path: Path) 
         assert file_pairs(tmp_path / "data" / "static" / ns / f"{1:020d}.ngc") == file_pairs(tmp_path / "text.ngc")
 
 
-# --- The corpus base (issue 29): what `ngramcache publish` put in carries into every rebuild ---------------------
+# --- The corpus base: what `ngramcache publish` put in carries into every rebuild -------------------------------
 
 
 def publish_cli(address: str, namespace: str, path: Path) -> subprocess.CompletedProcess[str]:
@@ -215,7 +215,7 @@ def gen_path(data: Path, ns: str, generation: int) -> Path:
 
 
 def test_a_rebuild_keeps_the_published_corpus_the_client_drafts_from_and_adds_the_counts(tmp_path: Path) -> None:
-    """The issue's sequence: publish a corpus generation, a client drafts an 8-token copy from it, counts are
+    """An operator's sequence: publish a corpus generation, a client drafts an 8-token copy from it, counts are
     pushed, a default rebuild: the same client drafts the same copy and what only the counts give; two rebuilds
     in a row fold the base once each (no double counting) with its corpus index."""
     with ServiceThread(tmp_path / "data", mirror_interval=0.05) as svc:
@@ -481,24 +481,24 @@ def test_a_new_namespaces_generation_is_listed_on_every_replica_without_a_client
 
 
 def test_a_rebuild_folds_the_fleet_history_into_the_corpus_index_and_only_there(
-        tmp_path: Path, service: ServiceThread, raw_tokenizer: tuple[bytes, int]) -> None:
+        tmp_path: Path, embedded_service: ServiceThread, raw_tokenizer: tuple[bytes, int]) -> None:
     """The sequences the history keeps join the new file's corpus index (two records of one sequence,
     published apart, as one text); the counts are the dynamic counts alone; --no-history leaves them out."""
     from ngramcache.cache_service.counts.history import HistoryRecord
 
-    address = f"127.0.0.1:{service.port}"
+    address = f"127.0.0.1:{embedded_service.port}"
     ns = create(address)
     with NgramClient(address, ns, raw_tokenizer, cache_dir=tmp_path / "cache", **FAST) as client:
         push_all(client, corpus(3))
     generated = np.random.default_rng(7).integers(0, VOCAB, 64, dtype=np.int32)
-    store = service.service.runner.store
+    store = embedded_service.service.runner.store
     store.append_history(ns, "worker-a", 1, [HistoryRecord("", 5, "g", 0, generated[:40])])
     store.append_history(ns, "worker-a", 2, [HistoryRecord("", 5, "g", 40, generated[40:])])
 
     done = rebuild_cli(address, ns)
     assert done.returncode == 0, done.stderr
     assert "64 history tokens indexed" in done.stdout, done.stdout
-    files = service.data_dir / "static" / ns
+    files = embedded_service.data_dir / "static" / ns
     cache = StaticCache.open(files / f"{1:020d}.ngc")
     assert cache.n_indexed == 64
     assert cache.corpus_match(generated[30:50]) == (min(20, cache.index_depth), 1)  # across the two records
@@ -623,10 +623,10 @@ def test_corpus_paths_are_confined_to_the_corpus_roots_and_tell_nothing(tmp_path
 
 def test_a_new_namespaces_generation_is_listed_while_another_namespaces_builder_hangs(
         tmp_path: Path, redis_standalone) -> None:  # type: ignore[no-untyped-def]
-    """Issue 32: a namespace created and published on replica one, never used on replica two, is listed there
-    within the scan's period even while the replica that built another namespace hangs (SIGSTOP: a Fetch from it
-    waits about 20 s for gRPC to give up connecting, three attempts a check). The scan checked the namespaces one
-    after another, so a hung builder held up every namespace after it in name order until a client used it on
+    """A namespace created and published on replica one, never used on replica two, is listed there within the
+    scan's period even while the replica that built another namespace hangs (SIGSTOP: a Fetch from it waits about
+    20 s for gRPC to give up connecting, three attempts a check): a scan that checked the namespaces one after
+    another would let a hung builder hold up every namespace after it in name order until a client used it on
     replica two."""
     url = redis_standalone.url
     hung, hung_port = start_serve(tmp_path / "hung", "--counts", url)
@@ -657,11 +657,11 @@ def test_a_new_namespaces_generation_is_listed_while_another_namespaces_builder_
 
 def test_a_restarted_replica_says_serving_while_a_namespace_waits_on_a_hung_builder(
         tmp_path: Path, redis_standalone) -> None:  # type: ignore[no-untyped-def]
-    """Issue 32: a restarted replica says SERVING once the store answers, and opens the namespaces it holds
-    generations of in the background. Here opening one waits on the replica that built its newer generation,
-    which hangs (SIGSTOP: each of three Fetch attempts waits about 20 s for gRPC to give up connecting); before,
-    the start waited for every namespace to open, so the replica stayed NOT_SERVING (and create_server did not
-    return) all that time."""
+    """A restarted replica says SERVING once the store answers, and opens the namespaces it holds generations
+    of in the background. Here opening one waits on the replica that built its newer generation, which hangs
+    (SIGSTOP: each of three Fetch attempts waits about 20 s for gRPC to give up connecting); a start that waited
+    for every namespace to open would keep the replica NOT_SERVING (and create_server from returning) all that
+    time."""
     url = redis_standalone.url
     hung, hung_port = start_serve(tmp_path / "hung", "--counts", url)
     try:

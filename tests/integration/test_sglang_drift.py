@@ -156,8 +156,8 @@ def function_source(wheel: zipfile.ZipFile, name: str, function: str) -> str:
 
 
 def test_what_the_docs_say_of_sglang_is_in_its_source(wheel: zipfile.ZipFile) -> None:
-    """docs/engines.md's SGLang section, fact by fact, against the wheel (it used to be checked against strings
-    written in this repository only)."""
+    """docs/engines.md's SGLang section, fact by fact, against the wheel (not against strings written in this
+    repository)."""
     engines = " ".join((DOCS / "engines.md").read_text().split())
     metadata = next(n for n in wheel.namelist() if n.endswith(".dist-info/METADATA"))
     assert f"Version: {VERSION}\n" in source(wheel, metadata) and f"SGLang {VERSION}" in engines

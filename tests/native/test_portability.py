@@ -55,7 +55,7 @@ def test_dispatched_variants_are_recognised_by_name():
 def llama_cpp_libraries() -> list[Path]:
     spec = importlib.util.find_spec("llama_cpp")  # finds the package without loading its libraries
     assert spec is not None and spec.origin, (
-        "llama-cpp-python is not installed: the test command builds it (tests/bench/build_llama_cpp.py --install)")
+        "llama-cpp-python is not installed: the test command builds it (tests/bench/engines/build_llama_cpp.py --install)")
     libs = sorted(p for p in (Path(spec.origin).parent / "lib").glob("*.so*") if p.is_file() and not p.is_symlink())
     assert libs, f"no shared libraries in {Path(spec.origin).parent / 'lib'}"
     return libs
@@ -67,7 +67,7 @@ def test_llama_cpp_libraries_stay_within_the_baseline():
     found = {p.name: hits for p in libs if not is_dispatched_variant(p) and (hits := beyond_baseline(p))}
     assert not found, (
         f"llama.cpp libraries loaded on every CPU use instructions beyond x86-64-v3: {found}; "
-        "rebuild with tests/bench/build_llama_cpp.py's portable flags")
+        "rebuild with tests/bench/engines/build_llama_cpp.py's portable flags")
 
 
 def test_project_core_stays_within_the_baseline():
@@ -77,17 +77,17 @@ def test_project_core_stays_within_the_baseline():
 
 
 def test_suffix_decoding_peer_stays_within_the_baseline():
-    from build_suffix_decoding import DEFAULT_DEST, module_path
+    from bench.engines.build_suffix_decoding import DEFAULT_DEST, module_path
 
     module = module_path(DEFAULT_DEST)
-    assert module.exists(), f"{module} is not built: the test command builds it (tests/bench/build_suffix_decoding.py)"
+    assert module.exists(), f"{module} is not built: the test command builds it (tests/bench/engines/build_suffix_decoding.py)"
     assert beyond_baseline(module) == {}
 
 
 def test_llama_server_recipe_is_portable():
     # Always checked: the flags the benchmark builds llama-server with (the build itself takes
     # minutes and is not part of the test command; the binary is checked below where it exists).
-    from build_llama_server import SERVER_CMAKE_ARGS
+    from bench.engines.build_llama_server import SERVER_CMAKE_ARGS
 
     flags = SERVER_CMAKE_ARGS.split()
     assert "-DGGML_NATIVE=OFF" in flags and "-DGGML_AVX512=OFF" in flags
@@ -96,9 +96,9 @@ def test_llama_server_recipe_is_portable():
 
 
 def test_llama_server_stays_within_the_baseline():
-    from build_llama_server import DEFAULT_CACHE, SERVER_CMAKE_ARGS, TARGET, server_dir
+    from bench.engines.build_llama_server import DEFAULT_CACHE, SERVER_CMAKE_ARGS, TARGET, server_dir
 
     binary = server_dir(DEFAULT_CACHE, SERVER_CMAKE_ARGS) / TARGET
     if not binary.exists():
-        pytest.skip(f"{binary} is not built (tests/bench/build_llama_server.py, minutes: not part of the test command)")
+        pytest.skip(f"{binary} is not built (tests/bench/engines/build_llama_server.py, minutes: not part of the test command)")
     assert beyond_baseline(binary) == {}

@@ -243,7 +243,7 @@ def test_assign_rows_matches_a_reference_upsert():
 def test_parallel_writers_and_readers_equal_a_serial_run():
     """Four threads adding to one table at once (update a stream at a time, add_rows, merge) while
     two threads read it: the table ends with exactly the counts of the same operations done
-    serially, and no reader sees a count go down. tests/unit/test_sanitizers.py reruns this under
+    serially, and no reader sees a count go down. tests/native/test_sanitizers.py reruns this under
     ThreadSanitizer."""
     import threading
 

@@ -335,7 +335,7 @@ def test_parallel_drafts_equal_serial_drafts_while_the_mirror_and_static_change(
     to the dynamic table and the static cache is swapped for a newer generation of the same counts:
     every draft equals the serial run's, and the dynamic table ends with exactly the counts the
     rows add serially. The writers' keys hold tokens the sequences never do, so no draft may depend
-    on when a write lands. tests/unit/test_sanitizers.py reruns this under ThreadSanitizer."""
+    on when a write lands. tests/native/test_sanitizers.py reruns this under ThreadSanitizer."""
     import threading
 
     rng = np.random.default_rng(5)

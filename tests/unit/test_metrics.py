@@ -7,8 +7,6 @@ import json
 import logging
 import time
 import types
-import urllib.error
-import urllib.request
 from typing import Any
 
 import grpc
@@ -23,7 +21,6 @@ from ngramcache.cache_service.metrics import (
     RPC_BUCKETS,
     Metrics,
     is_store_failure,
-    start_metrics_http_server,
     store_op,
 )
 from ngramcache.cache_service.status import REASON_KEY, ServiceError
@@ -197,33 +194,6 @@ def test_namespaces_are_read_at_scrape_time_and_vanish_when_dropped() -> None:
     assert value(s, "ngramcache_mirror_rows", namespace="chat") is None
     with pytest.raises(RuntimeError, match="^watch_namespaces was already called on this Metrics$"):
         m.watch_namespaces(lambda: {})
-
-
-def test_http_server_serves_metrics_on_a_free_loopback_port() -> None:
-    m = Metrics()
-    m.drafted(2)
-    server, port = start_metrics_http_server(m, "127.0.0.1", 0)
-    try:
-        assert port > 0 and server.port == port
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
-            assert response.status == 200
-            body = response.read().decode()
-        scraped = {s.name: s.value for f in text_string_to_metric_families(body) for s in f.samples}
-        assert scraped["ngramcache_drafted_tokens_total"] == 2
-    finally:
-        server.close()
-    with pytest.raises(urllib.error.URLError, match="Connection refused"):
-        urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2)
-    server.close()  # twice is fine
-
-
-def test_http_server_port_in_use_raises_oserror() -> None:
-    first, port = start_metrics_http_server(Metrics())
-    try:
-        with pytest.raises(OSError, match="Address already in use"):
-            start_metrics_http_server(Metrics(), "127.0.0.1", port)
-    finally:
-        first.close()
 
 
 # --------------------------------------------------------------------------- interceptor parts

@@ -13,7 +13,7 @@ the caller to load the backends (llama-cpp-python 0.3.36 never calls ggml_backen
 compile the CPU backend about ten times, and on an Intel CPU with AMX the dispatcher would pick the
 variant whose AMX kernels crash here. docs/architecture.md ("Portability") has the measured cost.
 
-    python tests/bench/build_llama_cpp.py [--install] [--cmake-args "..."] [--cache DIR] [--force]
+    python tests/bench/engines/build_llama_cpp.py [--install] [--cmake-args "..."] [--cache DIR] [--force]
 
 Prints the wheel's path on stdout; progress goes to stderr. A rerun with the wheel cached builds
 nothing. --install puts it into this Python unless that exact wheel is already installed.

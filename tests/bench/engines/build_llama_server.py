@@ -10,7 +10,7 @@ libraries, into `<cache>/llama-server-<version>-<key>/`, where the key hashes th
 recipe, the CMake flags, the platform and the compiler. A rerun finds them there; the test command
 runs it (about 8-10 minutes the first time on 2 cores).
 
-    python tests/bench/build_llama_server.py [--cmake-args "..."] [--cache DIR] [--jobs 2] [--force]
+    python tests/bench/engines/build_llama_server.py [--cmake-args "..."] [--cache DIR] [--jobs 2] [--force]
 
 Prints the binary's path on stdout; progress goes to stderr. About 6-8 minutes on 2 cores; run it
 under `flock /tmp/ngc-heavy.lock` on a shared machine.
@@ -29,7 +29,7 @@ import tarfile
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # its sibling, wherever both are (the Docker image has them side by side)
 from build_llama_cpp import (
     DEFAULT_CACHE,
     PORTABLE_CMAKE_ARGS,

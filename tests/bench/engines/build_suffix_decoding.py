@@ -8,11 +8,11 @@ sdist with pip, unpacks only those parts and builds just that one extension modu
 (nice'd, one job), against the nanobind installed in this Python. Nothing of it is committed:
 everything lives in the cache folder (default .bench-data/peers/, gitignored).
 
-    python tests/bench/build_suffix_decoding.py [--dest DIR] [--sdist FILE] [--force]
+    python tests/bench/engines/build_suffix_decoding.py [--dest DIR] [--sdist FILE] [--force]
 
 It prints one line on stdout: the folder to put on sys.path so that
 `from arctic_inference.suffix_decoding import SuffixDecodingCache` works
-(tests/bench/peer_drafters.py looks there by default). Progress goes to stderr. A rerun with
+(tests/bench/lib/peer_drafters.py looks there by default). Progress goes to stderr. A rerun with
 the module already built does nothing but print that folder. pip's metadata step imports torch
 (arctic-inference's setup.py does), so torch must be installed in this Python.
 """
@@ -28,7 +28,7 @@ import sysconfig
 import tarfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 DEFAULT_DEST = ROOT / ".bench-data" / "peers"
 PACKAGE = "arctic-inference"
 VERSION = "0.3.0"

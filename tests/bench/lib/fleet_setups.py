@@ -3,7 +3,7 @@
 - `PromptLookup`: ngramcache's match mode with no history (history_tokens 0): each request
   drafts from its own prompt and output only.
 - `SuffixTrees`: SuffixDecoding (the real arctic-inference cache, driven as vLLM's `suffix`
-  method drives it, with vLLM's defaults: tests/bench/peer_drafters.py) with one cache per
+  method drives it, with vLLM's defaults: tests/bench/lib/peer_drafters.py) with one cache per
   replica (siloed, as vLLM runs it) or one cache for every request at zero lag (the ideal).
 - `MatchLocal`: one match-mode Drafter per replica, with its own history.
 - `MatchSiloed`: the same with each replica's own counts mirrored back to it, as a real client
@@ -25,9 +25,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from fleet_counts import FleetCounts
-from fleet_sim import Setup
 
+from bench.lib.fleet_counts import FleetCounts
+from bench.lib.fleet_sim import Setup
 from ngramcache.client import _core
 
 
@@ -198,7 +198,7 @@ class SuffixTrees(Setup):
 
     def __init__(self, k: int, shared: bool, lib_dir: Path | None = None) -> None:
         super().__init__(k)
-        from peer_drafters import SuffixDecodingPeer
+        from bench.lib.peer_drafters import SuffixDecodingPeer
 
         self.peers = [SuffixDecodingPeer(lib_dir=lib_dir) for _ in range(1 if shared else k)]
         self.shared = shared

@@ -9,15 +9,15 @@ Three peers, each run for real under the same replay as ngramcache's native `rep
   `prompt_lookup_num_tokens` = n_draft), likewise.
 - `SuffixDecodingPeer`: SuffixDecoding itself, arctic-inference 0.3.0's suffix trees and its
   `SuffixDecodingCache` wrapper (the object vLLM's "suffix" method drives), built by
-  tests/bench/build_suffix_decoding.py; linear drafts as vLLM takes them, or token trees.
+  tests/bench/engines/build_suffix_decoding.py; linear drafts as vLLM takes them, or token trees.
 
 `replay(method, tokens, ...)` runs one of them and returns steps, drafted, accepted,
 accept %, tokens/step and the time spent in draft calls. From the command line, one
 configuration per process (so the peak RSS printed is that run's):
 
-    python tests/bench/peer_drafters.py vllm-ngram
-    python tests/bench/peer_drafters.py transformers-pld
-    python tests/bench/peer_drafters.py suffix [--corpus .bench-data/tokens/25mb.npy] [--factor 4] [--tree-budget 16]
+    python tests/bench/lib/peer_drafters.py vllm-ngram
+    python tests/bench/lib/peer_drafters.py transformers-pld
+    python tests/bench/lib/peer_drafters.py suffix [--corpus .bench-data/tokens/25mb.npy] [--factor 4] [--tree-budget 16]
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ from typing import Any
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[2]
-# The folder tests/bench/build_suffix_decoding.py builds SuffixDecoding into (what it prints).
+ROOT = Path(__file__).resolve().parents[3]
+# The folder tests/bench/engines/build_suffix_decoding.py builds SuffixDecoding into (what it prints).
 DEFAULT_SUFFIX_LIB = ROOT / ".bench-data" / "peers" / "arctic_inference-0.3.0"
 
 TokenSeq = np.ndarray | Sequence[int]
@@ -179,7 +179,7 @@ def load_suffix_decoding_cache(lib_dir: Path | str | None = None) -> Any:
         from arctic_inference.suffix_decoding import SuffixDecodingCache
     except ImportError as e:
         raise SuffixDecodingUnavailable(
-            f"SuffixDecoding is not built in {folder} ({e}): run `python tests/bench/build_suffix_decoding.py` "
+            f"SuffixDecoding is not built in {folder} ({e}): run `python tests/bench/engines/build_suffix_decoding.py` "
             "(it prints the folder to pass as lib_dir)") from None
     return SuffixDecodingCache
 

@@ -4,18 +4,14 @@ and its workers' drafters."""
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
+from helpers.model import smollm2_gguf
 
 from ngramcache import Drafter, NgramClient
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for helpers
-from helpers.model import smollm2_gguf
 
 COST_AWARE = {"g": "c", "h": "e"}  # a cost-aware setup -> the same drafter sending every drafted token
 DRAFTED_LABELS = {"c": "(c) ngramcache, local Drafter", "d": "(d) ngramcache + service",

@@ -1,9 +1,9 @@
 """One vLLM engine replica for bench_vllm.py and the vLLM tests: runs a job of requests, writes what each took.
 
-Run by the Python of the vLLM virtualenv (`.venv-vllm`, made by tests/bench/build_vllm_env.py),
+Run by the Python of the vLLM virtualenv (`.venv-vllm`, made by tests/bench/engines/build_vllm_env.py),
 never imported by the tests' own Python (vLLM pins another transformers than ours):
 
-    .venv-vllm/bin/python tests/bench/vllm_replica.py JOB.json RESULT.json
+    .venv-vllm/bin/python tests/bench/lib/vllm_replica.py JOB.json RESULT.json
 
 JOB.json holds ``model`` (a folder vLLM loads), ``speculative_config`` (or null for plain
 decoding), ``requests`` (each ``{"prompt_ids": [...], "max_tokens": N, "temperature": T,

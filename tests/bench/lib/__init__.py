@@ -1,0 +1,1 @@
+"""What the benchmarks share: workloads, the fleet simulator, peers' drafters, engine replicas and clients."""
