@@ -4,7 +4,7 @@
     wire     transport, codec, rpc errors, addresses: kernel + the generated protos
     sync     NgramClient, RemoteDrafter, AdminClient: kernel + wire
     adapters the engines' drafters: kernel + wire + sync
-    tools    the command line and the programs it runs: anything
+    tools    the command line and the programs it runs: any wing of the client
 
 cache_service (the server) imports only kernel, wire, the generated protos and the compiled core; its
 command line, admin commands and demo also the client's sync and tools. Read from the sources with
@@ -29,7 +29,7 @@ CLIENT_RULES: dict[str, set[str]] = {
     "wire": {"kernel", "wire", "_proto", "_core"},
     "sync": {"kernel", "wire", "sync", "_proto", "_core"},
     "adapters": {"kernel", "wire", "sync", "adapters", "_core"},
-    "tools": {"kernel", "wire", "sync", "adapters", "tools", "_proto", "_core", "cache_service"},
+    "tools": {"kernel", "wire", "sync", "adapters", "tools", "_proto", "_core"},  # never the service: it adds its commands
     "_proto": {"_proto"},
 }
 SERVICE_ALLOWED = {"kernel", "wire", "_proto", "_core"}
@@ -126,6 +126,7 @@ def test_every_wing_of_the_rule_is_a_folder() -> None:
     ("client/sync/bad.py", "from ngramcache.client.tools import cli", "sync imports"),
     ("client/sync/bad.py", "from ngramcache.client import NgramClient", "(client face)"),
     ("client/sync/bad.py", "from ..tools.cli import main", "sync imports ngramcache.client.tools.cli"),
+    ("client/tools/bad.py", "from ngramcache.cache_service import cli", "tools imports ngramcache.cache_service"),
     ("cache_service/bad.py", "from ngramcache.client.sync.admin import AdminClient", "the service imports"),
     ("cache_service/bad.py", "from ngramcache.client import errors", "(client face)"),
     ("client/stray.py", "x = 1", "a module at the top of client/"),
@@ -144,3 +145,28 @@ def test_a_violation_is_found(tmp_path: Path, where: str, line: str, why: str) -
     finally:
         FOLDERS.update(saved)
     assert len(found) == 1 and found[0].startswith(where) and why in found[0], found
+
+
+def wing_graph(root: Path = ROOT) -> dict[tuple[str, str], int]:
+    """(from, to) -> how many imports, between the client's wings, the core, the protos and the service."""
+    edges: dict[tuple[str, str], int] = {}
+    seen: set[tuple[Path, int, str]] = set()  # an import statement counts once, whatever names it takes
+    for folder, name in (("client", None), ("cache_service", "cache_service")):
+        for path in sorted((root / folder).rglob("*.py")):
+            rel = path.relative_to(root / folder)
+            if "_pb2" in path.name or (name is None and len(rel.parts) == 1):
+                continue
+            source = name or rel.parts[0]
+            for line, module in imports_of(path):
+                target = wing_of(module)
+                if target is not None and target != source and (path, line, target) not in seen:
+                    seen.add((path, line, target))
+                    edges[source, target] = edges.get((source, target), 0) + 1
+    return edges
+
+
+if __name__ == "__main__":  # python tests/unit/test_layers.py: the layers as the imports draw them
+    for (source, target), n in sorted(wing_graph().items()):
+        print(f"{source:>13} -> {target:<13} {n:4d} imports")
+    found = violations()
+    print(f"{len(found)} imports against the rule", *found, sep="\n")
