@@ -3,8 +3,8 @@ against the counts store called directly, memory per session, 1 vs 2 workers, an
 generation mapped by 2 workers.
 
 Everything runs on this machine over loopback: the service is a real `ngramcache serve`
-process, the baseline a bare grpc.aio bidirectional echo server (tests/bench/echo_server.py
-logic, inline below) answering each message with one of the same size as a draft reply.
+process, the baseline a bare grpc.aio bidirectional echo server (`ECHO_SERVER` in
+tests/bench/lib/service_processes.py) answering each message with one of the same size as a draft reply.
 
 1. Session step: each of C concurrent sessions (C = 1, 16, 64) sends one new token per step
    and waits for the draft of 8 tokens; p50 / p99 step latency and steps/s over all
@@ -41,7 +41,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import re
 import shutil
 import signal
 import statistics
@@ -55,47 +54,17 @@ from pathlib import Path
 
 import grpc
 import numpy as np
-from grpc import aio
 
 from ngramcache import CountTable
 from ngramcache.cache_service.counts import ApplyResult, CountsStore, GroupItem, open_counts_store
-from ngramcache.client._proto.v1 import (
-    admin_pb2,
-    admin_pb2_grpc,
-    counts_pb2,
-    counts_pb2_grpc,
-    drafting_pb2,
-    drafting_pb2_grpc,
-)
+from ngramcache.client._proto.v1 import admin_pb2, admin_pb2_grpc, counts_pb2, counts_pb2_grpc
 from ngramcache.client.kernel.rows import COUNT
-from ngramcache.client.wire.codec import delta_rows_to_bytes, tokens_to_bytes
+from ngramcache.client.wire.codec import delta_rows_to_bytes
 
-FP = bytes(32)
-VOCAB = 256
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tests"))
-
-ECHO_SERVER = r'''
-import asyncio, sys
-import grpc
-from grpc import aio
-
-def handler():
-    async def session(request_iterator, context):
-        async for req in request_iterator:
-            yield b"\0" * int(sys.argv[2])
-    return grpc.stream_stream_rpc_method_handler(session, request_deserializer=None, response_serializer=None)
-
-async def main():
-    server = aio.server()
-    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("bench.Echo", {"Session": handler()})])
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    print(f"listening on 127.0.0.1:{port}", flush=True)
-    await server.wait_for_termination()
-
-asyncio.run(main())
-'''
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the bench library, the Redis helpers
+from bench.lib.proc_stats import CpuMeter, ngc_mapping, rss_kib
+from bench.lib.service_load import FP, VOCAB, draft_many, hold_sessions, push_clients, push_requests, session_steps
+from bench.lib.service_processes import ECHO_SERVER, start_process, start_workers, stop_process
 
 
 def stdlib_streams(limit: int) -> list[np.ndarray]:
@@ -105,74 +74,7 @@ def stdlib_streams(limit: int) -> list[np.ndarray]:
     return [np.frombuffer(p.read_bytes(), dtype=np.uint8).astype(np.int32) for p in files[:limit]]
 
 
-def start_process(args: list[str]) -> tuple[subprocess.Popen[str], int]:
-    p = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    assert p.stdout is not None
-    m = re.search(r"listening on 127\.0\.0\.1:(\d+)", p.stdout.readline())
-    if not m:
-        p.kill()
-        raise SystemExit(f"{args[0]} did not start")
-    return p, int(m.group(1))
-
-
-def rss_kib(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        return int(re.search(r"VmRSS:\s+(\d+)", f.read()).group(1))  # type: ignore[union-attr]
-
-
 # ----------------------------------------------------------------------------- session steps
-
-
-async def session_steps(port: int, sessions: int, steps: int, echo: bool, text: np.ndarray,
-                        channels: int = 1) -> tuple[list[float], float]:
-    """Runs `sessions` concurrent sessions of `steps` one-token steps; returns step latencies (s) and wall time.
-
-    With `channels` > 1 the sessions are spread over that many separate connections (a local
-    subchannel pool each), so that SO_REUSEPORT can spread them over a service's workers."""
-    options = [("grpc.use_local_subchannel_pool", 1)] if channels > 1 else []
-    pool = [aio.insecure_channel(f"127.0.0.1:{port}", options=options) for _ in range(channels)]
-    latencies: list[float] = []
-
-    async def one(k: int) -> None:
-        channel = pool[k % channels]
-        queue: asyncio.Queue[object] = asyncio.Queue()
-        start = (k * 997) % (len(text) - steps - 64)
-        if echo:
-            call = channel.stream_stream("/bench.Echo/Session", request_serializer=None, response_deserializer=None)(
-                _queue_iter(queue))
-        else:
-            call = drafting_pb2_grpc.DraftingStub(channel).Session(_queue_iter(queue))
-            await queue.put(drafting_pb2.SessionRequest(open=drafting_pb2.SessionOpen(
-                namespace="bench", tokenizer_fingerprint=FP, vocab_size=VOCAB, n_draft=8)))
-            await call.read()  # opened
-            await queue.put(drafting_pb2.SessionRequest(step=drafting_pb2.SessionStep(
-                tokens=tokens_to_bytes(text[start:start + 64]))))
-            await call.read()
-        for i in range(steps):
-            tok = text[start + 64 + i: start + 65 + i]
-            msg: object = (tokens_to_bytes(tok) if echo
-                           else drafting_pb2.SessionRequest(step=drafting_pb2.SessionStep(tokens=tokens_to_bytes(tok))))
-            t0 = time.perf_counter()
-            await queue.put(msg)
-            await call.read()
-            latencies.append(time.perf_counter() - t0)
-        await queue.put(None)
-        await call.read()  # end of stream
-
-    t0 = time.perf_counter()
-    await asyncio.gather(*(one(k) for k in range(sessions)))
-    wall = time.perf_counter() - t0
-    for channel in pool:
-        await channel.close()
-    return latencies, wall
-
-
-async def _queue_iter(queue: asyncio.Queue[object]):
-    while True:
-        item = await queue.get()
-        if item is None:
-            return
-        yield item
 
 
 def bench_sessions(args: argparse.Namespace, service_port: int, echo_port: int, text: np.ndarray) -> None:
@@ -216,52 +118,6 @@ def delta_batches(streams: list[np.ndarray], batch: int) -> list[np.ndarray]:
     if n:
         out.append(np.ascontiguousarray(np.concatenate(pending)))
     return out
-
-
-def push_requests(namespace: str, client_id: str, batches: list[np.ndarray]) -> list[counts_pb2.PushRequest]:
-    """The Push requests of one client (built before the clock starts: the client's encoding is not the service's cost)."""
-    return [counts_pb2.PushRequest(namespace=namespace, tokenizer_fingerprint=FP, client_id=client_id, seq=seq,
-                                   rows=delta_rows_to_bytes(rows)) for seq, rows in enumerate(batches)]
-
-
-async def push_clients(port: int, clients: list[list[counts_pb2.PushRequest]], in_flight: int) -> float:
-    """Each client pushes its requests with ``in_flight`` unanswered at most; returns the wall time."""
-    channel = aio.insecure_channel(f"127.0.0.1:{port}", options=[("grpc.max_send_message_length", 64 << 20)])
-    stub = counts_pb2_grpc.CountsStub(channel)
-
-    async def client(requests: list[counts_pb2.PushRequest]) -> None:
-        sem = asyncio.Semaphore(in_flight)
-
-        async def one(request: counts_pb2.PushRequest) -> None:
-            async with sem:
-                reply = await stub.Push(request)
-                assert not reply.duplicate
-
-        await asyncio.gather(*(one(r) for r in requests))
-
-    t0 = time.perf_counter()
-    await asyncio.gather(*(client(requests) for requests in clients))
-    elapsed = time.perf_counter() - t0
-    await channel.close()
-    return elapsed
-
-
-def cpu_seconds(pid: int) -> float:
-    """utime + stime of a process (its threads included), from /proc."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-class CpuMeter:
-    """CPU microseconds per row of each process over one timed run (where the time goes)."""
-
-    def __init__(self, pids: dict[str, int]) -> None:
-        self.pids = pids
-        self.start = {name: cpu_seconds(pid) for name, pid in pids.items()}
-
-    def per_row(self, rows: int) -> dict[str, float]:
-        return {name: (cpu_seconds(pid) - self.start[name]) * 1e6 / rows for name, pid in self.pids.items()}
 
 
 def total_count(store: CountsStore, namespace: str) -> int:
@@ -360,34 +216,6 @@ def bench_push(args: argparse.Namespace, service_port: int, redis_url: str, stre
 # ----------------------------------------------------------------------------- memory
 
 
-async def hold_sessions(port: int, n: int, tokens_each: int, text: np.ndarray, pid: int) -> int:
-    channel = aio.insecure_channel(f"127.0.0.1:{port}")
-    stub = drafting_pb2_grpc.DraftingStub(channel)
-    queues: list[asyncio.Queue[object]] = []
-    calls = []
-    for k in range(n):
-        q: asyncio.Queue[object] = asyncio.Queue()
-        call = stub.Session(_queue_iter(q))
-        await q.put(drafting_pb2.SessionRequest(open=drafting_pb2.SessionOpen(
-            namespace="bench", tokenizer_fingerprint=FP, vocab_size=VOCAB, n_draft=8)))
-        await call.read()
-        if tokens_each:
-            start = (k * 7919) % (len(text) - tokens_each)
-            await q.put(drafting_pb2.SessionRequest(step=drafting_pb2.SessionStep(
-                tokens=tokens_to_bytes(text[start:start + tokens_each]))))
-            await call.read()
-        queues.append(q)
-        calls.append(call)
-    await asyncio.sleep(0.5)
-    rss = rss_kib(pid)
-    for q in queues:
-        await q.put(None)
-    for call in calls:
-        await call.read()
-    await channel.close()
-    return rss
-
-
 def bench_memory(service: subprocess.Popen[str], port: int, text: np.ndarray, n: int = 1000) -> None:
     print("\n## Memory of the service process per session")
     base = rss_kib(service.pid)
@@ -401,31 +229,6 @@ def bench_memory(service: subprocess.Popen[str], port: int, text: np.ndarray, n:
 
 
 # ----------------------------------------------------------------------------- workers
-
-
-def start_workers(serve: list[str], workers: int, data_dir: Path) -> tuple[subprocess.Popen[str], int, list[int]]:
-    """`serve --workers N`; returns the process, its port and the pids of the processes serving (the parent
-    for N = 1, its workers otherwise)."""
-    args = [*serve, "--data-dir", str(data_dir), "--workers", str(workers)]
-    p = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    assert p.stdout is not None
-    line = p.stdout.readline()
-    m = re.search(r"listening on 127\.0\.0\.1:(\d+)(?: \((\d+) workers, pids ([\d, ]+)\))?", line)
-    if not m:
-        p.kill()
-        raise SystemExit(f"serve --workers {workers} did not start: {line!r}")
-    pids = [int(x) for x in m.group(3).split(",")] if m.group(3) else [p.pid]
-    assert len(pids) == workers, line
-    return p, int(m.group(1)), pids
-
-
-def stop_process(p: subprocess.Popen[str]) -> None:
-    p.send_signal(signal.SIGTERM)
-    try:
-        p.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        p.kill()
-        p.wait()
 
 
 def bench_workers(args: argparse.Namespace, serve: list[str], tmp: Path, echo: tuple[int, int],
@@ -474,57 +277,11 @@ def bench_workers(args: argparse.Namespace, serve: list[str], tmp: Path, echo: t
 # ----------------------------------------------------------------------------- PSS of a shared generation
 
 
-def ngc_mapping(pid: int) -> tuple[int, int, int, list[str]]:
-    """Size, Rss and Pss (KiB) summed over the mappings of `pid` whose path ends with .ngc, and those paths."""
-    size = rss = pss = 0
-    paths: list[str] = []
-    current = False
-    with open(f"/proc/{pid}/smaps") as f:
-        for line in f:
-            head = line.split()
-            if head and re.fullmatch(r"[0-9a-f]+-[0-9a-f]+", head[0]):
-                current = len(head) >= 6 and head[-1].endswith(".ngc")
-                if current and head[-1] not in paths:
-                    paths.append(head[-1])
-            elif current and head[0] in ("Size:", "Rss:", "Pss:"):
-                kib = int(head[1])
-                if head[0] == "Size:":
-                    size += kib
-                elif head[0] == "Rss:":
-                    rss += kib
-                else:
-                    pss += kib
-    return size, rss, pss, paths
-
-
 def zipf_streams(tokens: int, vocab: int, seed: int) -> list[np.ndarray]:
     """Synthetic Zipf-like token streams (fixed seed), 100k tokens each."""
     rng = np.random.default_rng(seed)
     toks = ((rng.zipf(1.2, size=tokens) - 1) % vocab).astype(np.int32)
     return [toks[i:i + 100_000] for i in range(0, tokens, 100_000)]
-
-
-async def draft_many(port: int, contexts: list[np.ndarray], channels: int, namespace: str, vocab: int,
-                     in_flight: int = 32) -> int:
-    """Draft requests over `channels` separate connections, round robin; returns the drafted tokens."""
-    pool = [aio.insecure_channel(f"127.0.0.1:{port}", options=[("grpc.use_local_subchannel_pool", 1)])
-            for _ in range(channels)]
-    stubs = [drafting_pb2_grpc.DraftingStub(ch) for ch in pool]
-    sem = asyncio.Semaphore(in_flight)
-    drafted = 0
-
-    async def one(i: int, ctx: np.ndarray) -> None:
-        nonlocal drafted
-        async with sem:
-            reply = await stubs[i % channels].Draft(drafting_pb2.DraftRequest(
-                namespace=namespace, tokenizer_fingerprint=FP, vocab_size=vocab, tokens=tokens_to_bytes(ctx),
-                n_draft=8))
-            drafted += len(reply.tokens) // 4
-
-    await asyncio.gather(*(one(i, ctx) for i, ctx in enumerate(contexts)))
-    for ch in pool:
-        await ch.close()
-    return drafted
 
 
 def bench_pss(args: argparse.Namespace, serve: list[str], tmp: Path) -> None:

@@ -41,7 +41,8 @@ ORACLE_LOOKUPS = ((1, 4), (2, 2), (3, 3), (4, 4), (5, 5), (6, 6), (8, 8))
 def steps_of(propose: Callable[[Any], list[list[int]]], prompt: list[int], output: list[int]) -> int:
     """Engine steps to produce `output` after `prompt` when each step verifies the best of `propose`'s drafts."""
     import numpy as np
-    from bench.bench_real_model import common_prefix
+
+    from bench.lib.real_model_report import common_prefix
 
     full = np.asarray(prompt + output, dtype=np.int32)
     pos, steps = len(prompt) + 1, 1  # the prefill samples the first token
@@ -92,9 +93,9 @@ def replay(plain: dict[str, Any], ks: list[int]) -> dict[str, dict[str, list[int
 
 
 def run_plain(args: argparse.Namespace, work: Path) -> dict[str, Any]:
-    from bench.bench_vllm import VLLM_PYTHON, make_workloads, run_replica
     from helpers.model import vllm_model_folder
 
+    from bench.bench_vllm import VLLM_PYTHON, make_workloads, run_replica
     from ngramcache.client.kernel.tokenizer import load_tokenizer
 
     model = vllm_model_folder()
