@@ -52,10 +52,10 @@ import numpy as np
 from grpc import aio
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the redis and serve helpers
-from bench.bench_overload import VOCAB, random_batches
 from helpers.redis_servers import RedisSentinelGroup
 from helpers.service import SERVE_CLI
 
+from bench.bench_overload import VOCAB, random_batches
 from ngramcache import UNTAGGED
 from ngramcache.cache_service.counts import open_counts_store
 from ngramcache.client._proto.v1 import admin_pb2, admin_pb2_grpc, counts_pb2, counts_pb2_grpc

@@ -47,10 +47,10 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
 
-from bench.lib.fleet_setups import MatchFleet, MatchLocal  # noqa: E402
-from bench.lib.fleet_sim import Request, Result, Schedule, Setup, load_recording, simulate  # noqa: E402
 from helpers.service import start_serve, stop_serve  # noqa: E402
 
+from bench.lib.fleet_setups import MatchFleet, MatchLocal  # noqa: E402
+from bench.lib.fleet_sim import Request, Result, Schedule, Setup, load_recording, simulate  # noqa: E402
 from ngramcache import UNTAGGED, AdminClient, NgramClient  # noqa: E402
 
 DEFAULT_DATA = ROOT / "tests" / "bench" / "data" / "fleet_workloads.npz"

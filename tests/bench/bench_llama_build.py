@@ -32,8 +32,9 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # tests/: bench.engines
 
-from bench.engines.build_llama_cpp import DEFAULT_CACHE, PORTABLE_CMAKE_ARGS, build_wheel, cached_wheel  # noqa: E402
 from helpers.model import smollm2_gguf  # noqa: E402
+
+from bench.engines.build_llama_cpp import DEFAULT_CACHE, PORTABLE_CMAKE_ARGS, build_wheel, cached_wheel  # noqa: E402
 
 NATIVE_CMAKE_ARGS = "-DGGML_NATIVE=ON -DLLAVA_BUILD=OFF"
 PROMPTS = [

@@ -41,12 +41,12 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for helpers
+from helpers.model import CORPUS_MODULES, PROMPT_FUNCTIONS, chatml, repeat_prompt, smollm2_gguf, stdlib_function_source
+
 from bench.engines.build_llama_server import DEFAULT_CACHE, SERVER_CMAKE_ARGS, build_server
 from bench.lib.llama_server import free_port
 from bench.lib.real_model_service import Service
 from bench.lib.real_model_workload import stdlib_files
-from helpers.model import CORPUS_MODULES, PROMPT_FUNCTIONS, chatml, repeat_prompt, smollm2_gguf, stdlib_function_source
-
 from ngramcache import AdminClient, build_static_from_tokens, load_tokenizer
 
 NAMESPACE = "pods"

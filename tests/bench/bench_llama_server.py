@@ -52,12 +52,12 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for helpers
+from helpers.model import smollm2_gguf
+
 from bench.engines.build_llama_server import DEFAULT_CACHE, SERVER_CMAKE_ARGS, build_server
 from bench.lib.llama_server import Completion, LlamaServer, ServerError, Timings
 from bench.lib.real_model_service import Service, flush
 from bench.lib.real_model_workload import build_workload, stdlib_files
-from helpers.model import smollm2_gguf
-
 from ngramcache import AdminClient, NgramClient, build_static_from_tokens, load_tokenizer
 
 BUILTIN = ("ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache")

@@ -47,9 +47,9 @@ from typing import Any
 
 os.environ.setdefault("TQDM_DISABLE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for helpers
-from bench.lib.real_model_workload import build_workload
 from helpers.model import smollm2_gguf  # sets HF_HUB_OFFLINE before transformers is imported
 
+from bench.lib.real_model_workload import build_workload
 from ngramcache import UNTAGGED, CountTable, Drafter
 
 SETUPS: dict[str, dict[str, Any]] = {

@@ -44,8 +44,9 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
 
-from bench.lib.real_model_workload import build_workload, stdlib_files  # noqa: E402
 from helpers.model import chatml, vllm_model_folder  # noqa: E402
+
+from bench.lib.real_model_workload import build_workload, stdlib_files  # noqa: E402
 
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 REPLICA = Path(__file__).resolve().parent / "lib" / "vllm_replica.py"

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers.service import ServiceThread
+
 from bench.bench_fleet_history_service import ServiceFleet
 from bench.lib import fleet_sim as fs
 from bench.lib.fleet_setups import MatchLocal
-from helpers.service import ServiceThread
-
 from ngramcache import UNTAGGED, AdminClient
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 import numpy as np
 import pytest
+
 from bench.lib import fleet_sim as fs
 from bench.lib.fleet_setups import MatchFleet, MatchLocal, MatchSiloed, PromptLookup
 

@@ -10,11 +10,17 @@ from ngramcache.cache_service.counts.store import CountsStore
 from ngramcache.cache_service.counts.values import ApplyResult
 from ngramcache.client.kernel.rows import COUNT, DELTA_DTYPE, FOLLOWER, KEY_WIDTH, NGRAM_MAX, ROW_WIDTH, TOKENS, N
 
-__all__ = ["FP", "OTHER_FP", "VOCAB", "apply", "as_counter", "batch", "exported", "random_batch", "row"]
+__all__ = ["CONTRACT_BACKENDS", "FP", "OTHER_FP", "VOCAB", "apply", "as_counter", "batch", "exported", "random_batch",
+           "row"]
 
 FP = bytes(range(32))
 OTHER_FP = bytes(range(1, 33))
 VOCAB = 70_000  # 3-byte tokens
+
+CONTRACT_BACKENDS = ("embedded", "standalone", "cluster", "sentinel")
+"""The backends of the counts store contract: tests/integration/conftest.py's, and Sentinel (the contract holds
+through redis+sentinel:// too). Each module of the contract sets ``BACKENDS`` to it: conftest's pytest_generate_tests
+reads that name."""
 
 
 def row(ngram: list[int], follower: int, count: int = 1) -> list[int]:

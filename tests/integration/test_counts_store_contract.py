@@ -1,4 +1,7 @@
-"""One contract for every counts store backend: embedded, a real standalone redis-server, a real 3-master Redis Cluster, a primary and replica under Sentinel."""
+"""One contract for every counts store backend: embedded, a real standalone redis-server, a real 3-master Redis
+Cluster, a primary and replica under Sentinel. Here namespaces and the write path (apply, apply_group, lookup);
+the changes a mirror follows are in test_counts_store_contract_changes.py, the rebuild leases in
+test_counts_store_contract_leases.py."""
 
 from __future__ import annotations
 
@@ -9,14 +12,13 @@ from collections.abc import Callable
 
 import numpy as np
 import pytest
-from helpers.counts import FP, OTHER_FP, VOCAB, apply, as_counter, batch, exported, random_batch, row
+from helpers.counts import CONTRACT_BACKENDS, FP, OTHER_FP, VOCAB, apply, as_counter, batch, exported, random_batch, row
 
 from ngramcache.cache_service.counts.layout import fields_and_buckets
 from ngramcache.cache_service.counts.store import CountsStore
 from ngramcache.cache_service.counts.values import ApplyResult, GroupItem, ItemOutcome
 from ngramcache.client.kernel.errors import (
     BatchTooOldError,
-    GenerationNotNewerError,
     InvalidArgumentError,
     NamespaceNotFoundError,
     ResyncRequiredError,
@@ -26,9 +28,7 @@ from ngramcache.client.kernel.rows import MAX_VOCAB
 
 pytestmark = pytest.mark.integration
 
-# conftest's backends and Sentinel: the contract holds through redis+sentinel:// too (conftest's
-# pytest_generate_tests reads this).
-BACKENDS = ("embedded", "standalone", "cluster", "sentinel")
+BACKENDS = CONTRACT_BACKENDS  # conftest's pytest_generate_tests runs each test that takes `backend` on each of these
 
 
 # --------------------------------------------------------------------------- namespaces
@@ -258,75 +258,6 @@ def test_malformed_arrays_and_arguments_are_refused(make_store: Callable[..., Co
     assert apply(store, namespace, "c", 1, ok).applied == 1
 
 
-# --------------------------------------------------------------------------- changes_since
-
-
-def test_changes_since_mirror_applied_to_an_older_copy_equals_a_full_export(store: CountsStore,
-                                                                           namespace: str) -> None:
-    store.create_namespace(namespace, FP, VOCAB, buckets=1024)
-    rng = np.random.default_rng(11)
-    for seq in range(5):
-        apply(store, namespace, "a", seq, random_batch(rng, 300, hot=200))
-    version = store.version(namespace)  # version first, then export: the resync procedure
-    mirror = exported(store, namespace)
-    for round_ in range(4):
-        for seq in range(3):
-            apply(store, namespace, f"w{round_}", seq, random_batch(rng, 50, hot=200))
-        if round_ % 2:
-            time.sleep(0.002)  # let the epoch advance between some rounds
-        change = store.changes_since(namespace, version)
-        assert change.rows.dtype == np.int64
-        assert 0 < len(change.buckets) < 1024
-        assert np.all(np.diff(change.buckets.astype(np.int64)) > 0)
-        for r in change.rows.tolist():
-            mirror[tuple(r[:6])] = r[6]  # upsert absolute counts
-        assert mirror == exported(store, namespace)
-        assert change.version >= version
-        version = change.version
-    # Nothing written since: a later version sees no changed bucket.
-    time.sleep(0.002)
-    quiet = store.changes_since(namespace, store.version(namespace))
-    assert len(quiet.buckets) == 0 and len(quiet.rows) == 0
-
-
-def test_changes_since_only_returns_changed_buckets(store: CountsStore, namespace: str) -> None:
-    store.create_namespace(namespace, FP, VOCAB, buckets=4096)
-    rng = np.random.default_rng(5)
-    apply(store, namespace, "a", 1, random_batch(rng, 2000, hot=3000))
-    version = store.version(namespace)
-    apply(store, namespace, "a", 2, batch([row([1, 2], 3), row([4], 5)]))
-    change = store.changes_since(namespace, version)
-    assert 1 <= len(change.buckets) <= 2
-    keys = {tuple(r[:6]) for r in change.rows.tolist()}
-    assert (2, 1, 2, -1, -1, 3) in keys and (1, 4, -1, -1, -1, 5) in keys
-
-
-def test_changes_since_too_old_or_from_the_future_asks_for_resync(make_store: Callable[..., CountsStore],
-                                                                  namespace: str) -> None:
-    store = make_store(history_epochs=3)
-    store.create_namespace(namespace, FP, VOCAB)
-    old = store.version(namespace)
-    for seq in range(6):
-        time.sleep(0.002)
-        apply(store, namespace, "c", seq, batch([row([seq], 1)]))
-        latest = store.changes_since(namespace, store.version(namespace)).version
-    with pytest.raises(ResyncRequiredError):
-        store.changes_since(namespace, old)
-    with pytest.raises(ResyncRequiredError):
-        store.changes_since(namespace, latest + 10**9)
-    store.changes_since(namespace, latest)  # still within history
-
-
-def test_versions_advance_at_most_once_per_epoch(make_store: Callable[..., CountsStore], namespace: str) -> None:
-    store = make_store(epoch_seconds=3600)
-    store.create_namespace(namespace, FP, VOCAB)
-    first = store.version(namespace)
-    apply(store, namespace, "c", 1, batch([row([1], 2)]))
-    assert store.version(namespace) == first
-    change = store.changes_since(namespace, first)  # the open epoch is included
-    assert change.version == first and len(change.rows) == 1
-
-
 # --------------------------------------------------------------------------- apply_group
 
 
@@ -465,126 +396,3 @@ def test_apply_group_applies_exactly_the_units_an_interrupted_attempt_missed(sto
     assert a.units == len(set(shard.tolist())) and a.duplicates == 1 and a.applied == a.units - 1
     assert b.applied == b.units == a.units
     assert exported(store, namespace) == Counter({k: 2 * v for k, v in as_counter(full).items()})
-
-
-# --------------------------------------------------------------------------- rebuild leases
-
-
-def test_one_lease_holder_at_a_time_with_growing_fencing_tokens(store: CountsStore, namespace: str) -> None:
-    from ngramcache.client.kernel.errors import LeaseHeldError
-
-    a = store.acquire_lease(namespace, "replica-a", 10_000)
-    with pytest.raises(LeaseHeldError, match="replica-a"):
-        store.acquire_lease(namespace, "replica-b", 10_000)
-    assert store.renew_lease(a, 10_000)
-    assert store.release_lease(a)
-    assert not store.release_lease(a) and not store.renew_lease(a, 1000)
-    b = store.acquire_lease(namespace, "replica-b", 10_000)
-    assert b.token > a.token
-    again = store.acquire_lease(namespace, "replica-b", 10_000)  # the holder itself: a new token
-    assert again.token > b.token and not store.renew_lease(b, 1000)
-    store.release_lease(again)
-
-
-def test_an_expired_lease_cannot_commit_and_generations_only_grow(store: CountsStore, namespace: str) -> None:
-    from ngramcache.client.kernel.errors import LeaseLostError
-
-    assert store.committed_generation(namespace).generation == 0
-    old = store.acquire_lease(namespace, "paused-leader", 150)
-    time.sleep(0.3)  # the old leader pauses past its lease
-    new = store.acquire_lease(namespace, "new-leader", 10_000)
-    store.commit_generation(new, 7, "10.0.0.2:50051")
-    committed = store.committed_generation(namespace)
-    assert (committed.generation, committed.location, committed.token) == (7, "10.0.0.2:50051", new.token)
-    with pytest.raises(LeaseLostError):
-        store.commit_generation(old, 8, "10.0.0.1:50051")  # resumes and tries to publish: fenced off
-    with pytest.raises(GenerationNotNewerError, match="7"):
-        store.commit_generation(new, 7, "10.0.0.2:50051")
-    store.commit_generation(new, 9, "here", "publish")
-    assert (store.committed_generation(namespace).generation, store.committed_generation(namespace).kind) == (9, "publish")
-    assert not store.renew_lease(old, 1000)
-    store.release_lease(new)
-
-
-def test_the_corpus_base_is_the_latest_published_generation_and_rebuilds_carry_it(
-        store: CountsStore, namespace: str) -> None:
-    def base() -> tuple[int, str, str]:
-        c = store.committed_generation(namespace)
-        return c.base, c.base_location, c.kind
-
-    assert base() == (0, "", "rebuild")  # nothing committed: no base
-    lease = store.acquire_lease(namespace, "replica-a", 10_000)
-    store.commit_generation(lease, 2, "builder:1")  # a rebuild before any publish: still none
-    assert base() == (0, "", "rebuild")
-    store.commit_generation(lease, 3, "publisher:1", "publish")
-    assert base() == (3, "publisher:1", "publish")
-    store.commit_generation(lease, 4, "builder:2")
-    store.commit_generation(lease, 5, "builder:3")  # carried unchanged by every rebuild
-    committed = store.committed_generation(namespace)
-    assert (committed.generation, committed.location, committed.kind) == (5, "builder:3", "rebuild")
-    assert base() == (3, "publisher:1", "rebuild")
-    store.commit_generation(lease, 6, "publisher:2", "publish")  # a newer corpus replaces it
-    assert base() == (6, "publisher:2", "publish")
-    store.commit_generation(lease, 7, "builder:1", keep_base=False)  # the operator drops it (--no-base)
-    assert base() == (0, "", "rebuild")
-    store.commit_generation(lease, 8, "builder:1")
-    assert base() == (0, "", "rebuild")
-    store.commit_generation(lease, 9, "publisher:1", "publish")
-    store.release_lease(lease)
-
-    # A dropped namespace forgets its base (its files are gone) but keeps its numbers growing.
-    store.create_namespace(namespace, FP, VOCAB)
-    assert store.drop_namespace(namespace)
-    committed = store.committed_generation(namespace)
-    assert (committed.generation, committed.base, committed.base_location) == (9, 0, "")
-
-
-def test_a_committed_record_from_before_bases_reads_a_publish_as_its_own_base(
-        store: CountsStore, namespace: str, backend: str) -> None:
-    """Records stored before the base existed (Redis hashes without its fields) still read, and carry."""
-    if backend == "embedded":
-        pytest.skip("the embedded store keeps no records from an older version (its snapshot had none)")
-    from ngramcache.cache_service.counts import schema
-
-    gen_key = schema.lease_keys(store.config.prefix, namespace)[2]
-    client = store._conn.client  # type: ignore[attr-defined]  # the Redis backend's connection
-    client.hset(gen_key, mapping={"generation": 4, "location": "old:1", "token": 1, "kind": "publish"})
-    committed = store.committed_generation(namespace)
-    assert (committed.generation, committed.base, committed.base_location) == (4, 4, "old:1")
-    lease = store.acquire_lease(namespace, "replica-a", 10_000)
-    store.commit_generation(lease, 5, "builder:1")
-    committed = store.committed_generation(namespace)
-    assert (committed.generation, committed.kind, committed.base, committed.base_location) == (5, "rebuild", 4, "old:1")
-    store.release_lease(lease)
-    client.delete(gen_key)
-    client.hset(gen_key, mapping={"generation": 6, "location": "old:2", "token": 1, "kind": "rebuild"})
-    assert store.committed_generation(namespace).base == 0  # a rebuild's record without a base: none known
-
-
-def test_the_embedded_store_keeps_the_committed_generation_and_its_base_in_its_snapshot(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    from ngramcache.cache_service.counts.factory import open_counts_store
-
-    url = f"embedded://{tmp_path / 'counts.snapshot'}"
-    with open_counts_store(url, **TEST_OPTIONS_EMBEDDED) as store:
-        store.create_namespace("kept", FP, VOCAB)
-        lease = store.acquire_lease("kept", "replica-a", 10_000)
-        store.commit_generation(lease, 3, "publisher:1", "publish")
-        store.commit_generation(lease, 4, "builder:1")
-    with open_counts_store(url, **TEST_OPTIONS_EMBEDDED) as store:  # a restart
-        committed = store.committed_generation("kept")
-        assert (committed.generation, committed.location, committed.kind) == (4, "builder:1", "rebuild")
-        assert (committed.base, committed.base_location) == (3, "publisher:1")
-        lease = store.acquire_lease("kept", "replica-a", 10_000)
-        with pytest.raises(GenerationNotNewerError):
-            store.commit_generation(lease, 4, "builder:1")
-
-
-TEST_OPTIONS_EMBEDDED = {"epoch_seconds": 0, "default_buckets": 256}
-
-
-def test_lease_arguments_are_checked(store: CountsStore, namespace: str) -> None:
-    for holder, ttl in (("", 1000), ("a|b", 1000), ("a", 0), ("a", True)):
-        with pytest.raises(InvalidArgumentError):
-            store.acquire_lease(namespace, holder, ttl)  # type: ignore[arg-type]
-    with pytest.raises(InvalidArgumentError):
-        store.acquire_lease("bad name!", "a", 1000)
