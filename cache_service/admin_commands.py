@@ -15,12 +15,11 @@ import grpc
 from ngramcache.client.kernel.errors import InvalidArgumentError, NgramCacheError, ServiceUnreachableError
 from ngramcache.client.sync.admin import AdminClient, RebuildStatus
 from ngramcache.client.tools import cli as client_cli
-from ngramcache.client.wire.address import check_address
+from ngramcache.client.wire.address import DEFAULT_SERVER, check_address
 from ngramcache.client.wire.diagnose import CLI_NAMES
 
 __all__ = ["DEFAULT_SERVER", "add_namespace", "add_publish", "add_rebuild"]
 
-DEFAULT_SERVER = "127.0.0.1:50051"  # where `ngramcache serve` listens with no options
 
 
 def _connection_options(p: argparse.ArgumentParser, role: str) -> None:

@@ -11,6 +11,7 @@ from typing import Final
 import numpy as np
 
 from ngramcache.client.kernel.errors import InvalidArgumentError
+from ngramcache.client.kernel.history_buffer import validate_group
 
 from .values import validate_client_id, validate_seq
 
@@ -37,7 +38,6 @@ __all__ = [
     "partition_of",
     "partitions_of_groups",
     "validate_batch_seq",
-    "validate_group",
     "validate_limit",
     "validate_partitions",
     "validate_records",
@@ -70,7 +70,6 @@ masters (each partition is one slot in the p-th twelfth of the slots), and keep 
 
 _INT64_MIN: Final = -(2**63)
 _INT64_MAX: Final = 2**63 - 1
-_GROUP_RE = re.compile(r"^[A-Za-z0-9_.:-]{0,64}$")
 _CURSOR_RE = re.compile(r"^([A-Za-z0-9]{1,64})\.([0-9]{1,20}(?:-[0-9]{1,20})?)$")
 _POSITION = r"(?:[0-9]{1,20}-[0-9]{1,20})?"
 _COMPOSITE_RE = re.compile(rf"^([A-Za-z0-9]{{1,64}})\.({_POSITION}(?:_{_POSITION}){{1,{MAX_HISTORY_PARTITIONS - 1}}})$")
@@ -259,14 +258,6 @@ def partitions_of_groups(groups: Collection[str], partitions: int) -> list[int]:
     return sorted({_hash64(f"g\0{group}") % partitions for group in groups})
 
 
-def validate_group(group: str) -> str:
-    """Return ``group`` if it is "" or 1..64 characters of [A-Za-z0-9_.:-], else raise InvalidArgumentError."""
-    if not isinstance(group, str) or not _GROUP_RE.fullmatch(group):
-        shown = repr(group[:80]) if isinstance(group, str) else type(group).__name__
-        raise InvalidArgumentError(f"group must be '' or 1..64 characters of [A-Za-z0-9_.:-], got {shown}")
-    return group
-
-
 def validate_batch_seq(batch_seq: int) -> int:
     """A batch number: an integer in [0, 2**53) (it travels through Lua numbers), else InvalidArgumentError."""
     try:
@@ -321,7 +312,7 @@ def validate_records(records: Sequence[HistoryRecord], client_id: str, vocab_siz
         if not _is_int(record.offset) or not 0 <= int(record.offset) < MAX_OFFSET:
             raise InvalidArgumentError(f"{where}: offset must be an integer in [0, 2**40), got {record.offset!r}")
         try:
-            validate_group(record.group)
+            validate_group(record.group, empty_ok=True)
         except InvalidArgumentError as exc:
             raise InvalidArgumentError(f"{where}: {exc}") from None
         tokens = _checked_tokens(record.tokens, vocab_size, where)

@@ -40,12 +40,14 @@ _GROUP_RE = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
 _KNOWN_GROUPS = 4096  # live groups remembered; beyond, the least recently used is forgotten
 
 
-def validate_group(group: str) -> str:
-    """``group`` if it is 1..64 characters of [A-Za-z0-9_.:-], else InvalidArgumentError."""
-    if not isinstance(group, str) or not _GROUP_RE.fullmatch(group):
-        shown = repr(group[:80]) if isinstance(group, str) else type(group).__name__
-        raise InvalidArgumentError(f"group must be 1..64 characters of [A-Za-z0-9_.:-], got {shown}")
-    return group
+def validate_group(group: str, *, empty_ok: bool = False) -> str:
+    """``group`` if it is 1..64 characters of [A-Za-z0-9_.:-] (or "" where ``empty_ok``: a stored record
+    without a group), else InvalidArgumentError."""
+    if isinstance(group, str) and ((empty_ok and group == "") or _GROUP_RE.fullmatch(group)):
+        return group
+    shown = repr(group[:80]) if isinstance(group, str) else type(group).__name__
+    allowed = "'' or 1..64" if empty_ok else "1..64"
+    raise InvalidArgumentError(f"group must be {allowed} characters of [A-Za-z0-9_.:-], got {shown}")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -6,10 +6,13 @@ import re
 
 from ngramcache.client.kernel.errors import InvalidArgumentError
 
-__all__ = ["DEFAULT_PORT", "GRPC_SCHEMES", "check_address", "host_port"]
+__all__ = ["DEFAULT_PORT", "DEFAULT_SERVER", "GRPC_SCHEMES", "check_address", "host_port"]
 
 DEFAULT_PORT = 50051
 """The port `ngramcache serve` listens on unless told otherwise."""
+
+DEFAULT_SERVER = f"127.0.0.1:{DEFAULT_PORT}"
+"""Where `ngramcache serve` listens with no options: the commands' default --server."""
 
 GRPC_SCHEMES = ("dns:", "ipv4:", "ipv6:", "unix:", "unix-abstract:", "vsock:")
 """Target schemes gRPC itself resolves; an address starting with one is passed to gRPC as it is."""

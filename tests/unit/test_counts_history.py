@@ -18,12 +18,12 @@ from ngramcache.cache_service.counts.history import (
     partition_of,
     partitions_of_groups,
     validate_batch_seq,
-    validate_group,
     validate_limit,
     validate_partitions,
     validate_records,
 )
 from ngramcache.client.kernel.errors import InvalidArgumentError
+from ngramcache.client.kernel.history_buffer import validate_group
 from ngramcache.client.kernel.history_sources import prompt_group
 
 VOCAB = 1000
@@ -83,10 +83,12 @@ def test_batch_level_checks() -> None:
 
 def test_groups() -> None:
     for good in ("", "a", "prompt:1a2b", "A-z_0.9", "x" * 64):
-        assert validate_group(good) == good
+        assert validate_group(good, empty_ok=True) == good
     for bad in ("x" * 65, "a/b", "é", " "):
         with pytest.raises(InvalidArgumentError):
-            validate_group(bad)
+            validate_group(bad, empty_ok=True)
+    with pytest.raises(InvalidArgumentError, match="1..64"):
+        validate_group("")  # a client's group is never empty
 
 
 def test_cursors() -> None:

@@ -23,11 +23,11 @@ from ngramcache.client.kernel.errors import (
     TokenizerMismatchError,
 )
 from ngramcache.client.tools.cli.arguments import _fingerprint_from_hex, int_in, load_tokenizer_spec, seconds_in
+from ngramcache.client.wire.address import DEFAULT_SERVER
 
 if TYPE_CHECKING:
     SubParsers = argparse._SubParsersAction[argparse.ArgumentParser]
 
-DEFAULT_SERVER = "127.0.0.1:50051"  # where `ngramcache serve` listens with no options
 RETRY_SECONDS = 10.0  # between two tries to reach an unreachable service, while llama-server serves without it
 
 

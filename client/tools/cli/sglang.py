@@ -12,11 +12,11 @@ from typing import TYPE_CHECKING, Any
 
 from ngramcache.client.kernel.errors import ConnectTimeoutError, InvalidArgumentError, NgramCacheError, ServiceUnreachableError
 from ngramcache.client.tools.cli.arguments import int_in, load_tokenizer_spec, quiet_option, seconds_in
+from ngramcache.client.wire.address import DEFAULT_SERVER
 
 if TYPE_CHECKING:
     SubParsers = argparse._SubParsersAction[argparse.ArgumentParser]
 
-DEFAULT_SERVER = "127.0.0.1:50051"  # where `ngramcache serve` listens with no options
 
 
 def add_sglang_commands(sub: SubParsers) -> None:
