@@ -38,7 +38,7 @@ def _have(*modules: str) -> str | None:
 
 
 def _llama_tools() -> str | None:
-    from compare_llama import built_tools
+    from bench.compare_llama import built_tools
 
     if built_tools() is None:
         return "llama.cpp's lookup tools are not built (tests/bench/engines/build_llama_server.py, which the test command runs)"
