@@ -22,10 +22,10 @@ UNTAGGED_ARGS = ("--vocab-size", "50", "--fingerprint", "untagged")
 """The vocabulary and fingerprint of the `files` fixture's caches (no tokenizer named)."""
 
 
-def run(*args: str, ok: bool = True) -> subprocess.CompletedProcess:
+def run(*args: object, ok: bool = True) -> subprocess.CompletedProcess:
     """`python -m ngramcache.client.tools.cli ARGS` in a child process; with `ok`, it must exit 0."""
-    result = subprocess.run([sys.executable, "-m", "ngramcache.client.tools.cli", *args], capture_output=True, text=True,
-                            check=False)
+    result = subprocess.run([sys.executable, "-m", "ngramcache.client.tools.cli", *map(str, args)], capture_output=True,
+                            text=True, check=False)
     if ok:
         assert result.returncode == 0, result.stderr
     return result

@@ -3,47 +3,22 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import sysconfig
 from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers.cli import main, one_line_error, run
 
 from ngramcache import UNTAGGED, StaticCache, build_static_from_tokens
 from ngramcache.client.kernel.errors import InvalidArgumentError
 from ngramcache.client.kernel.sglang_corpus import corpus_documents, export_sglang
 from ngramcache.client.kernel.tokenizer import load_tokenizer
-from ngramcache.client.tools import cli
 
 TOKENIZER = "tiktoken:qwen"
 MODULES = ["bisect.py", "heapq.py", "textwrap.py"]
 
 
-def run(*args: object, ok: bool = True) -> subprocess.CompletedProcess[str]:
-    result = subprocess.run([sys.executable, "-m", "ngramcache.client.tools.cli", *map(str, args)], capture_output=True,
-                            text=True, check=False)
-    if ok:
-        assert result.returncode == 0, result.stderr
-    return result
-
-
-def main(capsys: pytest.CaptureFixture[str], *args: object) -> tuple[int, str, str]:
-    try:
-        rc = cli.main([str(a) for a in args])
-    except SystemExit as e:
-        rc = e.code if isinstance(e.code, int) else 1
-    out, err = capsys.readouterr()
-    return rc, out, err
-
-
-def one_line_error(err: str, *needles: str) -> None:
-    assert "Traceback" not in err
-    lines = [line for line in err.splitlines() if not line.startswith((" ", "usage:"))]
-    assert len(lines) == 1, err
-    for needle in needles:
-        assert needle in lines[0], err
 
 
 @pytest.fixture(scope="module")
